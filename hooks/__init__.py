@@ -1,0 +1,1 @@
+"""Interventions of the Depth Control Protocol as TransformerLens hooks (``dcp_lens.hooks``)."""
