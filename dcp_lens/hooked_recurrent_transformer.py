@@ -436,7 +436,8 @@ class HookedRecurrentTransformer(HookedRootModule):
     def _embed(self, tokens: Tensor, offset: int) -> Tensor:
         x = self.hook_embed(self.embed(tokens))
         if self.pos_embed is not None and self.hook_pos_embed is not None:
-            x = x + self.hook_pos_embed(self.pos_embed(tokens.shape[1], offset))
+            positions = self.pos_embed(tokens.shape[1], offset).expand_as(x)  # TL: [batch, pos, d]
+            x = x + self.hook_pos_embed(positions)
         return x
 
     def _rotary(self, n_positions: int, offset: int) -> tuple[Tensor, Tensor] | None:
@@ -684,6 +685,8 @@ class HookedRecurrentTransformer(HookedRootModule):
                 f"{weights_path} is not a readable safetensors file: {error}"
             ) from error
         model = cls(cfg)
+        if state:  # the model takes the checkpoint's dtype
+            model.to(next(iter(state.values())).dtype)
         model.load_canonical_state_dict(state, source=str(weights_path))
         if device is not None:
             model.to(device)

@@ -1,0 +1,146 @@
+"""A plain PyTorch depth-recurrent transformer, written from DESIGN.md §2 without the library.
+
+It reads the weights of a `HookedRecurrentTransformer` through `canonical_state_dict()` (the same
+numbers, no shared code) and runs the loop directly. Tests compare the library against it, and
+`dcp-lens bench` times it as the "plain loop" baseline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _norm(x: Tensor, weights: dict[str, Tensor], prefix: str, kind: str, eps: float) -> Tensor:
+    if kind == "LN":
+        centred = x - x.mean(-1, keepdim=True)
+        return (
+            centred
+            / torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+            * weights[f"{prefix}.w"]
+            + weights[f"{prefix}.b"]
+        )
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weights[f"{prefix}.w"]
+
+
+def _rope(x: Tensor, base: float, interleaved: bool) -> Tensor:
+    """x: [batch, head, pos, d_head]."""
+    d_head, n_pos = x.shape[-1], x.shape[-2]
+    theta = base ** (-torch.arange(0, d_head, 2, dtype=torch.float32) / d_head)
+    angle = torch.arange(n_pos, dtype=torch.float32)[:, None] * theta[None, :]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    if interleaved:
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = torch.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = odd * cos + even * sin
+        return out
+    half = d_head // 2
+    low, high = x[..., :half], x[..., half:]
+    return torch.cat([low * cos - high * sin, high * cos + low * sin], dim=-1)
+
+
+def _attention(x: Tensor, w: dict[str, Tensor], prefix: str, cfg) -> Tensor:
+    batch, n_pos, d_model = x.shape
+    n_heads, n_kv, d_head = cfg.n_heads, cfg.n_key_value_heads, cfg.d_head
+
+    def heads(name: str, count: int) -> Tensor:
+        matrix = w[f"{prefix}.attn.{name}"].permute(1, 0, 2).reshape(d_model, count * d_head)
+        out = (x @ matrix).view(batch, n_pos, count, d_head)
+        bias = w.get(f"{prefix}.attn.b_{name[-1]}")
+        if bias is not None:
+            out = out + bias
+        return out.transpose(1, 2)  # [batch, head, pos, d_head]
+
+    q, k, v = heads("W_Q", n_heads), heads("W_K", n_kv), heads("W_V", n_kv)
+    if cfg.positional_embedding_type != "learned":
+        interleaved = cfg.positional_embedding_type == "rotary_interleaved"
+        q, k = _rope(q, cfg.rotary_base, interleaved), _rope(k, cfg.rotary_base, interleaved)
+    kv_of_head = torch.arange(n_heads) // (n_heads // n_kv)
+    k, v = k[:, kv_of_head], v[:, kv_of_head]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)
+    causal = torch.tril(torch.ones(n_pos, n_pos, dtype=torch.bool))
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    z = (weights @ v).transpose(1, 2).reshape(batch, n_pos, n_heads * d_head)
+    return z @ w[f"{prefix}.attn.W_O"].reshape(n_heads * d_head, d_model)
+
+
+def _mlp(x: Tensor, w: dict[str, Tensor], prefix: str, cfg) -> Tensor:
+    if cfg.act_fn == "silu_gated":
+        hidden = F.silu(x @ w[f"{prefix}.mlp.W_gate"]) * (x @ w[f"{prefix}.mlp.W_in"])
+        return hidden @ w[f"{prefix}.mlp.W_out"]
+    hidden = F.gelu(x @ w[f"{prefix}.mlp.W_in"] + w[f"{prefix}.mlp.b_in"])
+    return hidden @ w[f"{prefix}.mlp.W_out"] + w[f"{prefix}.mlp.b_out"]
+
+
+def _block(x: Tensor, w: dict[str, Tensor], prefix: str, cfg) -> Tensor:
+    def norm(h: Tensor, name: str) -> Tensor:
+        return _norm(h, w, f"{prefix}.{name}", cfg.normalization_type, cfg.eps)
+
+    if cfg.norm_placement == "pre":
+        x = x + _attention(norm(x, "ln1"), w, prefix, cfg)
+        return x + _mlp(norm(x, "ln2"), w, prefix, cfg)
+    if cfg.norm_placement == "sandwich":
+        x = x + norm(_attention(norm(x, "ln1"), w, prefix, cfg), "ln1_post")
+        return x + norm(_mlp(norm(x, "ln2"), w, prefix, cfg), "ln2_post")
+    x = norm(x + _attention(norm(x, "ln1"), w, prefix, cfg), "ln1_post")
+    return norm(x + _mlp(norm(x, "ln2"), w, prefix, cfg), "ln2_post")
+
+
+def reference_forward(
+    weights: dict[str, Tensor], cfg, tokens: Tensor, n_iterations: int
+) -> tuple[list[Tensor], Tensor]:
+    """Returns (states s_0..s_k — on a dense model the stream after each layer — , logits)."""
+    w = weights
+    x = w["embed.W_E"][tokens] * cfg.embed_scale
+    if cfg.positional_embedding_type == "learned":
+        x = x + w["pos_embed.W_pos"][: tokens.shape[1]]
+    if cfg.n_core == 0:
+        states = [x]
+        for name in [f"prelude.{i}" for i in range(cfg.n_prelude)] + [
+            f"coda.{i}" for i in range(cfg.n_coda)
+        ]:
+            x = _block(x, w, name, cfg)
+            states.append(x)
+        return states, _unembed(x, w, cfg)
+    for i in range(cfg.n_prelude):
+        x = _block(x, w, f"prelude.{i}", cfg)
+    e = x
+    if cfg.state_init == "zeros":
+        s = torch.zeros_like(e)
+    elif cfg.state_init == "embed":
+        s = e
+    else:
+        generator = torch.Generator().manual_seed(cfg.state_init_seed)
+        s = (torch.randn(e.shape, generator=generator) * cfg.state_init_std).to(e.dtype)
+    states = [s]
+    for _ in range(n_iterations):
+        if cfg.injection == "add":
+            u = s + e
+        elif cfg.injection == "concat_adapter":
+            u = torch.cat([s, e], dim=-1) @ w["inject.W_adapter"].T
+        else:
+            u = s
+        for layer in range(cfg.n_core):
+            u = _block(u, w, f"core.{layer}", cfg)
+        if cfg.iteration_norm != "none":
+            prefix = "ln_final" if cfg.iteration_norm == "final" else "ln_iter"
+            u = _norm(u, w, prefix, cfg.normalization_type, cfg.eps)
+        s = u
+        states.append(s)
+    x = s
+    if cfg.pre_coda_norm != "none":
+        prefix = "ln_final" if cfg.pre_coda_norm == "final" else "ln_pre_coda"
+        x = _norm(x, w, prefix, cfg.normalization_type, cfg.eps)
+    for i in range(cfg.n_coda):
+        x = _block(x, w, f"coda.{i}", cfg)
+    return states, _unembed(x, w, cfg)
+
+
+def _unembed(x: Tensor, w: dict[str, Tensor], cfg) -> Tensor:
+    if cfg.final_norm:
+        x = _norm(x, w, "ln_final", cfg.normalization_type, cfg.eps)
+    return x @ (w["embed.W_E"].T if cfg.tie_unembed else w["unembed.W_U"])
