@@ -1,0 +1,52 @@
+"""Evaluation and training tasks, one file per task behind a registry.
+
+>>> from dcp_lens.tasks import get_task
+>>> task = get_task("variable_binding", n_lines=6, max_hops=4, seed=0)
+>>> batch = task.batch("train", 64, offset=0)     # next step: offset=64, ...
+>>> held_out = task.evaluation(256)               # fixed for the seed, disjoint from train
+
+Every task returns a `TaskBatch`; ``get_task(**task.to_dict())`` rebuilds a task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dcp_lens.tasks.base import IGNORE_INDEX, SPLITS, Split, Task, TaskBatch
+from dcp_lens.tasks.char_lm import CharLM
+from dcp_lens.tasks.variable_binding import Program, VariableBinding
+
+TASKS: dict[str, type[Task]] = {
+    VariableBinding.name: VariableBinding,
+    CharLM.name: CharLM,
+}
+
+
+def register_task(task_class: type[Task]) -> type[Task]:
+    """Add a task class to `TASKS` under its ``name`` (usable as a class decorator)."""
+    if task_class.name in TASKS and TASKS[task_class.name] is not task_class:
+        raise ValueError(f"a different task is already registered as {task_class.name!r}.")
+    TASKS[task_class.name] = task_class
+    return task_class
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """The task registered as ``name``, built with ``kwargs`` (its parameters)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {sorted(TASKS)}.")
+    return TASKS[name](**kwargs)
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SPLITS",
+    "TASKS",
+    "CharLM",
+    "Program",
+    "Split",
+    "Task",
+    "TaskBatch",
+    "VariableBinding",
+    "get_task",
+    "register_task",
+]
