@@ -73,4 +73,9 @@ def _import_builtin_kinds() -> None:
                 raise
 
 
-_BUILTIN_MODULES: list[str] = []
+_BUILTIN_MODULES: list[str] = [
+    "dcp_lens.planted",
+    "dcp_lens.loading.huginn",
+    "dcp_lens.loading.ouro",
+    "dcp_lens.loading.llama2c",
+]

@@ -1,1 +1,16 @@
-"""Interventions of the Depth Control Protocol as TransformerLens hooks (``dcp_lens.hooks``)."""
+"""The Depth Control Protocol's interventions as TransformerLens hook sets (``dcp_lens.hooks``).
+
+>>> from dcp_lens import hooks
+>>> logits = model.run_with_hooks(tokens, fwd_hooks=hooks.replay(1).fwd_hooks(model))  # doctest: +SKIP
+"""
+
+from dcp_lens.hooks.interventions import (
+    Intervention,
+    calibrate,
+    full,
+    replay,
+    shift,
+    truncate,
+)
+
+__all__ = ["Intervention", "calibrate", "full", "replay", "shift", "truncate"]

@@ -1,0 +1,570 @@
+"""`DepthControlProtocol`: every condition of DCP at every k, fast, and the decomposition.
+
+The sweep is fast by construction. One full-depth pass per batch records every iteration's state
+s_0..s_r; every condition is then a readout of a state built from them:
+
+==========================  =================================================================
+truncate(k)                 readout(s_k)
+replay(k)                   readout(s_k + (r - k) Delta_k)   (closed form of the replay hooks)
+calibrate_truncate(k)       readout(cal_trunc_k(s_k))
+calibrate_replay(k)         readout(cal_replay_k(s_k + (r - k) Delta_k))
+shift(k)                    readout(cal_trunc_k^-1(s_r))
+==========================  =================================================================
+
+``readout`` runs only PreCoda, coda, final norm and unembedding. `condition_logits` computes the
+same conditions through the hook sets of `dcp_lens.hooks` on a full forward; tests check the two
+agree. Memory is bounded by the batch: states are kept for one batch at a time, and only
+fixed-size subsamples are kept for the probe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from dcp_lens import hooks
+from dcp_lens.calibration import AffineCalibration, StreamingMoments
+from dcp_lens.decomposition import CONDITIONS, ProtocolResults, decompose
+from dcp_lens.probe import ResidualOODProbe
+
+METRICS = ("accuracy", "cross_entropy", "kl_to_full")
+HIGHER_IS_BETTER = {"accuracy": True, "cross_entropy": False, "kl_to_full": False}
+IGNORE_INDEX = -100
+
+
+@dataclass
+class EvaluationSet:
+    """Token sequences, the positions whose predictions are scored, and their answers.
+
+    ``targets[i, p]`` is what the logits at position p of example i should predict, or -100 where
+    position p is not scored. Build one with `from_task_batch` (task data with answers) or
+    `from_tokens` (language modelling: the next token is the target; no accuracy).
+    """
+
+    tokens: Int[Tensor, "n pos"]
+    targets: Int[Tensor, "n pos"]
+    attention_mask: Bool[Tensor, "n pos"] | None = None
+    has_answers: bool = True
+    metadata: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 2 or self.tokens.shape[0] == 0 or self.tokens.shape[1] == 0:
+            raise ValueError(
+                f"the evaluation set is empty or not [n, pos]: tokens have shape "
+                f"{tuple(self.tokens.shape)}; pass at least one sequence."
+            )
+        if self.targets.shape != self.tokens.shape:
+            raise ValueError(
+                f"targets {tuple(self.targets.shape)} must have the shape of tokens "
+                f"{tuple(self.tokens.shape)} (-100 where a position is not scored)."
+            )
+        if not bool(self.scored.any()):
+            raise ValueError("no position is scored: every target is -100.")
+        if self.attention_mask is not None and bool((self.scored & ~self.attention_mask).any()):
+            raise ValueError("a scored position is padding (attention_mask is False there).")
+
+    @classmethod
+    def from_task_batch(cls, batch: Any) -> EvaluationSet:
+        """From a `dcp_lens.tasks.TaskBatch` (tokens, targets with -100, attention mask)."""
+        metadata = dict(getattr(batch, "metadata", {}) or {})
+        return cls(
+            batch.tokens, batch.targets, getattr(batch, "attention_mask", None), True, metadata
+        )
+
+    @classmethod
+    def from_tokens(
+        cls,
+        tokens: Int[Tensor, "n pos"],
+        scored_positions: Int[Tensor, "n m"] | Sequence[Sequence[int]] | None = None,
+    ) -> EvaluationSet:
+        """Language modelling: logits at p predict tokens[p + 1]. ``scored_positions`` (indices
+        in 0..pos-2 per example) restricts scoring; by default every position but the last."""
+        if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2:
+            raise ValueError(
+                f"the evaluation set is empty or too short: tokens have shape "
+                f"{tuple(tokens.shape)}; language modelling needs [n >= 1, pos >= 2]."
+            )
+        targets = torch.full_like(tokens, IGNORE_INDEX)
+        if scored_positions is None:
+            targets[:, :-1] = tokens[:, 1:]
+        else:
+            positions = torch.as_tensor(scored_positions, dtype=torch.long)
+            n_pos = tokens.shape[1]
+            if positions.ndim != 2 or positions.shape[0] != tokens.shape[0]:
+                raise ValueError(f"scored_positions must be [n={tokens.shape[0]}, m].")
+            if bool(((positions < 0) | (positions > n_pos - 2)).any()):
+                bad = positions[(positions < 0) | (positions > n_pos - 2)][0].item()
+                raise ValueError(
+                    f"scored position {bad} is outside the sequence: positions 0..{n_pos - 2} "
+                    f"have a next token (sequence length {n_pos})."
+                )
+            rows = torch.arange(tokens.shape[0])[:, None].expand_as(positions)
+            targets[rows, positions] = tokens[rows, positions + 1]
+        return cls(tokens, targets, None, has_answers=False)
+
+    @property
+    def scored(self) -> Bool[Tensor, "n pos"]:
+        return self.targets != IGNORE_INDEX
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def batches(self, batch_size: int) -> list[slice]:
+        return [slice(i, min(i + batch_size, len(self))) for i in range(0, len(self), batch_size)]
+
+    def fingerprints(self) -> set[str]:
+        """One hash per example (its tokens up to padding), to detect overlapping splits."""
+        rows = []
+        for i in range(len(self)):
+            row = self.tokens[i]
+            if self.attention_mask is not None:
+                row = row[self.attention_mask[i]]
+            rows.append(hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest())
+        return set(rows)
+
+
+@dataclass
+class _Calibrations:
+    truncate: dict[int, AffineCalibration | None]
+    replay: dict[int, AffineCalibration | None]
+    full: AffineCalibration
+
+
+class DepthControlProtocol:
+    """Run DCP on one model (recurrent or dense) and decompose its truncation gap.
+
+    Args:
+        model: a `HookedRecurrentTransformer` (or anything with ``n_iterations``, ``is_dense``,
+            ``state_hook_name``, ``readout_hook_name``, ``readout`` and ``run_with_hooks``).
+        k_grid: iteration counts to test (default: every k in 1..r when r <= 16, else a
+            geometric grid that includes r).
+        metrics: any of ``"accuracy"`` (needs answers), ``"cross_entropy"``, ``"kl_to_full"``.
+        calibration_mode: ``"mean"``, ``"diag"`` or ``"full"`` (whiten and re-colour).
+        batch_size: sequences per forward pass.
+        n_bootstrap: paired bootstrap draws for the intervals.
+        probe: ``"trajectory"`` (probe s_t for every t and calibrate(truncate(k))), ``"none"``.
+        probe_points: states per side kept for the probe (a random subsample).
+        skip_first_position: leave position 0 out of the calibration statistics (attention sinks).
+        spec: the model's name in the results (e.g. its `load` spec).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        k_grid: Sequence[int] | None = None,
+        metrics: Sequence[str] = METRICS,
+        calibration_mode: str = "full",
+        batch_size: int = 32,
+        n_bootstrap: int = 1000,
+        seed: int = 0,
+        probe: str = "trajectory",
+        probe_points: int = 2000,
+        skip_first_position: bool = False,
+        spec: str = "model",
+        progress: bool = True,
+    ) -> None:
+        self.model = model
+        self.r = int(model.n_iterations)
+        self.k_grid = self._check_grid(k_grid)
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown or not metrics:
+            raise ValueError(f"metrics {list(metrics)} must be a non-empty subset of {METRICS}.")
+        if probe not in ("trajectory", "none"):
+            raise ValueError(f"probe={probe!r} must be 'trajectory' or 'none'.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1.")
+        self.metrics = tuple(metrics)
+        self.calibration_mode = calibration_mode
+        self.batch_size = batch_size
+        self.n_bootstrap = n_bootstrap
+        self.seed = seed
+        self.probe_mode = probe
+        self.probe_points = probe_points
+        self.skip_first_position = skip_first_position
+        self.spec = spec
+        self.progress = progress
+        self.calibrations: _Calibrations | None = None
+        self.probe: ResidualOODProbe | None = None
+
+    # ------------------------------------------------------------------------ public API
+
+    def run(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> ProtocolResults:
+        """Fit the calibrations on ``calibration``, evaluate every condition on ``evaluation``
+        and decompose. The two sets must not share an example."""
+        self._check_sets(evaluation, calibration)
+        was_training = getattr(self.model, "training", False)
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                probe_reference = self.fit(calibration)
+                values, null_control, probe_states = self._evaluate(evaluation)
+                probe_summary = self._probe(probe_reference, probe_states)
+        finally:
+            self.model.train(was_training)
+        decompositions = {
+            metric: decompose(
+                values[metric],
+                self.k_grid,
+                n_iterations=self.r,
+                metric=metric,
+                higher_is_better=HIGHER_IS_BETTER[metric],
+                n_bootstrap=self.n_bootstrap,
+                seed=self.seed,
+            )
+            for metric in self.metrics
+        }
+        return ProtocolResults(
+            model=self.spec,
+            architecture="dense" if self.model.is_dense else "recurrent",
+            n_iterations=self.r,
+            decompositions=decompositions,
+            null_control=null_control,
+            probe=probe_summary,
+            metadata={
+                "k_grid": list(self.k_grid),
+                "calibration_mode": self.calibration_mode,
+                "n_evaluation": len(evaluation),
+                "n_calibration": len(calibration),
+                "seed": self.seed,
+                "skip_first_position": self.skip_first_position,
+                "calibration_failures": self._calibration_failures(),
+            },
+        )
+
+    def fit(self, calibration: EvaluationSet) -> Tensor | None:
+        """Fit cal_trunc_k, cal_replay_k and cal_full on the calibration split (streaming).
+
+        Returns the probe's reference subsample of full-depth readout inputs (or None)."""
+        reference = StreamingMoments()
+        truncated = {k: StreamingMoments() for k in self.k_grid}
+        replayed: dict[int, StreamingMoments | None] = {k: StreamingMoments() for k in self.k_grid}
+        sample = _Subsample(self.probe_points, len(calibration), self.seed)
+        for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
+            states, _ = self.states(calibration.tokens[rows])
+            keep = self._pooled_positions(calibration, rows)
+            pooled = states[:, keep]  # [r + 1, n_tokens, d]
+            reference.update(pooled[self.r])
+            sample.add(pooled[self.r])
+            for k in self.k_grid:
+                truncated[k].update(pooled[k])
+                moments = replayed[k]
+                if moments is not None:
+                    state = _replay_state(pooled, k, self.r)
+                    if bool(torch.isfinite(state).all()):
+                        moments.update(state)
+                    else:  # replay exploded: no calibration exists for this k
+                        replayed[k] = None
+        fit = AffineCalibration.fit
+        mode = self.calibration_mode
+        self.calibrations = _Calibrations(
+            truncate={k: fit(truncated[k], reference, mode) for k in self.k_grid},
+            replay={
+                k: fit(m, reference, mode) if m is not None else None for k, m in replayed.items()
+            },
+            full=fit(reference, reference, mode),
+        )
+        return sample.tensor()
+
+    def states(
+        self, tokens: Int[Tensor, "batch pos"]
+    ) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], Float[Tensor, "batch pos d_vocab"]]:
+        """One full-depth forward: every state s_0..s_r and the full logits."""
+        captured: list[Tensor] = []
+
+        def keep(state: Tensor, hook: Any) -> None:
+            captured.append(state)
+
+        names = [(self.model.state_hook_name(t), keep) for t in range(self.r + 1)]
+        logits = self.model.run_with_hooks(tokens.to(self._device()), fwd_hooks=names)
+        return torch.stack(captured), logits
+
+    def readout_inputs(
+        self, states: Float[Tensor, "r_plus_1 batch pos d_model"], condition: str, k: int
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The stream that reaches the readout under ``condition`` at ``k`` (fast path)."""
+        cal = self._require_calibrations()
+        if condition == "full":
+            return states[self.r]
+        if condition == "truncate":
+            return states[k]
+        if condition == "replay":
+            return _replay_state(states, k, self.r)
+        if condition == "calibrate_truncate":
+            return cal.truncate[k](states[k])
+        if condition == "calibrate_replay":
+            mapping = cal.replay[k]
+            replayed = _replay_state(states, k, self.r)
+            return mapping(replayed) if mapping is not None else torch.full_like(replayed, math.nan)
+        if condition == "shift":
+            return cal.truncate[k].inverse()(states[self.r])
+        raise ValueError(f"unknown condition {condition!r}; expected full or one of {CONDITIONS}.")
+
+    def intervention(self, condition: str, k: int) -> hooks.Intervention:
+        """The `dcp_lens.hooks` intervention that realises ``condition`` at ``k``."""
+        cal = self._require_calibrations()
+        if condition == "full":
+            return hooks.full()
+        if condition == "truncate":
+            return hooks.truncate(k)
+        if condition == "replay":
+            return hooks.replay(k)
+        if condition == "calibrate_truncate":
+            return hooks.calibrate(hooks.truncate(k), cal.truncate[k])
+        if condition == "calibrate_replay":
+            mapping = cal.replay[k]
+            if mapping is None:
+                raise ValueError(f"replay({k}) exploded on the calibration split: no calibration.")
+            return hooks.calibrate(hooks.replay(k), mapping)
+        if condition == "shift":
+            return hooks.shift(k, cal.truncate[k])
+        raise ValueError(f"unknown condition {condition!r}; expected full or one of {CONDITIONS}.")
+
+    def condition_logits(
+        self, tokens: Int[Tensor, "batch pos"], condition: str, k: int, *, via: str = "fast"
+    ) -> Float[Tensor, "batch pos d_vocab"]:
+        """Logits of one condition, by the fast path (``via="fast"``) or by running the model
+        with the condition's hooks (``via="hooks"``, what a notebook user would do)."""
+        if condition != "full":
+            self._check_k(k)
+        if via == "hooks":
+            fwd_hooks = self.intervention(condition, k).fwd_hooks(self.model)
+            return self.model.run_with_hooks(tokens.to(self._device()), fwd_hooks=fwd_hooks)
+        if via != "fast":
+            raise ValueError(f"via={via!r} must be 'fast' or 'hooks'.")
+        states, logits = self.states(tokens)
+        if condition == "full":
+            return logits
+        return self.model.readout(self.readout_inputs(states, condition, k))
+
+    # ------------------------------------------------------------------------ internals
+
+    def _evaluate(
+        self, evaluation: EvaluationSet
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, float], dict[str, Any]]:
+        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
+        null = {"truncate_replay_at_r": 0.0, "calibrate_full": 0.0, "shift_at_r": 0.0}
+        n, points = len(evaluation), self.probe_points
+        sample = _Subsample(points, n, self.seed + 1)
+        trajectory = [_Subsample(points, n, self.seed + 2 + t) for t in range(self.r + 1)]
+        calibrated = {k: _Subsample(points, n, self.seed + 1000 + k) for k in self.k_grid}
+        cal = self._require_calibrations()
+        for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
+            targets = evaluation.targets[rows].to(self._device())
+            states, full_logits = self.states(evaluation.tokens[rows])
+            readouts = {("full", 0): full_logits}
+            for k in self.k_grid:
+                for condition in CONDITIONS:
+                    inputs = self.readout_inputs(states, condition, k)
+                    readouts[condition, k] = self.model.readout(inputs)
+            for (condition, k), logits in readouts.items():
+                scores = _per_example_metrics(logits, full_logits, targets, self.metrics)
+                for metric, value in scores.items():
+                    per_example.setdefault((metric, condition, k), []).append(value)
+            del readouts
+            checks = {
+                "truncate_replay_at_r": states[self.r],
+                "calibrate_full": cal.full(states[self.r]),
+            }
+            if self.r in cal.truncate:
+                checks["shift_at_r"] = cal.truncate[self.r].inverse()(states[self.r])
+            for name, inputs in checks.items():
+                null[name] = max(null[name], _max_diff(self.model.readout(inputs), full_logits))
+            if self.probe_mode != "none":
+                # Held-out reference from even examples, probed states from odd ones: a two-sample
+                # test needs independent samples, not two views of the same sequences.
+                keep = self._pooled_positions(evaluation, rows)
+                even = (torch.arange(rows.start, rows.stop, device=keep.device) % 2 == 0)[:, None]
+                sample.add(states[self.r][keep & even])
+                probed = states[:, keep & ~even]
+                for t in range(self.r + 1):
+                    trajectory[t].add(probed[t])
+                for k in self.k_grid:
+                    calibrated[k].add(cal.truncate[k](probed[k]))
+        values: dict[str, dict[str, Any]] = {}
+        for (metric, condition, k), chunks in per_example.items():
+            vector = torch.cat(chunks).double().cpu()
+            if condition == "full":
+                values.setdefault(metric, {})["full"] = vector
+            else:
+                values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
+        null_control = {
+            "max_abs_logit_diff": null["truncate_replay_at_r"],
+            "calibrate_full_max_abs_logit_diff": null["calibrate_full"],
+            "shift_at_r_max_abs_logit_diff": null["shift_at_r"],
+            "calibrate_full_identity_deviation": cal.full.identity_deviation(),
+        }
+        probe_states = {
+            "held_out": sample.tensor(),
+            "trajectory": [s.tensor() for s in trajectory],
+            "calibrate_truncate": {k: calibrated[k].tensor() for k in self.k_grid},
+        }
+        return values, null_control, probe_states
+
+    def _probe(self, reference: Tensor | None, states: dict[str, Any]) -> dict[str, Any]:
+        if self.probe_mode == "none" or reference is None or states["held_out"] is None:
+            return {"reference_auroc": math.nan, "trajectory": []}
+        probe = ResidualOODProbe(max_points=self.probe_points).fit(
+            reference.double(), states["held_out"].double(), seed=self.seed
+        )
+        self.probe = probe
+        reference_score = probe.reference_score(seed=self.seed)
+        trajectory = []
+        for t, sample in enumerate(self._progress(states["trajectory"], "probe")):
+            score = probe.score(sample.double(), seed=self.seed)
+            trajectory.append({"iteration": t, **score})
+        calibrated = [
+            {"k": k, **probe.score(sample.double(), seed=self.seed)}
+            for k, sample in states["calibrate_truncate"].items()
+        ]
+        return {
+            "reference_auroc": reference_score["auroc"],
+            "reference_mahalanobis": reference_score["mahalanobis"],
+            "noise_floor": probe.noise_floor,
+            "trajectory": trajectory,
+            "calibrate_truncate": calibrated,
+        }
+
+    def _pooled_positions(self, data: EvaluationSet, rows: slice) -> Bool[Tensor, "batch pos"]:
+        """Positions pooled into the calibration statistics: every real (non-padding) token."""
+        tokens = data.tokens[rows]
+        keep = torch.ones_like(tokens, dtype=torch.bool)
+        if data.attention_mask is not None:
+            keep &= data.attention_mask[rows]
+        if self.skip_first_position:
+            keep[:, 0] = False
+        return keep.to(self._device())
+
+    def _check_grid(self, k_grid: Sequence[int] | None) -> tuple[int, ...]:
+        if k_grid is None:
+            if self.r <= 16:
+                return tuple(range(1, self.r + 1))
+            grid = {1, 2, 3, 4, self.r}
+            k = 4
+            while k < self.r:
+                grid.add(k)
+                k = math.ceil(k * 1.5)
+            return tuple(sorted(grid))
+        grid = tuple(sorted(set(int(k) for k in k_grid)))
+        if not grid:
+            raise ValueError("k_grid is empty; pass iteration counts in 1..r.")
+        for k in grid:
+            self._check_k(k)
+        return grid
+
+    def _check_k(self, k: int) -> None:
+        if not 1 <= k <= self.r:
+            raise ValueError(
+                f"k={k} is outside [1, r={self.r}]: truncate, replay and shift need 1 <= k <= r."
+            )
+
+    def _check_sets(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> None:
+        for name, data in (("evaluation", evaluation), ("calibration", calibration)):
+            if not isinstance(data, EvaluationSet):
+                raise TypeError(f"{name} must be an EvaluationSet, got {type(data).__name__}.")
+        if "accuracy" in self.metrics and not evaluation.has_answers:
+            raise ValueError(
+                "metric 'accuracy' needs answers, but this evaluation set is plain language "
+                "modelling (EvaluationSet.from_tokens); drop 'accuracy' from metrics or build "
+                "the set from a task with answers."
+            )
+        shared = evaluation.fingerprints() & calibration.fingerprints()
+        if shared:
+            raise ValueError(
+                f"the calibration split overlaps the evaluation split ({len(shared)} shared "
+                "examples); calibration must be fitted on examples never evaluated."
+            )
+        n_ctx = getattr(getattr(self.model, "cfg", None), "n_ctx", None)
+        if n_ctx is not None and evaluation.tokens.shape[1] > n_ctx:
+            raise ValueError(
+                f"scored positions run to {evaluation.tokens.shape[1] - 1}, outside the model's "
+                f"context of n_ctx={n_ctx}."
+            )
+
+    def _calibration_failures(self) -> list[int]:
+        cal = self._require_calibrations()
+        return [k for k, mapping in cal.replay.items() if mapping is None]
+
+    def _require_calibrations(self) -> _Calibrations:
+        if self.calibrations is None:
+            raise RuntimeError("fit the calibrations first: protocol.fit(calibration_set).")
+        return self.calibrations
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _progress(self, items: Sequence[Any], description: str) -> Any:
+        return tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False)
+
+
+class _Subsample:
+    """A fixed-size random subsample of rows streamed in batches (for the probe)."""
+
+    def __init__(self, size: int, n_examples: int, seed: int) -> None:
+        self.size = size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.chunks: list[Tensor] = []
+        self.kept = 0
+        self.n_examples = n_examples
+
+    def add(self, rows: Float[Tensor, "n d"]) -> None:
+        if self.kept >= self.size or rows.shape[0] == 0:
+            return
+        take = min(rows.shape[0], self.size - self.kept, max(1, math.ceil(self.size / 4)))
+        order = torch.randperm(rows.shape[0], generator=self.generator)[:take]
+        self.chunks.append(rows[order.to(rows.device)].detach())
+        self.kept += take
+
+    def tensor(self) -> Tensor | None:
+        return torch.cat(self.chunks) if self.chunks else None
+
+
+def _replay_state(states: Tensor, k: int, r: int) -> Tensor:
+    """s_k + (r - k) Delta_k: what the replay hooks leave at the readout."""
+    return states[k] + (r - k) * (states[k] - states[k - 1])
+
+
+def _per_example_metrics(
+    logits: Float[Tensor, "batch pos d_vocab"],
+    full_logits: Float[Tensor, "batch pos d_vocab"],
+    targets: Int[Tensor, "batch pos"],
+    metrics: Sequence[str],
+) -> dict[str, Float[Tensor, " batch"]]:
+    """Each metric averaged over an example's scored positions: [batch] per metric."""
+    scored = targets != IGNORE_INDEX
+    count = scored.sum(-1).clamp(min=1).to(logits.dtype)
+    log_probs = logits.log_softmax(-1)
+    safe_targets = targets.clamp(min=0)
+    out: dict[str, Tensor] = {}
+    if "cross_entropy" in metrics:
+        nll = -log_probs.gather(-1, safe_targets[..., None])[..., 0]
+        out["cross_entropy"] = (nll * scored).sum(-1) / count
+    if "accuracy" in metrics:
+        correct = (logits.argmax(-1) == targets).to(logits.dtype)
+        # A non-finite readout has no prediction: mark it rather than count argmax of NaNs.
+        correct = torch.where(torch.isfinite(logits).all(-1), correct, torch.nan)
+        out["accuracy"] = (correct * scored).nansum(-1) / count + _nan_if_any(correct, scored)
+    if "kl_to_full" in metrics:
+        full_log_probs = full_logits.log_softmax(-1)
+        kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
+        out["kl_to_full"] = (kl * scored).sum(-1) / count
+    return out
+
+
+def _nan_if_any(values: Tensor, scored: Tensor) -> Tensor:
+    """0 per example, or NaN where a scored value is NaN."""
+    bad = (torch.isnan(values) & scored).any(-1)
+    return torch.where(bad, torch.nan, 0.0).to(values.dtype)
+
+
+def _max_diff(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max())
