@@ -147,7 +147,8 @@ class DepthControlProtocol:
             ``state_hook_name``, ``readout_hook_name``, ``readout`` and ``run_with_hooks``).
         k_grid: iteration counts to test (default: every k in 1..r when r <= 16, else a
             geometric grid that includes r).
-        metrics: any of ``"accuracy"`` (needs answers), ``"cross_entropy"``, ``"kl_to_full"``.
+        metrics: any of ``"accuracy"`` (needs answers), ``"cross_entropy"``, ``"kl_to_full"``;
+            default: all that the evaluation set defines.
         calibration_mode: ``"mean"``, ``"diag"`` or ``"full"`` (whiten and re-colour).
         batch_size: sequences per forward pass.
         n_bootstrap: paired bootstrap draws for the intervals.
@@ -162,7 +163,7 @@ class DepthControlProtocol:
         model: Any,
         *,
         k_grid: Sequence[int] | None = None,
-        metrics: Sequence[str] = METRICS,
+        metrics: Sequence[str] | None = None,
         calibration_mode: str = "full",
         batch_size: int = 32,
         n_bootstrap: int = 1000,
@@ -176,14 +177,14 @@ class DepthControlProtocol:
         self.model = model
         self.r = int(model.n_iterations)
         self.k_grid = self._check_grid(k_grid)
-        unknown = [m for m in metrics if m not in METRICS]
-        if unknown or not metrics:
+        if metrics is not None and (not metrics or any(m not in METRICS for m in metrics)):
             raise ValueError(f"metrics {list(metrics)} must be a non-empty subset of {METRICS}.")
         if probe not in ("trajectory", "none"):
             raise ValueError(f"probe={probe!r} must be 'trajectory' or 'none'.")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
-        self.metrics = tuple(metrics)
+        self.requested_metrics = None if metrics is None else tuple(metrics)
+        self.metrics: tuple[str, ...] = self.requested_metrics or METRICS
         self.calibration_mode = calibration_mode
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
@@ -241,6 +242,7 @@ class DepthControlProtocol:
             },
         )
 
+    @torch.no_grad()
     def fit(self, calibration: EvaluationSet) -> Tensor | None:
         """Fit cal_trunc_k, cal_replay_k and cal_full on the calibration split (streaming).
 
@@ -417,7 +419,6 @@ class DepthControlProtocol:
             reference.double(), states["held_out"].double(), seed=self.seed
         )
         self.probe = probe
-        reference_score = probe.reference_score(seed=self.seed)
         trajectory = []
         for t, sample in enumerate(self._progress(states["trajectory"], "probe")):
             score = probe.score(sample.double(), seed=self.seed)
@@ -426,9 +427,11 @@ class DepthControlProtocol:
             {"k": k, **probe.score(sample.double(), seed=self.seed)}
             for k, sample in states["calibrate_truncate"].items()
         ]
+        # s_r of the probed examples against the held-out reference: full depth against itself.
+        reference = trajectory[self.r]
         return {
-            "reference_auroc": reference_score["auroc"],
-            "reference_mahalanobis": reference_score["mahalanobis"],
+            "reference_auroc": reference["auroc"],
+            "reference_mahalanobis": reference["mahalanobis"],
             "noise_floor": probe.noise_floor,
             "trajectory": trajectory,
             "calibrate_truncate": calibrated,
@@ -471,6 +474,8 @@ class DepthControlProtocol:
         for name, data in (("evaluation", evaluation), ("calibration", calibration)):
             if not isinstance(data, EvaluationSet):
                 raise TypeError(f"{name} must be an EvaluationSet, got {type(data).__name__}.")
+        if self.requested_metrics is None:
+            self.metrics = METRICS if evaluation.has_answers else METRICS[1:]
         if "accuracy" in self.metrics and not evaluation.has_answers:
             raise ValueError(
                 "metric 'accuracy' needs answers, but this evaluation set is plain language "

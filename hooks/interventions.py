@@ -15,23 +15,24 @@ condition              what reaches the readout                               B 
 ``shift(k, map)``      map^-1(s_r), map = the calibration of truncate(k)      r    r    ~S_trunc
 =====================  =====================================================  ===  ===  =========
 
-On a dense model an iteration is a layer (the state after layer t is ``blocks.{t-1}.hook_resid_post``)
-and the readout is the final norm and unembedding. `replay` still runs there, but a dense model
-repeating a layer's update is not the same model in another configuration: `Intervention.realizable`
-says so and reports label it.
+On a dense model an iteration is a layer (the state after layer t is
+``blocks.{t-1}.hook_resid_post``) and the readout is the final norm and unembedding. `replay`
+still runs there, but a dense model repeating a layer's update is not the same model in another
+configuration: `Intervention.realizable` says so and reports label it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
 HookList = list[tuple[str, Callable[..., Any]]]
 
 
+@runtime_checkable
 class StateMap(Protocol):
     """An invertible map of readout inputs, such as `dcp_lens.calibration.AffineCalibration`."""
 
@@ -40,6 +41,7 @@ class StateMap(Protocol):
     def inverse(self) -> StateMap: ...
 
 
+@runtime_checkable
 class IterationModel(Protocol):
     """What the interventions need of a model: iteration hook names and the active depth."""
 

@@ -1,0 +1,422 @@
+"""Label-free affine calibration of the readout input (DESIGN.md §3, `calibrate` and `shift`).
+
+CORAL-style moment matching: a stream with mean mu_src and covariance C_src is moved into the
+frame the readout saw in training (mu_ref, C_ref)::
+
+    calibrate(h) = mu_ref + A (h - mu_src)
+    A = I                                    mode "mean"
+    A = diag(sigma_ref / sigma_src)          mode "diag"
+    A = C_ref^{1/2} C_src^{-1/2}             mode "full"  (A C_src A^T = C_ref)
+
+Covariances are Ledoit-Wolf shrunk toward (trace / d) * I, so A is always invertible and
+``shift = calibrate.inverse()``. All statistics stream in float64 on the data's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+CALIBRATION_MODES = ("mean", "diag", "full")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in CALIBRATION_MODES:
+        raise ValueError(
+            f"mode={mode!r} is not one of {CALIBRATION_MODES}; pick one of those strings."
+        )
+
+
+class StreamingMoments:
+    """Streaming float64 mean and covariance of d-dimensional samples, in one pass.
+
+    Besides the mean and the scatter matrix sum_k y_k y_k^T (y = x - mean) it keeps the two
+    fourth-order sums that the Ledoit-Wolf shrinkage intensity needs, sum_k |y_k|^2 y_k and
+    sum_k |y_k|^4, so `ledoit_wolf_shrinkage` needs no second pass over the data. Each batch's
+    sums are taken about the batch's own mean and merged with Chan et al.'s pairwise update
+    (extended to the fourth-order terms): no raw power sums of uncentred data are ever formed, so
+    a large common offset (a massive activation) costs no precision.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._mean: Tensor | None = None  # [d]
+        self._scatter: Tensor | None = None  # [d, d], sum of y y^T
+        self._norm_weighted_sum: Tensor | None = None  # [d], sum of |y|^2 y
+        self._fourth_sum: Tensor | None = None  # [], sum of |y|^4
+
+    @classmethod
+    def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
+        """Moments of one tensor ``[..., d]`` or of every tensor an iterable yields, streamed."""
+        moments = cls()
+        for chunk in [samples] if isinstance(samples, Tensor) else samples:
+            moments.update(chunk)
+        return moments
+
+    def update(self, x: Float[Tensor, "*batch d"]) -> None:
+        """Add the samples ``x`` (every leading dimension is pooled; empty batches are ignored)."""
+        if not isinstance(x, Tensor) or not torch.is_floating_point(x):
+            raise TypeError(
+                f"samples must be a floating-point tensor, got {type(x).__name__}"
+                f"{'' if not isinstance(x, Tensor) else f' of dtype {x.dtype}'}."
+            )
+        if x.ndim < 2:
+            raise ValueError(
+                f"samples must have shape [..., n, d], got shape {tuple(x.shape)}; "
+                "pass a single vector as x[None]."
+            )
+        if self._mean is not None and x.shape[-1] != self._mean.shape[0]:
+            raise ValueError(
+                f"samples have width {x.shape[-1]} but earlier samples had width "
+                f"{self._mean.shape[0]}; every update must come from the same stream."
+            )
+        if self._mean is not None and x.device != self._mean.device:
+            raise ValueError(
+                f"samples are on {x.device} but the moments live on {self._mean.device}; "
+                "move the samples there."
+            )
+        samples = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        if samples.shape[0] == 0:
+            return
+        if not bool(torch.isfinite(samples).all()):
+            bad = int((~torch.isfinite(samples)).any(dim=1).sum())
+            raise ValueError(
+                f"samples contain non-finite values (in {bad} of {samples.shape[0]} rows); "
+                "the stream has overflowed or is corrupt upstream."
+            )
+        batch_mean = samples.mean(dim=0)
+        centred = samples - batch_mean
+        squared_norms = centred.pow(2).sum(dim=1)
+        batch = (
+            samples.shape[0],
+            batch_mean,
+            centred.T @ centred,
+            centred.T @ squared_norms,
+            squared_norms.pow(2).sum(),
+        )
+        self._merge(*batch)
+
+    def merge(self, other: StreamingMoments) -> None:
+        """Fold the samples of ``other`` into these moments (as if they had been updated here)."""
+        if other._count == 0:
+            return
+        assert other._mean is not None and other._scatter is not None
+        assert other._norm_weighted_sum is not None and other._fourth_sum is not None
+        if self._mean is not None and other._mean.shape != self._mean.shape:
+            raise ValueError(
+                f"cannot merge moments of width {other._mean.shape[0]} into width "
+                f"{self._mean.shape[0]}."
+            )
+        self._merge(
+            other._count, other._mean, other._scatter, other._norm_weighted_sum, other._fourth_sum
+        )
+
+    def _merge(
+        self, count: int, mean: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
+    ) -> None:
+        if self._count == 0:
+            self._count, self._mean, self._scatter = count, mean, scatter
+            self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
+            return
+        assert self._mean is not None and self._scatter is not None
+        assert self._norm_weighted_sum is not None and self._fourth_sum is not None
+        device = self._mean.device
+        mean, scatter = mean.to(device), scatter.to(device)
+        norm_weighted, fourth = norm_weighted.to(device), fourth.to(device)
+        total = self._count + count
+        merged_mean = self._mean + (mean - self._mean) * (count / total)
+        own = _recentre(
+            self._count,
+            self._mean - merged_mean,
+            self._scatter,
+            self._norm_weighted_sum,
+            self._fourth_sum,
+        )
+        new = _recentre(count, mean - merged_mean, scatter, norm_weighted, fourth)
+        self._count = total
+        self._mean = merged_mean
+        self._scatter, self._norm_weighted_sum, self._fourth_sum = (
+            own_part + new_part for own_part, new_part in zip(own, new, strict=True)
+        )
+
+    def _require_samples(self) -> None:
+        if self._count == 0:
+            raise ValueError("no samples: call update(x) with at least one sample first.")
+
+    @property
+    def count(self) -> int:
+        """Number of samples seen."""
+        return self._count
+
+    @property
+    def width(self) -> int | None:
+        """Dimension d of the samples, or None before the first update."""
+        return None if self._mean is None else int(self._mean.shape[0])
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device the moments live on (that of the first samples), or None before any."""
+        return None if self._mean is None else self._mean.device
+
+    @property
+    def mean(self) -> Float[Tensor, " d"]:
+        """Sample mean, float64 ``[d]``."""
+        self._require_samples()
+        assert self._mean is not None
+        return self._mean
+
+    @property
+    def covariance(self) -> Float[Tensor, "d d"]:
+        """Maximum-likelihood covariance (divided by n, as Ledoit-Wolf use), float64 ``[d, d]``."""
+        self._require_samples()
+        assert self._scatter is not None
+        return self._scatter / self._count
+
+    @property
+    def fourth_moment_sum(self) -> float:
+        """sum_k |x_k - mean|^4 over all samples (feeds the Ledoit-Wolf intensity)."""
+        self._require_samples()
+        assert self._fourth_sum is not None
+        return float(self._fourth_sum)
+
+
+def _recentre(
+    count: int, offset: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Central sums about a new centre, y' = y + offset, from sums about the mean (sum y = 0)."""
+    offset_sq = offset.dot(offset)
+    scatter_offset = scatter @ offset
+    trace = torch.diagonal(scatter).sum()
+    new_scatter = scatter + count * torch.outer(offset, offset)
+    new_norm_weighted = (
+        norm_weighted + offset * trace + 2 * scatter_offset + count * offset_sq * offset
+    )
+    new_fourth = (
+        fourth
+        + 4 * offset.dot(scatter_offset)
+        + count * offset_sq**2
+        + 4 * offset.dot(norm_weighted)
+        + 2 * offset_sq * trace
+    )
+    return new_scatter, new_norm_weighted, new_fourth
+
+
+@dataclass(frozen=True, eq=False)
+class ShrunkCovariance:
+    """A Ledoit-Wolf estimate: ``(1 - intensity) * S + intensity * scale * I``."""
+
+    covariance: Float[Tensor, "d d"]
+    intensity: float
+    scale: float
+
+
+def ledoit_wolf_shrinkage(moments: StreamingMoments) -> ShrunkCovariance:
+    """Ledoit-Wolf (2004) shrinkage of the sample covariance toward ``mu * I``, mu = trace / d.
+
+    With S the ML covariance of n samples and the normalised norm |A|^2 = tr(A A^T) / d::
+
+        delta^2 = |S - mu I|^2
+        beta^2  = min(delta^2, sum_k |y_k y_k^T - S|^2 / n^2)
+        intensity = beta^2 / delta^2
+
+    where sum_k |y_k y_k^T - S|_F^2 = sum_k |y_k|^4 - n |S|_F^2 comes from the streamed fourth
+    moments, so one pass over the data suffices. Returns a `ShrunkCovariance` whose
+    ``covariance`` is float64 ``[d, d]``.
+    """
+    covariance = moments.covariance
+    count = moments.count
+    width = covariance.shape[0]
+    scale = float(torch.diagonal(covariance).sum()) / width
+    identity = torch.eye(width, dtype=covariance.dtype, device=covariance.device)
+    distance = float((covariance - scale * identity).pow(2).sum()) / width
+    frobenius_sq = float(covariance.pow(2).sum())
+    # Clamped at zero: the difference of two sums can round to a tiny negative.
+    dispersion = max(moments.fourth_moment_sum - count * frobenius_sq, 0.0) / count**2 / width
+    intensity = 0.0 if distance == 0.0 else min(dispersion, distance) / distance
+    shrunk = (1.0 - intensity) * covariance + (intensity * scale) * identity
+    return ShrunkCovariance(covariance=shrunk, intensity=intensity, scale=scale)
+
+
+def symmetric_power(
+    matrix: Float[Tensor, "d d"], exponent: float, name: str = "covariance"
+) -> Float[Tensor, "d d"]:
+    """``matrix ** exponent`` for a symmetric positive-definite matrix, via float64 eigh.
+
+    Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
+    precision. Returns float64 ``[d, d]``.
+    """
+    symmetric = (matrix.to(torch.float64) + matrix.to(torch.float64).T) / 2
+    eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
+    if largest <= 0.0 or smallest <= largest * symmetric.shape[0] * torch.finfo(torch.float64).eps:
+        raise ValueError(
+            f"{name} is singular (smallest eigenvalue {smallest:.3e}, largest {largest:.3e}). "
+            "After Ledoit-Wolf shrinkage this happens only when the states are constant or "
+            "there are fewer than 3 of them; check the states and the split."
+        )
+    return (eigenvectors * eigenvalues.pow(exponent)) @ eigenvectors.T
+
+
+@dataclass(frozen=True, eq=False)
+class AffineCalibration:
+    """The affine map ``h -> reference_mean + A (h - source_mean)``.
+
+    ``linear`` is A: a vector ``[d]`` (the diagonal of A) for modes "mean" and "diag", a matrix
+    ``[d, d]`` for "full". All parameters are float64. Build one with `fit` or `fit_calibration`.
+    """
+
+    mode: str
+    source_mean: Float[Tensor, " d"]
+    reference_mean: Float[Tensor, " d"]
+    linear: Float[Tensor, " d"] | Float[Tensor, "d d"]
+
+    def __post_init__(self) -> None:
+        _check_mode(self.mode)
+        width = self.source_mean.shape[0]
+        expected = (width,) if self.mode != "full" else (width, width)
+        shapes = (self.reference_mean.shape, self.linear.shape)
+        if self.reference_mean.shape != (width,) or self.linear.shape != expected:
+            raise ValueError(
+                f"mode {self.mode!r} with source_mean of width {width} needs reference_mean of "
+                f"shape {(width,)} and linear of shape {expected}; got {shapes[0]}, {shapes[1]}."
+            )
+        for field in ("source_mean", "reference_mean", "linear"):
+            value = getattr(self, field)
+            if value.dtype != torch.float64:
+                object.__setattr__(self, field, value.to(torch.float64))
+
+    @classmethod
+    def fit(
+        cls, source: StreamingMoments, reference: StreamingMoments, mode: str = "full"
+    ) -> AffineCalibration:
+        """Fit the map that moves the ``source`` moments onto the ``reference`` moments.
+
+        Covariances are Ledoit-Wolf shrunk first ("diag" uses the shrunk diagonals too), so the
+        map is invertible whenever neither stream is constant.
+        """
+        _check_mode(mode)
+        if source.width != reference.width:
+            raise ValueError(
+                f"source states have width {source.width} but reference states have width "
+                f"{reference.width}; calibrate streams of the same model width."
+            )
+        source_mean = source.mean
+        reference_mean = reference.mean.to(source_mean.device)
+        if mode == "mean":
+            linear = torch.ones_like(source_mean)
+        else:
+            source_cov = ledoit_wolf_shrinkage(source).covariance
+            reference_cov = ledoit_wolf_shrinkage(reference).covariance.to(source_cov.device)
+            if mode == "diag":
+                source_var = torch.diagonal(source_cov)
+                reference_var = torch.diagonal(reference_cov)
+                for name, variances in (("source", source_var), ("reference", reference_var)):
+                    if float(variances.min()) <= 0.0:
+                        raise ValueError(
+                            f"{name} covariance is singular (smallest variance "
+                            f"{float(variances.min()):.3e}); after Ledoit-Wolf shrinkage this "
+                            "happens only when a dimension is constant and the states are "
+                            "constant or fewer than 3."
+                        )
+                linear = (reference_var / source_var).sqrt()
+            else:
+                linear = symmetric_power(reference_cov, 0.5, "reference covariance") @ (
+                    symmetric_power(source_cov, -0.5, "source covariance")
+                )
+        return cls(mode=mode, source_mean=source_mean, reference_mean=reference_mean, linear=linear)
+
+    @property
+    def width(self) -> int:
+        """Dimension d the map acts on."""
+        return int(self.source_mean.shape[0])
+
+    def __call__(self, h: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
+        """Calibrated states, same shape and dtype as ``h`` (computed in float64)."""
+        if h.shape[-1] != self.width:
+            raise ValueError(
+                f"states have width {h.shape[-1]} but the calibration was fitted on width "
+                f"{self.width}."
+            )
+        centred = h.to(torch.float64) - self.source_mean.to(h.device)
+        linear = self.linear.to(h.device)
+        mapped = centred * linear if linear.ndim == 1 else centred @ linear.T
+        return (mapped + self.reference_mean.to(h.device)).to(h.dtype)
+
+    def inverse(self) -> AffineCalibration:
+        """The inverse map ``h -> source_mean + A^{-1} (h - reference_mean)`` (same mode)."""
+        inverse_linear = (
+            1.0 / self.linear if self.linear.ndim == 1 else torch.linalg.inv(self.linear)
+        )
+        return AffineCalibration(
+            mode=self.mode,
+            source_mean=self.reference_mean,
+            reference_mean=self.source_mean,
+            linear=inverse_linear,
+        )
+
+    def identity_deviation(self) -> dict[str, float]:
+        """How far the map is from the identity, in the units of h.
+
+        Returns ``{"linear": max |A - I|, "offset": max |b|}`` for the map written ``A h + b``.
+        """
+        linear = self.linear
+        if linear.ndim == 1:
+            linear_deviation = float((linear - 1.0).abs().max())
+            offset = self.reference_mean - linear * self.source_mean
+        else:
+            identity = torch.eye(self.width, dtype=linear.dtype, device=linear.device)
+            linear_deviation = float((linear - identity).abs().max())
+            offset = self.reference_mean - linear @ self.source_mean
+        return {"linear": linear_deviation, "offset": float(offset.abs().max())}
+
+    def is_identity_within(self, tol: float) -> bool:
+        """Whether both max |A - I| and max |b| (see `identity_deviation`) are <= ``tol``."""
+        return all(value <= tol for value in self.identity_deviation().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-list form (float64 values survive a JSON round trip exactly)."""
+        return {
+            "mode": self.mode,
+            "source_mean": self.source_mean.tolist(),
+            "reference_mean": self.reference_mean.tolist(),
+            "linear": self.linear.tolist(),
+        }
+
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], device: str | torch.device | None = None
+    ) -> AffineCalibration:
+        """Inverse of `to_dict`; tensors are placed on ``device`` (CPU by default)."""
+        missing = {"mode", "source_mean", "reference_mean", "linear"} - set(data)
+        if missing:
+            raise ValueError(
+                f"calibration dict lacks keys {sorted(missing)}; it must come from to_dict()."
+            )
+
+        def tensor(key: str) -> Tensor:
+            return torch.tensor(data[key], dtype=torch.float64, device=device)
+
+        return cls(
+            mode=data["mode"],
+            source_mean=tensor("source_mean"),
+            reference_mean=tensor("reference_mean"),
+            linear=tensor("linear"),
+        )
+
+
+def fit_calibration(
+    source: Tensor | Iterable[Tensor],
+    reference: Tensor | Iterable[Tensor],
+    mode: str = "full",
+) -> AffineCalibration:
+    """Stream the source and reference states (a tensor ``[..., d]`` or an iterable of them)
+    and fit the `AffineCalibration` moving source onto reference."""
+    _check_mode(mode)
+    return AffineCalibration.fit(
+        StreamingMoments.from_samples(source), StreamingMoments.from_samples(reference), mode
+    )

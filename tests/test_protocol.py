@@ -1,0 +1,135 @@
+"""DepthControlProtocol: planted factors recovered, null control, fast path = hook path, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import make_model
+
+from dcp_lens import load, planted
+from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
+
+N = 384  # sequences of 8 scored positions per split
+
+
+def lm_sets(model, n: int = 48, pos: int = 10, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.cfg.d_vocab, (2 * n, pos), generator=generator)
+    return EvaluationSet.from_tokens(tokens[:n]), EvaluationSet.from_tokens(tokens[n:])
+
+
+@pytest.mark.parametrize("name", planted.PLANTED)
+def test_planted_factor_carries_the_gap(name):
+    model = load(f"planted:{name}", seed=1)
+    task = model.planted_task
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=300, probe="none", progress=False
+    )
+    results = protocol.run(task.evaluation(N), task.calibration(N))
+    shares = results.decompositions["accuracy"].shares
+    factor = planted.EXPECTED_FACTOR[name]
+    assert shares[factor] >= 0.9, shares
+    assert shares[f"{factor}_lo"] > 0.0, shares
+    for other in {"S", "B", "D"} - {factor}:
+        assert shares[other] <= 0.1, shares
+    table = results.table()
+    gap = table["gap"].to_numpy()
+    assert abs(table["S"] + table["B"] + table["D"] - gap).max() <= 1e-9
+
+
+def test_probe_separates_truncated_states_on_the_readout_shift_model():
+    model = planted.readout_shift(seed=2)
+    task = model.planted_task
+    protocol = DepthControlProtocol(model, metrics=("accuracy",), n_bootstrap=50, progress=False)
+    results = protocol.run(task.evaluation(N), task.calibration(N))
+    probe = results.probe
+    assert 0.4 <= probe["reference_auroc"] <= 0.6
+    trajectory = {row["iteration"]: row for row in probe["trajectory"]}
+    assert trajectory[1]["auroc"] >= 0.95 and trajectory[1]["mahalanobis"] > 3
+    assert trajectory[model.n_iterations]["mahalanobis"] == pytest.approx(1.0, abs=0.2)
+    for row in probe["calibrate_truncate"]:  # calibration matches the moments by construction
+        assert row["mahalanobis"] == pytest.approx(1.0, abs=0.2), row
+
+
+def test_null_control_reproduces_full_depth_in_float64():
+    model = make_model(injection="concat_adapter")  # float64
+    evaluation, calibration = lm_sets(model)
+    protocol = DepthControlProtocol(model, n_bootstrap=20, probe="none", progress=False)
+    results = protocol.run(evaluation, calibration)
+    null = results.null_control
+    assert null["max_abs_logit_diff"] <= 1e-5
+    assert null["shift_at_r_max_abs_logit_diff"] <= 1e-5
+    # calibrate(full) fits the reference onto itself: the identity up to float error, since the
+    # Ledoit-Wolf shrinkage is the same on both sides and cancels.
+    assert null["calibrate_full_max_abs_logit_diff"] <= 1e-5
+    row = results.table().query("k == 4")
+    assert (row[["gap", "S", "B", "D"]].abs() <= 1e-9).all().all()
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_fast_path_equals_hook_path_for_every_condition(dense):
+    model = make_model(n_core=0, n_prelude=4, n_coda=0) if dense else make_model()
+    evaluation, calibration = lm_sets(model)
+    protocol = DepthControlProtocol(model, probe="none", progress=False)
+    protocol.fit(calibration)
+    tokens = evaluation.tokens[:6]
+    for k in protocol.k_grid:
+        for condition in ("full",) + CONDITIONS:
+            fast = protocol.condition_logits(tokens, condition, k)
+            hooked = protocol.condition_logits(tokens, condition, k, via="hooks")
+            assert (fast - hooked).abs().max() <= 1e-6, (condition, k)
+
+
+def test_dense_model_runs_with_replay_marked_not_realizable():
+    model = make_model(n_core=0, n_prelude=3, n_coda=1)
+    evaluation, calibration = lm_sets(model)
+    protocol = DepthControlProtocol(
+        model, metrics=("cross_entropy", "kl_to_full"), n_bootstrap=20, progress=False
+    )
+    results = protocol.run(evaluation, calibration)
+    assert results.architecture == "dense" and results.n_iterations == 4
+    assert results.replay_realizable is False
+    assert results.to_results_json()["replay_realizable"] is False
+
+
+def test_exploding_replay_is_reported_not_raised():
+    model = make_model()
+    evaluation, calibration = lm_sets(model)
+    protocol = DepthControlProtocol(
+        model, metrics=("cross_entropy",), n_bootstrap=20, probe="none", progress=False
+    )
+    protocol.fit(calibration)
+    with torch.no_grad():  # make the first update astronomically large, so replay overflows
+        model.embed.W_E.mul_(1e300)
+    try:
+        results = protocol.run(evaluation, calibration)
+    finally:
+        with torch.no_grad():
+            model.embed.W_E.div_(1e300)
+    flagged = results.nonfinite()
+    assert {"calibrate_replay", "shift"} <= set(flagged["condition"]), flagged
+    assert "truncate" not in set(flagged["condition"])  # LayerNorm reads huge states fine
+    table = results.table().set_index(["metric", "k"])
+    assert table["nonfinite"].any() and table["gap"].notna().all()
+
+
+def test_bad_input_is_a_clear_error():
+    model = make_model()
+    evaluation, calibration = lm_sets(model)
+    with pytest.raises(ValueError, match=r"k=5 is outside \[1, r=4\]"):
+        DepthControlProtocol(model, k_grid=[1, 5])
+    with pytest.raises(ValueError, match="empty"):
+        EvaluationSet.from_tokens(torch.zeros(0, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="overlaps"):
+        DepthControlProtocol(model, progress=False).run(evaluation, evaluation)
+    with pytest.raises(ValueError, match="scored position 9 is outside the sequence"):
+        EvaluationSet.from_tokens(evaluation.tokens[:2], scored_positions=[[1, 9], [0, 2]])
+    with pytest.raises(ValueError, match="accuracy.*needs answers"):
+        DepthControlProtocol(model, metrics=("accuracy",), progress=False).run(
+            evaluation, calibration
+        )
+    with pytest.raises(ValueError, match="metrics"):
+        DepthControlProtocol(model, metrics=("perplexity",))
+    protocol = DepthControlProtocol(model, progress=False)
+    with pytest.raises(RuntimeError, match="fit the calibrations"):
+        protocol.condition_logits(evaluation.tokens[:2], "shift", 2)
