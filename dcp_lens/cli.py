@@ -1,0 +1,156 @@
+"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``bench`` (what it costs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dcp_lens.decomposition import ProtocolResults, write_results_json
+from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
+from dcp_lens.registry import load
+
+DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dcp-lens", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the Depth Control Protocol on models")
+    run.add_argument("--model", help=f"model spec (default: {DEFAULT_MODEL!r})")
+    run.add_argument("--dense", help="a dense model spec to run as the negative control")
+    run.add_argument("--task", help="task name, or char_lm:PATH (default: the model's own task)")
+    run.add_argument("--k", help="comma-separated k grid (default: every k up to r <= 16)")
+    run.add_argument("--metrics", help="comma-separated metrics (default: all the task defines)")
+    run.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
+    run.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
+    run.add_argument("--batch-size", type=int, default=64)
+    run.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap draws")
+    run.add_argument("--calibration-mode", default="full", choices=("mean", "diag", "full"))
+    run.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--device", default="cpu")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    run.add_argument("--out", required=True, type=Path, help="output folder")
+
+    bench = commands.add_parser("bench", help="cost of the sweep, naive sweep, hooks-off forward")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--d-model", type=int, default=256)
+    bench.add_argument("--n-core", type=int, default=2)
+    bench.add_argument("--iterations", type=int, default=16)
+    bench.add_argument("--batch", type=int, default=16)
+    bench.add_argument("--seq", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--k", help="comma-separated k grid (default: every k up to r <= 16)")
+    bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
+    bench.add_argument("--device", default="cpu")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "bench":
+            from dcp_lens.bench import print_bench, run_bench
+
+            result = run_bench(
+                d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
+                batch=args.batch, seq=args.seq, repeats=args.repeats, k_grid=_ints(args.k),
+                device=args.device, naive=not args.no_naive,
+            )  # fmt: skip
+            print_bench(result, args.json)
+            return 0
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"dcp-lens {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    specs = [(args.model or DEFAULT_MODEL, False)]
+    dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
+    if dense:
+        specs.append((dense, True))
+    runs: list[ProtocolResults] = []
+    data: tuple[EvaluationSet, EvaluationSet] | None = None
+    for spec, is_negative_control in specs:
+        model = load(spec).to(args.device).eval()
+        if is_negative_control and not model.is_dense:
+            raise ValueError(
+                f"--dense {spec!r} is not a dense model (it has a weight-shared core)."
+            )
+        if data is None or hasattr(model, "planted_task"):
+            data = task_data(model, args.task, args.n_eval, args.n_calibration, args.seed)
+        protocol = DepthControlProtocol(
+            model, k_grid=_ints(args.k), metrics=_names(args.metrics),
+            calibration_mode=args.calibration_mode, batch_size=args.batch_size,
+            n_bootstrap=args.bootstrap, seed=args.seed, probe=args.probe, spec=spec,
+            progress=not args.quiet,
+        )  # fmt: skip
+        results = protocol.run(*data)
+        runs.append(results)
+        results.save(args.out / _folder_name(spec))
+        _summarise(results)
+    write_results_json(runs, args.out / "results.json")
+    print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+def task_data(
+    model: Any, task: str | None, n_eval: int, n_calibration: int, seed: int
+) -> tuple[EvaluationSet, EvaluationSet]:
+    """Evaluation and calibration sets for a model: its planted task, the task it was trained on
+    (``model.task_config``), or ``task`` (a task name, or ``char_lm:PATH``)."""
+    planted = getattr(model, "planted_task", None)
+    if planted is not None and task is None:
+        return planted.evaluation(n_eval), planted.calibration(n_calibration)
+    from dcp_lens.tasks import get_task
+
+    if task is not None:
+        name, _, path = task.partition(":")
+        kwargs: dict[str, Any] = {"path": path} if path else {}
+        built = get_task(name, seed=seed, **kwargs)
+    elif getattr(model, "task_config", None):
+        built = get_task(**model.task_config)
+    else:
+        raise ValueError("this model has no task of its own; pass --task NAME (or char_lm:PATH).")
+    if built.d_vocab > model.cfg.d_vocab:
+        raise ValueError(
+            f"task {built.describe()} has {built.d_vocab} tokens, more than the model's "
+            f"d_vocab={model.cfg.d_vocab}."
+        )
+    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval))
+    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration))
+    return evaluation, calibration
+
+
+def _summarise(results: ProtocolResults) -> None:
+    print(f"\n{results.model} ({results.architecture}, r = {results.n_iterations})")
+    if not results.replay_realizable:
+        print("  replay: not realizable as the same model (dense network)")
+    shares = results.shares()
+    print(shares.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}")
+
+
+def _folder_name(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
+
+
+def _ints(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ValueError(f"--k must be comma-separated integers, got {text!r}.") from error
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
