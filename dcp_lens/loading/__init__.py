@@ -1,0 +1,35 @@
+"""Loaders of real checkpoints from local files (never pickle, never code from a checkpoint).
+
+``dcp_lens.load("huginn:PATH")``, ``load("ouro:PATH")`` and ``load("llama2c:PATH")`` dispatch here:
+
+- `huginn`: Huginn-0125 (config.json + safetensors, original key names).
+- `ouro`: Ouro LoopLM, as an `OuroRecurrentTransformer` with its early-exit gate.
+- `llama2c`: llama2.c version-0 ``.bin`` checkpoints with their tokenizer (stories260K).
+- `checkpoint_files`: safetensors reading (single or sharded), key/shape checks, meta-device build.
+"""
+
+from __future__ import annotations
+
+from dcp_lens.loading.checkpoint_files import SafetensorsCheckpoint
+from dcp_lens.loading.huginn import huginn_config, load_huginn
+from dcp_lens.loading.llama2c import llama2c_config, load_llama2c
+from dcp_lens.loading.ouro import (
+    ExitOutputs,
+    OuroRecurrentTransformer,
+    exit_distribution,
+    load_ouro,
+    ouro_config,
+)
+
+__all__ = [
+    "ExitOutputs",
+    "OuroRecurrentTransformer",
+    "SafetensorsCheckpoint",
+    "exit_distribution",
+    "huginn_config",
+    "llama2c_config",
+    "load_huginn",
+    "load_llama2c",
+    "load_ouro",
+    "ouro_config",
+]

@@ -1,0 +1,368 @@
+"""Reading real checkpoints from local files into a `HookedRecurrentTransformer`.
+
+Shared by every loader (``huginn``, ``ouro``, ``llama2c``):
+
+- `SafetensorsCheckpoint`: one ``.safetensors`` file, or the shards a
+  ``model.safetensors.index.json`` lists; shapes come from the headers, tensors are read on demand.
+  Pickle files (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are never opened.
+- `check_tensor_shapes`: missing, unexpected and wrong-shaped keys, named in the checkpoint's own
+  key names, before any weight is read.
+- `split_overrides`: keyword overrides of `RecurrentConfig` fields, plus ``device`` and ``dtype``.
+- `build_model`: the model on the meta device, then the loaded tensors assigned in place of its
+  parameters, so a 3.5B model is never initialised at random first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+from dcp_lens.components.rotary import rotary_tables
+from dcp_lens.config import RecurrentConfig
+from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+ModelT = TypeVar("ModelT", bound=HookedRecurrentTransformer)
+Shape = tuple[int, ...]
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a local safetensors checkpoint, indexed by key without reading them.
+
+    Args:
+        path: a ``.safetensors`` file, or a folder holding ``model.safetensors.index.json`` (a
+            sharded checkpoint) or a single ``model.safetensors``.
+
+    Raises:
+        FileNotFoundError: the path, or a shard the index names, does not exist.
+        ValueError: a file is truncated or not safetensors, the index is malformed, or a shard does
+            not hold exactly the keys the index assigns to it (the key and the shard are named).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        files = _weight_files(self.path)
+        self.source = str(self.path)
+        self.file_of: dict[str, Path] = {}
+        self.shapes: dict[str, Shape] = {}
+        for file, keys in files.items():
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    stored = {
+                        key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()
+                    }
+            except Exception as error:  # safetensors raises its own SafetensorError and OSError
+                raise ValueError(
+                    f"{file} is not a readable safetensors file ({error}); the file is truncated "
+                    "or corrupt, download or copy it again."
+                ) from error
+            if keys is not None:
+                _check_shard_matches_index(file, set(stored), keys, self.path / INDEX_FILE)
+            for key, shape in stored.items():
+                if key in self.file_of:
+                    raise ValueError(
+                        f"key {key!r} is stored twice, in {self.file_of[key]} and {file}; "
+                        "remove one copy."
+                    )
+                self.file_of[key] = file
+                self.shapes[key] = shape
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.shapes
+
+    def read(
+        self,
+        keys: Iterable[str] | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> dict[str, Tensor]:
+        """The tensors of ``keys`` (default: all), converted to ``dtype`` and moved to ``device``
+        one at a time, so peak memory stays near the size of the result."""
+        from safetensors import safe_open
+
+        wanted = list(self.shapes) if keys is None else list(keys)
+        unknown = [key for key in wanted if key not in self.shapes]
+        if unknown:
+            raise KeyError(f"{self.source} holds no key {unknown[0]!r}.")
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for key in wanted:
+            by_file[self.file_of[key]].append(key)
+        tensors: dict[str, Tensor] = {}
+        for file, file_keys in by_file.items():
+            with safe_open(str(file), framework="pt") as handle:
+                for key in file_keys:
+                    tensors[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
+        return {key: tensors[key] for key in wanted}
+
+
+def _weight_files(path: Path) -> dict[Path, set[str] | None]:
+    """Files to read, each with the keys its index assigns to it (None: no index)."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass a checkpoint folder or file.")
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            raise ValueError(_pickle_message(path))
+        return {path: None}
+    index = path / INDEX_FILE
+    if index.is_file():
+        return _read_index(index)
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    found = sorted(path.glob("*.safetensors"))
+    if len(found) == 1:
+        return {found[0]: None}
+    if found:
+        raise ValueError(
+            f"{path} holds {len(found)} .safetensors files but no {INDEX_FILE}; add the index "
+            "(it says which shard holds each key) or pass one file."
+        )
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(_pickle_message(path / pickles[0]))
+    raise FileNotFoundError(f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or .safetensors file.")
+
+
+def _pickle_message(path: Path) -> str:
+    return (
+        f"{path} is a pickle-based checkpoint, which dcp-lens never loads (unpickling can run "
+        "code). Convert it to safetensors first, e.g. with safetensors.torch.save_file in a "
+        "trusted environment."
+    )
+
+
+def _read_index(index: Path) -> dict[Path, set[str] | None]:
+    data = read_json(index)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no 'weight_map' object mapping keys to shard files.")
+    shards: dict[Path, set[str] | None] = {}
+    for key, shard in weight_map.items():
+        if not isinstance(shard, str) or Path(shard).name != shard:
+            raise ValueError(
+                f"{index}: key {key!r} maps to {shard!r}; shard names must be plain file names "
+                "in the same folder."
+            )
+        file = index.parent / shard
+        if not file.is_file():
+            raise FileNotFoundError(f"{index} puts key {key!r} in {shard}, which does not exist.")
+        keys = shards.setdefault(file, set())
+        assert keys is not None
+        keys.add(key)
+    return shards
+
+
+def _check_shard_matches_index(file: Path, stored: set[str], listed: set[str], index: Path) -> None:
+    absent = sorted(listed - stored)
+    if absent:
+        raise ValueError(f"{index} puts key {absent[0]!r} in {file.name}, but that shard lacks it.")
+    extra = sorted(stored - listed)
+    if extra:
+        raise ValueError(
+            f"{file} holds key {extra[0]!r}, which {index.name} does not list; the index and "
+            "the shards do not match."
+        )
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object from a file; a clear error if it is missing or not an object."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; the checkpoint folder needs it.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def check_tensor_shapes(
+    shapes: Mapping[str, Shape],
+    expected: Mapping[str, Shape],
+    source: str,
+    optional: Mapping[str, Shape | None] | None = None,
+) -> None:
+    """Raise ValueError naming the first missing, unexpected or wrong-shaped key.
+
+    Args:
+        shapes: key -> shape of what the checkpoint holds.
+        expected: key -> shape every valid checkpoint holds.
+        source: the file or folder, for the message.
+        optional: keys that may be present (with that shape; None accepts any shape).
+    """
+    optional = optional or {}
+    missing = [key for key in expected if key not in shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"{source}: missing key {missing[0]!r} (shape {expected[missing[0]]}){more}; the "
+            "checkpoint is incomplete or is not this architecture."
+        )
+    unexpected = sorted(key for key in shapes if key not in expected and key not in optional)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(
+            f"{source}: unexpected key {unexpected[0]!r} (shape {shapes[unexpected[0]]}){more}; "
+            "the checkpoint holds weights this architecture has no place for."
+        )
+    for key, shape in shapes.items():
+        wanted = expected.get(key, optional.get(key))
+        if wanted is not None and tuple(shape) != tuple(wanted):
+            raise ValueError(
+                f"{source}: key {key!r} has shape {tuple(shape)}, expected {tuple(wanted)} from "
+                "the config; the config and the weights do not match."
+            )
+
+
+def config_field_names() -> set[str]:
+    """`RecurrentConfig` fields a loader accepts as keyword overrides."""
+    return {f.name for f in dataclasses.fields(RecurrentConfig) if f.init} - {"n_layers"}
+
+
+def split_overrides(
+    overrides: Mapping[str, Any],
+) -> tuple[dict[str, Any], str | torch.device | None, torch.dtype | None]:
+    """Separate ``device`` and ``dtype`` from `RecurrentConfig` field overrides.
+
+    Returns:
+        (config overrides, device or None, dtype or None); ``dtype`` may be given as a
+        ``torch.dtype`` or a name such as ``"bfloat16"``.
+    """
+    fields = dict(overrides)
+    device = fields.pop("device", None)
+    dtype = fields.pop("dtype", None)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}.")
+        dtype = DTYPES[dtype]
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or a name, got {dtype!r}.")
+    unknown = sorted(set(fields) - config_field_names())
+    if unknown:
+        raise ValueError(
+            f"unknown overrides {unknown}: keyword overrides must be RecurrentConfig fields "
+            f"({sorted(config_field_names())}), device or dtype."
+        )
+    return fields, device, dtype
+
+
+def build_model(
+    model_class: type[ModelT],
+    cfg: RecurrentConfig,
+    state: Mapping[str, Tensor],
+    source: str,
+    tokenizer: Any | None = None,
+    device: str | torch.device | None = None,
+) -> ModelT:
+    """A model of ``cfg`` holding ``state`` (a `canonical_state_dict`), in eval mode.
+
+    The model is built on the meta device (no memory, no random init) and every parameter is then
+    replaced by its loaded tensor wherever it appears, so tied copies stay one object.
+
+    Raises:
+        ValueError: ``state`` misses a canonical key, has an extra one, or a wrong shape.
+    """
+    with torch.device("meta"):
+        model = model_class(cfg, tokenizer=tokenizer)
+    placeholders = model.canonical_state_dict()
+    check_tensor_shapes(
+        {key: tuple(value.shape) for key, value in state.items()},
+        {key: tuple(p.shape) for key, p in placeholders.items()},
+        f"{source} (converted to dcp-lens names)",
+    )
+    holders: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, parameter in module._parameters.items():
+            if parameter is not None:
+                holders[id(parameter)].append((module, name))
+    for key, placeholder in placeholders.items():
+        value = state[key].to(device)
+        if _shares_storage(value):
+            value = value.clone()  # safetensors refuses to save tensors that share memory
+        loaded = nn.Parameter(value, requires_grad=placeholder.requires_grad)
+        for module, name in holders[id(placeholder)]:
+            module._parameters[name] = loaded
+    model.tie_weights()
+    _materialise_rotary_tables(model, device)
+    left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    left_on_meta += [name for name, b in model.named_buffers() if b.is_meta]
+    if left_on_meta:
+        raise RuntimeError(
+            f"{model_class.__name__}: {left_on_meta[:5]} were not loaded; the loader does not "
+            "cover every parameter of this architecture."
+        )
+    if device is not None:
+        cfg.device = str(device)
+    return model.eval()
+
+
+def _shares_storage(tensor: Tensor) -> bool:
+    """True if ``tensor`` is a view into a larger buffer (a slice of a stacked array)."""
+    return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
+
+
+def _materialise_rotary_tables(model: HookedRecurrentTransformer, device: Any) -> None:
+    """The rotary cos/sin buffers are built from the config; on meta they hold no values."""
+    cfg = model.cfg
+    if cfg.positional_embedding_type == "learned":
+        return
+    cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+    model.rotary_cos = cos.to(device)
+    model.rotary_sin = sin.to(device)
+
+
+def require_values(
+    config: Mapping[str, Any], supported: Mapping[str, Collection[Any]], source: str
+) -> None:
+    """Raise ValueError if a config switch present in ``config`` has a value we do not implement."""
+    for key, allowed in supported.items():
+        if key in config and config[key] not in allowed:
+            raise ValueError(
+                f"{source}: {key}={config[key]!r} is not supported (dcp-lens implements "
+                f"{sorted(map(repr, allowed))}); this checkpoint is a different architecture."
+            )
+
+
+def required_int(config: Mapping[str, Any], key: str, source: str) -> int:
+    """``config[key]``, which must be an int; a ValueError naming the key otherwise."""
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{source}: needs an int {key!r}, got {value!r}.")
+    return value
+
+
+def heads_in(
+    weight: Float[Tensor, "head_features d_model"], n_heads: int
+) -> Float[Tensor, "head d_model d_head"]:
+    """An ``nn.Linear`` q/k/v weight [heads * d_head, d_model] (head-major rows) -> W_Q-style
+    [head, d_model, d_head], so that ``x @ W[h]`` is head h's projection."""
+    return weight.unflatten(0, (n_heads, -1)).transpose(1, 2).contiguous()
+
+
+def heads_out(
+    weight: Float[Tensor, "d_model head_features"], n_heads: int
+) -> Float[Tensor, "head d_head d_model"]:
+    """An ``nn.Linear`` output weight [d_model, heads * d_head] -> W_O [head, d_head, d_model]."""
+    return weight.T.unflatten(0, (n_heads, -1)).contiguous()
