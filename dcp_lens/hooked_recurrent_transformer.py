@@ -65,6 +65,9 @@ class HookedRecurrentTransformer(HookedRootModule):
             enables `to_tokens`, `to_string` and string input to `generate`.
     """
 
+    rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
+    rotary_sin: Tensor
+
     def __init__(self, cfg: RecurrentConfig, tokenizer: Any | None = None):
         super().__init__()
         if not isinstance(cfg, RecurrentConfig):
@@ -78,7 +81,8 @@ class HookedRecurrentTransformer(HookedRootModule):
             self.hook_pos_embed: HookPoint | None = HookPoint()
         else:
             self.pos_embed, self.hook_pos_embed = None, None
-            cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+            with torch.device("cpu"):  # real values even when the model is built on meta
+                cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         self.inject = Inject(cfg)
@@ -381,14 +385,14 @@ class HookedRecurrentTransformer(HookedRootModule):
         t = (i - P) // L  # iterations completed before blocks[i]
         if t == 0:
             embedding = x
-            state = self.loop[0].hook_state(self._initial_state(embedding))
+            state = self._iteration_hooks[0].hook_state(self._initial_state(embedding))
         else:
-            hooks = self.loop[t]
+            hooks = self._iteration_hooks[t]
             state = hooks.hook_state(x if hooks.ln_iter is None else hooks.ln_iter(x))
         if t == k:
             return self._enter_readout(state), embedding, state
         assert embedding is not None and state is not None
-        x = self.loop[t + 1].hook_inject(self.inject(state, embedding))
+        x = self._iteration_hooks[t + 1].hook_inject(self.inject(state, embedding))
         return x, embedding, state
 
     def _enter_readout(self, state: Tensor) -> Tensor:
@@ -610,7 +614,7 @@ class HookedRecurrentTransformer(HookedRootModule):
                     self._iteration_hooks[1].ln_iter if len(self._iteration_hooks) > 1 else None,
                 )
             )
-        state = {
+        state: dict[str, Tensor] = {
             f"{prefix}.{name}": p
             for prefix, module in owners
             if module is not None

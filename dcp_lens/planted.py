@@ -70,9 +70,20 @@ def _base_config(d_model: int, d_vocab: int, n_iterations: int, d_mlp: int) -> R
     )  # fmt: skip
 
 
-def _blank(cfg: RecurrentConfig) -> HookedRecurrentTransformer:
+class PlantedModel(HookedRecurrentTransformer):
+    """A hand-built model together with the task it solves (``planted_task``)."""
+
+    planted_task: PlantedTask
+
+    @property
+    def unembedding(self) -> Tensor:
+        assert self.W_U_untied is not None, "planted models have an untied unembedding"
+        return self.W_U_untied
+
+
+def _blank(cfg: RecurrentConfig) -> PlantedModel:
     """The model with every weight zero (attention adds nothing) and unit norm weights."""
-    model = HookedRecurrentTransformer(cfg)
+    model = PlantedModel(cfg)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.zero_()
@@ -97,7 +108,7 @@ def _set_linear_mlp(model: HookedRecurrentTransformer, linear: Tensor, rms: floa
 
 def readout_shift(
     size: int = 8, n_iterations: int = 8, seed: int = 0, angle: float = 2 * math.pi / 11
-) -> HookedRecurrentTransformer:
+) -> PlantedModel:
     """S only: DCP must attribute the gap to readout shift (S ~ gap; B, D ~ 0).
 
     ``size`` answer classes. The state is [answer one-hot (size), clock (2), constant 1]; the
@@ -137,14 +148,14 @@ def readout_shift(
         W_U[clock, :n_answers] = strength * directions
         W_U[constant, :n_answers] = -strength * (final_clock @ directions)
         W_U[constant, n_answers:] = -100.0  # input-only tokens are never answers
-        model.W_U_untied.copy_(W_U)
+        model.unembedding.copy_(W_U)
     model.planted_task = PlantedTask(answers, n_inputs, seed)
     return model
 
 
 def distinct_computation(
     size: int = 13, n_iterations: int = 8, seed: int = 0
-) -> HookedRecurrentTransformer:
+) -> PlantedModel:
     """D only: DCP must attribute the gap to distinct computation (D ~ gap; S, B ~ 0).
 
     The state is a one-hot node of a ``size``-cycle; each iteration moves it one step (a
@@ -159,7 +170,7 @@ def distinct_computation(
     with torch.no_grad():
         model.embed.W_E.copy_(torch.eye(n_nodes))
         _set_linear_mlp(model, step - torch.eye(n_nodes), math.sqrt(1.0 / n_nodes))
-        model.W_U_untied.copy_(torch.eye(n_nodes))
+        model.unembedding.copy_(torch.eye(n_nodes))
     answers = (torch.arange(n_nodes) + cfg.n_iterations) % n_nodes
     model.planted_task = PlantedTask(answers, n_nodes, seed)
     return model
@@ -167,7 +178,7 @@ def distinct_computation(
 
 def block_count(
     size: int = 256, n_iterations: int = 8, seed: int = 0, vote: float = 0.3
-) -> HookedRecurrentTransformer:
+) -> PlantedModel:
     """B only: DCP must attribute the gap to block applications (B ~ gap; S, D ~ 0).
 
     ``size`` input tokens, each with two +-1 features x1, x2 and a fixed N(0, 1) offset eta. The
@@ -203,7 +214,7 @@ def block_count(
         W_U = torch.zeros(4, n_inputs)
         W_U[3, 0], W_U[3, 1] = 1.0, -1.0  # token 0: x1 x2 = +1; token 1: x1 x2 = -1
         W_U[2, 2:] = -1.0  # other tokens are never answers
-        model.W_U_untied.copy_(W_U)
+        model.unembedding.copy_(W_U)
     answers = torch.where(features[:, 0] * features[:, 1] > 0, 0, 1)
     model.planted_task = PlantedTask(answers, n_inputs, seed)
     return model
@@ -218,7 +229,7 @@ EXPECTED_FACTOR = {"readout_shift": "S", "distinct_computation": "D", "block_cou
 
 
 @register_loader("planted")
-def load_planted(name: str, **overrides: object) -> HookedRecurrentTransformer:
+def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
         raise ValueError(f"unknown planted model {name!r}; choose one of {PLANTED}.")

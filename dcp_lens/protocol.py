@@ -31,7 +31,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from dcp_lens import hooks
+import dcp_lens.hooks as hooks
 from dcp_lens.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.decomposition import CONDITIONS, ProtocolResults, decompose
 from dcp_lens.probe import ResidualOODProbe
@@ -134,7 +134,7 @@ class EvaluationSet:
 
 @dataclass
 class _Calibrations:
-    truncate: dict[int, AffineCalibration | None]
+    truncate: dict[int, AffineCalibration]
     replay: dict[int, AffineCalibration | None]
     full: AffineCalibration
 
@@ -352,7 +352,7 @@ class DepthControlProtocol:
 
     def _evaluate(
         self, evaluation: EvaluationSet
-    ) -> tuple[dict[str, dict[str, Any]], dict[str, float], dict[str, Any]]:
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, Any]]:
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
         null = {"truncate_replay_at_r": 0.0, "calibrate_full": 0.0, "shift_at_r": 0.0}
         n, points = len(evaluation), self.probe_points
@@ -399,13 +399,13 @@ class DepthControlProtocol:
                 values.setdefault(metric, {})["full"] = vector
             else:
                 values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
-        null_control = {
+        null_control: dict[str, Any] = {
             "max_abs_logit_diff": null["truncate_replay_at_r"],
             "calibrate_full_max_abs_logit_diff": null["calibrate_full"],
             "shift_at_r_max_abs_logit_diff": null["shift_at_r"],
             "calibrate_full_identity_deviation": cal.full.identity_deviation(),
         }
-        probe_states = {
+        probe_states: dict[str, Any] = {
             "held_out": sample.tensor(),
             "trajectory": [s.tensor() for s in trajectory],
             "calibrate_truncate": {k: calibrated[k].tensor() for k in self.k_grid},
@@ -419,7 +419,7 @@ class DepthControlProtocol:
             reference.double(), states["held_out"].double(), seed=self.seed
         )
         self.probe = probe
-        trajectory = []
+        trajectory: list[dict[str, Any]] = []
         for t, sample in enumerate(self._progress(states["trajectory"], "probe")):
             score = probe.score(sample.double(), seed=self.seed)
             trajectory.append({"iteration": t, **score})
@@ -428,10 +428,10 @@ class DepthControlProtocol:
             for k, sample in states["calibrate_truncate"].items()
         ]
         # s_r of the probed examples against the held-out reference: full depth against itself.
-        reference = trajectory[self.r]
+        at_full_depth = trajectory[self.r]
         return {
-            "reference_auroc": reference["auroc"],
-            "reference_mahalanobis": reference["mahalanobis"],
+            "reference_auroc": at_full_depth["auroc"],
+            "reference_mahalanobis": at_full_depth["mahalanobis"],
             "noise_floor": probe.noise_floor,
             "trajectory": trajectory,
             "calibrate_truncate": calibrated,
@@ -451,12 +451,12 @@ class DepthControlProtocol:
         if k_grid is None:
             if self.r <= 16:
                 return tuple(range(1, self.r + 1))
-            grid = {1, 2, 3, 4, self.r}
+            geometric = {1, 2, 3, 4, self.r}
             k = 4
             while k < self.r:
-                grid.add(k)
+                geometric.add(k)
                 k = math.ceil(k * 1.5)
-            return tuple(sorted(grid))
+            return tuple(sorted(geometric))
         grid = tuple(sorted(set(int(k) for k in k_grid)))
         if not grid:
             raise ValueError("k_grid is empty; pass iteration counts in 1..r.")

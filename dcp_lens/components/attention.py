@@ -77,6 +77,8 @@ class Attention(nn.Module):
         self.W_K = nn.Parameter(torch.empty(n_kv, cfg.d_model, cfg.d_head))
         self.W_V = nn.Parameter(torch.empty(n_kv, cfg.d_model, cfg.d_head))
         self.W_O = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_head, cfg.d_model))
+        self.b_Q: nn.Parameter | None
+        self.b_K: nn.Parameter | None
         if cfg.qk_bias:
             self.b_Q = nn.Parameter(torch.zeros(cfg.n_heads, cfg.d_head))
             self.b_K = nn.Parameter(torch.zeros(n_kv, cfg.d_head))
@@ -98,9 +100,18 @@ class Attention(nn.Module):
         kv_cache: KVCacheEntry | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """``rotary``: cos and sin [pos, d_head/2] for these positions (rotary models only)."""
-        q = self.hook_q(_project(x, self.W_Q, self.b_Q))
-        k = self.hook_k(_project(x, self.W_K, self.b_K))
-        v = self.hook_v(_project(x, self.W_V, None))
+        batch, n_pos, _ = x.shape
+        # One fused matmul for q, k and v (the weights keep TransformerLens's per-head layout).
+        fused = torch.cat([_flat(self.W_Q), _flat(self.W_K), _flat(self.W_V)], dim=1)
+        q, k, v = (x @ fused).split(
+            [w.shape[0] * self.d_head for w in (self.W_Q, self.W_K, self.W_V)], -1
+        )
+        q = q.view(batch, n_pos, self.n_heads, self.d_head)
+        k = k.view(batch, n_pos, self.n_kv_heads, self.d_head)
+        v = v.view(batch, n_pos, self.n_kv_heads, self.d_head)
+        q = self.hook_q(q if self.b_Q is None else q + self.b_Q)
+        k = self.hook_k(k if self.b_K is None else k + self.b_K)
+        v = self.hook_v(v)
         if self.rotary:
             assert rotary is not None, "rotary models must pass the cos/sin tables"
             q = self.hook_rot_q(apply_rotary(q, *rotary, interleaved=self.interleaved))
@@ -113,19 +124,15 @@ class Attention(nn.Module):
             group = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.d_head)
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
         n_query, n_key = scores.shape[-2], scores.shape[-1]
         future = torch.ones(n_query, n_key, dtype=torch.bool, device=x.device).triu(past + 1)
         scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
         pattern = self.hook_pattern(scores.softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        return torch.einsum("bqhd,hdm->bqm", z, self.W_O)
+        z = self.hook_z((pattern @ v.transpose(1, 2)).transpose(1, 2))  # [batch, pos, head, d_head]
+        return z.reshape(batch, n_pos, -1) @ self.W_O.reshape(-1, self.W_O.shape[-1])
 
 
-def _project(
-    x: Float[Tensor, "batch pos d_model"],
-    weight: Float[Tensor, "head d_model d_head"],
-    bias: Float[Tensor, "head d_head"] | None,
-) -> Float[Tensor, "batch pos head d_head"]:
-    out = torch.einsum("bpm,hmd->bphd", x, weight)
-    return out if bias is None else out + bias
+def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_model head_d_head"]:
+    """[head, d_model, d_head] -> [d_model, head * d_head], heads major (as x @ W_Q[h])."""
+    return weight.permute(1, 0, 2).reshape(weight.shape[1], -1)

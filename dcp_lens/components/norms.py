@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
@@ -22,6 +23,8 @@ class LayerNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if not (self.hook_scale.fwd_hooks or self.hook_normalized.fwd_hooks):
+            return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused, same math
         x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(x / scale * self.w + self.b)
@@ -38,6 +41,8 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if not (self.hook_scale.fwd_hooks or self.hook_normalized.fwd_hooks):
+            return F.rms_norm(x, self.w.shape, self.w, self.eps)  # fused, same math
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(x / scale * self.w)
 
