@@ -13,6 +13,7 @@ from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 from dcp_lens.registry import load
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--model", help=f"model spec (default: {DEFAULT_MODEL!r})")
     run.add_argument("--dense", help="a dense model spec to run as the negative control")
     run.add_argument("--task", help="task name, or char_lm:PATH (default: the model's own task)")
-    run.add_argument("--k", help="comma-separated k grid (default: every k up to r <= 16)")
+    run.add_argument("--k", help=K_HELP)
     run.add_argument("--metrics", help="comma-separated metrics (default: all the task defines)")
     run.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     run.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
@@ -44,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--batch", type=int, default=16)
     bench.add_argument("--seq", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--k", help="comma-separated k grid (default: every k up to r <= 16)")
+    bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--device", default="cpu")
 

@@ -7,7 +7,13 @@ import torch
 from test_model import make_model
 
 from dcp_lens import load, planted
-from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol import (
+    CONDITIONS,
+    METRICS,
+    DepthControlProtocol,
+    EvaluationSet,
+    _per_example_metrics,
+)
 
 N = 384  # sequences of 8 scored positions per split
 
@@ -92,25 +98,28 @@ def test_dense_model_runs_with_replay_marked_not_realizable():
     assert results.to_results_json()["replay_realizable"] is False
 
 
-def test_exploding_replay_is_reported_not_raised():
+def test_non_finite_states_are_reported_per_condition_not_raised():
     model = make_model()
     evaluation, calibration = lm_sets(model)
-    protocol = DepthControlProtocol(
-        model, metrics=("cross_entropy",), n_bootstrap=20, probe="none", progress=False
-    )
-    protocol.fit(calibration)
-    with torch.no_grad():  # make the first update astronomically large, so replay overflows
+    with torch.no_grad():  # every state overflows: nothing can be fitted or read out
         model.embed.W_E.mul_(1e300)
-    try:
-        results = protocol.run(evaluation, calibration)
-    finally:
-        with torch.no_grad():
-            model.embed.W_E.div_(1e300)
+    protocol = DepthControlProtocol(model, metrics=("cross_entropy",), n_bootstrap=20)
+    results = protocol.run(evaluation, calibration)
     flagged = results.nonfinite()
-    assert {"calibrate_replay", "shift"} <= set(flagged["condition"]), flagged
-    assert "truncate" not in set(flagged["condition"])  # LayerNorm reads huge states fine
-    table = results.table().set_index(["metric", "k"])
-    assert table["nonfinite"].any() and table["gap"].notna().all()
+    assert set(flagged["condition"]) == {"full", *CONDITIONS}
+    assert len(flagged) == 1 + len(CONDITIONS) * len(protocol.k_grid)
+    assert "truncate(1)" in results.metadata["calibration_failures"]
+    assert results.table()["gap"].isna().all()
+
+
+def test_a_non_finite_readout_marks_only_its_examples():
+    logits = torch.randn(3, 4, 7, dtype=torch.float64)
+    logits[1, 2] = float("inf")
+    targets = torch.randint(0, 7, (3, 4))
+    scores = _per_example_metrics(logits, logits.clone(), targets, METRICS)
+    for metric in METRICS:
+        assert scores[metric][[0, 2]].isfinite().all(), metric
+        assert not scores[metric][1].isfinite(), metric
 
 
 def test_bad_input_is_a_clear_error():
