@@ -105,7 +105,9 @@ def test_huginn_default_initial_state_is_its_truncated_normal_draw(
     # sqrt(2/5) before truncation at 3 sigma, whatever d_model is (the fixture README).
     assert abs(state.std().item() - 0.6325 * 0.9866) < 0.03
     assert state.abs().max().item() <= 3 * (2 / 5) ** 0.5 + 1e-5
-    assert torch.equal(model(tokens), logits), "the draw is seeded, so runs are paired"
+    # Seeded, so runs are paired (up to the fused norms used when nothing is cached).
+    assert _max_diff(model(tokens), logits) < 1e-5, "the draw is seeded, so runs are paired"
+    assert torch.equal(model(tokens), model(tokens))
     assert _max_diff(logits, huginn_reference["logits_steps_4"]) > 1e-2
 
 
