@@ -78,4 +78,5 @@ _BUILTIN_MODULES: list[str] = [
     "dcp_lens.loading.huginn",
     "dcp_lens.loading.ouro",
     "dcp_lens.loading.llama2c",
+    "dcp_lens.loading.bridge",
 ]

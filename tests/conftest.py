@@ -8,7 +8,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Small tensors: one thread avoids oversubscription on a busy 2-core machine.
+torch.set_num_threads(1)
 
 SHARED = Path(os.environ.get("DCP_LENS_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 

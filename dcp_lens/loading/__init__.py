@@ -1,15 +1,19 @@
 """Loaders of real checkpoints from local files (never pickle, never code from a checkpoint).
 
-``dcp_lens.load("huginn:PATH")``, ``load("ouro:PATH")`` and ``load("llama2c:PATH")`` dispatch here:
+``dcp_lens.load("huginn:PATH")``, ``load("ouro:PATH")``, ``load("llama2c:PATH")`` and
+``load("bridge:PATH")`` dispatch here:
 
 - `huginn`: Huginn-0125 (config.json + safetensors, original key names).
 - `ouro`: Ouro LoopLM, as an `OuroRecurrentTransformer` with its early-exit gate.
 - `llama2c`: llama2.c version-0 ``.bin`` checkpoints with their tokenizer (stories260K).
+- `bridge`: any dense TransformerLens 4 `TransformerBridge` (a local Hugging Face folder) as a
+  `BridgeModel`, the negative control through the bridge's own hooks.
 - `checkpoint_files`: safetensors reading (single or sharded), key/shape checks, meta-device build.
 """
 
 from __future__ import annotations
 
+from dcp_lens.loading.bridge import BridgeModel, load_bridge
 from dcp_lens.loading.checkpoint_files import SafetensorsCheckpoint
 from dcp_lens.loading.huginn import huginn_config, load_huginn
 from dcp_lens.loading.llama2c import llama2c_config, load_llama2c
@@ -22,12 +26,14 @@ from dcp_lens.loading.ouro import (
 )
 
 __all__ = [
+    "BridgeModel",
     "ExitOutputs",
     "OuroRecurrentTransformer",
     "SafetensorsCheckpoint",
     "exit_distribution",
     "huginn_config",
     "llama2c_config",
+    "load_bridge",
     "load_huginn",
     "load_llama2c",
     "load_ouro",
