@@ -226,6 +226,9 @@ class DepthControlProtocol:
             )
             for metric in self.metrics
         }
+        probe_summary["s_rank_correlation"] = _probe_s_rank_correlation(
+            probe_summary, decompositions[self.metrics[0]]
+        )
         return ProtocolResults(
             model=self.spec,
             architecture="dense" if self.model.is_dense else "recurrent",
@@ -561,6 +564,23 @@ class _Subsample:
 
     def tensor(self) -> Tensor | None:
         return torch.cat(self.chunks) if self.chunks else None
+
+
+def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> float:
+    """Spearman correlation over k of the probe's Mahalanobis score of s_k with S(k) (DESIGN §5):
+    does the directly measured readout shift order the k's as the S component does?"""
+    by_iteration = {row["iteration"]: row["mahalanobis"] for row in probe.get("trajectory", [])}
+    pairs = [
+        (by_iteration.get(k, math.nan), float(s))
+        for k, s in zip(decomposition.k_grid, decomposition.cells["S"], strict=True)
+    ]
+    pairs = [(m, s) for m, s in pairs if math.isfinite(m) and math.isfinite(s)]
+    if len(pairs) < 3:
+        return math.nan
+    ranks = torch.tensor(pairs, dtype=torch.float64).argsort(0).argsort(0).double()
+    ranks = ranks - ranks.mean(0)
+    denominator = float(ranks.norm(dim=0).prod())
+    return float((ranks[:, 0] * ranks[:, 1]).sum()) / denominator if denominator else math.nan
 
 
 def _apply(mapping: AffineCalibration | None, state: Tensor) -> Tensor:

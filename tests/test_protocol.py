@@ -53,6 +53,7 @@ def test_probe_separates_truncated_states_on_the_readout_shift_model():
     trajectory = {row["iteration"]: row for row in probe["trajectory"]}
     assert trajectory[1]["auroc"] >= 0.95 and trajectory[1]["mahalanobis"] > 3
     assert trajectory[model.n_iterations]["mahalanobis"] == pytest.approx(1.0, abs=0.2)
+    assert probe["s_rank_correlation"] > 0.5  # the probe orders the k's as S(k) does
     for row in probe["calibrate_truncate"]:  # calibration matches the moments by construction
         assert row["mahalanobis"] == pytest.approx(1.0, abs=0.2), row
 
