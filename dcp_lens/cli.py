@@ -37,6 +37,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=Path, help="output folder")
 
+    train = commands.add_parser("train", help="train a model on a task preset")
+    train.add_argument("--preset", default="default", help="training preset (tiny, default)")
+    train.add_argument("--regime", default="fixed", help="fixed, sampled, every-iteration, dense")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--steps", type=int, help="override the preset's number of steps")
+    train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
+    train.add_argument("--out", required=True, type=Path, help="run folder (resumed if present)")
+
     bench = commands.add_parser("bench", help="cost of the sweep, naive sweep, hooks-off forward")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--d-model", type=int, default=256)
@@ -53,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "train":
+            return _train(args)
         if args.command == "bench":
             from dcp_lens.bench import print_bench, run_bench
 
@@ -96,6 +106,19 @@ def _run(args: argparse.Namespace) -> int:
         _summarise(results)
     write_results_json(runs, args.out / "results.json")
     print(f"wrote {args.out / 'results.json'}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dcp_lens.training import preset, train
+
+    overrides = {"steps": args.steps} if args.steps is not None else {}
+    config = preset(args.preset, regime=args.regime, seed=args.seed, **overrides)
+    result = train(config, args.out, resume=not args.no_resume)
+    if result.accuracy_table is not None:
+        print(result.accuracy_table.format())
+    model_dir = args.out / "model"
+    print(f"model in {model_dir}; diagnose it with: dcp-lens run --model {model_dir}")
     return 0
 
 

@@ -43,6 +43,7 @@ from dcp_lens.config import RecurrentConfig
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+TASK_FILE = "task.json"
 
 
 class IterationHooks(nn.Module):
@@ -65,6 +66,8 @@ class HookedRecurrentTransformer(HookedRootModule):
             enables `to_tokens`, `to_string` and string input to `generate`.
     """
 
+    # The task a saved model was trained on (``task.json`` beside its weights), for `dcp-lens run`.
+    task_config: dict[str, Any] | None = None
     rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
     rotary_sin: Tensor
 
@@ -692,6 +695,8 @@ class HookedRecurrentTransformer(HookedRootModule):
         if state:  # the model takes the checkpoint's dtype
             model.to(next(iter(state.values())).dtype)
         model.load_canonical_state_dict(state, source=str(weights_path))
+        if (folder / TASK_FILE).is_file():
+            model.task_config = json.loads((folder / TASK_FILE).read_text())
         if device is not None:
             model.to(device)
         return model.eval()

@@ -44,6 +44,7 @@ from dcp_lens.training.regimes import RegimeConfig, build_model, readout_logits,
 CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.json"
 TABLE_FILE = "accuracy_table.json"
+TASK_FILE = "task.json"
 MODEL_DIR = "model"
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT_TENSORS = "state.safetensors"
@@ -514,6 +515,7 @@ def train(
         timing = seconds_per_step if done else None  # JSON has no NaN
         if state.step == config.steps:
             model.save_pretrained(out / MODEL_DIR)
+            _write_json(out / MODEL_DIR / TASK_FILE, config.task)  # `dcp-lens run` reads it
             extra = 0 if model.is_dense else config.table_extra_iterations
             table = evaluate_accuracy(
                 model,
