@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.training.regimes import readout_logits
-from dcp_lens.training.trainer import deterministic_torch
+from dcp_lens.training.trainer import decay_groups, deterministic_torch, warmup_cosine
 
 ORIGINAL_DIR = "original"
 RETROFIT_DIR = "retrofit"
@@ -298,13 +298,9 @@ def distill(
     }
     report = DistillationReport(settings=settings)
     named = student.canonical_state_dict()
-    groups = [
-        {"params": [p for p in named.values() if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=lr)
+    optimizer = torch.optim.AdamW(decay_groups(named, weight_decay), lr=lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _learning_rate_factor(step, steps, warmup, min_lr_ratio)
+        optimizer, lambda step: warmup_cosine(step, steps, warmup, min_lr_ratio)
     )
     generator = torch.Generator().manual_seed(seed)
     batches = _BatchStream(corpus.train, batch_size, generator)
@@ -353,14 +349,6 @@ def _iteration_choices(
     if not choices or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in choices):
         raise ValueError(f"n_iterations={n_iterations!r} must be an int >= 1 or a list of them.")
     return choices
-
-
-def _learning_rate_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate: linear warmup, then cosine decay to min_ratio."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class _BatchStream:

@@ -382,14 +382,26 @@ class TrainResult:
     seconds_per_step: float
 
 
+def warmup_cosine(step: int, steps: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at optimiser step ``step`` (0-based): linear warmup
+    over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def learning_rate(config: TrainConfig, step: int) -> float:
     """The learning rate of optimiser step ``step`` (0-based): warmup, then cosine decay."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    floor = config.lr * config.min_lr_ratio
-    return floor + (config.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * warmup_cosine(step, config.steps, config.warmup_steps, config.min_lr_ratio)
+
+
+def decay_groups(named: dict[str, torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: matrices decay, vectors (norms, biases) do not."""
+    return [
+        {"params": [p for p in named.values() if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def scheduled_max_hops(config: TrainConfig, task_max_hops: int, step: int) -> int:
@@ -430,14 +442,12 @@ def make_optimizer(
             "canonical_state_dict() does not hold exactly the model's parameters, so the "
             "optimizer state cannot be checkpointed by name; fix canonical_state_dict."
         )
-    decay = [name for name, p in named.items() if p.ndim >= 2]
-    no_decay = [name for name, p in named.items() if p.ndim < 2]
-    groups = [
-        {"params": [named[n] for n in decay], "weight_decay": config.weight_decay},
-        {"params": [named[n] for n in no_decay], "weight_decay": 0.0},
+    order = [n for n, p in named.items() if p.ndim >= 2] + [
+        n for n, p in named.items() if p.ndim < 2
     ]
+    groups = decay_groups(named, config.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
-    return optimizer, decay + no_decay
+    return optimizer, order
 
 
 @dataclass
