@@ -3,8 +3,8 @@
 Reported (medians over repeats):
 - ``sweep_over_forward``: the whole fast sweep (calibration fit + every condition at every k on the
   evaluation batch) against one full-depth forward of the evaluation batch;
-- ``naive_over_sweep``: the same sweep done naively, every condition re-run through its hooks at
-  every k, against the fast sweep (both include the same calibration fit);
+- ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
+  through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
   a plain PyTorch loop over the same weights (below, written without the library's modules);
 - ``peak_memory_mb``: the process's peak resident memory (CPU) or peak allocated memory (CUDA).
@@ -77,15 +77,19 @@ def plain_forward(
     return x @ weights["unembed.W_U"]
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    times = []
+def _median_seconds(
+    runs: dict[str, Callable[[], Any]], repeats: int, device: torch.device
+) -> dict[str, float]:
+    """Median wall time of each run; the runs alternate, so drifting machine load hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in runs.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            fn()
+            _synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -101,7 +105,7 @@ def run_bench(
     seq: int = 128,
     d_vocab: int = 512,
     repeats: int = 5,
-    sweep_repeats: int = 1,
+    sweep_repeats: int = 3,
     k_grid: list[int] | None = None,
     device: str = "cpu",
     naive: bool = True,
@@ -125,10 +129,6 @@ def run_bench(
     )
     with torch.no_grad():
         model(evaluation.tokens)  # warm up
-        plain = _median_seconds(
-            lambda: plain_forward(weights, cfg, evaluation.tokens, n_iterations), repeats, target
-        )
-        forward = _median_seconds(lambda: model(evaluation.tokens), repeats, target)
         check = (
             (
                 plain_forward(weights, cfg, evaluation.tokens, n_iterations)
@@ -137,6 +137,15 @@ def run_bench(
             .abs()
             .max()
         )
+        forwards = _median_seconds(
+            {
+                "forward": lambda: model(evaluation.tokens),
+                "plain": lambda: plain_forward(weights, cfg, evaluation.tokens, n_iterations),
+            },
+            repeats,
+            target,
+        )
+        forward, plain = forwards["forward"], forwards["plain"]
         if target.type == "cuda":
             torch.cuda.reset_peak_memory_stats(target)
 
@@ -144,7 +153,14 @@ def run_bench(
             protocol.fit(calibration)
             protocol._evaluate(evaluation)
 
-        sweep_seconds = _median_seconds(sweep, sweep_repeats, target)
+        def naive_sweep() -> None:
+            protocol.fit(calibration)
+            protocol.condition_logits(evaluation.tokens, "full", protocol.r, via="hooks")
+            for k in protocol.k_grid:
+                for condition in CONDITIONS:
+                    protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
+
+        sweep_seconds = _median_seconds({"sweep": sweep}, sweep_repeats, target)["sweep"]
         peak = (
             torch.cuda.max_memory_allocated(target) / 2**20
             if target.type == "cuda"
@@ -152,14 +168,7 @@ def run_bench(
         )
         naive_seconds = math.nan
         if naive:
-
-            def naive_sweep() -> None:
-                protocol.fit(calibration)
-                for k in protocol.k_grid:
-                    for condition in ("full",) + CONDITIONS:
-                        protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
-
-            naive_seconds = _median_seconds(naive_sweep, 1, target)
+            naive_seconds = _median_seconds({"naive": naive_sweep}, 1, target)["naive"]
     return {
         "model": {
             "d_model": d_model, "n_prelude": 1, "n_core": n_core, "n_iterations": n_iterations,

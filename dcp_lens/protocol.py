@@ -258,8 +258,9 @@ class DepthControlProtocol:
             ("full", self.r): StreamingMoments()
         }
         for k in self.k_grid:
-            streams["truncate", k] = StreamingMoments()
-            streams["replay", k] = StreamingMoments()
+            if k < self.r:  # at k = r truncate and replay leave s_r: the reference stream itself
+                streams["truncate", k] = StreamingMoments()
+                streams["replay", k] = StreamingMoments()
         sample = _Subsample(self.probe_points, len(calibration), self.seed)
         for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
             states, _ = self.states(calibration.tokens[rows])
@@ -281,10 +282,13 @@ class DepthControlProtocol:
                 return None
             return AffineCalibration.fit(source, reference, self.calibration_mode)
 
+        full = fit(reference)
+        below_r = [k for k in self.k_grid if k < self.r]
+        # At k = r both conditions read s_r, so their calibration is calibrate(full).
         self.calibrations = _Calibrations(
-            truncate={k: fit(streams["truncate", k]) for k in self.k_grid},
-            replay={k: fit(streams["replay", k]) for k in self.k_grid},
-            full=fit(reference),
+            truncate={**{k: fit(streams["truncate", k]) for k in below_r}, self.r: full},
+            replay={**{k: fit(streams["replay", k]) for k in below_r}, self.r: full},
+            full=full,
         )
         return sample.tensor()
 
@@ -376,21 +380,31 @@ class DepthControlProtocol:
         for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
-            self._record(per_example, ("full", 0), full_logits, full_logits, targets)
+            full_log_probs = full_logits.log_softmax(-1)
+            self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
+            # At k = r replay reads s_r like truncate, and calibrate_replay uses calibrate(full)
+            # like calibrate_truncate: three readouts, which are also the null control.
+            at_r = ("truncate", "calibrate_truncate", "shift")
             for k in self.k_grid:
-                # The five conditions of one k share one readout call: a 5x larger batch.
-                inputs = torch.cat([self.readout_inputs(states, c, k) for c in CONDITIONS])
-                readouts = self.model.readout(inputs).chunk(len(CONDITIONS))
-                for condition, logits in zip(CONDITIONS, readouts, strict=True):
-                    self._record(per_example, (condition, k), logits, full_logits, targets)
-            checks = {
-                "truncate_replay_at_r": states[self.r],
-                "calibrate_full": _apply(cal.full, states[self.r]),
-            }
-            if self.r in cal.truncate:
-                checks["shift_at_r"] = self.readout_inputs(states, "shift", self.r)
-            for name, inputs in checks.items():
-                null[name] = max(null[name], _max_diff(self.model.readout(inputs), full_logits))
+                # The conditions of one k share one readout call: a larger batch.
+                conditions = CONDITIONS if k < self.r else at_r
+                inputs = torch.cat([self.readout_inputs(states, c, k) for c in conditions])
+                readouts = dict(
+                    zip(conditions, self.model.readout(inputs).chunk(len(conditions)), strict=True)
+                )
+                if k == self.r:
+                    readouts["replay"] = readouts["truncate"]
+                    readouts["calibrate_replay"] = readouts["calibrate_truncate"]
+                for condition in CONDITIONS:
+                    self._record(
+                        per_example, (condition, k), readouts[condition], full_log_probs, targets
+                    )
+            if self.r not in self.k_grid:
+                readouts = {
+                    c: self.model.readout(self.readout_inputs(states, c, self.r)) for c in at_r
+                }
+            for name, condition in zip(null, at_r, strict=True):
+                null[name] = max(null[name], _max_diff(readouts[condition], full_logits))
             if self.probe_mode != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
@@ -429,11 +443,11 @@ class DepthControlProtocol:
         per_example: dict[tuple[str, str, int], list[Tensor]],
         cell: tuple[str, int],
         logits: Tensor,
-        full_logits: Tensor,
+        full_log_probs: Tensor,
         targets: Tensor,
     ) -> None:
         for metric, value in _per_example_metrics(
-            logits, full_logits, targets, self.metrics
+            logits, full_log_probs, targets, self.metrics
         ).items():
             per_example.setdefault((metric, *cell), []).append(value)
 
@@ -595,11 +609,13 @@ def _replay_state(states: Tensor, k: int, r: int) -> Tensor:
 
 def _per_example_metrics(
     logits: Float[Tensor, "batch pos d_vocab"],
-    full_logits: Float[Tensor, "batch pos d_vocab"],
+    full_log_probs: Float[Tensor, "batch pos d_vocab"],
     targets: Int[Tensor, "batch pos"],
     metrics: Sequence[str],
 ) -> dict[str, Float[Tensor, " batch"]]:
-    """Each metric averaged over an example's scored positions: [batch] per metric."""
+    """Each metric averaged over an example's scored positions: [batch] per metric.
+
+    ``full_log_probs`` are the full-depth log-probabilities, the reference of ``kl_to_full``."""
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).clamp(min=1).to(logits.dtype)
     log_probs = logits.log_softmax(-1)
@@ -614,7 +630,6 @@ def _per_example_metrics(
         correct = torch.where(torch.isfinite(logits).all(-1), correct, torch.nan)
         out["accuracy"] = (correct * scored).nansum(-1) / count + _nan_if_any(correct, scored)
     if "kl_to_full" in metrics:
-        full_log_probs = full_logits.log_softmax(-1)
         kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
         out["kl_to_full"] = (kl * scored).sum(-1) / count
     return out

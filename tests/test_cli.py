@@ -42,3 +42,16 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
     assert (
         main(["run", "--model", "planted:block_count", "--k", "1,x", "--out", str(tmp_path)]) == 2
     )
+
+
+def test_bench_json_reports_the_design_keys(capsys):
+    code = main(
+        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch", "2", "--seq", "8",
+         "--repeats", "1"]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("sweep_over_forward", "naive_over_sweep", "hooks_off_over_plain", "peak_memory_mb"):
+        assert result[key] > 0, key
+    assert result["model"]["n_layers"] == 1 + 2 * 3 + 1
+    assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
