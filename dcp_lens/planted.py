@@ -153,9 +153,7 @@ def readout_shift(
     return model
 
 
-def distinct_computation(
-    size: int = 13, n_iterations: int = 8, seed: int = 0
-) -> PlantedModel:
+def distinct_computation(size: int = 13, n_iterations: int = 8, seed: int = 0) -> PlantedModel:
     """D only: DCP must attribute the gap to distinct computation (D ~ gap; S, B ~ 0).
 
     The state is a one-hot node of a ``size``-cycle; each iteration moves it one step (a
