@@ -354,7 +354,7 @@ class HookedRecurrentTransformer(HookedRootModule):
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
             x = self.blocks[i](x, rotary, cache)
-        if stop < n_layers:
+        if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
             return x
         return self._finish(x, return_type, tokens, loss_per_token)
 

@@ -251,6 +251,10 @@ def test_start_and_stop_at_layer_compose_to_the_full_forward():
         resumed = model(middle, start_at_layer=split, prelude_output=e)
         assert (resumed - full).abs().max() <= TOL, split
     assert (model.readout(cache[model.readout_hook_name]) - full).abs().max() <= TOL
+    final_stream = model(tokens, stop_at_layer=model.cfg.n_layers)
+    assert (
+        final_stream - cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    ).abs().max() <= TOL
     with pytest.raises(ValueError, match="prelude_output"):
         model(cache["blocks.3.hook_resid_pre"], start_at_layer=3)
 
