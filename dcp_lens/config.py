@@ -161,16 +161,12 @@ class RecurrentConfig(TransformerLensConfig):
 
     def to_dict(self) -> dict[str, Any]:
         """The constructor fields as plain JSON values (derived fields left out)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.init and f.name not in _DERIVED_FIELDS and f.name in _own_field_names()
-        }
+        return {name: getattr(self, name) for name in SERIALISED_FIELDS}
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any]) -> RecurrentConfig:
         """Build a config from `to_dict` output; unknown or missing keys are an error."""
-        known = _own_field_names()
+        known = set(SERIALISED_FIELDS)
         unknown = sorted(set(config_dict) - known - set(_DERIVED_FIELDS))
         if unknown:
             raise ValueError(
@@ -201,24 +197,14 @@ class RecurrentConfig(TransformerLensConfig):
         return f"RecurrentConfig({inner})"
 
 
-_OWN_FIELDS: set[str] = set()
-
-
-def _own_field_names() -> set[str]:
-    """Fields a RecurrentConfig is built from: ours plus the TransformerLens ones we use."""
-    if not _OWN_FIELDS:
-        ours = {f.name for f in dataclasses.fields(RecurrentConfig) if f.init}
-        # TransformerLens fields we derive or never read stay out of the file format.
-        unused = {
-            "use_attn_result",
-            "use_split_qkv_input",
-            "attn_only",
-            "gated_mlp",
-            "uses_rms_norm",
-            "layer_norm_folding",
-            "num_experts",
-            "experts_per_token",
-            "final_rms",
-        }
-        _OWN_FIELDS.update(ours - unused - set(_DERIVED_FIELDS))
-    return _OWN_FIELDS
+# TransformerLens fields that are derived here or never read stay out of the file format.
+_UNUSED_TL_FIELDS = {
+    "use_attn_result", "use_split_qkv_input", "attn_only", "gated_mlp", "uses_rms_norm",
+    "layer_norm_folding", "num_experts", "experts_per_token", "final_rms",
+}  # fmt: skip
+# The fields a config file holds: every constructor field but the derived and unused ones.
+SERIALISED_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(RecurrentConfig)
+    if f.init and f.name not in _UNUSED_TL_FIELDS and f.name not in _DERIVED_FIELDS
+)
