@@ -366,3 +366,14 @@ def heads_out(
 ) -> Float[Tensor, "head d_head d_model"]:
     """An ``nn.Linear`` output weight [d_model, heads * d_head] -> W_O [head, d_head, d_model]."""
     return weight.T.unflatten(0, (n_heads, -1)).contiguous()
+
+
+def drop_tied_head(tensors: dict[str, Tensor], head: str, embedding: str, source: str) -> None:
+    """Remove the stored copy of a tied unembedding, after checking it equals the embedding
+    (the model ties the two itself; a differing copy means an inconsistent checkpoint)."""
+    stored = tensors.pop(head, None)
+    if stored is not None and not torch.equal(stored, tensors[embedding]):
+        raise ValueError(
+            f"{source}: {head!r} differs from {embedding!r}, but the config ties them; the "
+            "checkpoint is inconsistent."
+        )

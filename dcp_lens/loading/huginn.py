@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from dcp_lens.config import RecurrentConfig
@@ -34,6 +33,7 @@ from dcp_lens.loading.checkpoint_files import (
     Shape,
     build_model,
     check_tensor_shapes,
+    drop_tied_head,
     heads_in,
     heads_out,
     read_json,
@@ -202,11 +202,6 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
     keys = [key for key in checkpoint.shapes if key != ROPE_BUFFER]
     tensors = checkpoint.read(keys, dtype=dtype)
-    head = tensors.pop(TIED_HEAD, None)
-    if head is not None and not torch.equal(head, tensors["transformer.wte.weight"]):
-        raise ValueError(
-            f"{checkpoint.source}: {TIED_HEAD!r} differs from 'transformer.wte.weight', but "
-            "Huginn ties them (tie_embeddings=True); the checkpoint is inconsistent."
-        )
+    drop_tied_head(tensors, TIED_HEAD, "transformer.wte.weight", checkpoint.source)
     state = huginn_state_dict(tensors, cfg)
     return build_model(HookedRecurrentTransformer, cfg, state, checkpoint.source, device=device)

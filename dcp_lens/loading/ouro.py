@@ -38,6 +38,7 @@ from dcp_lens.loading.checkpoint_files import (
     Shape,
     build_model,
     check_tensor_shapes,
+    drop_tied_head,
     heads_in,
     heads_out,
     read_json,
@@ -345,11 +346,7 @@ def load_ouro(path: str | Path, **overrides: Any) -> OuroRecurrentTransformer:
     expected, optional = ouro_tensor_shapes(cfg)
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
     tensors = checkpoint.read(dtype=dtype)
-    head = tensors.pop(HEAD, None) if cfg.tie_unembed else None
-    if head is not None and not torch.equal(head, tensors["model.embed_tokens.weight"]):
-        raise ValueError(
-            f"{checkpoint.source}: {HEAD!r} differs from 'model.embed_tokens.weight', but the "
-            "config ties them (tie_word_embeddings=true); the checkpoint is inconsistent."
-        )
+    if cfg.tie_unembed:
+        drop_tied_head(tensors, HEAD, "model.embed_tokens.weight", checkpoint.source)
     state = ouro_state_dict(tensors, cfg)
     return build_model(OuroRecurrentTransformer, cfg, state, checkpoint.source, device=device)
