@@ -1,4 +1,5 @@
-"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``bench`` (what it costs)."""
+"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``train``, ``experiment``
+(the controlled training intervention) and ``bench`` (what it costs)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from dcp_lens.decomposition import ProtocolResults, write_results_json
-from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
 from dcp_lens.registry import load
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+EXPERIMENTS = ("training-intervention",)
 K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 
 
@@ -45,6 +46,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
     train.add_argument("--out", required=True, type=Path, help="run folder (resumed if present)")
 
+    experiment = commands.add_parser("experiment", help="run one of the experiments of DESIGN.md")
+    experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
+    experiment.add_argument("--preset", default="default", help="training preset (tiny, default)")
+    experiment.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    experiment.add_argument("--regimes", help="comma-separated training regimes (default: all)")
+    experiment.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
+    experiment.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
+    experiment.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
+    experiment.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
+    experiment.add_argument("--device", default="cpu")
+    experiment.add_argument("--quiet", action="store_true", help="no progress bars")
+    experiment.add_argument("--out", required=True, type=Path, help="experiment folder (resumed)")
+
     bench = commands.add_parser("bench", help="cost of the sweep, naive sweep, hooks-off forward")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--d-model", type=int, default=256)
@@ -63,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "experiment":
+            return _experiment(args)
         if args.command == "bench":
             from dcp_lens.bench import print_bench, run_bench
 
@@ -122,32 +138,24 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def task_data(
-    model: Any, task: str | None, n_eval: int, n_calibration: int, seed: int
-) -> tuple[EvaluationSet, EvaluationSet]:
-    """Evaluation and calibration sets for a model: its planted task, the task it was trained on
-    (``model.task_config``), or ``task`` (a task name, or ``char_lm:PATH``)."""
-    planted = getattr(model, "planted_task", None)
-    if planted is not None and task is None:
-        return planted.evaluation(n_eval), planted.calibration(n_calibration)
-    from dcp_lens.tasks import get_task
+def _experiment(args: argparse.Namespace) -> int:
+    from dcp_lens.experiment import markdown_table, run_training_intervention
+    from dcp_lens.training import REGIMES
 
-    if task is not None:
-        name, _, path = task.partition(":")
-        kwargs: dict[str, Any] = {"path": path} if path else {}
-        built = get_task(name, seed=seed, **kwargs)
-    elif getattr(model, "task_config", None):
-        built = get_task(**model.task_config)
-    else:
-        raise ValueError("this model has no task of its own; pass --task NAME (or char_lm:PATH).")
-    if built.d_vocab > model.cfg.d_vocab:
-        raise ValueError(
-            f"task {built.describe()} has {built.d_vocab} tokens, more than the model's "
-            f"d_vocab={model.cfg.d_vocab}."
-        )
-    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval))
-    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration))
-    return evaluation, calibration
+    regimes = REGIMES if args.regimes is None else (_names(args.regimes) or ())
+    document = run_training_intervention(
+        args.out, preset=args.preset, seeds=_ints(args.seeds, "--seeds") or (),
+        regimes=regimes, n_eval=args.n_eval,
+        n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, probe=args.probe,
+        device=args.device, progress=not args.quiet,
+    )  # fmt: skip
+    print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
+    print("\n".join(markdown_table(document["regimes"])))
+    for regime, checks in document["verdict"].items():
+        labels = ", ".join(f"{name} {check['label']}" for name, check in checks.items())
+        print(f"{regime}: {labels}")
+    print(f"wrote {args.out / 'intervention.json'} and {args.out / 'intervention.md'}")
+    return 0
 
 
 def _summarise(results: ProtocolResults) -> None:
@@ -163,13 +171,13 @@ def _folder_name(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
 
 
-def _ints(text: str | None) -> list[int] | None:
+def _ints(text: str | None, flag: str = "--k") -> list[int] | None:
     if not text:
         return None
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as error:
-        raise ValueError(f"--k must be comma-separated integers, got {text!r}.") from error
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}.") from error
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

@@ -558,6 +558,41 @@ class DepthControlProtocol:
         return tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False)
 
 
+def task_data(
+    model: Any, task: str | None, n_eval: int, n_calibration: int, seed: int
+) -> tuple[EvaluationSet, EvaluationSet]:
+    """Evaluation and calibration sets for a model: its planted task, the task it was trained on
+    (``model.task_config``), or ``task`` (a task name, or ``char_lm:PATH``, built with ``seed``).
+
+    Returns:
+        ``(evaluation, calibration)``: ``n_eval`` and ``n_calibration`` sequences from the task's
+        disjoint evaluation and calibration splits.
+    """
+    planted = getattr(model, "planted_task", None)
+    if planted is not None and task is None:
+        return planted.evaluation(n_eval), planted.calibration(n_calibration)
+    from dcp_lens.tasks import get_task
+
+    if task is not None:
+        name, _, path = task.partition(":")
+        kwargs: dict[str, Any] = {"path": path} if path else {}
+        built = get_task(name, seed=seed, **kwargs)
+    elif getattr(model, "task_config", None):
+        built = get_task(**model.task_config)
+    else:
+        raise ValueError(
+            "this model has no task of its own; pass a task name or char_lm:PATH (--task)."
+        )
+    if built.d_vocab > model.cfg.d_vocab:
+        raise ValueError(
+            f"task {built.describe()} has {built.d_vocab} tokens, more than the model's "
+            f"d_vocab={model.cfg.d_vocab}."
+        )
+    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval))
+    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration))
+    return evaluation, calibration
+
+
 class _Subsample:
     """A fixed-size random subsample of rows streamed in batches (for the probe)."""
 
