@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
     experiment.add_argument("--preset", default="default", help="training preset (tiny, default)")
     experiment.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
+    experiment.add_argument(
+        "--dense-seeds", help="seeds of the dense control (default: the first of --seeds)"
+    )
     experiment.add_argument("--regimes", help="comma-separated training regimes (default: all)")
     experiment.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     experiment.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
@@ -146,6 +149,7 @@ def _experiment(args: argparse.Namespace) -> int:
     document = run_training_intervention(
         args.out, preset=args.preset, seeds=_ints(args.seeds, "--seeds") or (),
         regimes=regimes, n_eval=args.n_eval,
+        dense_seeds=None if args.dense_seeds is None else _ints(args.dense_seeds, "--dense-seeds"),
         n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, probe=args.probe,
         device=args.device, progress=not args.quiet,
     )  # fmt: skip

@@ -65,6 +65,7 @@ def run_training_intervention(
     seeds: Sequence[int] = (0, 1, 2),
     regimes: Sequence[str] = REGIMES,
     *,
+    dense_seeds: Sequence[int] | None = None,
     n_eval: int = 512,
     n_calibration: int = 512,
     n_bootstrap: int = 200,
@@ -78,7 +79,9 @@ def run_training_intervention(
     Args:
         out_dir: the experiment folder (see the module docstring); an existing one is continued.
         preset: a training preset of `dcp_lens.training.PRESETS` (``tiny`` for smoke runs).
-        seeds: training seeds, used for every regime (the dense control included).
+        seeds: training seeds of the recurrent regimes.
+        dense_seeds: training seeds of the dense negative control; None: the first of
+            ``seeds`` (the control is one model; more seeds give it an interval too).
         regimes: any of `dcp_lens.training.REGIMES`; the verdict needs ``fixed`` and the
             regime it tests.
         n_eval, n_calibration: DCP evaluation and calibration sequences from the task's own
@@ -95,6 +98,11 @@ def run_training_intervention(
         ``verdict``.
     """
     seeds, regimes = _check_arguments(preset, seeds, regimes, probe)
+    dense_seeds = (
+        seeds[:1]
+        if dense_seeds is None
+        else _check_arguments(preset, dense_seeds, regimes, probe)[0]
+    )
     for name, value, minimum in (
         ("n_eval", n_eval, 1),
         ("n_calibration", n_calibration, 1),
@@ -112,7 +120,11 @@ def run_training_intervention(
         "confidence": CONFIDENCE,
     }
     runs: dict[str, list[tuple[int, ProtocolResults]]] = {regime: [] for regime in regimes}
-    plan = [(regime, seed) for regime in regimes for seed in seeds]
+    plan = [
+        (regime, seed)
+        for regime in regimes
+        for seed in (dense_seeds if regime == NEGATIVE_CONTROL else seeds)
+    ]
     overrides = {} if device == "cpu" else {"device": device}  # a run field: resumable anywhere
     for regime, seed in tqdm(plan, desc="intervention", disable=not progress):
         folder = out / RUNS_DIR / f"{regime}-seed{seed}"

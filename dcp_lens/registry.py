@@ -75,6 +75,7 @@ def _import_builtin_kinds() -> None:
 
 _BUILTIN_MODULES: list[str] = [
     "dcp_lens.planted",
+    "dcp_lens.bundled",
     "dcp_lens.loading.huginn",
     "dcp_lens.loading.ouro",
     "dcp_lens.loading.llama2c",

@@ -45,7 +45,7 @@ def experiment(tmp_path_factory) -> tuple[Path, str]:
     with contextlib.redirect_stdout(printed):
         code = main(
             ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0,1",
-             *CLI_SETTINGS, "--quiet", "--out", str(out)]
+             "--dense-seeds", "0,1", *CLI_SETTINGS, "--quiet", "--out", str(out)]
         )  # fmt: skip
     assert code == 0
     return out, printed.getvalue()
@@ -136,7 +136,9 @@ def test_a_rerun_resumes_without_retraining_and_writes_the_same_json(experiment)
     files = [p for p in (out / "runs").rglob("*") if p.is_file()]
     assert any(p.name == "model.safetensors" for p in files)
     stamps = {p: p.stat().st_mtime_ns for p in files}
-    returned = run_training_intervention(out, "tiny", SEEDS, progress=False, **SETTINGS)
+    returned = run_training_intervention(
+        out, "tiny", SEEDS, dense_seeds=SEEDS, progress=False, **SETTINGS
+    )
     assert {p: p.stat().st_mtime_ns for p in files} == stamps
     assert (out / "intervention.json").read_text() == before
     assert returned == json.loads(before)
@@ -286,3 +288,11 @@ def test_the_cli_reports_bad_input(tmp_path, capsys):
     assert "--seeds must be comma-separated integers" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["experiment", "another-experiment", "--out", out])
+
+
+def test_the_dense_control_defaults_to_the_first_seed(tmp_path):
+    document = run_training_intervention(
+        tmp_path, "tiny", (3, 4), ("dense",), progress=False, **SETTINGS
+    )
+    assert document["regimes"]["dense"]["seeds"] == [3]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dense-seed3"]

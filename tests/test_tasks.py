@@ -23,25 +23,45 @@ VARIABLE_BINDING_CONFIGS = [
     {"n_variables": 24, "n_lines": 12, "max_hops": 8, "chain_layout": "longest"},
     {"n_variables": 16, "n_lines": 6, "max_hops": 6, "queries": "one", "chain_layout": "longest"},
     {"n_variables": 26, "n_lines": 10, "max_hops": 1, "n_ctx": 100},
+    {"line_format": "token"},
+    {"show_answers": False, "queries": "one", "query_first": True},
+    # the default preset's task
+    {
+        "n_variables": 8,
+        "n_lines": 8,
+        "max_hops": 4,
+        "chain_layout": "longest",
+        "line_format": "token",
+        "show_answers": False,
+    },
 ]
 
 
 # --- an independent solver, working only from the decoded text ---------------------------------
 
 
-def parse(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """The assignments and the ``(query, written answer)`` pairs that follow the program."""
+def parse(text: str) -> tuple[dict[str, str], list[tuple[str, str | None]]]:
+    """The assignments and the ``(query, written answer or None)`` pairs after the program."""
     words = [w for w in text.split() if w not in ("<bos>", "<pad>")]
     assignments: dict[str, str] = {}
-    asked: list[tuple[str, str]] = []
+    asked: list[tuple[str, str | None]] = []
     i = 0
     while i < len(words):
         if words[i] == "?":
-            if words[i + 2] == ";":  # a query stated before the program
+            following = words[i + 2] if i + 2 < len(words) else None
+            if following == ";":  # a query stated before the program
                 i += 3
-                continue
-            asked.append((words[i + 1], words[i + 2]))
-            i += 3
+            elif following is not None and following.isdigit():  # the answer is written
+                asked.append((words[i + 1], following))
+                i += 3
+            else:
+                asked.append((words[i + 1], None))
+                i += 2
+        elif len(words[i]) > 1 and "=" in words[i]:  # one token per line: "c=b"
+            variable, value = words[i].split("=")
+            assert variable not in assignments, f"{variable} assigned twice in {text!r}"
+            assignments[variable] = value
+            i += 1
         else:
             variable, equals, value, semicolon = words[i : i + 4]
             assert equals == "=" and semicolon == ";", f"malformed line in {text!r}"
@@ -79,7 +99,7 @@ def test_declared_hops_and_answers_match_an_independent_solver(config: dict) -> 
             assert len(asked) == batch.answers.shape[1]
             for j, (variable, written) in enumerate(asked):
                 value, steps = solve(assignments, variable)
-                assert written == value
+                assert written == (value if task.show_answers else None)
                 assert task.vocab[batch.answers[row, j]] == value
                 assert batch.metadata["hops"][row, j].item() == steps
                 assert 1 <= steps <= task.max_hops
@@ -112,6 +132,41 @@ def test_scored_positions_are_the_tokens_before_the_answers() -> None:
     assert torch.equal(padding, ~batch.attention_mask)
     assert padding[:, task.min_n_ctx :].all() and not padding[:, : task.min_n_ctx].any()
     assert not (batch.scored & padding).any()
+
+
+def test_one_token_lines_and_hidden_answers() -> None:
+    task = VariableBinding(
+        n_variables=8, n_lines=8, max_hops=4, line_format="token", show_answers=False, seed=4
+    )
+    assert task.n_ctx == 1 + 8 + 2 * 8
+    # one token per possible assignment: a variable takes a digit or another variable
+    assert len(task.vocab) == 5 + 10 + 8 + 8 * (10 + 7)
+    assert "a=a" not in task.vocab and "a=b" in task.vocab and "h=9" in task.vocab
+    batch = task.batch("evaluation", 64)
+    text = task.decode(batch.tokens[0])
+    assert task.decode(task.encode(text)) == text
+    rows, positions = batch.scored.nonzero(as_tuple=True)
+    # the answer is a target only: the token after a query is the next "?" or the end
+    after = batch.tokens[rows, (positions + 1).clamp(max=task.n_ctx - 1)]
+    last = positions == task.n_ctx - 1
+    assert ((after == task.vocab.index("?")) | last).all()
+    assert torch.equal(batch.targets[rows, positions], batch.answers.flatten())
+    assert "one token per line, answers not shown" in task.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"show_answers": False, "n_ctx": 48}, "show_answers=False: they need at least 49"),
+        (
+            {"line_format": "token", "n_ctx": 32},
+            "line_format=.token., show_answers=True: they need at least 33",
+        ),
+    ],
+)
+def test_too_short_context_names_the_line_format(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        VariableBinding(**kwargs)
 
 
 def test_splits_never_share_a_program() -> None:

@@ -47,6 +47,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 DIGITS = "0123456789"
 # A program that lands in another split is redrawn; this bounds the redraws of one example.
 MAX_DRAWS = 10_000
+LINE_FORMATS = ("text", "token")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class Program:
         answers: the digit each query resolves to.
         hops: the declared hop count of each query (dereferences from the literal; >= 1).
         query_first: whether the (single) query is also stated before the program.
+        line_format: ``"text"`` (``c = b ;``, four tokens per line) or ``"token"`` (``c=b``, one
+            token per line).
+        show_answers: whether each query's answer follows it in the sequence (``? c 7``) or not
+            (``? c ? e``: the answer is only a target).
     """
 
     lines: tuple[tuple[str, str], ...]
@@ -66,6 +71,8 @@ class Program:
     answers: tuple[str, ...]
     hops: tuple[int, ...]
     query_first: bool
+    line_format: str = "text"
+    show_answers: bool = True
 
     @property
     def key(self) -> str:
@@ -79,12 +86,16 @@ class Program:
         if self.query_first:
             tokens += ["?", self.queries[0], ";"]
         for variable, value in self.lines:
-            tokens += [variable, "=", value, ";"]
+            if self.line_format == "token":
+                tokens.append(f"{variable}={value}")
+            else:
+                tokens += [variable, "=", value, ";"]
         positions = []
         for query, answer in zip(self.queries, self.answers, strict=True):
             tokens += ["?", query]
             positions.append(len(tokens) - 1)
-            tokens.append(answer)
+            if self.show_answers:
+                tokens.append(answer)
         return tokens, positions
 
     @property
@@ -114,6 +125,16 @@ class VariableBinding(Task):
             ``"one"``, the queried chain's length says nothing about the hop count), the others
             drawn as for ``"uniform"``.
         query_first: also state the single query before the program (``queries="one"`` only).
+        line_format: ``"text"`` writes an assignment as four tokens, ``c = b ;``. ``"token"``
+            writes it as one token, ``c=b`` (the vocabulary gains one token per possible
+            assignment): a lookup is then one attention step, with no earlier layer needed to
+            move a line's variable onto its value, which makes the task far quicker to learn
+            from scratch. Text-format binding needs that two-layer composition first, and small
+            models sit on a plateau for thousands of steps before forming it.
+        show_answers: write each query's answer after it (``? c 7 ? e 2``). With ``False`` the
+            answers are targets only (``? c ? e``), so a later query cannot read an earlier
+            answer: with every variable queried, shown answers let a model guess a chain's value
+            from the answers already given instead of following the chain.
         n_ctx: sequence length; ``None`` uses the shortest that fits (``min_n_ctx``). Longer
             sequences are padded at the end.
         seed: the task seed; example ``i`` of a split depends only on ``(seed, split, i)``.
@@ -130,6 +151,8 @@ class VariableBinding(Task):
     queries: Literal["all", "one"] = "all"
     chain_layout: Literal["uniform", "longest"] = "uniform"
     query_first: bool = False
+    line_format: Literal["text", "token"] = "text"
+    show_answers: bool = True
     n_ctx: int | None = None  # type: ignore[assignment]  # resolved to an int in __post_init__
     seed: int = 0
     split_fractions: Sequence[float] = (0.8, 0.1, 0.1)
@@ -159,16 +182,27 @@ class VariableBinding(Task):
                 "query_first=True needs queries='one': with queries='all' every variable is "
                 "asked, so there is no single query to state first."
             )
+        if self.line_format not in LINE_FORMATS:
+            raise ValueError(f"line_format={self.line_format!r} must be one of {LINE_FORMATS}.")
         if self.n_ctx is None:
             self.n_ctx = self.min_n_ctx
         elif self.n_ctx < self.min_n_ctx:
             raise ValueError(
                 f"n_ctx={self.n_ctx} is too short for {self.n_lines}-line programs with "
-                f"queries={self.queries!r}, query_first={self.query_first}: they need at least "
+                f"queries={self.queries!r}, query_first={self.query_first}, line_format="
+                f"{self.line_format!r}, show_answers={self.show_answers}: they need at least "
                 f"{self.min_n_ctx} tokens. Use n_ctx >= {self.min_n_ctx} or n_ctx=None."
             )
         self.split_fractions = check_split_fractions(self.split_fractions)
-        self._vocab = [PAD, BOS, "=", ";", "?", *DIGITS, *LETTERS[: self.n_variables]]
+        variables = LETTERS[: self.n_variables]
+        self._vocab = [PAD, BOS, "=", ";", "?", *DIGITS, *variables]
+        if self.line_format == "token":
+            self._vocab += [
+                f"{variable}={value}"
+                for variable in variables
+                for value in (*DIGITS, *variables)
+                if value != variable
+            ]
         self._ids = {token: i for i, token in enumerate(self._vocab)}
         train, calibration, _ = self.split_fractions
         self._split_bounds = [0, round(train * 2**32), round((train + calibration) * 2**32), 2**32]
@@ -182,9 +216,12 @@ class VariableBinding(Task):
 
     @property
     def min_n_ctx(self) -> int:
-        """Tokens in one example: BOS, 4 per line, 3 per query, 3 more for ``query_first``."""
+        """Tokens in one example: BOS, 4 per line (1 with ``line_format="token"``), 3 per query
+        (2 without shown answers), 3 more for ``query_first``."""
         n_queries = self.n_lines if self.queries == "all" else 1
-        return 1 + 4 * self.n_lines + 3 * n_queries + (3 if self.query_first else 0)
+        per_line = 1 if self.line_format == "token" else 4
+        per_query = 3 if self.show_answers else 2
+        return 1 + per_line * self.n_lines + per_query * n_queries + (3 if self.query_first else 0)
 
     @property
     def vocab(self) -> list[str]:
@@ -276,6 +313,8 @@ class VariableBinding(Task):
             answers=tuple(value[v] for v in asked),
             hops=tuple(depth[v] for v in asked),
             query_first=self.query_first,
+            line_format=self.line_format,
+            show_answers=self.show_answers,
         )
 
     def batch(
@@ -287,17 +326,18 @@ class VariableBinding(Task):
         check_batch_request(split, n, offset)
         n_ctx = self.n_ctx
         assert n_ctx is not None
-        rows, positions, hops = [], [], []
+        rows, positions, answer_ids, hops = [], [], [], []
         for index in range(offset, offset + n):
             program = self.example(split, index, max_hops=max_hops)
             tokens, answer_positions = program.layout()
             rows.append([self._ids[t] for t in tokens] + [self.pad_id] * (n_ctx - len(tokens)))
             positions.append(answer_positions)
+            answer_ids.append([self._ids[answer] for answer in program.answers])
             hops.append(program.hops)
 
         tokens_t = torch.tensor(rows, dtype=torch.long)
         positions_t = torch.tensor(positions, dtype=torch.long)
-        answers = tokens_t.gather(1, positions_t + 1)
+        answers = torch.tensor(answer_ids, dtype=torch.long)
         targets = torch.full_like(tokens_t, IGNORE_INDEX)
         targets.scatter_(1, positions_t, answers)
         return TaskBatch(
@@ -322,6 +362,8 @@ class VariableBinding(Task):
         """A one-line description for reports."""
         asked = "every variable" if self.queries == "all" else "one variable"
         first = ", query first" if self.query_first else ""
+        first += ", one token per line" if self.line_format == "token" else ""
+        first += "" if self.show_answers else ", answers not shown"
         longest = f", one chain of {self.max_hops}" if self.chain_layout == "longest" else ""
         return (
             f"variable binding: {self.n_lines} shuffled lines over {self.n_variables} variables, "
