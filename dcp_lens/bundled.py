@@ -40,6 +40,8 @@ BUNDLED: dict[str, str] = {
     "default-dense": "dense",
 }
 MODEL_FILES = ("config.json", "model.safetensors", "task.json")
+# Stored precision of the bundled weights (they are computed with in float32).
+STORAGE_DTYPE = torch.float16
 RUN_FILES = ("train_config.json", "accuracy_table.json")
 PROVENANCE_FILE = "provenance.json"
 # The bundled files must stay small enough to ship inside the wheel.
@@ -62,9 +64,15 @@ def bundled_path(name: str) -> Path:
 
 
 def load_bundled(name: str, **overrides: Any) -> HookedRecurrentTransformer:
-    """Bundled checkpoint ``name`` as a model in eval mode (``overrides`` as in
+    """Bundled checkpoint ``name`` as a float32 model in eval mode (``overrides`` as in
     `HookedRecurrentTransformer.from_pretrained`); ``model.task_config`` is its task."""
-    return HookedRecurrentTransformer.from_pretrained(bundled_path(name), **overrides).eval()
+    return load_bundled_from(bundled_path(name), **overrides)
+
+
+def load_bundled_from(folder: str | Path, **overrides: Any) -> HookedRecurrentTransformer:
+    """A bundle folder as a float32 model in eval mode (the weights are stored in float16)."""
+    model = HookedRecurrentTransformer.from_pretrained(folder, **overrides)
+    return model.to(torch.float32).eval()
 
 
 def stored_accuracy_table(name: str) -> Any:
@@ -84,9 +92,19 @@ def bundle(run_dir: str | Path, name: str, destination: str | Path = CHECKPOINTS
     """Copy the finished training run ``run_dir`` (a `dcp_lens.training.train` folder) into
     ``destination/name`` as bundled checkpoint ``name``, with its provenance.
 
+    The weights are stored in float16 to stay well under `MAX_BYTES` (`load_bundled` computes in
+    float32), so the accuracy table written beside them is measured again on the stored weights,
+    on the same programs and k as the run's own table; ``provenance.json`` records the largest
+    difference between the two.
+
     Raises ValueError when the run is unfinished, was not trained with the regime ``name``
-    stands for, or its files exceed `MAX_BYTES`.
+    stands for, or the bundle would exceed `MAX_BYTES`.
     """
+    from safetensors.torch import save_file
+
+    from dcp_lens.tasks import get_task
+    from dcp_lens.training import AccuracyTable, evaluate_accuracy
+
     if name not in BUNDLED:
         raise ValueError(f"unknown bundled checkpoint {name!r}; bundled: {sorted(BUNDLED)}.")
     run = Path(run_dir)
@@ -104,13 +122,38 @@ def bundle(run_dir: str | Path, name: str, destination: str | Path = CHECKPOINTS
             f"{name!r} is the {BUNDLED[name]!r} model, but {run} was trained with regime "
             f"{regime!r}."
         )
-    size = sum(path.stat().st_size for path in sources)
-    if size > MAX_BYTES:
-        raise ValueError(f"{run} holds {size} bytes, more than the {MAX_BYTES} a bundle may.")
     target = Path(destination) / name
     target.mkdir(parents=True, exist_ok=True)
-    for path in sources:
-        shutil.copyfile(path, target / path.name)
+    for file in ("config.json", "task.json"):
+        shutil.copyfile(run / "model" / file, target / file)
+    shutil.copyfile(run / "train_config.json", target / "train_config.json")
+    trained = HookedRecurrentTransformer.from_pretrained(run / "model")
+    tensors = {
+        key: value.detach().to(STORAGE_DTYPE).contiguous().cpu()
+        for key, value in trained.canonical_state_dict().items()
+    }
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "dcp-lens"})
+
+    training_table = AccuracyTable.from_dict(_read_json(run / "accuracy_table.json"))
+    model = load_bundled_from(target)
+    table = evaluate_accuracy(
+        model,
+        get_task(**model.task_config),
+        training_table.n_programs,
+        training_table.k_values,
+        split=training_table.split,  # type: ignore[arg-type]
+    )
+    (target / "accuracy_table.json").write_text(json.dumps(table.to_dict(), indent=2) + "\n")
+    differences = [
+        abs(table.at(h, k) - accuracy)
+        for h, per_k in training_table.by_hops.items()
+        for k, accuracy in per_k.items()
+    ] + [abs(table.overall[k] - accuracy) for k, accuracy in training_table.overall.items()]
+
+    size = sum(path.stat().st_size for path in target.iterdir() if path.is_file())
+    if size > MAX_BYTES:
+        shutil.rmtree(target)
+        raise ValueError(f"bundle {name!r} would hold {size} bytes, more than {MAX_BYTES}.")
     history = _read_json(run / "history.json") if (run / "history.json").is_file() else {}
     provenance = {
         "name": name,
@@ -122,11 +165,12 @@ def bundle(run_dir: str | Path, name: str, destination: str | Path = CHECKPOINTS
             f"--out RUN && python -c \"from dcp_lens.bundled import bundle; bundle('RUN', "
             f"'{name}')\""
         ),
-        "training_seconds": history.get("seconds"),
+        "storage_dtype": str(STORAGE_DTYPE).removeprefix("torch."),
+        "max_accuracy_difference_from_training_table": max(differences),
+        "seconds_per_step": history.get("timing", {}).get("seconds_per_step"),
         "dcp_lens_version": _version("dcp-lens"),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "bytes": size,
     }
     (target / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
     return target
