@@ -136,9 +136,10 @@ def bundle(run_dir: str | Path, name: str, destination: str | Path = CHECKPOINTS
 
     training_table = AccuracyTable.from_dict(_read_json(run / "accuracy_table.json"))
     model = load_bundled_from(target)
+    task = get_task(**_read_json(target / "task.json"))
     table = evaluate_accuracy(
         model,
-        get_task(**model.task_config),
+        task,
         training_table.n_programs,
         training_table.k_values,
         split=training_table.split,  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,10 +366,12 @@ def format_markdown(document: dict[str, Any]) -> str:
 
 
 def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
-    """The lines of a markdown table: regime, seeds, then S, B, D, slope with intervals."""
+    """The lines of a markdown table: regime, seeds, then S, B, D, slope with intervals, and the
+    accuracy at full depth and at k = 1 (means over seeds)."""
     lines = [
-        "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] |",
-        "|---|---|---|---|---|---|",
+        "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
+        "| accuracy full / k=1 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for regime, row in regimes.items():
         decoded = _decoded(row)
@@ -377,6 +379,9 @@ def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
         seeds = ",".join(str(seed) for seed in row["seeds"])
         if row["undefined_seeds"]:
             seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
+        accuracy = [_number(_finite_mean(entry[key] for entry in row["per_seed"])) for key in
+                    ("full_accuracy", "k1_accuracy")]  # fmt: skip
+        cells.append(" / ".join(accuracy))
         lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
     return lines
 
@@ -499,6 +504,11 @@ def _per_seed(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any
         truncated = dict(zip(accuracy.k_grid, accuracy.curves["truncate"], strict=True))
         row.update(full_accuracy=accuracy.full, k1_accuracy=float(truncated.get(1, math.nan)))
     return row
+
+
+def _finite_mean(values: Iterable[float | None]) -> float:
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def _decoded(row: dict[str, Any]) -> dict[str, Any]:

@@ -121,7 +121,8 @@ def test_the_markdown_states_prediction_table_and_verdict(experiment):
     out, _ = experiment
     text = (out / "intervention.md").read_text()
     assert PREDICTION in text.replace("**Prediction.** R", "**Prediction.** r")
-    assert "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] |" in text
+    header = "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
+    assert header + "| accuracy full / k=1 |" in text
     for regime in REGIMES:
         assert f"| {regime} | 0,1" in text
     assert "## Verdict" in text and "negative control" in text

@@ -9,9 +9,9 @@
   (``c=b``), answers not shown, one chain of exactly 4 hops per program plus distractor chains,
   every variable queried; a 1 prelude + 1 core x 4 + 1 coda model, d_model 96, 4 heads; AdamW
   lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. About 7 minutes on one CPU
-  thread (fixed regime). In text format (``c = b ;``) and with 16 variables the same budget stays on the
-  plateau: a lookup then needs a two-layer composition that small models take thousands of
-  steps to form, and the fused line tokens of 16 variables are each seen too rarely.
+  thread (fixed regime). In text format (``c = b ;``), or with 16 variables, the same budget
+  stays on the plateau: a lookup then needs a two-layer composition that small models take
+  thousands of steps to form, or the line tokens of 16 variables are each seen too rarely.
 """
 
 from __future__ import annotations
