@@ -56,7 +56,12 @@ PREDICTION = (
     "hop counts, stays"
 )
 # Per-run numbers averaged over seeds; each run also carries its bootstrap interval for them.
-AGGREGATED = (*FACTORS, "slope")
+# Shares of the gap's area (S, B, D; what intervention.json promises), the truncation slope, and
+# the same factors in the metric's own units: the mean over the k grid of gap(k), S(k), B(k), D(k).
+# The verdict reads the absolute ones: a share of a gap near zero (a model that needs no depth)
+# is unstable, while its absolute S is simply near zero.
+ABSOLUTE = ("gap_abs", "S_abs", "B_abs", "D_abs")
+AGGREGATED = (*FACTORS, "slope", *ABSOLUTE)
 
 
 def run_training_intervention(
@@ -243,36 +248,37 @@ def student_t_quantile(probability: float, df: int) -> float:
 
 
 def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
-    """Is S of ``tested`` lower than S of ``fixed``?
+    """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
 
-    ``supported``: lower, and the intervals do not overlap (``S_hi < fixed S_lo``);
+    ``supported``: lower, and the intervals do not overlap (``S_abs_hi < fixed S_abs_lo``);
     ``not resolved``: lower but the intervals overlap, or a value is NaN;
     ``not supported``: not lower.
 
     Returns:
         ``{"label", "reason"}``.
     """
-    numbers = f"S {_interval(tested, 'S')} against fixed {_interval(fixed, 'S')}"
-    if not _finite(tested, fixed, "S"):
+    numbers = f"S {_interval(tested, 'S_abs')} against fixed {_interval(fixed, 'S_abs')}"
+    if not _finite(tested, fixed, "S_abs"):
         return _verdict("not resolved", f"{numbers}: a value is undefined (NaN)")
-    if tested["S"] >= fixed["S"]:
+    if tested["S_abs"] >= fixed["S_abs"]:
         return _verdict("not supported", f"{numbers}: not lower")
-    if tested["S_hi"] < fixed["S_lo"]:
+    if tested["S_abs_hi"] < fixed["S_abs_lo"]:
         return _verdict("supported", f"{numbers}: lower, the intervals do not overlap")
     return _verdict("not resolved", f"{numbers}: lower, but the intervals overlap")
 
 
 def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
-    """Does D stay? ``supported`` when the D intervals of ``tested`` and ``fixed`` overlap,
-    ``not supported`` when they do not, ``not resolved`` when a value is NaN.
+    """Does D (in the metric's units, ``D_abs``) stay? ``supported`` when the intervals of
+    ``tested`` and ``fixed`` overlap, ``not supported`` when they do not, ``not resolved`` when a
+    value is NaN.
 
     Returns:
         ``{"label", "reason"}``.
     """
-    numbers = f"D {_interval(tested, 'D')} against fixed {_interval(fixed, 'D')}"
-    if not _finite(tested, fixed, "D"):
+    numbers = f"D {_interval(tested, 'D_abs')} against fixed {_interval(fixed, 'D_abs')}"
+    if not _finite(tested, fixed, "D_abs"):
         return _verdict("not resolved", f"{numbers}: a value is undefined (NaN)")
-    if tested["D_lo"] <= fixed["D_hi"] and fixed["D_lo"] <= tested["D_hi"]:
+    if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
         return _verdict("supported", f"{numbers}: the intervals overlap")
     return _verdict("not supported", f"{numbers}: the intervals do not overlap")
 
@@ -280,8 +286,9 @@ def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
 def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
     """Does the slope flatten by about the change in S?
 
-    If removing S takes away that share of the gap at every k, the slope (linear in the gap)
-    scales by ``1 - (fixed S - tested S)``: predicted slope = fixed slope x that factor.
+    If the regime removes ``fixed S_abs - tested S_abs`` from fixed's gap (``gap_abs``, both
+    means over k), the slope (linear in the gap) scales by ``1 - that / fixed gap_abs``:
+    predicted slope = fixed slope x that factor.
     ``supported``: the predicted slope lies in the tested slope's interval and the fixed slope
     does not; ``not resolved``: both lie in it (the change cannot be told from no change), or a
     value is NaN; ``not supported``: the predicted slope lies outside it.
@@ -289,7 +296,10 @@ def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, An
     Returns:
         ``{"label", "reason", "predicted_slope"}``.
     """
-    predicted = fixed["slope"] * (1.0 - (fixed["S"] - tested["S"]))
+    removed = (
+        (fixed["S_abs"] - tested["S_abs"]) / fixed["gap_abs"] if fixed["gap_abs"] else math.nan
+    )
+    predicted = fixed["slope"] * (1.0 - removed)
     numbers = (
         f"slope {_interval(tested, 'slope')}, predicted {_number(predicted)} from fixed "
         f"slope {_number(fixed['slope'])} and the change in S"
@@ -366,12 +376,13 @@ def format_markdown(document: dict[str, Any]) -> str:
 
 
 def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
-    """The lines of a markdown table: regime, seeds, then S, B, D, slope with intervals, and the
-    accuracy at full depth and at k = 1 (means over seeds)."""
+    """The lines of a markdown table: regime, seeds, then the shares S, B, D, the slope, the gap
+    and S, B, D in the metric's units (means over k), each with its interval, and the accuracy at
+    full depth and at k = 1 (means over seeds)."""
     lines = [
         "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-        "| accuracy full / k=1 |",
-        "|---|---|---|---|---|---|---|",
+        "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for regime, row in regimes.items():
         decoded = _decoded(row)
@@ -497,6 +508,13 @@ def _per_seed(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any
         slope_lo=decomposition.truncation_slope_lo,
         slope_hi=decomposition.truncation_slope_hi,
     )
+    table = decomposition.table()
+    used = table[table["k"].isin(decomposition.share_k_grid)]
+    for name in ABSOLUTE:
+        column = name.removesuffix("_abs")
+        value = float(used[column].mean()) if len(used) else math.nan
+        # No bootstrap interval for these: over seeds they get the t-interval.
+        row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
     accuracy = results.decompositions.get("accuracy")
     if accuracy is None:
         row.update(full_accuracy=math.nan, k1_accuracy=math.nan)

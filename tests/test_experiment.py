@@ -98,6 +98,19 @@ def test_regime_numbers_are_recomputed_from_the_saved_runs(experiment):
             "S": [run.shares["S"] for run in runs],
             "D": [run.shares["D"] for run in runs],
             "slope": [run.truncation_slope for run in runs],
+            # the factor in accuracy units: its mean over the k where the shares are taken
+            "S_abs": [
+                float(
+                    np.mean(
+                        [
+                            s
+                            for k, s in zip(run.k_grid, run.cells["S"], strict=True)
+                            if k in run.share_k_grid
+                        ]
+                    )
+                )
+                for run in runs
+            ],  # fmt: skip
         }
         for name, values in per_seed.items():
             for entry, value in zip(row["per_seed"], values, strict=True):
@@ -122,7 +135,7 @@ def test_the_markdown_states_prediction_table_and_verdict(experiment):
     text = (out / "intervention.md").read_text()
     assert PREDICTION in text.replace("**Prediction.** R", "**Prediction.** r")
     header = "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-    assert header + "| accuracy full / k=1 |" in text
+    assert header + "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |" in text
     for regime in REGIMES:
         assert f"| {regime} | 0,1" in text
     assert "## Verdict" in text and "negative control" in text
@@ -175,17 +188,19 @@ def _row(**values: float) -> dict[str, float]:
     return row
 
 
-FIXED = _row(S=(0.6, 0.5, 0.7), D=(0.2, 0.1, 0.3), slope=(1.0, 0.9, 1.1))
+FIXED = _row(
+    S_abs=(0.6, 0.5, 0.7), D_abs=(0.2, 0.1, 0.3), slope=(1.0, 0.9, 1.1), gap_abs=(1.0, 0.9, 1.1)
+)
 
 
 @pytest.mark.parametrize(
     "tested,label",
     [
-        (_row(S=(0.2, 0.1, 0.3)), "supported"),
-        (_row(S=(0.45, 0.3, 0.55)), "not resolved"),
-        (_row(S=(0.6, 0.5, 0.7)), "not supported"),
-        (_row(S=(0.8, 0.75, 0.85)), "not supported"),
-        (_row(S=(math.nan, math.nan, math.nan)), "not resolved"),
+        (_row(S_abs=(0.2, 0.1, 0.3)), "supported"),
+        (_row(S_abs=(0.45, 0.3, 0.55)), "not resolved"),
+        (_row(S_abs=(0.6, 0.5, 0.7)), "not supported"),
+        (_row(S_abs=(0.8, 0.75, 0.85)), "not supported"),
+        (_row(S_abs=(math.nan, math.nan, math.nan)), "not resolved"),
     ],
 )
 def test_s_verdict_labels(tested, label):
@@ -195,9 +210,9 @@ def test_s_verdict_labels(tested, label):
 @pytest.mark.parametrize(
     "tested,label",
     [
-        (_row(D=(0.25, 0.15, 0.35)), "supported"),
-        (_row(D=(0.5, 0.31, 0.7)), "not supported"),
-        (_row(D=(math.nan, 0.1, 0.3)), "not resolved"),
+        (_row(D_abs=(0.25, 0.15, 0.35)), "supported"),
+        (_row(D_abs=(0.5, 0.31, 0.7)), "not supported"),
+        (_row(D_abs=(math.nan, 0.1, 0.3)), "not resolved"),
     ],
 )
 def test_d_verdict_labels(tested, label):
@@ -208,10 +223,10 @@ def test_d_verdict_labels(tested, label):
     "tested,label",
     [
         # S drops 0.6 -> 0.2: predicted slope 1.0 * (1 - 0.4) = 0.6.
-        (_row(S=(0.2, 0.1, 0.3), slope=(0.62, 0.5, 0.7)), "supported"),
-        (_row(S=(0.2, 0.1, 0.3), slope=(0.8, 0.5, 1.2)), "not resolved"),
-        (_row(S=(0.2, 0.1, 0.3), slope=(1.0, 0.95, 1.05)), "not supported"),
-        (_row(S=(0.2, 0.1, 0.3), slope=(math.nan, math.nan, math.nan)), "not resolved"),
+        (_row(S_abs=(0.2, 0.1, 0.3), slope=(0.62, 0.5, 0.7)), "supported"),
+        (_row(S_abs=(0.2, 0.1, 0.3), slope=(0.8, 0.5, 1.2)), "not resolved"),
+        (_row(S_abs=(0.2, 0.1, 0.3), slope=(1.0, 0.95, 1.05)), "not supported"),
+        (_row(S_abs=(0.2, 0.1, 0.3), slope=(math.nan, math.nan, math.nan)), "not resolved"),
     ],
 )
 def test_slope_verdict_labels(tested, label):
@@ -221,7 +236,7 @@ def test_slope_verdict_labels(tested, label):
 
 
 def test_verdict_covers_the_tested_regimes_and_marks_missing_ones():
-    tested = _row(S=(0.2, 0.1, 0.3), D=(0.25, 0.15, 0.35), slope=(0.62, 0.5, 0.7))
+    tested = _row(S_abs=(0.2, 0.1, 0.3), D_abs=(0.25, 0.15, 0.35), slope=(0.62, 0.5, 0.7))
     result = verdict({"fixed": FIXED, "every-iteration": tested})
     assert {name: check["label"] for name, check in result["every-iteration"].items()} == {
         "S_lower": "supported",
@@ -236,8 +251,8 @@ def test_verdict_covers_the_tested_regimes_and_marks_missing_ones():
 
 def test_aggregate_t_interval_single_seed_and_undefined_seeds():
     def seed_row(seed: int, value: float) -> dict[str, float]:
-        return {"seed": seed, **_row(**{n: (value, value - 1, value + 1) for n in "SBD"}),
-                **_row(slope=(value, value - 1, value + 1))}  # fmt: skip
+        names = ("S", "B", "D", "slope", "gap_abs", "S_abs", "B_abs", "D_abs")
+        return {"seed": seed, **_row(**{n: (value, value - 1, value + 1) for n in names})}
 
     three = aggregate([seed_row(0, 1.0), seed_row(1, 2.0), seed_row(2, 3.0)])
     # mean 2, sd 1, t_{0.975, 2} = 4.3027: 2 -+ 4.3027 / sqrt(3).
