@@ -152,3 +152,17 @@ def test_dcp_lens_run_without_a_model_diagnoses_the_default_pair(tmp_path, capsy
     assert [run["architecture"] for run in runs] == ["recurrent", "dense"]
     printed = capsys.readouterr().out
     assert "default (recurrent" in printed and "default-dense (dense" in printed
+
+
+@pytest.mark.slow
+def test_the_documented_command_rebuilds_the_bundled_default(tmp_path) -> None:
+    """`dcp-lens train --preset default --regime fixed --seed 0` (about 7 minutes on one CPU
+    thread) gives the bundled weights again, bit for bit after rounding to float16."""
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "default", "--regime", "fixed", "--seed", "0",
+                 "--out", str(run)]) == 0  # fmt: skip
+    trained = load_file(str(run / "model" / "model.safetensors"))
+    stored = load_file(str(bundled_path("default") / "model.safetensors"))
+    assert trained.keys() == stored.keys()
+    for key, value in trained.items():
+        assert torch.equal(value.to(torch.float16), stored[key]), key
