@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiment.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
     experiment.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
     experiment.add_argument("--device", default="cpu")
+    experiment.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="trainings at once, one process and thread each (default: the CPU count)",
+    )
     experiment.add_argument("--quiet", action="store_true", help="no progress bars")
     experiment.add_argument("--out", required=True, type=Path, help="experiment folder (resumed)")
 
@@ -151,7 +158,7 @@ def _experiment(args: argparse.Namespace) -> int:
         regimes=regimes, n_eval=args.n_eval,
         dense_seeds=None if args.dense_seeds is None else _ints(args.dense_seeds, "--dense-seeds"),
         n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, probe=args.probe,
-        device=args.device, progress=not args.quiet,
+        device=args.device, jobs=args.jobs, progress=not args.quiet,
     )  # fmt: skip
     print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
     print("\n".join(markdown_table(document["regimes"])))

@@ -45,7 +45,7 @@ def experiment(tmp_path_factory) -> tuple[Path, str]:
     with contextlib.redirect_stdout(printed):
         code = main(
             ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0,1",
-             "--dense-seeds", "0,1", *CLI_SETTINGS, "--quiet", "--out", str(out)]
+             "--dense-seeds", "0,1", "--jobs", "2", *CLI_SETTINGS, "--quiet", "--out", str(out)]
         )  # fmt: skip
     assert code == 0
     return out, printed.getvalue()
@@ -168,7 +168,8 @@ def test_an_interrupted_training_continues_and_one_seed_keeps_its_bootstrap_inte
     document = run_training_intervention(
         tmp_path, "tiny", (0,), ("fixed",), progress=False, **SETTINGS
     )
-    # Resumed bit-identically: the model is the uninterrupted one of the module's experiment.
+    # Resumed bit-identically: the model is the one the module's experiment trained without
+    # interruption, in a parallel worker process (--jobs 2).
     reference = out / "runs" / "fixed-seed0" / "model" / "model.safetensors"
     assert (run / "model" / "model.safetensors").read_bytes() == reference.read_bytes()
     row = document["regimes"]["fixed"]
@@ -285,6 +286,7 @@ def test_student_t_quantile_matches_the_table(df, quantile):
         ({"seeds": (-1,)}, "must be integers >= 0"),
         ({"regimes": ()}, "regimes is empty"),
         ({"n_eval": 0}, "n_eval=0"),
+        ({"jobs": 0}, "jobs=0"),
     ],
 )
 def test_bad_input_is_refused_before_training(tmp_path, kwargs, message):
