@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from dcp_lens.calibration import StreamingMoments, ledoit_wolf_shrinkage, symmetric_power
@@ -48,6 +48,21 @@ def _subsample(states: Tensor, max_points: int, generator: torch.Generator) -> T
     """At most ``max_points`` rows of ``states``, in a seeded random order."""
     order = torch.randperm(states.shape[0], generator=generator)[:max_points]
     return states[order.to(states.device)]
+
+
+def _train_mask(groups: Tensor | None, n: int, generator: torch.Generator) -> Tensor:
+    """Which of ``n`` points train the C2ST classifier (the rest test it): the first half
+    without ``groups``; with them, every point of a random half of the groups, so that no group
+    (e.g. one sequence, whose positions share its content) is on both sides of the split. With
+    fewer than two groups, the first half."""
+    first_half = torch.arange(n) < n // 2
+    if groups is None:
+        return first_half
+    unique = groups.unique()
+    if len(unique) < 2:
+        return first_half
+    chosen = unique[torch.randperm(len(unique), generator=generator)[: len(unique) // 2]]
+    return torch.isin(groups.cpu(), chosen.cpu())
 
 
 class ResidualOODProbe:
@@ -87,17 +102,21 @@ class ResidualOODProbe:
         self.noise_floor: float | None = None
         self._whitening: Tensor | None = None  # [d, d] float64, covariance^{-1/2}
         self._held_out: Tensor | None = None  # held-out reference states, the C2ST's negatives
+        self._held_out_groups: Tensor | None = None  # their group (example) ids, if given
 
     def fit(
         self,
         reference: Float[Tensor, "n d"],
         held_out: Float[Tensor, "m d"] | None = None,
         seed: int = 0,
+        held_out_groups: Int[Tensor, " m"] | None = None,
     ) -> ResidualOODProbe:
         """Fit the Gaussian on ``reference`` and the noise floor on ``held_out``.
 
         Without ``held_out`` the reference is split in two halves by a permutation seeded with
-        ``seed``: the first fits, the second is held out. Returns ``self``.
+        ``seed``: the first fits, the second is held out. ``held_out_groups`` gives each held-out
+        state's group (the example it comes from): the C2ST then never trains and tests on states
+        of one example, whose positions are not independent. Returns ``self``.
         """
         if held_out is None:
             if reference.shape[0] < 8:
@@ -130,7 +149,16 @@ class ResidualOODProbe:
         # The C2ST's reference side must be held out too: states the Gaussian was fitted on are
         # whitened to a smaller radius than any fresh state, which the classifier would detect.
         generator = torch.Generator().manual_seed(seed)
-        self._held_out = _subsample(held_out, self.max_points, generator)
+        order = torch.randperm(held_out.shape[0], generator=generator)[: self.max_points]
+        self._held_out = held_out[order.to(held_out.device)]
+        self._held_out_groups = None
+        if held_out_groups is not None:
+            if held_out_groups.shape != (held_out.shape[0],):
+                raise ValueError(
+                    f"held_out_groups has shape {tuple(held_out_groups.shape)}; expected "
+                    f"({held_out.shape[0]},), one group id per held-out state."
+                )
+            self._held_out_groups = held_out_groups[order.to(held_out_groups.device)]
         return self
 
     def _require_gaussian(self) -> tuple[Tensor, Tensor]:
@@ -174,13 +202,18 @@ class ResidualOODProbe:
         radius = (whitened.pow(2).sum(dim=-1, keepdim=True) - width) / (2 * width) ** 0.5
         return torch.cat([whitened, radius], dim=-1).to(torch.float32)
 
-    def c2st_auroc(self, x: Float[Tensor, "n d"], seed: int = 0) -> float:
+    def c2st_auroc(
+        self, x: Float[Tensor, "n d"], seed: int = 0, groups: Int[Tensor, " n"] | None = None
+    ) -> float:
         """Held-out AUROC of an MLP telling ``x`` from held-out reference states (0.5: alike).
 
         Both sides are subsampled to the same size (at most ``max_points``) and split in halves,
-        one to train the classifier on `classifier_features`, one to measure its AUROC.
+        one to train the classifier on `classifier_features`, one to measure its AUROC. With
+        ``groups`` (and ``held_out_groups`` given to `fit`), each side is split by group instead
+        (see `_train_mask`).
         """
-        return self._two_sample_auroc(x, self._require_held_out().to(x.device), seed)
+        held_out = self._require_held_out().to(x.device)
+        return self._two_sample_auroc(x, held_out, seed, groups, self._held_out_groups)
 
     def _require_held_out(self) -> Tensor:
         if self._held_out is None:
@@ -190,7 +223,14 @@ class ResidualOODProbe:
             )
         return self._held_out
 
-    def _two_sample_auroc(self, positives: Tensor, negatives: Tensor, seed: int) -> float:
+    def _two_sample_auroc(
+        self,
+        positives: Tensor,
+        negatives: Tensor,
+        seed: int,
+        positive_groups: Tensor | None = None,
+        negative_groups: Tensor | None = None,
+    ) -> float:
         per_side = min(positives.shape[0], negatives.shape[0], self.max_points)
         if per_side < 4:
             raise ValueError(
@@ -198,16 +238,22 @@ class ResidualOODProbe:
                 f"states and {negatives.shape[0]} reference states."
             )
         generator = torch.Generator().manual_seed(seed)
-        positives = self.classifier_features(_subsample(positives, per_side, generator))
-        negatives = self.classifier_features(_subsample(negatives, per_side, generator))
-        n_train = per_side // 2
+        sides = []
+        for states, groups in ((positives, positive_groups), (negatives, negative_groups)):
+            order = torch.randperm(states.shape[0], generator=generator)[:per_side]
+            sides.append(
+                (states[order.to(states.device)], None if groups is None else groups[order])
+            )
+        train_masks = [_train_mask(groups, per_side, generator) for _, groups in sides]
+        positives, negatives = (self.classifier_features(states) for states, _ in sides)
 
         def labelled(first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
             labels = torch.cat([torch.ones(len(first)), torch.zeros(len(second))])
             return torch.cat([first, second]), labels.to(first.device)
 
-        train_x, train_y = labelled(positives[:n_train], negatives[:n_train])
-        test_x, test_y = labelled(positives[n_train:], negatives[n_train:])
+        (pos_train, neg_train) = (mask.to(positives.device) for mask in train_masks)
+        train_x, train_y = labelled(positives[pos_train], negatives[neg_train])
+        test_x, test_y = labelled(positives[~pos_train], negatives[~neg_train])
         classifier = self._train_classifier(train_x, train_y, seed)
         with torch.no_grad():
             test_scores = classifier(test_x).squeeze(-1)
@@ -257,14 +303,22 @@ class ResidualOODProbe:
         run between two halves of them (at most ``max_points // 2`` per side; ~0.5)."""
         held_out = self._require_held_out()
         half = held_out.shape[0] // 2
+        groups = self._held_out_groups
+        halves = (None, None) if groups is None else (groups[:half], groups[half:])
         return {
             "mahalanobis": self.relative_mahalanobis(held_out),
-            "auroc": self._two_sample_auroc(held_out[:half], held_out[half:], seed),
+            "auroc": self._two_sample_auroc(held_out[:half], held_out[half:], seed, *halves),
         }
 
-    def score(self, x: Float[Tensor, "n d"], seed: int = 0) -> dict[str, float]:
-        """``{"mahalanobis": relative Mahalanobis, "auroc": C2ST AUROC}`` of the states ``x``."""
-        return {"mahalanobis": self.relative_mahalanobis(x), "auroc": self.c2st_auroc(x, seed)}
+    def score(
+        self, x: Float[Tensor, "n d"], seed: int = 0, groups: Int[Tensor, " n"] | None = None
+    ) -> dict[str, float]:
+        """``{"mahalanobis": relative Mahalanobis, "auroc": C2ST AUROC}`` of the states ``x``
+        (``groups``: each state's example, as in `c2st_auroc`)."""
+        return {
+            "mahalanobis": self.relative_mahalanobis(x),
+            "auroc": self.c2st_auroc(x, seed, groups),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """The fitted Gaussian, noise floor and classifier settings as plain lists and numbers.

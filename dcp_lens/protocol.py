@@ -408,14 +408,18 @@ class DepthControlProtocol:
             if self.probe_mode != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
+                # The example of each state goes along: the C2ST splits by example, since the
+                # positions of one sequence share its content and are not independent draws.
                 keep = self._pooled_positions(evaluation, rows)
-                even = (torch.arange(rows.start, rows.stop, device=keep.device) % 2 == 0)[:, None]
-                sample.add(states[self.r][keep & even])
-                probed = states[:, keep & ~even]
+                example = torch.arange(rows.start, rows.stop, device=keep.device)[:, None]
+                example = example.expand(keep.shape)
+                even = example % 2 == 0
+                sample.add(states[self.r][keep & even], example[keep & even])
+                probed, probed_examples = states[:, keep & ~even], example[keep & ~even]
                 for t in range(self.r + 1):
-                    trajectory[t].add(probed[t])
+                    trajectory[t].add(probed[t], probed_examples)
                 for k in self.k_grid:
-                    calibrated[k].add(_apply(cal.truncate[k], probed[k]))
+                    calibrated[k].add(_apply(cal.truncate[k], probed[k]), probed_examples)
         values: dict[str, dict[str, Any]] = {}
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
@@ -433,8 +437,11 @@ class DepthControlProtocol:
         }
         probe_states: dict[str, Any] = {
             "held_out": sample.tensor(),
-            "trajectory": [s.tensor() for s in trajectory],
-            "calibrate_truncate": {k: calibrated[k].tensor() for k in self.k_grid},
+            "held_out_groups": sample.groups(),
+            "trajectory": [(s.tensor(), s.groups()) for s in trajectory],
+            "calibrate_truncate": {
+                k: (calibrated[k].tensor(), calibrated[k].groups()) for k in self.k_grid
+            },
         }
         return values, null_control, probe_states
 
@@ -457,14 +464,18 @@ class DepthControlProtocol:
             return {"reference_auroc": math.nan, "trajectory": []}
         assert reference is not None
         probe = ResidualOODProbe(max_points=self.probe_points).fit(
-            reference.double(), states["held_out"].double(), seed=self.seed
+            reference.double(),
+            states["held_out"].double(),
+            seed=self.seed,
+            held_out_groups=states["held_out_groups"],
         )
         self.probe = probe
 
-        def score(sample: Tensor | None) -> dict[str, float]:
-            if sample is None or not bool(sample.isfinite().all()):
+        def score(sample: tuple[Tensor | None, Tensor | None]) -> dict[str, float]:
+            rows, groups = sample
+            if rows is None or not bool(rows.isfinite().all()):
                 return {"mahalanobis": math.nan, "auroc": math.nan}
-            return probe.score(sample.double(), seed=self.seed)
+            return probe.score(rows.double(), seed=self.seed, groups=groups)
 
         trajectory = [
             {"iteration": t, **score(sample)}
@@ -594,25 +605,35 @@ def task_data(
 
 
 class _Subsample:
-    """A fixed-size random subsample of rows streamed in batches (for the probe)."""
+    """A fixed-size random subsample of rows streamed in batches (for the probe), with the
+    example each row comes from when given."""
 
     def __init__(self, size: int, n_examples: int, seed: int) -> None:
         self.size = size
         self.generator = torch.Generator().manual_seed(seed)
         self.chunks: list[Tensor] = []
+        self.group_chunks: list[Tensor] = []
         self.kept = 0
         self.n_examples = n_examples
 
-    def add(self, rows: Float[Tensor, "n d"]) -> None:
+    def add(self, rows: Float[Tensor, "n d"], groups: Int[Tensor, " n"] | None = None) -> None:
         if self.kept >= self.size or rows.shape[0] == 0:
             return
         take = min(rows.shape[0], self.size - self.kept, max(1, math.ceil(self.size / 4)))
         order = torch.randperm(rows.shape[0], generator=self.generator)[:take]
         self.chunks.append(rows[order.to(rows.device)].detach())
+        if groups is not None:
+            self.group_chunks.append(groups[order.to(groups.device)].cpu())
         self.kept += take
 
     def tensor(self) -> Tensor | None:
         return torch.cat(self.chunks) if self.chunks else None
+
+    def groups(self) -> Tensor | None:
+        """The example of each kept row (None unless every `add` gave them)."""
+        if not self.group_chunks or len(self.group_chunks) != len(self.chunks):
+            return None
+        return torch.cat(self.group_chunks)
 
 
 def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> float:

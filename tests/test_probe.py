@@ -143,3 +143,31 @@ def test_an_explicit_held_out_set_sets_the_noise_floor() -> None:
     assert probe.relative_mahalanobis(held_out.double()) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="the probe needs at least 3 reference states"):
         ResidualOODProbe().fit(gaussian(2, seed=14), held_out=held_out)
+
+
+def test_c2st_splits_by_example_so_positions_of_one_sequence_do_not_leak() -> None:
+    # Two samples of one distribution, 10 positions per sequence that share the sequence's own
+    # offset: split by point, the classifier memorises offsets seen in training and "detects"
+    # the other sample; split by example (groups), it cannot.
+    generator = torch.Generator().manual_seed(0)
+
+    def sequences(n: int, first_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = 3 * torch.randn(n, 1, 16, generator=generator, dtype=torch.float64)
+        states = offsets + 0.3 * torch.randn(n, 10, 16, generator=generator, dtype=torch.float64)
+        groups = torch.arange(first_id, first_id + n)[:, None].expand(n, 10)
+        return states.reshape(-1, 16), groups.reshape(-1)
+
+    reference, _ = sequences(300, 0)
+    held_out, held_out_groups = sequences(150, 1000)
+    probed, probed_groups = sequences(150, 2000)
+    by_point = ResidualOODProbe(max_points=1500).fit(reference, held_out, seed=0)
+    by_example = ResidualOODProbe(max_points=1500).fit(
+        reference, held_out, seed=0, held_out_groups=held_out_groups
+    )
+    leaky = by_point.score(probed, seed=0)["auroc"]
+    grouped = by_example.score(probed, seed=0, groups=probed_groups)["auroc"]
+    assert abs(grouped - 0.5) < 0.08, grouped
+    assert leaky > grouped + 0.15, (leaky, grouped)
+    # one group id per held-out state (ValueError; under the tests' jaxtyping hook, TypeError)
+    with pytest.raises((ValueError, TypeError)):
+        ResidualOODProbe().fit(reference, held_out, held_out_groups=held_out_groups[:5])
