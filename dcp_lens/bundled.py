@@ -44,6 +44,8 @@ MODEL_FILES = ("config.json", "model.safetensors", "task.json")
 STORAGE_DTYPE = torch.float16
 RUN_FILES = ("train_config.json", "accuracy_table.json")
 PROVENANCE_FILE = "provenance.json"
+# Everything a bundle folder holds.
+BUNDLE_FILES = (*MODEL_FILES, *RUN_FILES, PROVENANCE_FILE)
 # The bundled files must stay small enough to ship inside the wheel.
 MAX_BYTES = 2_000_000
 

@@ -43,7 +43,7 @@ from dcp_lens.protocol import DepthControlProtocol, task_data
 from dcp_lens.registry import load
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
-from dcp_lens.training.trainer import CONFIG_FILE, MODEL_DIR, RUN_FIELDS, TABLE_FILE
+from dcp_lens.training.trainer import CONFIG_FILE, MODEL_DIR, TABLE_FILE, config_differences
 
 RUNS_DIR, DCP_DIR = "runs", "dcp"
 JSON_FILE, MARKDOWN_FILE = "intervention.json", "intervention.md"
@@ -517,9 +517,7 @@ def _finished(folder: Path, config: TrainConfig) -> bool:
         return False
     if not (folder / MODEL_DIR).is_dir():
         return False
-    saved = TrainConfig.from_json(saved_config).to_dict()
-    current = config.to_dict()
-    differ = sorted(k for k in current if k not in RUN_FIELDS and saved.get(k) != current[k])
+    differ = config_differences(saved_config, config)
     if differ:
         raise ValueError(
             f"{folder} holds a run of another config (fields {differ} differ); use another "

@@ -44,10 +44,14 @@ def auroc(scores: Float[Tensor, " n"], labels: Bool[Tensor, " n"]) -> float:
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
-def _subsample(states: Tensor, max_points: int, generator: torch.Generator) -> Tensor:
-    """At most ``max_points`` rows of ``states``, in a seeded random order."""
+def _subsample(
+    states: Tensor, max_points: int, generator: torch.Generator, groups: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """At most ``max_points`` rows of ``states`` (and their ``groups``), in a seeded random
+    order."""
     order = torch.randperm(states.shape[0], generator=generator)[:max_points]
-    return states[order.to(states.device)]
+    kept_groups = None if groups is None else groups[order.to(groups.device)]
+    return states[order.to(states.device)], kept_groups
 
 
 def _train_mask(groups: Tensor | None, n: int, generator: torch.Generator) -> Tensor:
@@ -149,16 +153,14 @@ class ResidualOODProbe:
         # The C2ST's reference side must be held out too: states the Gaussian was fitted on are
         # whitened to a smaller radius than any fresh state, which the classifier would detect.
         generator = torch.Generator().manual_seed(seed)
-        order = torch.randperm(held_out.shape[0], generator=generator)[: self.max_points]
-        self._held_out = held_out[order.to(held_out.device)]
-        self._held_out_groups = None
-        if held_out_groups is not None:
-            if held_out_groups.shape != (held_out.shape[0],):
-                raise ValueError(
-                    f"held_out_groups has shape {tuple(held_out_groups.shape)}; expected "
-                    f"({held_out.shape[0]},), one group id per held-out state."
-                )
-            self._held_out_groups = held_out_groups[order.to(held_out_groups.device)]
+        if held_out_groups is not None and held_out_groups.shape != (held_out.shape[0],):
+            raise ValueError(
+                f"held_out_groups has shape {tuple(held_out_groups.shape)}; expected "
+                f"({held_out.shape[0]},), one group id per held-out state."
+            )
+        self._held_out, self._held_out_groups = _subsample(
+            held_out, self.max_points, generator, held_out_groups
+        )
         return self
 
     def _require_gaussian(self) -> tuple[Tensor, Tensor]:

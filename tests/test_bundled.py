@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import dcp_lens
 from dcp_lens.bundled import (
+    BUNDLE_FILES,
     BUNDLED,
     MAX_BYTES,
     bundle,
@@ -25,22 +26,22 @@ from dcp_lens.tasks import get_task
 from dcp_lens.training import AccuracyTable, evaluate_accuracy
 
 NAMES = sorted(BUNDLED)
+# What a bundle folder must hold, spelled out independently of the module's own list.
+EXPECTED_FILES = {
+    "accuracy_table.json",
+    "config.json",
+    "model.safetensors",
+    "provenance.json",
+    "task.json",
+    "train_config.json",
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bundled_files_are_small_and_record_how_they_were_made(name: str) -> None:
     folder = bundled_path(name)
     files = sorted(path.name for path in folder.iterdir())
-    assert files == sorted(
-        [
-            "accuracy_table.json",
-            "config.json",
-            "model.safetensors",
-            "provenance.json",
-            "task.json",
-            "train_config.json",
-        ]
-    )
+    assert set(files) == EXPECTED_FILES == set(BUNDLE_FILES)
     size = sum(path.stat().st_size for path in folder.iterdir())
     assert size < MAX_BYTES
     config = stored_train_config(name)
@@ -110,16 +111,7 @@ def test_bundle_copies_a_finished_run(tmp_path) -> None:
         bundle(run, "default", destination=tmp_path / "out")
     target = bundle(run, "default-dense", destination=tmp_path / "out")
     copied = sorted(path.name for path in target.iterdir())
-    assert copied == sorted(
-        [
-            "accuracy_table.json",
-            "config.json",
-            "model.safetensors",
-            "provenance.json",
-            "task.json",
-            "train_config.json",
-        ]
-    )
+    assert set(copied) == EXPECTED_FILES
     # Stored in float16: the run's weights, rounded; the table is measured on the rounded ones.
     stored, trained = (
         load_file(str(folder / "model.safetensors")) for folder in (target, run / "model")

@@ -614,6 +614,14 @@ def _advance_curriculum(
 # ---------------------------------------------------------------------------- checkpoints
 
 
+def config_differences(saved_path: Path, config: TrainConfig) -> list[str]:
+    """The fields, other than `RUN_FIELDS`, in which the config saved at ``saved_path``
+    differs from ``config`` (sorted; empty when the run is a run of ``config``)."""
+    saved = TrainConfig.from_json(saved_path).to_dict()
+    current = config.to_dict()
+    return sorted(k for k in current if k not in RUN_FIELDS and saved.get(k) != current[k])
+
+
 def _prepare_run_folder(config: TrainConfig, out: Path, resume: bool) -> None:
     """Check a previous run in ``out`` matches (resume) or clear it (no resume)."""
     saved_path = out / CONFIG_FILE
@@ -623,9 +631,7 @@ def _prepare_run_folder(config: TrainConfig, out: Path, resume: bool) -> None:
         return
     if _checkpoint_dir(out) is None or not saved_path.is_file():
         return
-    saved = TrainConfig.from_json(saved_path).to_dict()
-    current = config.to_dict()
-    differ = sorted(k for k in current if k not in RUN_FIELDS and saved.get(k) != current[k])
+    differ = config_differences(saved_path, config)
     if differ:
         raise ValueError(
             f"{out} holds a run with a different config (fields {differ} differ); resume it "
