@@ -7,11 +7,15 @@
 - ``tiny``: a few seconds on one CPU thread; for tests and smoke runs, not for science.
 - ``default``: variable binding over 8 variables and 8 lines with one token per assignment
   (``c=b``), answers not shown, one chain of exactly 4 hops per program plus distractor chains,
-  every variable queried; a 1 prelude + 1 core x 4 + 1 coda model, d_model 96, 4 heads; AdamW
-  lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. About 7 minutes on one CPU
-  thread (fixed regime). In text format (``c = b ;``), or with 16 variables, the same budget
-  stays on the plateau: a lookup then needs a two-layer composition that small models take
-  thousands of steps to form, or the line tokens of 16 variables are each seen too rarely.
+  every variable queried; a 0 prelude + 1 core x 4 + 0 coda model (one block per iteration),
+  d_model 96, 4 heads; AdamW lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. About 5
+  minutes on one CPU thread (fixed regime). One block resolves one hop, so the fixed model needs
+  iteration h for a query of h hops and its accuracy at k = 1 is about the share of one-hop
+  queries; with a prelude and a coda block around the core, the first iteration already
+  resolved two hops (overall 0.85 at k = 1). In text format (``c = b ;``), or with 16
+  variables, the same budget stays on the plateau: a lookup then needs a two-layer composition
+  that small models take thousands of steps to form, or the line tokens of 16 variables are
+  each seen too rarely.
 """
 
 from __future__ import annotations
@@ -81,9 +85,9 @@ def _default(regime: RegimeConfig, seed: int) -> TrainConfig:
         n_heads=4,
         d_head=24,
         d_mlp=384,
-        n_prelude=1,
+        n_prelude=0,
         n_core=1,
-        n_coda=1,
+        n_coda=0,
         n_iterations=4,
     )
     return TrainConfig(
