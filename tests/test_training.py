@@ -251,3 +251,15 @@ def test_bad_configs_are_refused_where_they_enter():
         dataclasses.replace(config, curriculum="sometimes")
     with pytest.raises(ValueError, match="regime name"):
         RegimeConfig("huginn")
+
+
+def test_config_files_with_unknown_keys_are_refused_by_name() -> None:
+    from dcp_lens.training.regimes import RegimeConfig
+    from dcp_lens.training.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match=r"unknown RegimeConfig keys \['bogus'\]"):
+        RegimeConfig.from_dict({"name": "fixed", "bogus": 1})
+    data = preset("tiny").to_dict()
+    with pytest.raises(ValueError, match=r"unknown TrainConfig keys \['bogus'\]"):
+        TrainConfig.from_dict({**data, "bogus": 1})
+    assert TrainConfig.from_dict(data) == preset("tiny")

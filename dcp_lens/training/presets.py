@@ -10,8 +10,8 @@
   every variable queried; a 0 prelude + 1 core x 4 + 0 coda model (one block per iteration),
   d_model 96, 4 heads; AdamW lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. About 5
   minutes on one CPU thread (fixed regime). One block resolves one hop, so the fixed model needs
-  iteration h for a query of h hops and its accuracy at k = 1 is about the share of one-hop
-  queries; with a prelude and a coda block around the core, the first iteration already
+  iteration h for a query of h hops and its accuracy at k = 1 is the one-hop queries plus
+  chance on the rest; with a prelude and a coda block around the core, the first iteration already
   resolved two hops (overall 0.85 at k = 1). In text format (``c = b ;``), or with 16
   variables, the same budget stays on the plateau: a lookup then needs a two-layer composition
   that small models take thousands of steps to form, or the line tokens of 16 variables are

@@ -93,15 +93,20 @@ class RegimeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RegimeConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown RegimeConfig keys {unknown}; known keys: {sorted(known)}.")
+        check_known_keys(cls, data)
         values = dict(data)
         for name in ("mean_iterations", "sigma"):
             if values.get(name) is not None:
                 values[name] = float(values[name])
         return cls(**values)
+
+
+def check_known_keys(cls: type, data: dict[str, Any]) -> None:
+    """Raise ValueError when ``data`` has keys that are not fields of dataclass ``cls``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(known)}.")
 
 
 def dense_config(cfg: RecurrentConfig) -> RecurrentConfig:

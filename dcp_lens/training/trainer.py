@@ -39,7 +39,13 @@ from tqdm.auto import tqdm
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import SPLITS, Split, Task, get_task
-from dcp_lens.training.regimes import RegimeConfig, build_model, readout_logits, regime_loss
+from dcp_lens.training.regimes import (
+    RegimeConfig,
+    build_model,
+    check_known_keys,
+    readout_logits,
+    regime_loss,
+)
 
 CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.json"
@@ -189,10 +195,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Inverse of `to_dict`; unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown TrainConfig keys {unknown}; known keys: {sorted(known)}.")
+        check_known_keys(cls, data)
         values = dict(data)
         values["model"] = RecurrentConfig.from_dict(values["model"])
         if "regime" in values:
