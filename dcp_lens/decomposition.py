@@ -44,19 +44,19 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Shaped
 
+from dcp_lens.metrics import LOSS_METRICS
+from dcp_lens.statistics import paired_bootstrap_means, percentile_interval
+
 # Conditions measured at every k, in the column order used throughout this module.
 CONDITIONS = ("truncate", "calibrate_truncate", "replay", "calibrate_replay", "shift")
 ALL_CONDITIONS = ("full", *CONDITIONS)
 FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
 ARCHITECTURES = ("recurrent", "dense")
-LOSS_METRICS = ("cross_entropy", "kl_to_full")
 REPLAY_NOT_REALIZABLE = "not realizable as the same model"
 
 QualityVector = Shaped[np.ndarray, "_n_examples"] | Shaped[torch.Tensor, "_n_examples"]
 
-# Largest index matrix built at once (entries); bounds memory for large evaluation sets.
-_INDEX_BUDGET = 1 << 22
 # Loss values within this of zero are accepted with either sign (float error in KL).
 _SIGN_TOLERANCE = 1e-6
 
@@ -82,38 +82,6 @@ def factors(
         "D": np.asarray(e - d),
         "I_BS": np.asarray((d - c) - (b - a)),
     }
-
-
-def paired_bootstrap_means(
-    values: Float[np.ndarray, "n_examples n_cells"], n_bootstrap: int, seed: int
-) -> Float[np.ndarray, "n_bootstrap n_cells"]:
-    """Means of every cell over bootstrap resamples of the examples, paired across cells.
-
-    Draw i resamples n example indices with replacement once and averages every column over those
-    same indices. A column holding any non-finite value is NaN in every draw.
-
-    Returns:
-        ``[n_bootstrap, n_cells]`` float64 resampled means.
-    """
-    n_examples, n_cells = values.shape
-    if n_examples == 0:
-        raise ValueError("values has 0 examples; the bootstrap needs at least one.")
-    if n_bootstrap < 0:
-        raise ValueError(f"n_bootstrap={n_bootstrap} must be >= 0.")
-    finite = np.isfinite(values).all(axis=0)
-    clean = np.where(finite, values, 0.0).astype(np.float64)
-    rng = np.random.default_rng(seed)
-    draws = np.empty((n_bootstrap, n_cells), dtype=np.float64)
-    rows_per_chunk = max(1, _INDEX_BUDGET // n_examples)
-    for start in range(0, n_bootstrap, rows_per_chunk):
-        rows = min(rows_per_chunk, n_bootstrap - start)
-        index = rng.integers(0, n_examples, size=(rows, n_examples))
-        # Counts per (draw, example) turn "average over resampled indices" into one matmul.
-        flat = (index + n_examples * np.arange(rows)[:, None]).ravel()
-        counts = np.bincount(flat, minlength=rows * n_examples).reshape(rows, n_examples)
-        draws[start : start + rows] = (counts.astype(np.float64) @ clean) / n_examples
-    draws[:, ~finite] = np.nan
-    return draws
 
 
 def decompose(
@@ -169,12 +137,12 @@ def decompose(
     )
     cells: dict[str, np.ndarray] = {}
     for name in QUANTITIES:
-        low, high = _percentile_interval(sampled[name], confidence)
+        low, high = percentile_interval(sampled[name], confidence)
         cells.update({name: point[name], f"{name}_lo": low, f"{name}_hi": high})
 
     curves: dict[str, np.ndarray] = {}
     nonfinite: dict[str, np.ndarray] = {}
-    condition_low, condition_high = _percentile_interval(draws, confidence)
+    condition_low, condition_high = percentile_interval(draws, confidence)
     for i, condition in enumerate(CONDITIONS):
         columns = slice(1 + i * n_k, 1 + (i + 1) * n_k)
         curves[condition] = means[columns]
@@ -746,19 +714,6 @@ def _quantities(full: np.ndarray, per_k: np.ndarray) -> dict[str, np.ndarray]:
     return quantities
 
 
-def _percentile_interval(draws: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:
-    """Percentile interval over axis 0, ignoring NaN draws; NaN where no draw is defined."""
-    low = np.full(draws.shape[1:], np.nan)
-    high = np.full(draws.shape[1:], np.nan)
-    defined = ~np.isnan(draws).all(axis=0) if draws.shape[0] else np.zeros(low.shape, bool)
-    if defined.any():
-        tail = 50.0 * (1.0 - confidence)
-        low[defined], high[defined] = np.nanpercentile(
-            draws[:, defined], [tail, 100.0 - tail], axis=0
-        )
-    return low, high
-
-
 def _shares(
     point: dict[str, np.ndarray],
     sampled: dict[str, np.ndarray],
@@ -776,7 +731,7 @@ def _shares(
         if not used.any():
             shares.update({name: math.nan, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
             continue
-        low, high = _percentile_interval(share(sampled, name)[:, None], confidence)
+        low, high = percentile_interval(share(sampled, name)[:, None], confidence)
         shares.update(
             {
                 name: float(share(point, name)),
@@ -805,7 +760,7 @@ def _truncation_slope(
     columns = [p[1] for p in points]
     centred = x - x.mean()
     weights = centred / (centred @ centred)  # the slope is linear in y: slope = weights @ y
-    low, high = _percentile_interval((draws[:, columns] @ weights)[:, None], confidence)
+    low, high = percentile_interval((draws[:, columns] @ weights)[:, None], confidence)
     return float(means[columns] @ weights), float(low[0]), float(high[0])
 
 

@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from dcp_lens.decomposition import FACTORS, ProtocolResults, _to_json
 from dcp_lens.protocol import DepthControlProtocol, task_data
 from dcp_lens.registry import load
+from dcp_lens.statistics import t_interval
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
 from dcp_lens.training.trainer import CONFIG_FILE, MODEL_DIR, TABLE_FILE, config_differences
@@ -221,46 +222,6 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     summary["undefined_seeds"] = sorted(undefined)
     summary["per_seed"] = [dict(row) for row in per_seed]
     return summary
-
-
-def t_interval(values: Sequence[float] | np.ndarray, confidence: float) -> tuple[float, float]:
-    """``mean -+ t_{(1 + confidence) / 2, n - 1} * sd / sqrt(n)`` of ``values`` (n >= 2)."""
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim != 1 or len(values) < 2:
-        raise ValueError(f"a t-interval needs >= 2 values, got shape {values.shape}.")
-    mean = float(values.mean())
-    half = student_t_quantile((1 + confidence) / 2, len(values) - 1)
-    half *= float(values.std(ddof=1)) / math.sqrt(len(values))
-    return mean - half, mean + half
-
-
-def student_t_quantile(probability: float, df: int) -> float:
-    """The ``probability`` quantile of Student's t with ``df`` degrees of freedom.
-
-    Bisection on the CDF, itself Simpson's rule on the density (error below 1e-6 for df >= 1);
-    numpy has no t distribution and scipy is not a dependency.
-    """
-    if not 0.0 < probability < 1.0:
-        raise ValueError(f"probability={probability} must lie strictly between 0 and 1.")
-    if df < 1:
-        raise ValueError(f"df={df} must be >= 1.")
-    if probability < 0.5:
-        return -student_t_quantile(1.0 - probability, df)
-    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(t: float) -> float:
-        x = np.linspace(0.0, t, 4001)
-        density = np.exp(log_norm - (df + 1) / 2 * np.log1p(x * x / df))
-        odd, even = density[1:-1:2].sum(), density[2:-1:2].sum()
-        return 0.5 + (t / 4000) / 3 * (density[0] + density[-1] + 4 * odd + 2 * even)
-
-    low, high = 0.0, 1.0
-    while cdf(high) < probability:
-        low, high = high, 2 * high
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if cdf(middle) < probability else (low, middle)
-    return (low + high) / 2
 
 
 # ------------------------------------------------------------------------------ the verdict

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -39,6 +38,7 @@ from dcp_lens.components.embeddings import Embed, Inject, PosEmbed
 from dcp_lens.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.components.rotary import rotary_tables
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.metrics import next_token_loss
 
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
@@ -731,18 +731,6 @@ def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
         ids = list(tokenizer.encode(text))
         bos_id = getattr(tokenizer, "bos_token_id", None)
         return ([bos_id] + ids) if bos and bos_id is not None else ids
-
-
-def next_token_loss(
-    logits: Float[Tensor, "batch pos d_vocab"],
-    tokens: Int[Tensor, "batch pos"],
-    per_token: bool = False,
-) -> Tensor:
-    """Cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]: mean, or [batch, pos - 1]."""
-    losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
-    ).view(tokens.shape[0], -1)
-    return losses if per_token else losses.mean()
 
 
 __all__ = [

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -34,11 +33,8 @@ from tqdm.auto import tqdm
 import dcp_lens.hooks as hooks
 from dcp_lens.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.decomposition import CONDITIONS, ProtocolResults, decompose
+from dcp_lens.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, METRICS, per_example_metrics
 from dcp_lens.probe import ResidualOODProbe
-
-METRICS = ("accuracy", "cross_entropy", "kl_to_full")
-HIGHER_IS_BETTER = {"accuracy": True, "cross_entropy": False, "kl_to_full": False}
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -453,7 +449,7 @@ class DepthControlProtocol:
         full_log_probs: Tensor,
         targets: Tensor,
     ) -> None:
-        for metric, value in _per_example_metrics(
+        for metric, value in per_example_metrics(
             logits, full_log_probs, targets, self.metrics
         ).items():
             per_example.setdefault((metric, *cell), []).append(value)
@@ -661,40 +657,6 @@ def _apply(mapping: AffineCalibration | None, state: Tensor) -> Tensor:
 def _replay_state(states: Tensor, k: int, r: int) -> Tensor:
     """s_k + (r - k) Delta_k: what the replay hooks leave at the readout."""
     return states[k] + (r - k) * (states[k] - states[k - 1])
-
-
-def _per_example_metrics(
-    logits: Float[Tensor, "batch pos d_vocab"],
-    full_log_probs: Float[Tensor, "batch pos d_vocab"],
-    targets: Int[Tensor, "batch pos"],
-    metrics: Sequence[str],
-) -> dict[str, Float[Tensor, " batch"]]:
-    """Each metric averaged over an example's scored positions: [batch] per metric.
-
-    ``full_log_probs`` are the full-depth log-probabilities, the reference of ``kl_to_full``."""
-    scored = targets != IGNORE_INDEX
-    count = scored.sum(-1).clamp(min=1).to(logits.dtype)
-    log_probs = logits.log_softmax(-1)
-    safe_targets = targets.clamp(min=0)
-    out: dict[str, Tensor] = {}
-    if "cross_entropy" in metrics:
-        nll = -log_probs.gather(-1, safe_targets[..., None])[..., 0]
-        out["cross_entropy"] = (nll * scored).sum(-1) / count
-    if "accuracy" in metrics:
-        correct = (logits.argmax(-1) == targets).to(logits.dtype)
-        # A non-finite readout has no prediction: mark it rather than count argmax of NaNs.
-        correct = torch.where(torch.isfinite(logits).all(-1), correct, torch.nan)
-        out["accuracy"] = (correct * scored).nansum(-1) / count + _nan_if_any(correct, scored)
-    if "kl_to_full" in metrics:
-        kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
-        out["kl_to_full"] = (kl * scored).sum(-1) / count
-    return out
-
-
-def _nan_if_any(values: Tensor, scored: Tensor) -> Tensor:
-    """0 per example, or NaN where a scored value is NaN."""
-    bad = (torch.isnan(values) & scored).any(-1)
-    return torch.where(bad, torch.nan, 0.0).to(values.dtype)
 
 
 def _max_diff(a: Tensor, b: Tensor) -> float:

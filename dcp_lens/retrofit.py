@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.metrics import next_token_loss, token_cross_entropy
 from dcp_lens.training.regimes import readout_logits
 from dcp_lens.training.trainer import decay_groups, deterministic_torch, warmup_cosine
 
@@ -318,7 +319,7 @@ def distill(
             kl = distillation_kl(logits, teacher_logits)
             loss = kl
             if ce_weight:
-                ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+                ce = next_token_loss(logits, tokens)
                 loss = kl + ce_weight * ce
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -395,9 +396,7 @@ def truncation_curve(
         batch = tokens[start : start + batch_size].to(model.W_E.device)
         logits = readout_logits(model, batch, ks)
         targets = batch[:, 1:].expand(len(ks), -1, -1)
-        losses = F.cross_entropy(
-            logits[:, :, :-1].flatten(0, 2), targets.flatten(), reduction="none"
-        ).view(len(ks), -1)
+        losses = token_cross_entropy(logits[:, :, :-1], targets).flatten(1)
         totals += losses.double().sum(-1).cpu()
         count += losses.shape[1]
     return {k: float(total / count) for k, total in zip(ks, totals, strict=True)}

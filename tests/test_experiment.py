@@ -23,10 +23,9 @@ from dcp_lens.experiment import (
     run_training_intervention,
     s_verdict,
     slope_verdict,
-    student_t_quantile,
-    t_interval,
     verdict,
 )
+from dcp_lens.statistics import t_interval
 from dcp_lens.training import REGIMES, preset, train
 
 SEEDS = (0, 1)
@@ -271,9 +270,12 @@ def test_aggregate_t_interval_single_seed_and_undefined_seeds():
 @pytest.mark.parametrize(
     "df,quantile", [(1, 12.706205), (2, 4.302653), (4, 2.776445), (10, 2.228139), (30, 2.042272)]
 )
-def test_student_t_quantile_matches_the_table(df, quantile):
-    assert student_t_quantile(0.975, df) == pytest.approx(quantile, abs=1e-5)
-    assert student_t_quantile(0.025, df) == pytest.approx(-quantile, abs=1e-5)
+def test_t_interval_uses_the_tabulated_student_quantile(df, quantile):
+    values = np.zeros(df + 1)
+    values[0], values[1] = 1.5, -1.5  # mean 0, sd sqrt(4.5 / df)
+    low, high = t_interval(values, 0.95)
+    half = quantile * math.sqrt(4.5 / df) / math.sqrt(df + 1)
+    assert low == pytest.approx(-half, abs=1e-5) and high == pytest.approx(half, abs=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,8 @@ import torch
 from test_model import make_model
 
 from dcp_lens import load, planted
-from dcp_lens.protocol import (
-    CONDITIONS,
-    METRICS,
-    DepthControlProtocol,
-    EvaluationSet,
-    _per_example_metrics,
-)
+from dcp_lens.metrics import METRICS, per_example_metrics
+from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
 
 N = 384  # sequences of 8 scored positions per split
 
@@ -117,7 +112,7 @@ def test_a_non_finite_readout_marks_only_its_examples():
     logits = torch.randn(3, 4, 7, dtype=torch.float64)
     logits[1, 2] = float("inf")
     targets = torch.randint(0, 7, (3, 4))
-    scores = _per_example_metrics(logits, logits.log_softmax(-1), targets, METRICS)
+    scores = per_example_metrics(logits, logits.log_softmax(-1), targets, METRICS)
     for metric in METRICS:
         assert scores[metric][[0, 2]].isfinite().all(), metric
         assert not scores[metric][1].isfinite(), metric

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp_lens.tasks.base import IGNORE_INDEX, SPLITS, Split, Task, TaskBatch
+from dcp_lens.metrics import IGNORE_INDEX
+from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch
 from dcp_lens.tasks.char_lm import CharLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
 

@@ -23,9 +23,6 @@ from torch import Tensor
 Split = Literal["train", "calibration", "evaluation"]
 SPLITS: tuple[Split, ...] = ("train", "calibration", "evaluation")
 
-# The default ``ignore_index`` of ``F.cross_entropy``, so targets can be passed to it as they are.
-IGNORE_INDEX = -100
-
 
 def check_split(split: str) -> Split:
     """Return ``split`` unchanged if it names a split; raise a ValueError naming it otherwise."""

@@ -29,8 +29,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from dcp_lens.metrics import IGNORE_INDEX
 from dcp_lens.tasks.base import (
-    IGNORE_INDEX,
     SPLITS,
     Split,
     Task,

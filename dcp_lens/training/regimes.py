@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.tasks.base import IGNORE_INDEX
+from dcp_lens.metrics import scored_cross_entropy
 
 REGIMES = ("fixed", "sampled", "every-iteration", "dense")
 SAMPLINGS = ("poisson_lognormal", "uniform")
@@ -130,13 +129,6 @@ def dense_config(cfg: RecurrentConfig) -> RecurrentConfig:
 def build_model(cfg: RecurrentConfig, regime: RegimeConfig) -> HookedRecurrentTransformer:
     """The model a regime trains: ``cfg`` itself, or its matched dense model for ``dense``."""
     return HookedRecurrentTransformer(dense_config(cfg) if regime.name == "dense" else cfg)
-
-
-def scored_cross_entropy(
-    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
-) -> Float[Tensor, ""]:
-    """Mean cross-entropy over the scored positions (targets != IGNORE_INDEX)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def sample_iterations(regime: RegimeConfig, generator: torch.Generator) -> int:

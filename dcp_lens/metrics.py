@@ -1,0 +1,83 @@
+"""The quality measures of a readout, one implementation each.
+
+``IGNORE_INDEX`` marks positions that are not scored (as PyTorch's ``ignore_index``). Everything
+that scores logits against targets (training losses, the protocol's per-example metrics, the
+retrofit's distillation) goes through `token_cross_entropy`, so cross-entropy is spelled once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+IGNORE_INDEX = -100
+METRICS = ("accuracy", "cross_entropy", "kl_to_full")
+HIGHER_IS_BETTER = {"accuracy": True, "cross_entropy": False, "kl_to_full": False}
+LOSS_METRICS = tuple(name for name in METRICS if not HIGHER_IS_BETTER[name])
+
+
+def token_cross_entropy(
+    logits: Float[Tensor, "*batch pos d_vocab"], targets: Int[Tensor, "*batch pos"]
+) -> Float[Tensor, "*batch pos"]:
+    """Cross-entropy of every position's prediction; 0 where ``targets == IGNORE_INDEX``."""
+    losses = F.cross_entropy(
+        logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return losses.view(targets.shape)
+
+
+def scored_cross_entropy(
+    logits: Float[Tensor, "*batch pos d_vocab"], targets: Int[Tensor, "*batch pos"]
+) -> Float[Tensor, ""]:
+    """Mean cross-entropy over the scored positions (``targets != IGNORE_INDEX``)."""
+    scored = targets != IGNORE_INDEX
+    return token_cross_entropy(logits, targets).sum() / scored.sum().clamp(min=1)
+
+
+def next_token_targets(tokens: Int[Tensor, "batch pos"]) -> Int[Tensor, "batch pos"]:
+    """Language-modelling targets: position p predicts ``tokens[p + 1]``; the last is not scored."""
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, :-1] = tokens[:, 1:]
+    return targets
+
+
+def next_token_loss(
+    logits: Float[Tensor, "batch pos d_vocab"],
+    tokens: Int[Tensor, "batch pos"],
+    per_token: bool = False,
+) -> Tensor:
+    """Cross-entropy of predicting tokens[:, 1:] from logits[:, :-1]: mean, or [batch, pos - 1]."""
+    losses = token_cross_entropy(logits[:, :-1], tokens[:, 1:])
+    return losses if per_token else losses.mean()
+
+
+def per_example_metrics(
+    logits: Float[Tensor, "batch pos d_vocab"],
+    full_log_probs: Float[Tensor, "batch pos d_vocab"],
+    targets: Int[Tensor, "batch pos"],
+    metrics: Sequence[str],
+) -> dict[str, Float[Tensor, " batch"]]:
+    """Each metric averaged over an example's scored positions: [batch] per metric.
+
+    ``full_log_probs`` are the full-depth log-probabilities, the reference of ``kl_to_full``. A
+    non-finite readout has no prediction: its accuracy is NaN, never the argmax of NaNs."""
+    scored = targets != IGNORE_INDEX
+    count = scored.sum(-1).clamp(min=1).to(logits.dtype)
+    out: dict[str, Tensor] = {}
+    if "cross_entropy" in metrics:
+        out["cross_entropy"] = (token_cross_entropy(logits, targets) * scored).sum(-1) / count
+    if "accuracy" in metrics:
+        correct = (logits.argmax(-1) == targets).to(logits.dtype)
+        correct = torch.where(torch.isfinite(logits).all(-1), correct, torch.nan)
+        bad = (torch.isnan(correct) & scored).any(-1)
+        out["accuracy"] = (correct * scored).nansum(-1) / count
+        out["accuracy"] = torch.where(bad, torch.nan, out["accuracy"])
+    if "kl_to_full" in metrics:
+        log_probs = logits.log_softmax(-1)
+        kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
+        out["kl_to_full"] = (kl * scored).sum(-1) / count
+    return out
