@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dcp_lens.conditions import SWEEP
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 
 
 def plain_forward(
@@ -157,7 +158,7 @@ def run_bench(
             protocol.fit(calibration)
             protocol.condition_logits(evaluation.tokens, "full", protocol.r, via="hooks")
             for k in protocol.k_grid:
-                for condition in CONDITIONS:
+                for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
         sweep_seconds = _median_seconds({"sweep": sweep}, sweep_repeats, target)["sweep"]

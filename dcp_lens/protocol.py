@@ -1,20 +1,21 @@
 """`DepthControlProtocol`: every condition of DCP at every k, fast, and the decomposition.
 
 The sweep is fast by construction. One full-depth pass per batch records every iteration's state
-s_0..s_r; every condition is then a readout of a state built from them:
+s_0..s_r; every condition of `dcp_lens.conditions.SWEEP` is then a readout of the state its closed
+form builds from them (`Condition.readout_input`):
 
 ==========================  =================================================================
 truncate(k)                 readout(s_k)
-replay(k)                   readout(s_k + (r - k) Delta_k)   (closed form of the replay hooks)
+replay(k)                   readout(s_k + (r - k) Delta_k)
 calibrate_truncate(k)       readout(cal_trunc_k(s_k))
 calibrate_replay(k)         readout(cal_replay_k(s_k + (r - k) Delta_k))
 shift(k)                    readout(cal_trunc_k^-1(s_r))
 ==========================  =================================================================
 
 ``readout`` runs only PreCoda, coda, final norm and unembedding. `condition_logits` computes the
-same conditions through the hook sets of `dcp_lens.hooks` on a full forward; tests check the two
-agree. Memory is bounded by the batch: states are kept for one batch at a time, and only
-fixed-size subsamples are kept for the probe.
+same conditions through their hooks (`Condition.fwd_hooks`) on a full forward; tests check the two
+agree for every registered condition. Memory is bounded by the batch: states are kept for one
+batch at a time, and only fixed-size subsamples are kept for the probe.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-import dcp_lens.hooks as hooks
 from dcp_lens.calibration import AffineCalibration, StreamingMoments
-from dcp_lens.decomposition import CONDITIONS, ProtocolResults, decompose
+from dcp_lens.conditions import SWEEP, Condition, Full, ProtocolModel, Truncate
+from dcp_lens.decomposition import decompose
 from dcp_lens.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, METRICS, per_example_metrics
 from dcp_lens.probe import ResidualOODProbe
+from dcp_lens.results import ProtocolResults
+from dcp_lens.states import capture_states
 
 
 @dataclass
@@ -128,21 +131,13 @@ class EvaluationSet:
         return set(rows)
 
 
-@dataclass
-class _Calibrations:
-    """Fitted maps; None where the states to fit were non-finite."""
-
-    truncate: dict[int, AffineCalibration | None]
-    replay: dict[int, AffineCalibration | None]
-    full: AffineCalibration | None
-
-
 class DepthControlProtocol:
     """Run DCP on one model (recurrent or dense) and decompose its truncation gap.
 
     Args:
-        model: a `HookedRecurrentTransformer` (or anything with ``n_iterations``, ``is_dense``,
-            ``state_hook_name``, ``readout_hook_name``, ``readout`` and ``run_with_hooks``).
+        model: a `HookedRecurrentTransformer`, or any `dcp_lens.conditions.ProtocolModel`
+            (``n_iterations``, ``is_dense``, ``state_hook_name``, ``readout_hook_name``,
+            ``readout``, ``run_with_hooks``), e.g. a dense TransformerLens bridge.
         k_grid: iteration counts to test (default: every k in 1..r when r <= 8, else 1, 2, 3, 4
             and a geometric grid (x1.5) up to and including r).
         metrics: any of ``"accuracy"`` (needs answers), ``"cross_entropy"``, ``"kl_to_full"``;
@@ -158,7 +153,7 @@ class DepthControlProtocol:
 
     def __init__(
         self,
-        model: Any,
+        model: ProtocolModel,
         *,
         k_grid: Sequence[int] | None = None,
         metrics: Sequence[str] | None = None,
@@ -192,7 +187,9 @@ class DepthControlProtocol:
         self.skip_first_position = skip_first_position
         self.spec = spec
         self.progress = progress
-        self.calibrations: _Calibrations | None = None
+        # Fitted maps keyed by the label of the condition they were fitted from (at depth r:
+        # ``"full"`` is calibrate(full)); None where that condition's states were non-finite.
+        self.calibrations: dict[str, AffineCalibration | None] | None = None
         self.probe: ResidualOODProbe | None = None
 
     # ------------------------------------------------------------------------ public API
@@ -245,121 +242,101 @@ class DepthControlProtocol:
 
     @torch.no_grad()
     def fit(self, calibration: EvaluationSet) -> Tensor | None:
-        """Fit cal_trunc_k, cal_replay_k and cal_full on the calibration split (streaming).
+        """Fit every calibration map the sweep's conditions ask for on the calibration split
+        (streaming moments of each source condition's readout inputs against full depth's).
 
         Returns the probe's reference subsample of full-depth readout inputs (or None)."""
-        # One stream of moments per fitted map; a stream that ever turns non-finite (replay can
-        # explode) is dropped, and its condition is reported as non-finite instead.
-        streams: dict[tuple[str, int], StreamingMoments | None] = {
-            ("full", self.r): StreamingMoments()
-        }
+        sources: dict[str, Condition] = {"full": Full()}
+
+        def wanted(source: Condition) -> _Pending:
+            source = source.at_depth(self.r)
+            sources.setdefault(source.label, source)
+            return _Pending()
+
         for k in self.k_grid:
-            if k < self.r:  # at k = r truncate and replay leave s_r: the reference stream itself
-                streams["truncate", k] = StreamingMoments()
-                streams["replay", k] = StreamingMoments()
+            for entry in SWEEP.values():
+                entry.build(k, wanted)
+        # One stream of moments per source; a stream that ever turns non-finite (replay can
+        # explode) is dropped, and the conditions that need it are reported as non-finite.
+        streams: dict[str, StreamingMoments | None] = {
+            label: StreamingMoments() for label in sources
+        }
         sample = _Subsample(self.probe_points, len(calibration), self.seed)
         for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
             states, _ = self.states(calibration.tokens[rows])
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
             sample.add(pooled[self.r])
-            for (condition, k), moments in streams.items():
+            for label, moments in streams.items():
                 if moments is None:
                     continue
-                state = _replay_state(pooled, k, self.r) if condition == "replay" else pooled[k]
+                state = sources[label].readout_input(pooled)
                 if bool(torch.isfinite(state).all()):
                     moments.update(state)
                 else:
-                    streams[condition, k] = None
-        reference = streams["full", self.r]
-
-        def fit(source: StreamingMoments | None) -> AffineCalibration | None:
-            if source is None or reference is None:
-                return None
-            return AffineCalibration.fit(source, reference, self.calibration_mode)
-
-        full = fit(reference)
-        below_r = [k for k in self.k_grid if k < self.r]
-        # At k = r both conditions read s_r, so their calibration is calibrate(full).
-        self.calibrations = _Calibrations(
-            truncate={**{k: fit(streams["truncate", k]) for k in below_r}, self.r: full},
-            replay={**{k: fit(streams["replay", k]) for k in below_r}, self.r: full},
-            full=full,
-        )
+                    streams[label] = None
+        reference = streams["full"]
+        self.calibrations = {
+            label: None
+            if source is None or reference is None
+            else AffineCalibration.fit(source, reference, self.calibration_mode)
+            for label, source in streams.items()
+        }
         return sample.tensor()
+
+    def fitted(self, source: Condition) -> AffineCalibration | None:
+        """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
+        calibrations = self._require_calibrations()
+        label = source.at_depth(self.r).label
+        if label not in calibrations:
+            raise KeyError(
+                f"no calibration was fitted from {label}; fitted: {sorted(calibrations)}. Fit "
+                "again after changing k_grid or the registered sweep conditions."
+            )
+        return calibrations[label]
+
+    def condition(self, name: str, k: int) -> Condition:
+        """The condition ``name`` (``"full"`` or a `SWEEP` entry) at ``k``, with fitted maps."""
+        if name == "full":
+            return Full()
+        if name not in SWEEP:
+            raise ValueError(f"unknown condition {name!r}; expected full or one of {tuple(SWEEP)}.")
+        self._check_k(k)
+        built = SWEEP[name].build(k, self.fitted)
+        if built is None:
+            raise ValueError(
+                f"{name}({k}) needs a calibration that could not be fitted: its states were "
+                "non-finite on the calibration split."
+            )
+        return built
 
     def states(
         self, tokens: Int[Tensor, "batch pos"]
     ) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], Float[Tensor, "batch pos d_vocab"]]:
         """One full-depth forward: every state s_0..s_r and the full logits."""
-        captured: list[Tensor] = []
-
-        def keep(state: Tensor, hook: Any) -> None:
-            captured.append(state)
-
-        names = [(self.model.state_hook_name(t), keep) for t in range(self.r + 1)]
-        logits = self.model.run_with_hooks(tokens.to(self._device()), fwd_hooks=names)
-        return torch.stack(captured), logits
+        return capture_states(self.model, tokens.to(self._device()))
 
     def readout_inputs(
         self, states: Float[Tensor, "r_plus_1 batch pos d_model"], condition: str, k: int
     ) -> Float[Tensor, "batch pos d_model"]:
         """The stream that reaches the readout under ``condition`` at ``k`` (fast path)."""
-        cal = self._require_calibrations()
-        if condition == "full":
-            return states[self.r]
-        if condition == "truncate":
-            return states[k]
-        if condition == "replay":
-            return _replay_state(states, k, self.r)
-        if condition == "calibrate_truncate":
-            return _apply(cal.truncate[k], states[k])
-        if condition == "calibrate_replay":
-            return _apply(cal.replay[k], _replay_state(states, k, self.r))
-        if condition == "shift":
-            mapping = cal.truncate[k]
-            return _apply(mapping.inverse() if mapping is not None else None, states[self.r])
-        raise ValueError(f"unknown condition {condition!r}; expected full or one of {CONDITIONS}.")
-
-    def intervention(self, condition: str, k: int) -> hooks.Intervention:
-        """The `dcp_lens.hooks` intervention that realises ``condition`` at ``k``."""
-        cal = self._require_calibrations()
-        if condition == "full":
-            return hooks.full()
-        if condition == "truncate":
-            return hooks.truncate(k)
-        if condition == "replay":
-            return hooks.replay(k)
-        mapping = cal.replay[k] if condition == "calibrate_replay" else cal.truncate[k]
-        if mapping is None:
-            source = "replay" if condition == "calibrate_replay" else "truncate"
-            raise ValueError(
-                f"{source}({k}) was non-finite on the calibration split: no calibration."
-            )
-        if condition == "calibrate_truncate":
-            return hooks.calibrate(hooks.truncate(k), mapping)
-        if condition == "calibrate_replay":
-            return hooks.calibrate(hooks.replay(k), mapping)
-        if condition == "shift":
-            return hooks.shift(k, mapping)
-        raise ValueError(f"unknown condition {condition!r}; expected full or one of {CONDITIONS}.")
+        return self.condition(condition, k).readout_input(states)
 
     def condition_logits(
         self, tokens: Int[Tensor, "batch pos"], condition: str, k: int, *, via: str = "fast"
     ) -> Float[Tensor, "batch pos d_vocab"]:
         """Logits of one condition, by the fast path (``via="fast"``) or by running the model
         with the condition's hooks (``via="hooks"``, what a notebook user would do)."""
-        if condition != "full":
-            self._check_k(k)
-        if via == "hooks":
-            fwd_hooks = self.intervention(condition, k).fwd_hooks(self.model)
-            return self.model.run_with_hooks(tokens.to(self._device()), fwd_hooks=fwd_hooks)
-        if via != "fast":
+        if via not in ("fast", "hooks"):
             raise ValueError(f"via={via!r} must be 'fast' or 'hooks'.")
+        built = self.condition(condition, k)
+        if via == "hooks":
+            fwd_hooks = built.fwd_hooks(self.model)
+            return self.model.run_with_hooks(tokens.to(self._device()), fwd_hooks=fwd_hooks)
         states, logits = self.states(tokens)
-        if condition == "full":
+        if isinstance(built, Full):
             return logits
-        return self.model.readout(self.readout_inputs(states, condition, k))
+        return self.model.readout(built.readout_input(states))
 
     # ------------------------------------------------------------------------ internals
 
@@ -367,40 +344,25 @@ class DepthControlProtocol:
         self, evaluation: EvaluationSet
     ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, Any]]:
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
-        null = {"truncate_replay_at_r": 0.0, "calibrate_full": 0.0, "shift_at_r": 0.0}
+        null: dict[str, float] = {name: 0.0 for name in SWEEP}
         n, points = len(evaluation), self.probe_points
         sample = _Subsample(points, n, self.seed + 1)
         trajectory = [_Subsample(points, n, self.seed + 2 + t) for t in range(self.r + 1)]
         calibrated = {k: _Subsample(points, n, self.seed + 1000 + k) for k in self.k_grid}
-        cal = self._require_calibrations()
+        built = {k: self._sweep_at(k) for k in {*self.k_grid, self.r}}
         for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
             full_log_probs = full_logits.log_softmax(-1)
             self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
-            # At k = r replay reads s_r like truncate, and calibrate_replay uses calibrate(full)
-            # like calibrate_truncate: three readouts, which are also the null control.
-            at_r = ("truncate", "calibrate_truncate", "shift")
             for k in self.k_grid:
-                # The conditions of one k share one readout call: a larger batch.
-                conditions = CONDITIONS if k < self.r else at_r
-                inputs = torch.cat([self.readout_inputs(states, c, k) for c in conditions])
-                readouts = dict(
-                    zip(conditions, self.model.readout(inputs).chunk(len(conditions)), strict=True)
-                )
-                if k == self.r:
-                    readouts["replay"] = readouts["truncate"]
-                    readouts["calibrate_replay"] = readouts["calibrate_truncate"]
-                for condition in CONDITIONS:
-                    self._record(
-                        per_example, (condition, k), readouts[condition], full_log_probs, targets
-                    )
-            if self.r not in self.k_grid:
-                readouts = {
-                    c: self.model.readout(self.readout_inputs(states, c, self.r)) for c in at_r
-                }
-            for name, condition in zip(null, at_r, strict=True):
-                null[name] = max(null[name], _max_diff(readouts[condition], full_logits))
+                readouts = self._readouts(states, built[k], full_logits)
+                for name, logits in readouts.items():
+                    self._record(per_example, (name, k), logits, full_log_probs, targets)
+            # The null control: at k = r every condition must reproduce full depth.
+            at_r = self._readouts(states, built[self.r], full_logits)
+            for name, logits in at_r.items():
+                null[name] = _nan_max(null[name], _max_diff(logits, full_logits))
             if self.probe_mode != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
@@ -415,7 +377,8 @@ class DepthControlProtocol:
                 for t in range(self.r + 1):
                     trajectory[t].add(probed[t], probed_examples)
                 for k in self.k_grid:
-                    calibrated[k].add(_apply(cal.truncate[k], probed[k]), probed_examples)
+                    mapping = self.fitted(Truncate(k))
+                    calibrated[k].add(_apply(mapping, probed[k]), probed_examples)
         values: dict[str, dict[str, Any]] = {}
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
@@ -423,13 +386,17 @@ class DepthControlProtocol:
                 values.setdefault(metric, {})["full"] = vector
             else:
                 values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
+        full_map = self.fitted(Full())
         null_control: dict[str, Any] = {
-            "max_abs_logit_diff": null["truncate_replay_at_r"],
-            "calibrate_full_max_abs_logit_diff": null["calibrate_full"],
-            "shift_at_r_max_abs_logit_diff": null["shift_at_r"],
-            "calibrate_full_identity_deviation": (
-                cal.full.identity_deviation() if cal.full is not None else math.nan
+            "max_abs_logit_diff": _nan_max(null.pop("truncate"), null.pop("replay")),
+            "calibrate_full_max_abs_logit_diff": _nan_max(
+                null.pop("calibrate_truncate"), null.pop("calibrate_replay")
             ),
+            "shift_at_r_max_abs_logit_diff": null.pop("shift"),
+            "calibrate_full_identity_deviation": (
+                full_map.identity_deviation() if full_map is not None else math.nan
+            ),
+            **{f"{name}_at_r_max_abs_logit_diff": value for name, value in null.items()},
         }
         probe_states: dict[str, Any] = {
             "held_out": sample.tensor(),
@@ -440,6 +407,29 @@ class DepthControlProtocol:
             },
         }
         return values, null_control, probe_states
+
+    def _sweep_at(self, k: int) -> dict[str, Condition | None]:
+        """Every sweep condition at k (None where a map it needs could not be fitted)."""
+        return {name: entry.build(k, self.fitted) for name, entry in SWEEP.items()}
+
+    def _readouts(
+        self,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        conditions: dict[str, Condition | None],
+        full_logits: Float[Tensor, "batch pos d_vocab"],
+    ) -> dict[str, Tensor]:
+        """The logits of every condition of one k from one readout call (a larger batch); a
+        condition equal to another at this depth (replay(r) = truncate(r)) is read out once."""
+        distinct = list(
+            dict.fromkeys(c.at_depth(self.r) for c in conditions.values() if c is not None)
+        )
+        inputs = torch.cat([condition.readout_input(states) for condition in distinct])
+        logits = dict(zip(distinct, self.model.readout(inputs).chunk(len(distinct)), strict=True))
+        missing = torch.full_like(full_logits, math.nan)
+        return {
+            name: missing if c is None else logits[c.at_depth(self.r)]
+            for name, c in conditions.items()
+        }
 
     def _record(
         self,
@@ -549,11 +539,9 @@ class DepthControlProtocol:
             )
 
     def _calibration_failures(self) -> list[str]:
-        cal = self._require_calibrations()
-        failed = [f"truncate({k})" for k, mapping in cal.truncate.items() if mapping is None]
-        return failed + [f"replay({k})" for k, mapping in cal.replay.items() if mapping is None]
+        return [label for label, mapping in self._require_calibrations().items() if mapping is None]
 
-    def _require_calibrations(self) -> _Calibrations:
+    def _require_calibrations(self) -> dict[str, AffineCalibration | None]:
         if self.calibrations is None:
             raise RuntimeError("fit the calibrations first: protocol.fit(calibration_set).")
         return self.calibrations
@@ -654,10 +642,20 @@ def _apply(mapping: AffineCalibration | None, state: Tensor) -> Tensor:
     return mapping(state) if mapping is not None else torch.full_like(state, math.nan)
 
 
-def _replay_state(states: Tensor, k: int, r: int) -> Tensor:
-    """s_k + (r - k) Delta_k: what the replay hooks leave at the readout."""
-    return states[k] + (r - k) * (states[k] - states[k - 1])
-
-
 def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max(a, b), NaN if either is NaN: a non-finite null control never reads as passing."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+class _Pending:
+    """Stands in for a map while `DepthControlProtocol.fit` asks the sweep what to fit."""
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return h
+
+    def inverse(self) -> _Pending:
+        return self

@@ -1,12 +1,23 @@
-"""The Depth Control Protocol's interventions as TransformerLens hook sets (``dcp_lens.hooks``).
+"""The Depth Control Protocol's conditions as TransformerLens hook sets (``dcp_lens.hooks``).
+
+This folder installs as ``dcp_lens.hooks`` and only re-exports: the conditions live, typed and
+type-checked, in `dcp_lens.conditions`, where each class holds its hook form, its closed form over
+cached states and its (B, D) coordinates.
 
 >>> from dcp_lens import hooks
 >>> linchpin = hooks.replay(1).fwd_hooks(model)  # doctest: +SKIP
 >>> logits = model.run_with_hooks(tokens, fwd_hooks=linchpin)  # doctest: +SKIP
 """
 
-from dcp_lens.hooks.interventions import (
-    Intervention,
+from dcp_lens.conditions import (
+    Calibrate,
+    Condition,
+    Full,
+    IterationModel,
+    Replay,
+    Shift,
+    StateMap,
+    Truncate,
     calibrate,
     full,
     replay,
@@ -14,4 +25,22 @@ from dcp_lens.hooks.interventions import (
     truncate,
 )
 
-__all__ = ["Intervention", "calibrate", "full", "replay", "shift", "truncate"]
+# The name of the conditions' base class before they gained a closed form (dcp-lens 0.1).
+Intervention = Condition
+
+__all__ = [
+    "Calibrate",
+    "Condition",
+    "Full",
+    "Intervention",
+    "IterationModel",
+    "Replay",
+    "Shift",
+    "StateMap",
+    "Truncate",
+    "calibrate",
+    "full",
+    "replay",
+    "shift",
+    "truncate",
+]

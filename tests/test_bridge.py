@@ -15,8 +15,9 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from dcp_lens import hooks, load
+from dcp_lens.conditions import SWEEP
 from dcp_lens.loading import BridgeModel
-from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 
 N_LAYERS = 3
 ATOL = 1e-5
@@ -86,7 +87,7 @@ def fitted_protocol(model: BridgeModel) -> tuple[DepthControlProtocol, torch.Ten
 
 def test_layers_are_iterations_on_the_bridges_own_hooks_each_firing_once(folder):
     model = BridgeModel.from_bridge(boot(folder))
-    assert isinstance(model, hooks.interventions.IterationModel)
+    assert isinstance(model, hooks.IterationModel)
     assert model.n_iterations == N_LAYERS and model.is_dense
     assert model.state_hook_name(0) == "blocks.0.hook_in"
     assert [model.state_hook_name(t) for t in (1, 3)] == ["blocks.0.hook_out", "blocks.2.hook_out"]
@@ -124,7 +125,7 @@ def test_fast_path_equals_hook_path_for_every_condition(folder):
     protocol, tokens = fitted_protocol(model)
     with torch.no_grad():
         for k in protocol.k_grid:
-            for condition in ("full", *CONDITIONS):
+            for condition in ("full", *tuple(SWEEP)):
                 fast = protocol.condition_logits(tokens, condition, k)
                 hooked = protocol.condition_logits(tokens, condition, k, via="hooks")
                 assert (fast - hooked).abs().max() <= ATOL, (condition, k)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dcp_lens.cli import main
-from dcp_lens.decomposition import read_results_json
+from dcp_lens.results import read_results_json
 
 
 @pytest.mark.parametrize(

@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dcp_lens.decomposition import (
-    CONDITIONS,
-    Decomposition,
-    ProtocolResults,
-    decompose,
-    factors,
-    paired_bootstrap_means,
-    read_results_json,
-    write_results_json,
-)
+from dcp_lens.conditions import DECOMPOSED as CONDITIONS
+from dcp_lens.decomposition import decompose, factors
+from dcp_lens.results import Decomposition, ProtocolResults, read_results_json, write_results_json
+from dcp_lens.statistics import paired_bootstrap_means
 
 R = 8
 GRID = (1, 2, 4, 6)
@@ -470,7 +464,10 @@ def empty_everything(values: dict) -> None:
             r"values\['replay'\]\[2\] has 99 examples but values\['full'\] has 100",
         ),
         (drop_a_k, r"values\['shift'\] has no vector for k=\[4\]"),
-        (rename_a_condition, r"unknown conditions \['replay_calibrated'\]"),
+        (
+            rename_a_condition,
+            r"missing conditions \['calibrate_replay'\].*given: \['replay_calibrated'\]",
+        ),
         (empty_everything, r"values\['full'\] has 0 examples"),
     ],
 )

@@ -7,8 +7,9 @@ import torch
 from test_model import make_model
 
 from dcp_lens import load, planted
+from dcp_lens.conditions import SWEEP
 from dcp_lens.metrics import METRICS, per_example_metrics
-from dcp_lens.protocol import CONDITIONS, DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 
 N = 384  # sequences of 8 scored positions per split
 
@@ -76,7 +77,7 @@ def test_fast_path_equals_hook_path_for_every_condition(dense):
     protocol.fit(calibration)
     tokens = evaluation.tokens[:6]
     for k in protocol.k_grid:
-        for condition in ("full",) + CONDITIONS:
+        for condition in ("full",) + tuple(SWEEP):
             fast = protocol.condition_logits(tokens, condition, k)
             hooked = protocol.condition_logits(tokens, condition, k, via="hooks")
             assert (fast - hooked).abs().max() <= 1e-6, (condition, k)
@@ -102,8 +103,8 @@ def test_non_finite_states_are_reported_per_condition_not_raised():
     protocol = DepthControlProtocol(model, metrics=("cross_entropy",), n_bootstrap=20)
     results = protocol.run(evaluation, calibration)
     flagged = results.nonfinite()
-    assert set(flagged["condition"]) == {"full", *CONDITIONS}
-    assert len(flagged) == 1 + len(CONDITIONS) * len(protocol.k_grid)
+    assert set(flagged["condition"]) == {"full", *tuple(SWEEP)}
+    assert len(flagged) == 1 + len(tuple(SWEEP)) * len(protocol.k_grid)
     assert "truncate(1)" in results.metadata["calibration_failures"]
     assert results.table()["gap"].isna().all()
 
