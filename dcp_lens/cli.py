@@ -9,9 +9,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dcp_lens.decomposition import ProtocolResults, write_results_json
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
 from dcp_lens.registry import load
+from dcp_lens.report import format_summary
+from dcp_lens.results import ProtocolResults, write_results_json
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
 EXPERIMENTS = ("training-intervention",)
@@ -129,27 +130,29 @@ def _run(args: argparse.Namespace) -> int:
         results = protocol.run(*data)
         runs.append(results)
         results.save(args.out / _folder_name(spec))
-        _summarise(results)
+        print(format_summary(results))
     write_results_json(runs, args.out / "results.json")
     print(f"wrote {args.out / 'results.json'}")
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dcp_lens.report import format_accuracy_table
     from dcp_lens.training import preset, train
 
     overrides = {"steps": args.steps} if args.steps is not None else {}
     config = preset(args.preset, regime=args.regime, seed=args.seed, **overrides)
     result = train(config, args.out, resume=not args.no_resume)
     if result.accuracy_table is not None:
-        print(result.accuracy_table.format())
+        print(format_accuracy_table(result.accuracy_table))
     model_dir = args.out / "model"
     print(f"model in {model_dir}; diagnose it with: dcp-lens run --model {model_dir}")
     return 0
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from dcp_lens.experiment import markdown_table, run_training_intervention
+    from dcp_lens.experiment import run_training_intervention
+    from dcp_lens.report import markdown_table
     from dcp_lens.training import REGIMES
 
     regimes = REGIMES if args.regimes is None else (_names(args.regimes) or ())
@@ -167,15 +170,6 @@ def _experiment(args: argparse.Namespace) -> int:
         print(f"{regime}: {labels}")
     print(f"wrote {args.out / 'intervention.json'} and {args.out / 'intervention.md'}")
     return 0
-
-
-def _summarise(results: ProtocolResults) -> None:
-    print(f"\n{results.model} ({results.architecture}, r = {results.n_iterations})")
-    if not results.replay_realizable:
-        print("  replay: not realizable as the same model (dense network)")
-    shares = results.shares()
-    print(shares.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}")
 
 
 def _folder_name(spec: str) -> str:

@@ -42,6 +42,8 @@ from typing import Any, Protocol, runtime_checkable
 from jaxtyping import Float
 from torch import Tensor
 
+from dcp_lens.registry import add_entry
+
 HookList = list[tuple[str, Callable[..., Any]]]
 States = Float[Tensor, "r_plus_1 *batch d_model"]
 
@@ -379,14 +381,9 @@ def register_sweep_condition(entry: SweepCondition) -> SweepCondition:
     Raises:
         ValueError: the name is taken; the message names the existing entry.
     """
-    if entry.name == "full" or entry.name in SWEEP:
-        existing = SWEEP.get(entry.name, "the full-depth reference")
-        raise ValueError(
-            f"a sweep condition named {entry.name!r} is already registered ({existing}); "
-            "pick another name or unregister_sweep_condition() it first."
-        )
-    SWEEP[entry.name] = entry
-    return entry
+    if entry.name == "full":
+        raise ValueError("'full' is the reference of every sweep condition; pick another name.")
+    return add_entry(SWEEP, entry.name, entry, "sweep condition")
 
 
 def unregister_sweep_condition(name: str) -> None:

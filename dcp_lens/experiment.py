@@ -16,21 +16,16 @@ A rerun on the same ``out_dir`` continues: finished trainings and DCP runs are r
 interrupted training resumes from its checkpoint, so the result is the same as one uninterrupted
 run.
 
-Per regime, ``S``, ``B``, ``D`` are the means over seeds of each run's share of the gap's area and
-``slope`` the mean of each run's classic truncation slope (`Decomposition.truncation_slope`); their
-``_lo`` / ``_hi`` are a t-interval over seeds (mean +- t_{0.975, n-1} sd / sqrt(n)), or with a
-single seed that run's own bootstrap interval over evaluation examples. A run whose truncation gap
-has zero area (it predicts the same at every depth) has no shares; it is left out of them and
-listed in ``undefined_seeds``.
+The shares, their aggregate over seeds and the verdict are `dcp_lens.intervention`'s;
+`dcp_lens.report` renders ``intervention.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import multiprocessing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -38,33 +33,26 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from dcp_lens.decomposition import FACTORS, ProtocolResults, _to_json
+from dcp_lens.intervention import (
+    CONFIDENCE,
+    NEGATIVE_CONTROL,
+    PREDICTION,
+    aggregate,
+    seed_numbers,
+    shared_metric,
+    verdict,
+)
 from dcp_lens.protocol import DepthControlProtocol, task_data
 from dcp_lens.registry import load
-from dcp_lens.statistics import t_interval
+from dcp_lens.report import explain_verdict, format_markdown
+from dcp_lens.results import ProtocolResults, encode_json
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
-from dcp_lens.training.trainer import CONFIG_FILE, MODEL_DIR, TABLE_FILE, config_differences
+from dcp_lens.training.checkpoint import config_differences
+from dcp_lens.training.config import CONFIG_FILE, MODEL_DIR, TABLE_FILE
 
 RUNS_DIR, DCP_DIR = "runs", "dcp"
 JSON_FILE, MARKDOWN_FILE = "intervention.json", "intervention.md"
-BASELINE, NEGATIVE_CONTROL = "fixed", "dense"
-# The regimes the prediction is about: both put every depth's readout in distribution in training.
-TESTED_REGIMES = ("every-iteration", "sampled")
-CONFIDENCE = 0.95
-LABELS = ("supported", "not resolved", "not supported", "not tested")
-PREDICTION = (
-    "regimes that put every depth's readout in distribution (every-iteration, sampled) shrink S "
-    "relative to fixed and flatten the truncation slope by about S, while D, set by the task's "
-    "hop counts, stays"
-)
-# Per-run numbers averaged over seeds; each run also carries its bootstrap interval for them.
-# Shares of the gap's area (S, B, D; what intervention.json promises), the truncation slope, and
-# the same factors in the metric's own units: the mean over the k grid of gap(k), S(k), B(k), D(k).
-# The verdict reads the absolute ones: a share of a gap near zero (a model that needs no depth)
-# is unstable, while its absolute S is simply near zero.
-ABSOLUTE = ("gap_abs", "S_abs", "B_abs", "D_abs")
-AGGREGATED = (*FACTORS, "slope", *ABSOLUTE)
 
 
 def run_training_intervention(
@@ -159,224 +147,27 @@ def run_training_intervention(
         )
         runs[regime].append((seed, results))
 
-    metric = _metric(runs)
+    metric = shared_metric(runs)
     summary = {
-        regime: aggregate([_per_seed(seed, results, metric) for seed, results in per_regime])
+        regime: aggregate([seed_numbers(seed, results, metric) for seed, results in per_regime])
         for regime, per_regime in runs.items()
     }
     for regime, per_regime in runs.items():
         summary[regime]["n_iterations"] = per_regime[0][1].n_iterations
-    document = _to_json(
+    document = encode_json(
         {
             "preset": preset,
             "metric": metric,
             "settings": settings,
             "regimes": summary,
             "prediction": PREDICTION,
-            "verdict": verdict(summary),
+            "verdict": explain_verdict(verdict(summary), summary),
         }
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / JSON_FILE).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
     (out / MARKDOWN_FILE).write_text(format_markdown(document))
     return document
-
-
-def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One regime over seeds: the mean of ``S, B, D, slope`` and a 95% interval for each.
-
-    Each quantity is taken over the seeds where it is defined (the shares are NaN in a run whose
-    truncation gap has zero area, e.g. a model that predicts the same at every depth): with two
-    or more such seeds, the t-interval over them; with one, that run's own bootstrap interval over
-    evaluation examples; with none, NaN.
-
-    Args:
-        per_seed: one dict per seed with ``seed`` and, for each name of ``S, B, D, slope``, the
-            run's value and its bootstrap interval (``S_lo``, ``S_hi``, ...).
-
-    Returns:
-        ``{"S", "S_lo", "S_hi", ..., "slope_hi", "n_seeds", "seeds", "undefined_seeds",
-        "per_seed"}``: ``n_seeds`` maps each quantity to the number of seeds it is taken over,
-        ``undefined_seeds`` lists the seeds left out of any of them.
-    """
-    if not per_seed:
-        raise ValueError("per_seed is empty; aggregate needs at least one seed's run.")
-    summary: dict[str, Any] = {}
-    counts: dict[str, int] = {}
-    undefined: set[int] = set()
-    for name in AGGREGATED:
-        defined = [row for row in per_seed if math.isfinite(float(row[name]))]
-        undefined |= {int(row["seed"]) for row in per_seed if not math.isfinite(float(row[name]))}
-        values = np.array([float(row[name]) for row in defined])
-        counts[name] = len(defined)
-        if not defined:
-            low = high = mean = math.nan
-        elif len(defined) == 1:
-            mean, low, high = (float(defined[0][name + s]) for s in ("", "_lo", "_hi"))
-        else:
-            mean = float(values.mean())
-            low, high = t_interval(values, CONFIDENCE)
-        summary.update({name: mean, f"{name}_lo": low, f"{name}_hi": high})
-    summary["n_seeds"] = counts
-    summary["seeds"] = [int(row["seed"]) for row in per_seed]
-    summary["undefined_seeds"] = sorted(undefined)
-    summary["per_seed"] = [dict(row) for row in per_seed]
-    return summary
-
-
-# ------------------------------------------------------------------------------ the verdict
-
-
-def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
-    """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
-
-    ``supported``: lower, and the intervals do not overlap (``S_abs_hi < fixed S_abs_lo``);
-    ``not resolved``: lower but the intervals overlap, or a value is NaN;
-    ``not supported``: not lower.
-
-    Returns:
-        ``{"label", "reason"}``.
-    """
-    numbers = f"S {_interval(tested, 'S_abs')} against fixed {_interval(fixed, 'S_abs')}"
-    if not _finite(tested, fixed, "S_abs"):
-        return _verdict("not resolved", f"{numbers}: a value is undefined (NaN)")
-    if tested["S_abs"] >= fixed["S_abs"]:
-        return _verdict("not supported", f"{numbers}: not lower")
-    if tested["S_abs_hi"] < fixed["S_abs_lo"]:
-        return _verdict("supported", f"{numbers}: lower, the intervals do not overlap")
-    return _verdict("not resolved", f"{numbers}: lower, but the intervals overlap")
-
-
-def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
-    """Does D (in the metric's units, ``D_abs``) stay? ``supported`` when the intervals of
-    ``tested`` and ``fixed`` overlap, ``not supported`` when they do not, ``not resolved`` when a
-    value is NaN.
-
-    Returns:
-        ``{"label", "reason"}``.
-    """
-    numbers = f"D {_interval(tested, 'D_abs')} against fixed {_interval(fixed, 'D_abs')}"
-    if not _finite(tested, fixed, "D_abs"):
-        return _verdict("not resolved", f"{numbers}: a value is undefined (NaN)")
-    if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
-        return _verdict("supported", f"{numbers}: the intervals overlap")
-    return _verdict("not supported", f"{numbers}: the intervals do not overlap")
-
-
-def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
-    """Does the slope flatten by about the change in S?
-
-    If the regime removes ``fixed S_abs - tested S_abs`` from fixed's gap (``gap_abs``, both
-    means over k), the slope (linear in the gap) scales by ``1 - that / fixed gap_abs``:
-    predicted slope = fixed slope x that factor.
-    ``supported``: the predicted slope lies in the tested slope's interval and the fixed slope
-    does not; ``not resolved``: both lie in it (the change cannot be told from no change), or a
-    value is NaN; ``not supported``: the predicted slope lies outside it.
-
-    Returns:
-        ``{"label", "reason", "predicted_slope"}``.
-    """
-    removed = (
-        (fixed["S_abs"] - tested["S_abs"]) / fixed["gap_abs"] if fixed["gap_abs"] else math.nan
-    )
-    predicted = fixed["slope"] * (1.0 - removed)
-    numbers = (
-        f"slope {_interval(tested, 'slope')}, predicted {_number(predicted)} from fixed "
-        f"slope {_number(fixed['slope'])} and the change in S"
-    )
-    result = {"predicted_slope": predicted}
-    values = [predicted, tested["slope_lo"], tested["slope_hi"], fixed["slope"]]
-    if not all(math.isfinite(float(v)) for v in values):
-        return {**_verdict("not resolved", f"{numbers}: a value is undefined (NaN)"), **result}
-    inside = tested["slope_lo"] <= predicted <= tested["slope_hi"]
-    fixed_inside = tested["slope_lo"] <= fixed["slope"] <= tested["slope_hi"]
-    if not inside:
-        label, why = "not supported", "the prediction lies outside the interval"
-    elif fixed_inside:
-        label, why = "not resolved", "the interval also holds the fixed slope"
-    else:
-        label, why = "supported", "the prediction lies in the interval, the fixed slope does not"
-    return {**_verdict(label, f"{numbers}: {why}"), **result}
-
-
-def verdict(regimes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """For each of `TESTED_REGIMES`: ``{"S_lower", "D_stays", "slope_follows_S"}``, each a
-    ``{"label", "reason"}`` (labels in `LABELS`; ``not tested`` when the regime or ``fixed``
-    was not run). ``regimes`` maps a regime name to its `aggregate`."""
-    checks: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
-        "S_lower": s_verdict,
-        "D_stays": d_verdict,
-        "slope_follows_S": slope_verdict,
-    }
-    result: dict[str, dict[str, dict[str, Any]]] = {}
-    for regime in TESTED_REGIMES:
-        missing = [name for name in (regime, BASELINE) if name not in regimes]
-        if missing:
-            reason = f"no {' or '.join(missing)} runs"
-            result[regime] = {name: _verdict("not tested", reason) for name in checks}
-            continue
-        tested, fixed = _decoded(regimes[regime]), _decoded(regimes[BASELINE])
-        result[regime] = {name: check(tested, fixed) for name, check in checks.items()}
-    return result
-
-
-def format_markdown(document: dict[str, Any]) -> str:
-    """``intervention.md`` from the content of ``intervention.json``: the prediction, a table
-    of every regime and the verdict."""
-    metric = document["metric"]
-    lines = [
-        f"# Training intervention: preset `{document['preset']}`, metric `{metric}`",
-        "",
-        f"**Prediction.** {document['prediction'][0].upper()}{document['prediction'][1:]}.",
-        "",
-        *markdown_table(document["regimes"]),
-        "",
-        f"S, B, D: shares of the truncation gap's area over k ({metric}); slope: the classic "
-        "truncation slope (quality against k / r); gap, S, B, D in units: their means over k "
-        f"in {metric} itself, which the verdict reads (a share of a gap near zero is unstable; "
-        "single-seed rows have no interval for these). Each is the mean over the seeds where it is "
-        f"defined, with a {CONFIDENCE:.0%} t-interval over them (defined in one seed only: that "
-        "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
-        "truncation gap has zero area (the same predictions at every depth).",
-    ]
-    if NEGATIVE_CONTROL in document["regimes"]:
-        lines.append(
-            "The dense row is the negative control: a dense model of distinct layers, whose S is "
-            "that of truncating its own layers."
-        )
-    lines += ["", "## Verdict", ""]
-    names = {
-        "S_lower": "S lower than fixed",
-        "D_stays": "D stays",
-        "slope_follows_S": "slope flattens by about the change in S",
-    }
-    for regime, checks in document["verdict"].items():
-        lines.append(f"- **{regime}**")
-        for key, check in checks.items():
-            lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
-    return "\n".join(lines) + "\n"
-
-
-def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
-    """The lines of a markdown table: regime, seeds, then the shares S, B, D, the slope, the gap
-    and S, B, D in the metric's units (means over k), each with its interval, and the accuracy at
-    full depth and at k = 1 (means over seeds)."""
-    lines = [
-        "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-        "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for regime, row in regimes.items():
-        decoded = _decoded(row)
-        cells = [_interval(decoded, name) for name in AGGREGATED]
-        seeds = ",".join(str(seed) for seed in row["seeds"])
-        if row["undefined_seeds"]:
-            seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
-        accuracy = [_number(_finite_mean(entry[key] for entry in row["per_seed"])) for key in
-                    ("full_accuracy", "k1_accuracy")]  # fmt: skip
-        cells.append(" / ".join(accuracy))
-        lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
-    return lines
 
 
 # ----------------------------------------------------------------------------- internals
@@ -485,64 +276,3 @@ def _finished(folder: Path, config: TrainConfig) -> bool:
             "out folder for another preset, or remove that run to retrain it."
         )
     return True
-
-
-def _metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
-    """The protocol's first metric (its default: accuracy on tasks with answers), which every
-    run must share."""
-    metrics = {results.metrics[0] for per_regime in runs.values() for _, results in per_regime}
-    if len(metrics) != 1:
-        raise ValueError(f"the runs decomposed different first metrics {sorted(metrics)}.")
-    return metrics.pop()
-
-
-def _per_seed(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any]:
-    """One run's shares and slope (with bootstrap intervals) and its accuracy at k = r and 1."""
-    decomposition = results.decompositions[metric]
-    row: dict[str, Any] = {"seed": seed, **decomposition.shares}
-    row.update(
-        slope=decomposition.truncation_slope,
-        slope_lo=decomposition.truncation_slope_lo,
-        slope_hi=decomposition.truncation_slope_hi,
-    )
-    table = decomposition.table()
-    used = table[table["k"].isin(decomposition.share_k_grid)]
-    for name in ABSOLUTE:
-        column = name.removesuffix("_abs")
-        value = float(used[column].mean()) if len(used) else math.nan
-        # No bootstrap interval for these: over seeds they get the t-interval.
-        row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
-    accuracy = results.decompositions.get("accuracy")
-    if accuracy is None:
-        row.update(full_accuracy=math.nan, k1_accuracy=math.nan)
-    else:
-        truncated = dict(zip(accuracy.k_grid, accuracy.curves["truncate"], strict=True))
-        row.update(full_accuracy=accuracy.full, k1_accuracy=float(truncated.get(1, math.nan)))
-    return row
-
-
-def _finite_mean(values: Iterable[float | None]) -> float:
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
-def _decoded(row: dict[str, Any]) -> dict[str, Any]:
-    """An aggregate with JSON's None read back as NaN (numbers only)."""
-    return {key: math.nan if value is None else value for key, value in row.items()}
-
-
-def _finite(tested: dict[str, Any], fixed: dict[str, Any], name: str) -> bool:
-    keys = (name, f"{name}_lo", f"{name}_hi")
-    return all(math.isfinite(float(row[key])) for row in (tested, fixed) for key in keys)
-
-
-def _verdict(label: str, reason: str) -> dict[str, str]:
-    return {"label": label, "reason": reason}
-
-
-def _number(value: float) -> str:
-    return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
-
-
-def _interval(row: dict[str, Any], name: str) -> str:
-    return f"{_number(row[name])} [{_number(row[f'{name}_lo'])}, {_number(row[f'{name}_hi'])}]"

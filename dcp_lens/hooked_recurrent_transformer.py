@@ -19,6 +19,7 @@ Iteration-level hook points (see `state_hook_name`, `inject_hook_name`, `readout
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -75,7 +76,8 @@ class HookedRecurrentTransformer(HookedRootModule):
         super().__init__()
         if not isinstance(cfg, RecurrentConfig):
             raise TypeError(f"cfg must be a RecurrentConfig, got {type(cfg).__name__}.")
-        self._cfg = cfg
+        self._cfg = copy.deepcopy(cfg)  # the model owns its config: views change n_layers
+        cfg = self._cfg
         self.tokenizer = tokenizer
         self.embed = Embed(cfg)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
@@ -139,8 +141,15 @@ class HookedRecurrentTransformer(HookedRootModule):
         core = [block for row in self._core[: k if not self.is_dense else 0] for block in row]
         self.blocks = nn.ModuleList(self._prelude + core + self._coda)
         self.loop = nn.ModuleList(self._iteration_hooks[: k + 1])
+        # New blocks and containers follow the model's mode (patching refuses a mixed model).
+        self.blocks.train(self.training)
+        self.loop.train(self.training)
         self._active = k
         self.cfg.n_layers = len(self.blocks)
+        # Before blocks[i]: the iteration that ends there (0: the loop is entered), as
+        # DESIGN §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
+        P, L = self.cfg.n_prelude, self.cfg.n_core
+        self._iteration_ending_at = {} if self.is_dense else {P + t * L: t for t in range(k + 1)}
         self.setup()
 
     @contextlib.contextmanager
@@ -347,10 +356,18 @@ class HookedRecurrentTransformer(HookedRootModule):
                     "prelude's output) so later iterations can inject it."
                 )
         state: Tensor | None = None
-        for i in range(start, n_layers + 1):
+        for i in range(start, stop + 1):
+            # A stream resumed at blocks[start] has already crossed the boundary before it.
             if i > start or start_at_layer is None:
-                x, embedding, state = self._boundary(i, x, embedding, state)
-            if i == stop or i == n_layers:
+                t = self._iteration_ending_at.get(i)
+                if t == 0:
+                    embedding = x
+                    x, state = self._enter_loop(embedding)
+                elif t is not None:
+                    x, state = self._finish_iteration(t, x, embedding)
+                elif self.is_dense and i == n_layers:
+                    x = self.hook_readout_in(x)
+            if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
             x = self.blocks[i](x, rotary, cache)
@@ -374,29 +391,25 @@ class HookedRecurrentTransformer(HookedRootModule):
             x = block(x, rotary, None)
         return self._finish(x, return_type, tokens, loss_per_token)
 
-    def _boundary(
-        self, i: int, x: Tensor, embedding: Tensor | None, state: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """What happens to the stream before ``blocks[i]`` (i = n_layers: after the last block)."""
-        P, L, k = self.cfg.n_prelude, self.cfg.n_core, self._active
-        if self.is_dense:
-            if i == self.cfg.n_layers:
-                x = self.hook_readout_in(x)
-            return x, embedding, state
-        if i < P or (i - P) % L or i > P + k * L:
-            return x, embedding, state
-        t = (i - P) // L  # iterations completed before blocks[i]
-        if t == 0:
-            embedding = x
-            state = self._iteration_hooks[0].hook_state(self._initial_state(embedding))
-        else:
-            hooks = self._iteration_hooks[t]
-            state = hooks.hook_state(x if hooks.ln_iter is None else hooks.ln_iter(x))
-        if t == k:
-            return self._enter_readout(state), embedding, state
-        assert embedding is not None and state is not None
-        x = self._iteration_hooks[t + 1].hook_inject(self.inject(state, embedding))
-        return x, embedding, state
+    def _enter_loop(self, embedding: Tensor) -> tuple[Tensor, Tensor]:
+        """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
+        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding))
+        return self._next_input(0, state, embedding), state
+
+    def _finish_iteration(
+        self, t: int, x: Tensor, embedding: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """s_t = IterationNorm(core output); then u_{t+1} = Inject(s_t, e), or after the last
+        iteration the readout's input."""
+        hooks = self._iteration_hooks[t]
+        state = hooks.hook_state(x if hooks.ln_iter is None else hooks.ln_iter(x))
+        return self._next_input(t, state, embedding), state
+
+    def _next_input(self, t: int, state: Tensor, embedding: Tensor | None) -> Tensor:
+        if t == self._active:
+            return self._enter_readout(state)
+        assert embedding is not None
+        return self._iteration_hooks[t + 1].hook_inject(self.inject(state, embedding))
 
     def _enter_readout(self, state: Tensor) -> Tensor:
         state = self.hook_readout_in(state)

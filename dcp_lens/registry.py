@@ -7,23 +7,42 @@ Keyword arguments override fields of the model's `RecurrentConfig`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 
 Loader = Callable[..., Any]
 LOADERS: dict[str, Loader] = {}
 NAMED: dict[str, Loader] = {}
+Entry = TypeVar("Entry")
+
+
+def add_entry(table: MutableMapping[str, Entry], name: str, entry: Entry, kind: str) -> Entry:
+    """Add ``entry`` to a registry under ``name``; every registry of dcp-lens adds this way.
+
+    Registering the same object again is a no-op (a module imported twice).
+
+    Raises:
+        ValueError: ``name`` is taken by another entry; the message names that entry.
+    """
+    existing = table.get(name)
+    if existing is not None and existing is not entry:
+        raise ValueError(
+            f"a {kind} named {name!r} is already registered ({_describe(existing)}); pick "
+            "another name, or remove the existing entry from the registry first."
+        )
+    table[name] = entry
+    return entry
 
 
 def register_loader(kind: str) -> Callable[[Loader], Loader]:
     """Register ``loader(argument, **overrides)`` for specs ``"kind:argument"``."""
 
     def decorator(loader: Loader) -> Loader:
-        LOADERS[kind] = loader
-        return loader
+        _import_builtin_kinds()  # a built-in kind's name is taken before it is first loaded
+        return add_entry(LOADERS, kind, loader, "loader kind")
 
     return decorator
 
@@ -32,10 +51,16 @@ def register_named(name: str) -> Callable[[Loader], Loader]:
     """Register ``loader(**overrides)`` for the bare spec ``name``."""
 
     def decorator(loader: Loader) -> Loader:
-        NAMED[name] = loader
-        return loader
+        _import_builtin_kinds()
+        return add_entry(NAMED, name, loader, "named model")
 
     return decorator
+
+
+def _describe(entry: object) -> str:
+    module = getattr(entry, "__module__", None)
+    name = getattr(entry, "__qualname__", None) or repr(entry)
+    return f"{module}.{name}" if module else name
 
 
 def load(spec: str, **overrides: Any) -> Any:
@@ -65,6 +90,10 @@ def _import_builtin_kinds() -> None:
     """Modules that register kinds on import (kept lazy so `import dcp_lens` stays light)."""
     import importlib
 
+    global _builtins_imported
+    if _builtins_imported:
+        return
+    _builtins_imported = True  # set before importing: those modules register in turn
     for module in _BUILTIN_MODULES:
         try:
             importlib.import_module(module)
@@ -73,6 +102,7 @@ def _import_builtin_kinds() -> None:
                 raise
 
 
+_builtins_imported = False
 _BUILTIN_MODULES: list[str] = [
     "dcp_lens.planted",
     "dcp_lens.bundled",

@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.metrics import next_token_loss, token_cross_entropy
+from dcp_lens.training.loop import decay_groups, deterministic_torch, warmup_cosine
 from dcp_lens.training.regimes import readout_logits
-from dcp_lens.training.trainer import decay_groups, deterministic_torch, warmup_cosine
 
 ORIGINAL_DIR = "original"
 RETROFIT_DIR = "retrofit"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_model import make_model, tokens_for
+from helpers import make_model, tokens_for
 
 from dcp_lens import HookedRecurrentTransformer, RecurrentConfig
 

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 from dcp_lens.cli import main
-from dcp_lens.decomposition import ProtocolResults
-from dcp_lens.experiment import (
+from dcp_lens.experiment import run_training_intervention
+from dcp_lens.intervention import (
     LABELS,
     PREDICTION,
     aggregate,
     d_verdict,
-    run_training_intervention,
     s_verdict,
     slope_verdict,
     verdict,
 )
+from dcp_lens.results import ProtocolResults
 from dcp_lens.statistics import t_interval
 from dcp_lens.training import REGIMES, preset, train
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import make_model, tokens_for
+from helpers import make_model, tokens_for
 
 from dcp_lens import hooks
 from dcp_lens.calibration import fit_calibration

@@ -1,20 +1,19 @@
 """llama2.c version-0 checkpoint and tokenizer readers, checked on the real stories260K model.
 
-The golden check runs an independent plain-PyTorch forward pass (``reference_llama2c_logits``,
-kept here and out of the package so it can later validate the library's own loader) and asserts
+The golden check runs an independent plain-PyTorch forward pass (``reference_llama2c_logits`` in
+tests/reference.py, out of the package so it can validate the library's own loader) and asserts
 that greedy decoding reproduces the continuation published with the model.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from reference import CONTINUATION, PROMPT, STORY, reference_llama2c_logits, reference_rope_angles
 from torch import Tensor
 
 from dcp_lens.loading.llama2c_format import (
@@ -25,12 +24,6 @@ from dcp_lens.loading.llama2c_format import (
 )
 from dcp_lens.loading.tokenizer import Llama2cTokenizer
 
-PROMPT = "Once upon a time"
-CONTINUATION = (
-    ", there was a little girl named Lily. She loved to play outside in the park."
-    " One day, she saw a big, red ball."
-)
-STORY = PROMPT + CONTINUATION
 STORIES260K_BYTES = 1_056_540
 
 
@@ -50,68 +43,6 @@ needs_stories = pytest.mark.skipif(
     not (CHECKPOINT.is_file() and TOKENIZER.is_file()),
     reason=f"stories260K not found at {STORIES_DIR} (set DCP_LENS_SHARED to the shared folder)",
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Independent reference implementation of llama2.c's forward pass.
-# --------------------------------------------------------------------------------------------
-
-
-def reference_rope_angles(seq_len: int, head_size: int) -> Tensor:
-    """``[seq_len, head_size / 2]`` angles ``pos * 10000^(-2i / head_size)``, in float64."""
-    inv_freq = 10000.0 ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
-    return torch.arange(seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
-
-
-def _rotate_interleaved(x: Tensor, angles: Tensor) -> Tensor:
-    """Rotate pairs ``(2i, 2i+1)`` of ``x [seq, heads, head_size]`` by ``angles [seq, hs/2]``."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(start_dim=-2)
-
-
-def reference_llama2c_logits(
-    weights: dict[str, Tensor], n_heads: int, n_kv_heads: int, tokens: list[int]
-) -> Tensor:
-    """Logits ``[len(tokens), vocab]`` of a llama2.c model, computed in float64.
-
-    ``weights`` uses llama2.c's names and ``[L, out, in]`` layouts (as ``read_llama2c_checkpoint``
-    returns them); the classifier is ``wcls`` if present, else the token embedding.
-    """
-    w = {name: tensor.to(torch.float64) for name, tensor in weights.items()}
-    n_layers, dim = w["rms_att"].shape
-    head_size = dim // n_heads
-    queries_per_kv = n_heads // n_kv_heads
-    seq = len(tokens)
-    angles = reference_rope_angles(seq, head_size)
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-
-    x = w["token_embedding"][torch.tensor(tokens)]
-    for layer in range(n_layers):
-        h = _rms_norm(x, w["rms_att"][layer])
-        q = (h @ w["wq"][layer].T).view(seq, n_heads, head_size)
-        k = (h @ w["wk"][layer].T).view(seq, n_kv_heads, head_size)
-        v = (h @ w["wv"][layer].T).view(seq, n_kv_heads, head_size)
-        q, k = _rotate_interleaved(q, angles), _rotate_interleaved(k, angles)
-        # Query head h reads kv head h // queries_per_kv, as in llama2.c.
-        k = k.repeat_interleave(queries_per_kv, dim=1)
-        v = v.repeat_interleave(queries_per_kv, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_size)
-        attention = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        mixed = torch.einsum("hqk,khd->qhd", attention, v).reshape(seq, dim)
-        x = x + mixed @ w["wo"][layer].T
-
-        h = _rms_norm(x, w["rms_ffn"][layer])
-        gated = F.silu(h @ w["w1"][layer].T) * (h @ w["w3"][layer].T)
-        x = x + gated @ w["w2"][layer].T
-    x = _rms_norm(x, w["rms_final"])
-    classifier = w.get("wcls", w["token_embedding"])
-    return x @ classifier.T
 
 
 def reference_greedy(

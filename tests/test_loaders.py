@@ -17,8 +17,8 @@ from types import ModuleType
 import pytest
 import torch
 from conftest import SHARED
+from reference import CONTINUATION, PROMPT, STORY, reference_llama2c_logits
 from safetensors.torch import load_file, save_file
-from test_llama2c_format import CONTINUATION, PROMPT, STORY, reference_llama2c_logits
 from torch import Tensor
 
 from dcp_lens import HookedRecurrentTransformer, load

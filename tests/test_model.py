@@ -6,44 +6,13 @@ import itertools
 
 import pytest
 import torch
+from helpers import make_model, tokens_for
 from reference import reference_forward
 
 from dcp_lens import HookedRecurrentTransformer, RecurrentConfig
 
 # Equivalence is checked in float64, where any real mistake is many orders above 1e-5.
 TOL = 1e-5
-
-
-def make_model(dtype: torch.dtype = torch.float64, **overrides) -> HookedRecurrentTransformer:
-    fields = dict(
-        d_model=32,
-        n_heads=4,
-        d_head=8,
-        d_mlp=64,
-        d_vocab=40,
-        n_ctx=24,
-        n_prelude=1,
-        n_core=2,
-        n_coda=1,
-        n_iterations=4,
-        init_std=0.2,
-        seed=3,
-    )
-    fields.update(overrides)
-    model = HookedRecurrentTransformer(RecurrentConfig(**fields)).eval()
-    # Non-trivial norm weights so a norm applied in the wrong place shows.
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.ndim == 1:
-                parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
-    return model.to(dtype)
-
-
-def tokens_for(model: HookedRecurrentTransformer, batch: int = 2, pos: int = 12) -> torch.Tensor:
-    return torch.randint(
-        0, model.cfg.d_vocab, (batch, pos), generator=torch.Generator().manual_seed(0)
-    )
 
 
 def assert_matches_reference(model: HookedRecurrentTransformer, k: int) -> None:
@@ -268,3 +237,15 @@ def test_loss_matches_logits():
     assert torch.allclose(loss, manual)
     assert model(tokens, return_type=None) is None
     assert model(tokens, return_type="loss", loss_per_token=True).shape == (2, 11)
+
+
+def test_two_models_from_one_config_do_not_affect_each_other():
+    config = RecurrentConfig(d_model=16, n_heads=2, d_head=8, d_mlp=32, d_vocab=20, n_ctx=16)
+    a, b = HookedRecurrentTransformer(config), HookedRecurrentTransformer(config)
+    tokens = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+    before = b(tokens)
+    with a.iterations(8):
+        assert a.cfg.n_layers == 1 + 2 * 8 + 1
+        assert b.cfg.n_layers == config.n_layers == 1 + 2 * 4 + 1
+        assert torch.equal(b(tokens), before)
+    assert a.cfg is not config and b.cfg is not a.cfg

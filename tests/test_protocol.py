@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import make_model
+from helpers import assert_fast_path_matches_hooks, lm_sets, make_model
 
 from dcp_lens import load, planted
 from dcp_lens.conditions import SWEEP
@@ -12,12 +12,6 @@ from dcp_lens.metrics import METRICS, per_example_metrics
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 
 N = 384  # sequences of 8 scored positions per split
-
-
-def lm_sets(model, n: int = 48, pos: int = 10, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.cfg.d_vocab, (2 * n, pos), generator=generator)
-    return EvaluationSet.from_tokens(tokens[:n]), EvaluationSet.from_tokens(tokens[n:])
 
 
 @pytest.mark.parametrize("name", planted.PLANTED)
@@ -75,12 +69,7 @@ def test_fast_path_equals_hook_path_for_every_condition(dense):
     evaluation, calibration = lm_sets(model)
     protocol = DepthControlProtocol(model, probe="none", progress=False)
     protocol.fit(calibration)
-    tokens = evaluation.tokens[:6]
-    for k in protocol.k_grid:
-        for condition in ("full",) + tuple(SWEEP):
-            fast = protocol.condition_logits(tokens, condition, k)
-            hooked = protocol.condition_logits(tokens, condition, k, via="hooks")
-            assert (fast - hooked).abs().max() <= 1e-6, (condition, k)
+    assert_fast_path_matches_hooks(protocol, evaluation.tokens[:6])
 
 
 def test_dense_model_runs_with_replay_marked_not_realizable():

@@ -254,8 +254,8 @@ def test_bad_configs_are_refused_where_they_enter():
 
 
 def test_config_files_with_unknown_keys_are_refused_by_name() -> None:
+    from dcp_lens.training.config import TrainConfig
     from dcp_lens.training.regimes import RegimeConfig
-    from dcp_lens.training.trainer import TrainConfig
 
     with pytest.raises(ValueError, match=r"unknown RegimeConfig keys \['bogus'\]"):
         RegimeConfig.from_dict({"name": "fixed", "bogus": 1})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from test_model import make_model, tokens_for
+from helpers import make_model, tokens_for
 from transformer_lens import patching
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.model_protocol import TransformerLensModel
@@ -69,3 +69,26 @@ def test_act_patch_resid_pre_equals_a_hand_written_patching_loop():
     assert torch.allclose(library.double(), by_hand, atol=1e-6)
     # Patching iteration 2's core input at the corrupted position must matter.
     assert library[model.block_index(2, 0), 1] != library[model.block_index(2, 0), 0]
+
+
+def test_an_eval_model_stays_in_eval_mode_across_views_and_patching_runs():
+    model = make_model().eval()
+    tokens = tokens_for(model, batch=1, pos=6)
+    with model.iterations(7):
+        assert all(not module.training for module in model.modules())
+        model(tokens)
+    model(tokens, n_iterations=9)
+    assert all(not module.training for module in model.modules())
+    with model.iterations(7):
+        _, clean_cache = model.run_with_cache(tokens)
+        corrupted = tokens.clone()
+        corrupted[0, 1] = (corrupted[0, 1] + 5) % model.cfg.d_vocab
+
+        def metric(logits: torch.Tensor) -> torch.Tensor:
+            return logits[0, -1, 0]
+
+        patched = patching.get_act_patch_resid_pre(model, corrupted, clean_cache, metric)
+        assert patched.shape == (model.cfg.n_layers, 6)
+    model.train()
+    with model.iterations(11):  # a training model builds its new blocks in training mode
+        assert all(module.training for module in model.modules())

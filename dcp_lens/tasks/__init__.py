@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from dcp_lens.metrics import IGNORE_INDEX
+from dcp_lens.registry import add_entry
 from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch
 from dcp_lens.tasks.char_lm import CharLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
@@ -25,10 +26,7 @@ TASKS: dict[str, type[Task]] = {
 
 def register_task(task_class: type[Task]) -> type[Task]:
     """Add a task class to `TASKS` under its ``name`` (usable as a class decorator)."""
-    if task_class.name in TASKS and TASKS[task_class.name] is not task_class:
-        raise ValueError(f"a different task is already registered as {task_class.name!r}.")
-    TASKS[task_class.name] = task_class
-    return task_class
+    return add_entry(TASKS, task_class.name, task_class, "task")
 
 
 def get_task(name: str, **kwargs: Any) -> Task:

@@ -2,11 +2,15 @@
 
 >>> from dcp_lens.training import preset, train
 >>> result = train(preset("tiny", regime="sampled"), "runs/tiny-sampled")   # doctest: +SKIP
->>> print(result.accuracy_table.format())                                    # doctest: +SKIP
+>>> from dcp_lens.report import format_accuracy_table
+>>> print(format_accuracy_table(result.accuracy_table))                     # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+from dcp_lens.training.config import TrainConfig
+from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
+from dcp_lens.training.loop import TrainResult, learning_rate, train
 from dcp_lens.training.presets import PRESETS, model_config, preset
 from dcp_lens.training.regimes import (
     REGIMES,
@@ -20,14 +24,6 @@ from dcp_lens.training.regimes import (
     sample_iterations,
     scored_cross_entropy,
     truncated_backprop_loss,
-)
-from dcp_lens.training.trainer import (
-    AccuracyTable,
-    TrainConfig,
-    TrainResult,
-    evaluate_accuracy,
-    learning_rate,
-    train,
 )
 
 __all__ = [

@@ -26,8 +26,8 @@ from typing import Any
 
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.tasks import Task, get_task
+from dcp_lens.training.config import TrainConfig
 from dcp_lens.training.regimes import REGIMES, RegimeConfig
-from dcp_lens.training.trainer import TrainConfig
 
 
 def model_config(task: Task, **fields: Any) -> RecurrentConfig:
