@@ -20,7 +20,7 @@ the last step taking the remaining mass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from dcp_lens.loading.checkpoint_files import (
     split_overrides,
 )
 from dcp_lens.registry import register_loader
+from dcp_lens.states import capture_states
 
 SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu",),
@@ -167,20 +168,8 @@ class OuroRecurrentTransformer(HookedRecurrentTransformer):
             with self.iterations(n_iterations):
                 return self.step_states(tokens)
         k = self.n_iterations
-        states: dict[int, Tensor] = {}
-
-        def keep(t: int) -> Callable[[Tensor, HookPoint], None]:
-            def hook(tensor: Tensor, hook: HookPoint) -> None:
-                states[t] = tensor
-
-            return hook
-
-        fwd_hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = [
-            (self.state_hook_name(t), keep(t)) for t in range(1, k + 1)
-        ]
-        with self.hooks(fwd_hooks=fwd_hooks):
-            self.forward(tokens, return_type=None)
-        return torch.stack([states[t] for t in range(1, k + 1)], dim=2)
+        states, _ = capture_states(self, tokens, range(1, k + 1), return_type=None)
+        return states.movedim(0, 2)
 
     def _exit_pdf(
         self, states: Float[Tensor, "batch pos k d_model"]
