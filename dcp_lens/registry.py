@@ -1,4 +1,5 @@
-"""`load(spec)`: one entry point for every model dcp-lens can diagnose.
+"""`load(spec)`: one entry point for every model dcp-lens can diagnose; `add_entry`, how every
+registry of dcp-lens adds an entry. Imports no model code until a model is loaded.
 
 A spec is ``"KIND:ARGUMENT"`` for a registered kind (``planted:readout_shift``, ``huginn:PATH``, …),
 a bundled name (``default``, ``default-dense``, …), or the path of a `save_pretrained` folder.
@@ -10,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
-
-from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 
 Loader = Callable[..., Any]
 LOADERS: dict[str, Loader] = {}
@@ -78,6 +77,8 @@ def load(spec: str, **overrides: Any) -> Any:
     if spec in NAMED:
         return NAMED[spec](**overrides)
     if Path(spec).is_dir():
+        from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+
         return HookedRecurrentTransformer.from_pretrained(spec, **overrides)
     raise ValueError(
         f"unknown model spec {spec!r}: expected one of the kinds "

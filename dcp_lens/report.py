@@ -3,7 +3,20 @@ these). Functions here read results objects and never recompute science."""
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING, Any
+
+from dcp_lens.intervention import (
+    AGGREGATED,
+    BASELINE,
+    CONFIDENCE,
+    NEGATIVE_CONTROL,
+    mean_over_seeds,
+)
 from dcp_lens.results import ProtocolResults
+
+if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
+    from dcp_lens.training.evaluation import AccuracyTable
 
 
 def format_summary(results: ProtocolResults) -> str:
@@ -20,20 +33,6 @@ def format_summary(results: ProtocolResults) -> str:
 
 
 # ------------------------------------------------------------------ training
-
-import math  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-from dcp_lens.intervention import (  # noqa: E402
-    AGGREGATED,
-    BASELINE,
-    CONFIDENCE,
-    NEGATIVE_CONTROL,
-    mean_over_seeds,
-)
-
-if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
-    from dcp_lens.training.evaluation import AccuracyTable
 
 
 def format_accuracy_table(table: AccuracyTable) -> str:

@@ -31,6 +31,7 @@ from torch import Tensor
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.metrics import scored_cross_entropy
+from dcp_lens.states import capture_states
 
 REGIMES = ("fixed", "sampled", "every-iteration", "dense")
 SAMPLINGS = ("poisson_lognormal", "uniform")
@@ -159,20 +160,9 @@ def readout_logits(
     deepest = max(iterations)
     view = contextlib.nullcontext() if model.is_dense else model.iterations(deepest)
     with view:
-        names = [model.state_hook_name(t) for t in iterations]
-        states: dict[str, Tensor] = {}
-
-        def keep(state: Tensor, hook: Any) -> None:
-            states[hook.name] = state
-
         stop = deepest if model.is_dense else model.cfg.layers_for(deepest) - model.cfg.n_coda
-        model.run_with_hooks(
-            tokens,
-            return_type=None,
-            stop_at_layer=stop,
-            fwd_hooks=[(name, keep) for name in sorted(set(names))],
-        )
-    logits = model.readout(torch.cat([states[name] for name in names]))
+        states, _ = capture_states(model, tokens, iterations, return_type=None, stop_at_layer=stop)
+    logits = model.readout(states.flatten(0, 1))
     return logits.unflatten(0, (len(iterations), tokens.shape[0]))
 
 
