@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,12 +10,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Small tensors: one thread avoids oversubscription on a busy 2-core machine.
 torch.set_num_threads(1)
 
-SHARED = Path(os.environ.get("DCP_LENS_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+DATA_DIR = Path(__file__).resolve().parents[1] / "demos" / "data"
 
 
-@pytest.fixture
-def shared_dir() -> Path:
-    """The project's ../shared folder (data and fixtures); tests that need it skip without it."""
-    if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} is absent (set DCP_LENS_SHARED to the shared data folder)")
-    return SHARED
+def data_path(*parts: str) -> Path:
+    """A file or folder of the repository's ``demos/data`` (the data and fixtures the tests read).
+
+    Raises FileNotFoundError naming the path when the checkout lacks it.
+    """
+    path = DATA_DIR.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the tests read the data and fixtures committed under demos/data"
+            " (see demos/data/README.md); restore them with `git checkout -- demos/data`"
+        )
+    return path
