@@ -1,4 +1,4 @@
-"""The DCP decomposition (DESIGN.md §4): split the truncation gap into S, B and D.
+"""The DCP decomposition (docs/design.md §4): split the truncation gap into S, B and D.
 
 For one model and one metric, per-example values Q (higher is better) on the *same* evaluation
 examples in every cell (a paired design), with::
@@ -451,7 +451,7 @@ class ProtocolResults:
         return pd.DataFrame(self._nonfinite_rows(), columns=["metric", "condition", "k"])
 
     def to_results_json(self) -> dict[str, Any]:
-        """This run as one element of ``results.json``'s ``runs`` list (DESIGN.md §8).
+        """This run as one element of ``results.json``'s ``runs`` list (docs/design.md §8).
 
         Returns:
             A dict ready for ``json.dumps(..., allow_nan=False)``: NaN is ``None``, infinities are

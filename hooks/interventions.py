@@ -1,4 +1,4 @@
-"""The Depth Control Protocol's interventions as TransformerLens hook sets (DESIGN.md §3).
+"""The Depth Control Protocol's interventions as TransformerLens hook sets (docs/design.md §3).
 
 Each intervention is a small object whose `fwd_hooks(model)` returns ``[(hook_name, fn), …]`` on
 the iteration-level hook points, for ``model.run_with_hooks(tokens, fwd_hooks=…)`` or
