@@ -1,4 +1,4 @@
-"""Label-free affine calibration of the readout input (DESIGN.md §3, `calibrate` and `shift`).
+"""Label-free affine calibration of the readout input (docs/design.md §3, `calibrate` and `shift`).
 
 CORAL-style moment matching: a stream with mean mu_src and covariance C_src is moved into the
 frame the readout saw in training (mu_ref, C_ref)::

@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
     train.add_argument("--out", required=True, type=Path, help="run folder (resumed if present)")
 
-    experiment = commands.add_parser("experiment", help="run one of the experiments of DESIGN.md")
+    experiment = commands.add_parser(
+        "experiment", help="run an experiment: training-intervention (docs/design.md §6)"
+    )
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
     experiment.add_argument("--preset", default="default", help="training preset (tiny, default)")
     experiment.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")

@@ -1,6 +1,6 @@
 """`RecurrentConfig`: the shape of a depth-recurrent (or dense) transformer.
 
-The model it describes (DESIGN.md §2)::
+The model it describes (docs/design.md §2)::
 
     e   = Prelude(embed_scale * Embed(x))          # n_prelude distinct blocks
     s_0 = Init(e)                                  # state_init

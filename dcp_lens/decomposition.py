@@ -1,4 +1,4 @@
-"""The DCP decomposition (docs: DESIGN §4): split the truncation gap into S, B and D.
+"""The DCP decomposition (docs/design.md §4): split the truncation gap into S, B and D.
 
 For one model and one metric, per-example values Q (higher is better) on the *same* evaluation
 examples in every cell (a paired design), with::

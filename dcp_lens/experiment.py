@@ -1,4 +1,4 @@
-"""The controlled training intervention (DESIGN.md §6): does the training regime set S?
+"""The controlled training intervention (docs/design.md §6): does the training regime set S?
 
 Models are trained identically apart from the regime (`dcp_lens.training.REGIMES`: ``fixed``,
 ``sampled``, ``every-iteration``, and the matched ``dense`` model as the negative control), several

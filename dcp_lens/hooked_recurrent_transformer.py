@@ -147,7 +147,7 @@ class HookedRecurrentTransformer(HookedRootModule):
         self._active = k
         self.cfg.n_layers = len(self.blocks)
         # Before blocks[i]: the iteration that ends there (0: the loop is entered), as
-        # DESIGN §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
+        # docs/design.md §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
         P, L = self.cfg.n_prelude, self.cfg.n_core
         self._iteration_ending_at = {} if self.is_dense else {P + t * L: t for t in range(k + 1)}
         self.setup()

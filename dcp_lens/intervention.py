@@ -1,4 +1,4 @@
-"""Derived results of the controlled training intervention (DESIGN.md §6): each run's numbers,
+"""Derived results of the controlled training intervention (docs/design.md §6): each run's numbers,
 their aggregate over seeds, and the verdict on the prediction (`PREDICTION`). Pure functions over
 numbers; `dcp_lens.experiment` runs the trainings and writes the files, `dcp_lens.report` renders.
 

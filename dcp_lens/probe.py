@@ -1,4 +1,4 @@
-"""`ResidualOODProbe`: how far a stream is from the reference readout input (DESIGN.md §5).
+"""`ResidualOODProbe`: how far a stream is from the reference readout input (docs/design.md §5).
 
 Two scores, both relative to held-out reference states:
 

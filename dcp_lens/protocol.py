@@ -621,8 +621,8 @@ class _Subsample:
 
 
 def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> float:
-    """Spearman correlation over k of the probe's Mahalanobis score of s_k with S(k) (DESIGN §5):
-    does the directly measured readout shift order the k's as the S component does?"""
+    """Spearman correlation over k of the probe's Mahalanobis score of s_k with S(k)
+    (docs/design.md §5): does the directly measured readout shift order the k's as S does?"""
     by_iteration = {row["iteration"]: row["mahalanobis"] for row in probe.get("trajectory", [])}
     pairs = [
         (by_iteration.get(k, math.nan), float(s))

@@ -1,5 +1,5 @@
 """The results of DCP on one model: `Decomposition` (one metric) and `ProtocolResults` (a run),
-their tables, and ``results.json`` I/O (docs: DESIGN §8). Nothing here computes science: the
+their tables, and ``results.json`` I/O (docs/design.md §8). Nothing here computes science: the
 numbers come from `dcp_lens.decomposition.decompose` and the protocol; rendering is in
 `dcp_lens.report`."""
 
@@ -307,7 +307,7 @@ class ProtocolResults:
         return pd.DataFrame(self._nonfinite_rows(), columns=["metric", "condition", "k"])
 
     def to_results_json(self) -> dict[str, Any]:
-        """This run as one element of ``results.json``'s ``runs`` list (DESIGN.md §8).
+        """This run as one element of ``results.json``'s ``runs`` list (docs/design.md §8).
 
         Returns:
             A dict ready for ``json.dumps(..., allow_nan=False)``: NaN is ``None``, infinities are

@@ -14,7 +14,7 @@ initialised to ``[g I | I]`` (state gain g, default 1, i.e. ``add`` until it lea
 distillation against the dense model's next-token distributions, on text the dense model samples
 itself (`sample_corpus`), teaches the loop to use its extra iterations (`distill`).
 
-The original and its retrofit form a negative-control pair (DESIGN.md §6): the same weights and
+The original and its retrofit form a negative-control pair (docs/design.md §6): the same weights and
 data, one dense and one recurrent. `save_pair` writes both with a ``pair.json`` of their losses.
 """
 

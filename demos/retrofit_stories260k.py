@@ -15,7 +15,6 @@ writes ``OUT/original``, ``OUT/retrofit`` (`save_pretrained` folders, each loada
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -36,9 +35,7 @@ from dcp_lens.retrofit import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = (
-    Path(os.environ.get("DCP_LENS_SHARED", REPO.parent / "shared")) / "data" / "stories260K"
-)
+DEFAULT_DATA = REPO / "demos" / "data" / "stories260K"
 
 
 def parse_args() -> argparse.Namespace:

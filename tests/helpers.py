@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from dcp_lens import (
@@ -68,3 +70,20 @@ def assert_fast_path_matches_hooks(
             hooked = protocol.condition_logits(tokens, name, k, via="hooks")
             assert (fast - hooked).abs().max() <= tol, (name, k)
     return names
+
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "demos" / "data"
+
+
+def data_path(*parts: str) -> Path:
+    """A file or folder of the repository's ``demos/data`` (the data and fixtures the tests read).
+
+    Raises FileNotFoundError naming the path when the checkout lacks it.
+    """
+    path = DATA_DIR.joinpath(*parts)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} is missing: the tests read the data and fixtures committed under demos/data"
+            " (see demos/data/README.md); restore them with `git checkout -- demos/data`"
+        )
+    return path

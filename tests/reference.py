@@ -1,4 +1,4 @@
-"""A plain PyTorch depth-recurrent transformer, written from DESIGN.md §2 without the library.
+"""A plain PyTorch depth-recurrent transformer, written from docs/design.md §2 without the library.
 
 It reads the weights of a `HookedRecurrentTransformer` through `canonical_state_dict()` (the same
 numbers, no shared code) and runs the loop directly. Tests compare the library against it, and

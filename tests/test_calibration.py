@@ -1,4 +1,4 @@
-"""Streaming moments, Ledoit-Wolf shrinkage and the affine calibration (DESIGN.md §3)."""
+"""Streaming moments, Ledoit-Wolf shrinkage and the affine calibration (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ that greedy decoding reproduces the continuation published with the model.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import data_path
 from reference import CONTINUATION, PROMPT, STORY, reference_llama2c_logits, reference_rope_angles
 from torch import Tensor
 
@@ -27,22 +27,8 @@ from dcp_lens.loading.tokenizer import Llama2cTokenizer
 STORIES260K_BYTES = 1_056_540
 
 
-def _shared_data_dir() -> Path:
-    """``$DCP_LENS_SHARED/data`` if that variable is set, else ``<repo>/../shared/data``."""
-    shared = os.environ.get("DCP_LENS_SHARED")
-    if shared:
-        return Path(shared) / "data"
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-STORIES_DIR = _shared_data_dir() / "stories260K"
-CHECKPOINT = STORIES_DIR / "stories260K.bin"
-TOKENIZER = STORIES_DIR / "tok512.bin"
-
-needs_stories = pytest.mark.skipif(
-    not (CHECKPOINT.is_file() and TOKENIZER.is_file()),
-    reason=f"stories260K not found at {STORIES_DIR} (set DCP_LENS_SHARED to the shared folder)",
-)
+CHECKPOINT = data_path("stories260K", "stories260K.bin")
+TOKENIZER = data_path("stories260K", "tok512.bin")
 
 
 def reference_greedy(
@@ -113,7 +99,6 @@ def _write_checkpoint(path: Path, header_ints: list[int], arrays: list[np.ndarra
 # --------------------------------------------------------------------------------------------
 
 
-@needs_stories
 def test_header_matches_readme(checkpoint: tuple[Llama2cHeader, dict[str, Tensor]]) -> None:
     header, _ = checkpoint
     assert (
@@ -131,7 +116,6 @@ def test_header_matches_readme(checkpoint: tuple[Llama2cHeader, dict[str, Tensor
     assert read_llama2c_header(CHECKPOINT) == header
 
 
-@needs_stories
 def test_tensor_names_shapes_and_dtypes(
     checkpoint: tuple[Llama2cHeader, dict[str, Tensor]],
 ) -> None:
@@ -159,7 +143,6 @@ def test_tensor_names_shapes_and_dtypes(
     assert tensors["freq_cis_imag"][-1, -1].item() == float(raw[0])
 
 
-@needs_stories
 def test_freq_cis_tables_are_interleaved_rope_angles(
     checkpoint: tuple[Llama2cHeader, dict[str, Tensor]],
 ) -> None:
@@ -169,7 +152,6 @@ def test_freq_cis_tables_are_interleaved_rope_angles(
     torch.testing.assert_close(tensors["freq_cis_imag"].double(), angles.sin(), atol=1e-5, rtol=0.0)
 
 
-@needs_stories
 def test_reference_forward_greedy_reproduces_published_continuation(
     checkpoint: tuple[Llama2cHeader, dict[str, Tensor]], tokenizer: Llama2cTokenizer
 ) -> None:
@@ -187,7 +169,6 @@ def test_reference_forward_greedy_reproduces_published_continuation(
     assert generated == story_ids[len(prompt_ids) :]
 
 
-@needs_stories
 def test_truncated_checkpoint_names_file_sizes_and_array(tmp_path: Path) -> None:
     data = CHECKPOINT.read_bytes()
     # 100 floats into wq: past token_embedding [512, 64] and rms_att [5, 64].
@@ -202,7 +183,6 @@ def test_truncated_checkpoint_names_file_sizes_and_array(tmp_path: Path) -> None
     assert "'wq'" in message
 
 
-@needs_stories
 def test_checkpoint_with_trailing_bytes_is_rejected(tmp_path: Path) -> None:
     padded = tmp_path / "padded.bin"
     padded.write_bytes(CHECKPOINT.read_bytes() + b"\0" * 8)
@@ -210,7 +190,6 @@ def test_checkpoint_with_trailing_bytes_is_rejected(tmp_path: Path) -> None:
         read_llama2c_checkpoint(padded)
 
 
-@needs_stories
 @pytest.mark.parametrize(
     ("field_index", "value", "field"),
     [(0, -64, "dim"), (3, 7, "n_heads"), (4, 3, "n_kv_heads"), (6, 0, "seq_len")],
@@ -228,7 +207,7 @@ def test_corrupt_header_names_the_field(
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoint reader on synthetic files (no shared data needed)
+# Checkpoint reader on synthetic files
 # --------------------------------------------------------------------------------------------
 
 
@@ -276,7 +255,6 @@ def test_file_shorter_than_header_and_versioned_magic(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@needs_stories
 def test_tokenizer_vocabulary(tokenizer: Llama2cTokenizer) -> None:
     assert tokenizer.vocab_size == len(tokenizer) == 512
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
@@ -285,7 +263,6 @@ def test_tokenizer_vocabulary(tokenizer: Llama2cTokenizer) -> None:
     assert tokenizer.piece_to_id(" Once") is not None
 
 
-@needs_stories
 def test_tokenizer_round_trips_story(tokenizer: Llama2cTokenizer) -> None:
     ids = tokenizer.encode(STORY)
     assert ids[0] == 1 and ids[1] == tokenizer.piece_to_id(" Once")
@@ -297,7 +274,6 @@ def test_tokenizer_round_trips_story(tokenizer: Llama2cTokenizer) -> None:
     assert tokenizer.decode(tokenizer.encode(STORY, bos=False)) == " " + STORY
 
 
-@needs_stories
 @pytest.mark.parametrize(
     "text",
     [
@@ -317,7 +293,6 @@ def test_tokenizer_matches_llama2c_merge_loop_and_round_trips(
     assert tokenizer.decode(ids) == text
 
 
-@needs_stories
 def test_tokenizer_byte_fallback(tokenizer: Llama2cTokenizer) -> None:
     for char in ("😀", "ü"):
         assert tokenizer.piece_to_id(char) is None, f"{char!r} should be outside the vocabulary"
@@ -329,7 +304,6 @@ def test_tokenizer_byte_fallback(tokenizer: Llama2cTokenizer) -> None:
     assert tokenizer.decode([0x80 + 3]) == "\ufffd"
 
 
-@needs_stories
 def test_tokenizer_call_is_hf_like(tokenizer: Llama2cTokenizer) -> None:
     ids = tokenizer.encode(PROMPT)
     assert tokenizer(PROMPT) == {"input_ids": ids, "attention_mask": [1] * len(ids)}
@@ -338,7 +312,6 @@ def test_tokenizer_call_is_hf_like(tokenizer: Llama2cTokenizer) -> None:
     assert tokenizer.decode(batch["input_ids"][0]) == PROMPT
 
 
-@needs_stories
 def test_truncated_tokenizer_names_file_and_offset(tmp_path: Path) -> None:
     data = TOKENIZER.read_bytes()
     truncated = tmp_path / "tok_truncated.bin"

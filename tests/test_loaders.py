@@ -2,8 +2,8 @@
 stories260K against its published greedy continuation, loader errors, and real-scale parameter
 counts on meta.
 
-The fixtures (``shared/fixtures/{huginn,ouro}_tiny``) hold tiny random models in the original key
-names with outputs of the reference implementations; tests that need them skip without them.
+The fixtures (``demos/data/fixtures/{huginn,ouro}_tiny``) hold tiny random models in the original
+key names with outputs of the reference implementations.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import SHARED
+from helpers import data_path
 from reference import CONTINUATION, PROMPT, STORY, reference_llama2c_logits
 from safetensors.torch import load_file, save_file
 from torch import Tensor
@@ -25,18 +25,12 @@ from dcp_lens import HookedRecurrentTransformer, load
 from dcp_lens.loading.llama2c_format import read_llama2c_checkpoint
 from dcp_lens.loading.ouro import ExitOutputs, OuroRecurrentTransformer, exit_distribution
 
-HUGINN = SHARED / "fixtures" / "huginn_tiny"
-OURO = SHARED / "fixtures" / "ouro_tiny"
-STORIES = SHARED / "data" / "stories260K"
+HUGINN = data_path("fixtures", "huginn_tiny")
+OURO = data_path("fixtures", "ouro_tiny")
+STORIES = data_path("stories260K")
 DEMO = Path(__file__).resolve().parents[1] / "demos" / "real_scale_configs.py"
 # The acceptance tolerance; the fixtures' own re-implementations stay near 1e-6.
 ATOL = 1e-4
-
-
-def _require(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"{path} is absent (set DCP_LENS_SHARED to the shared data folder)")
-    return path
 
 
 def _max_diff(actual: Tensor, expected: Tensor) -> float:
@@ -49,12 +43,12 @@ def _max_diff(actual: Tensor, expected: Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def huginn_reference() -> dict[str, Tensor]:
-    return load_file(str(_require(HUGINN) / "reference.safetensors"))
+    return load_file(str(HUGINN / "reference.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def huginn_zero_state() -> HookedRecurrentTransformer:
-    return load(f"huginn:{_require(HUGINN)}", state_init="zeros")
+    return load(f"huginn:{HUGINN}", state_init="zeros")
 
 
 @pytest.mark.parametrize("n_steps", [1, 2, 4, 8])
@@ -83,7 +77,7 @@ def test_huginn_states_prelude_and_latent_match_reference(
 
 
 def test_huginn_config_mapping_and_overrides(huginn_reference: dict[str, Tensor]) -> None:
-    model = load(f"huginn:{_require(HUGINN)}", state_init="zeros", n_iterations=8)
+    model = load(f"huginn:{HUGINN}", state_init="zeros", n_iterations=8)
     cfg = model.cfg
     assert (cfg.n_prelude, cfg.n_core, cfg.n_coda, cfg.n_iterations) == (2, 2, 2, 8)
     assert cfg.norm_placement == "sandwich_residual" and cfg.pre_coda_norm == "final"
@@ -96,7 +90,7 @@ def test_huginn_config_mapping_and_overrides(huginn_reference: dict[str, Tensor]
 def test_huginn_default_initial_state_is_its_truncated_normal_draw(
     huginn_zero_state: HookedRecurrentTransformer, huginn_reference: dict[str, Tensor]
 ) -> None:
-    model = load(f"huginn:{_require(HUGINN)}")
+    model = load(f"huginn:{HUGINN}")
     assert model.cfg.state_init == "huginn" and model.n_iterations == 4  # mean_recurrence
     assert model.cfg.state_init_std == pytest.approx((2 / (5 * 64)) ** 0.5)
     tokens = huginn_reference["input_ids"]
@@ -116,12 +110,12 @@ def test_huginn_default_initial_state_is_its_truncated_normal_draw(
 
 @pytest.fixture(scope="module")
 def ouro_reference() -> dict[str, Tensor]:
-    return load_file(str(_require(OURO) / "reference.safetensors"))
+    return load_file(str(OURO / "reference.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def ouro() -> OuroRecurrentTransformer:
-    model = load(f"ouro:{_require(OURO)}")
+    model = load(f"ouro:{OURO}")
     assert isinstance(model, OuroRecurrentTransformer)
     return model
 
@@ -225,7 +219,7 @@ def test_exit_distribution_sums_to_one_and_gives_the_last_step_the_rest() -> Non
 
 @pytest.fixture(scope="module")
 def stories() -> HookedRecurrentTransformer:
-    return load(f"llama2c:{_require(STORIES)}")
+    return load(f"llama2c:{STORIES}")
 
 
 @pytest.mark.parametrize("use_past_kv_cache", [True, False])
@@ -270,7 +264,7 @@ def _huginn_copy(tmp_path: Path, tensors: dict[str, Tensor]) -> Path:
 
 @pytest.fixture
 def huginn_weights() -> dict[str, Tensor]:
-    return load_file(str(_require(HUGINN) / "model.safetensors"))
+    return load_file(str(HUGINN / "model.safetensors"))
 
 
 def test_missing_key_names_the_original_key(
@@ -304,7 +298,7 @@ def test_wrong_shape_names_the_key_and_both_shapes(
 
 def test_truncated_safetensors_names_the_file(tmp_path: Path) -> None:
     folder = tmp_path / "huginn"
-    shutil.copytree(_require(HUGINN), folder)
+    shutil.copytree(HUGINN, folder)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(ValueError, match="truncated") as error:
@@ -313,7 +307,7 @@ def test_truncated_safetensors_names_the_file(tmp_path: Path) -> None:
 
 
 def test_truncated_llama2c_checkpoint_names_the_file(tmp_path: Path) -> None:
-    data = (_require(STORIES) / "stories260K.bin").read_bytes()
+    data = (STORIES / "stories260K.bin").read_bytes()
     truncated = tmp_path / "stories260K.bin"
     truncated.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated") as error:
@@ -322,7 +316,7 @@ def test_truncated_llama2c_checkpoint_names_the_file(tmp_path: Path) -> None:
 
 
 def test_ouro_missing_gate_and_untied_head_are_named(tmp_path: Path) -> None:
-    weights = load_file(str(_require(OURO) / "model.safetensors"))
+    weights = load_file(str(OURO / "model.safetensors"))
     for key in ("model.early_exit_gate.bias", "lm_head.weight"):
         folder = tmp_path / key
         folder.mkdir()
@@ -334,7 +328,7 @@ def test_ouro_missing_gate_and_untied_head_are_named(tmp_path: Path) -> None:
 
 def test_other_architectures_pickles_and_bad_overrides_are_refused(tmp_path: Path) -> None:
     folder = tmp_path / "prenorm"
-    shutil.copytree(_require(HUGINN), folder)
+    shutil.copytree(HUGINN, folder)
     config = json.loads((folder / "config.json").read_text())
     config["block_class_name"] = "TransformerPreNormBlock"
     (folder / "config.json").write_text(json.dumps(config))

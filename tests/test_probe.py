@@ -1,4 +1,5 @@
-"""The residual-stream OOD probe: Mahalanobis noise floor and classifier two-sample test (§5)."""
+"""The residual-stream OOD probe (docs/design.md §5): Mahalanobis noise floor and classifier
+two-sample test."""
 
 from __future__ import annotations
 

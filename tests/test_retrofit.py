@@ -3,11 +3,9 @@ deterministic sampling, and a distillation that closes the gap to the dense orig
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import data_path
 
 from dcp_lens import load
 from dcp_lens.retrofit import (
@@ -21,14 +19,11 @@ from dcp_lens.retrofit import (
     truncation_curve,
 )
 
-SHARED = Path(os.environ.get("DCP_LENS_SHARED", Path(__file__).resolve().parents[2] / "shared"))
-STORIES = SHARED / "data" / "stories260K"
+STORIES = data_path("stories260K")
 
 
 @pytest.fixture(scope="module")
 def original():
-    if not (STORIES / "stories260K.bin").is_file():
-        pytest.skip(f"{STORIES} is absent (set DCP_LENS_SHARED to the shared data folder)")
     return load(f"llama2c:{STORIES}")
 
 

@@ -10,11 +10,12 @@ from typing import Literal
 
 import pytest
 import torch
+from helpers import data_path
 
 from dcp_lens.tasks import IGNORE_INDEX, SPLITS, TASKS, CharLM, VariableBinding, get_task
 from dcp_lens.tasks.base import check_split
 
-SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = data_path("tinyshakespeare.txt")
 
 VARIABLE_BINDING_CONFIGS = [
     {},
@@ -325,8 +326,6 @@ def test_generation_is_fast() -> None:
 
 @pytest.fixture(scope="module")
 def shakespeare() -> CharLM:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} is not present (shared data folder missing)")
     return CharLM(SHAKESPEARE, n_ctx=64, seed=0)
 
 

@@ -1,6 +1,6 @@
 """``load("bridge:PATH")``: a dense TransformerLens 4 `TransformerBridge` as the negative control.
 
-A dense model's iterations are its layers (DESIGN.md §6): iteration t is block t-1, and the
+A dense model's iterations are its layers (docs/design.md §6): iteration t is block t-1, and the
 readout is the final norm and unembedding. `BridgeModel` wraps a bridge and names the bridge's own
 hook points for the protocol and `dcp_lens.hooks`::
 

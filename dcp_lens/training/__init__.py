@@ -1,4 +1,4 @@
-"""Training the models of the controlled training intervention (DESIGN.md §6).
+"""Training the models of the controlled training intervention (docs/design.md §6).
 
 >>> from dcp_lens.training import preset, train
 >>> result = train(preset("tiny", regime="sampled"), "runs/tiny-sampled")   # doctest: +SKIP

@@ -1,4 +1,4 @@
-"""Training regimes: the one knob the controlled training intervention (DESIGN.md §6) varies.
+"""Training regimes: the one knob the controlled training intervention (docs/design.md §6) varies.
 
 Every regime trains the same task with the same optimiser; they differ only in how the loss is
 taken from the model:
