@@ -33,7 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap draws")
-    run.add_argument("--calibration-mode", default="full", choices=("mean", "diag", "full"))
+    run.add_argument(
+        "--calibration-mode", default="full", choices=("mean", "diag", "full", "mixture")
+    )
     run.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", default="cpu")

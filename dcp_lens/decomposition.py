@@ -150,6 +150,9 @@ def decompose(
 
     decomposed = ~np.isnan(np.stack([point[name] for name in ("gap", "S", "B", "D")])).any(axis=0)
     shares = _shares(point, sampled, decomposed, confidence)
+    gap_area, gap_low, gap_high = (
+        shares.pop(key, math.nan) for key in ("gap_area", "gap_area_lo", "gap_area_hi")
+    )
     slope = _truncation_slope(grid, n_iterations, sign * means, sign * draws, confidence)
     return Decomposition(
         metric=metric,
@@ -173,6 +176,9 @@ def decompose(
         truncation_slope_lo=slope[1],
         truncation_slope_hi=slope[2],
         conditions=conditions,
+        gap_area=gap_area,
+        gap_area_lo=gap_low,
+        gap_area_hi=gap_high,
     )
 
 
@@ -305,6 +311,13 @@ def _shares(
         return np.where(gap_area == 0, np.nan, area / safe)
 
     shares: dict[str, float] = {}
+    if used.any():
+        low, high = percentile_interval(sampled["gap"][..., used].sum(axis=-1)[:, None], confidence)
+        shares.update(
+            gap_area=float(point["gap"][..., used].sum()),
+            gap_area_lo=float(low[0]),
+            gap_area_hi=float(high[0]),
+        )
     for name in FACTORS:
         if not used.any():
             shares.update({name: math.nan, f"{name}_lo": math.nan, f"{name}_hi": math.nan})

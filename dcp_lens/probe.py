@@ -44,6 +44,46 @@ def auroc(scores: Float[Tensor, " n"], labels: Bool[Tensor, " n"]) -> float:
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
+# Permutations of the test labels for the C2ST's null, and the quantile that is its threshold.
+N_PERMUTATIONS = 200
+NULL_QUANTILE = 0.95
+
+
+def _permutation_null(
+    scores: Float[Tensor, " n"],
+    labels: Bool[Tensor, " n"],
+    positive_groups: Tensor | None,
+    negative_groups: Tensor | None,
+    generator: torch.Generator,
+) -> Float[Tensor, " n_permutations"]:
+    """AUROCs of the trained classifier's held-out scores under label permutations.
+
+    With the classifier fixed, permuting which test states are "positive" gives the AUROC's
+    distribution if both samples came from one distribution. Where every group (example) sits on
+    one side, whole groups are permuted, since the positions of one example are not independent;
+    otherwise single states are."""
+    scores, labels = scores.cpu(), labels.cpu()
+    groups = torch.arange(len(scores))
+    if positive_groups is not None and negative_groups is not None:
+        positive_groups, negative_groups = positive_groups.cpu(), negative_groups.cpu()
+        if not bool(torch.isin(positive_groups, negative_groups).any()):
+            groups = torch.cat([positive_groups, negative_groups])
+    unique, index = groups.unique(return_inverse=True)
+    group_label = torch.zeros(len(unique), dtype=torch.bool)
+    group_label[index[labels]] = True
+    n_positive_groups = int(group_label.sum())
+    null = torch.empty(N_PERMUTATIONS, dtype=torch.float64)
+    for i in range(N_PERMUTATIONS):
+        chosen = torch.zeros(len(unique), dtype=torch.bool)
+        chosen[torch.randperm(len(unique), generator=generator)[:n_positive_groups]] = True
+        permuted = chosen[index]
+        if bool(permuted.all()) or not bool(permuted.any()):
+            null[i] = 0.5
+            continue
+        null[i] = auroc(scores, permuted)
+    return null
+
+
 def _subsample(
     states: Tensor, max_points: int, generator: torch.Generator, groups: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
@@ -107,6 +147,8 @@ class ResidualOODProbe:
         self._whitening: Tensor | None = None  # [d, d] float64, covariance^{-1/2}
         self._held_out: Tensor | None = None  # held-out reference states, the C2ST's negatives
         self._held_out_groups: Tensor | None = None  # their group (example) ids, if given
+        # The permutation null of the last two-sample test: the AUROC's NULL_QUANTILE and p-value.
+        self.last_null: dict[str, float] = {}
 
     def fit(
         self,
@@ -259,7 +301,20 @@ class ResidualOODProbe:
         classifier = self._train_classifier(train_x, train_y, seed)
         with torch.no_grad():
             test_scores = classifier(test_x).squeeze(-1)
-        return auroc(test_scores, test_y.bool())
+        observed = auroc(test_scores, test_y.bool())
+        (_, positive_groups), (_, negative_groups) = sides
+        null = _permutation_null(
+            test_scores,
+            test_y.bool(),
+            None if positive_groups is None else positive_groups[~train_masks[0].cpu()],
+            None if negative_groups is None else negative_groups[~train_masks[1].cpu()],
+            generator,
+        )
+        self.last_null = {
+            "auroc_threshold": float(torch.quantile(null, NULL_QUANTILE)),
+            "auroc_p_value": float((1 + (null >= observed).sum()) / (1 + len(null))),
+        }
+        return observed
 
     def _train_classifier(self, inputs: Tensor, labels: Tensor, seed: int) -> nn.Module:
         # Built under a forked CPU RNG so the seed fixes the initial weights without touching
@@ -320,6 +375,7 @@ class ResidualOODProbe:
         return {
             "mahalanobis": self.relative_mahalanobis(x),
             "auroc": self.c2st_auroc(x, seed, groups),
+            **self.last_null,
         }
 
     def to_dict(self) -> dict[str, Any]:

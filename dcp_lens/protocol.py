@@ -20,21 +20,34 @@ batch at a time, and only fixed-size subsamples are kept for the probe.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from dcp_lens.calibration import AffineCalibration, StreamingMoments
+from dcp_lens.calibration import (
+    AffineCalibration,
+    MixtureCalibration,
+    StreamingMoments,
+    fit_calibration,
+)
 from dcp_lens.conditions import SWEEP, Condition, Full, ProtocolModel, Truncate
 from dcp_lens.decomposition import decompose
-from dcp_lens.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, METRICS, per_example_metrics
+from dcp_lens.metrics import (
+    HIGHER_IS_BETTER,
+    IGNORE_INDEX,
+    METRICS,
+    VALIDATION,
+    per_example_metrics,
+)
 from dcp_lens.probe import ResidualOODProbe
 from dcp_lens.results import ProtocolResults
 from dcp_lens.states import capture_states
@@ -131,6 +144,14 @@ class EvaluationSet:
         return set(rows)
 
 
+StateMapLike = AffineCalibration | MixtureCalibration
+CALIBRATION_MODES = ("mean", "diag", "full", "mixture")
+
+# Logit difference (nats) below which replay(k) and truncate(k) count as the same readout: B and
+# I_BS are then zero by construction (a norm at the readout ignores replay's scaling), not found.
+B_IDENTIFICATION_TOLERANCE = 1e-3
+
+
 class DepthControlProtocol:
     """Run DCP on one model (recurrent or dense) and decompose its truncation gap.
 
@@ -142,7 +163,11 @@ class DepthControlProtocol:
             and a geometric grid (x1.5) up to and including r).
         metrics: any of ``"accuracy"`` (needs answers), ``"cross_entropy"``, ``"kl_to_full"``;
             default: all that the evaluation set defines.
-        calibration_mode: ``"mean"``, ``"diag"`` or ``"full"`` (whiten and re-colour).
+        calibration_mode: the S control's label-free map: ``"mean"``, ``"diag"``, ``"full"``
+            (pooled affine: whiten and re-colour) or ``"mixture"`` (optimal transport between
+            Gaussian mixtures of the two marginals, for shifts that differ between inputs).
+        mixture_components: clusters of the ``"mixture"`` map.
+        calibration_points: states per condition kept to fit the ``"mixture"`` map.
         batch_size: sequences per forward pass.
         n_bootstrap: paired bootstrap draws for the intervals.
         probe: ``"trajectory"`` (probe s_t for every t and calibrate(truncate(k))), ``"none"``.
@@ -158,6 +183,8 @@ class DepthControlProtocol:
         k_grid: Sequence[int] | None = None,
         metrics: Sequence[str] | None = None,
         calibration_mode: str = "full",
+        mixture_components: int = 4,
+        calibration_points: int = 4096,
         batch_size: int = 32,
         n_bootstrap: int = 1000,
         seed: int = 0,
@@ -178,7 +205,13 @@ class DepthControlProtocol:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         self.requested_metrics = None if metrics is None else tuple(metrics)
         self.metrics: tuple[str, ...] = self.requested_metrics or METRICS
+        if calibration_mode not in CALIBRATION_MODES:
+            raise ValueError(
+                f"calibration_mode={calibration_mode!r} is not one of {CALIBRATION_MODES}."
+            )
         self.calibration_mode = calibration_mode
+        self.mixture_components = mixture_components
+        self.calibration_points = calibration_points
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
         self.seed = seed
@@ -189,8 +222,11 @@ class DepthControlProtocol:
         self.progress = progress
         # Fitted maps keyed by the label of the condition they were fitted from (at depth r:
         # ``"full"`` is calibrate(full)); None where that condition's states were non-finite.
-        self.calibrations: dict[str, AffineCalibration | None] | None = None
+        self.calibrations: dict[str, StateMapLike | None] | None = None
+        self.calibration_null: StateMapLike | None = None
         self.probe: ResidualOODProbe | None = None
+        # Per k, max |readout(replay(k)) - readout(truncate(k))| over the evaluation set.
+        self._replay_difference: dict[int, float] = {}
 
     # ------------------------------------------------------------------------ public API
 
@@ -207,15 +243,21 @@ class DepthControlProtocol:
                 probe_summary = self._probe(probe_reference, probe_states)
         finally:
             self.model.train(was_training)
+        flags = self._identification(probe_summary)
         decompositions = {
-            metric: decompose(
-                values[metric],
-                self.k_grid,
-                n_iterations=self.r,
-                metric=metric,
-                higher_is_better=HIGHER_IS_BETTER[metric],
-                n_bootstrap=self.n_bootstrap,
-                seed=self.seed,
+            metric: dataclasses.replace(
+                decompose(
+                    values[metric],
+                    self.k_grid,
+                    n_iterations=self.r,
+                    metric=metric,
+                    higher_is_better=HIGHER_IS_BETTER[metric],
+                    n_bootstrap=self.n_bootstrap,
+                    seed=self.seed,
+                ),
+                **flags,
+                validated=VALIDATION[metric][0],
+                validation_reason=VALIDATION[metric][1],
             )
             for metric in self.metrics
         }
@@ -229,6 +271,7 @@ class DepthControlProtocol:
             decompositions=decompositions,
             null_control=null_control,
             probe=probe_summary,
+            calibration=self._calibration_record(),
             metadata={
                 "k_grid": list(self.k_grid),
                 "calibration_mode": self.calibration_mode,
@@ -237,8 +280,55 @@ class DepthControlProtocol:
                 "seed": self.seed,
                 "skip_first_position": self.skip_first_position,
                 "calibration_failures": self._calibration_failures(),
+                "replay_truncate_max_abs_logit_diff": {
+                    str(k): self._replay_difference.get(k, math.nan) for k in self.k_grid
+                },
+                "b_identification_tolerance": B_IDENTIFICATION_TOLERANCE,
             },
         )
+
+    def _calibration_record(self) -> dict[str, Any]:
+        """The S control's map and its settings, as results record them."""
+        record: dict[str, Any] = {
+            "mode": self.calibration_mode,
+            "fitted_on": "the calibration split, without labels (marginals only)",
+            "covariance": "Ledoit-Wolf shrinkage",
+            "skip_first_position": self.skip_first_position,
+        }
+        if self.calibration_mode == "mixture":
+            record.update(
+                components=self.mixture_components,
+                calibration_points=self.calibration_points,
+                plan="optimal transport between cluster weights, Wasserstein-2 (Bures) cost",
+            )
+        return record
+
+    def _identification(self, probe: dict[str, Any]) -> dict[str, Any]:
+        """Per k: is S identified (the calibrated truncated states pass the probe's null) and
+        is B identified (replay(k) reads out differently from truncate(k))?"""
+        by_k = {row["k"]: row for row in probe.get("calibrate_truncate", [])}
+        auroc = np.array([by_k.get(k, {}).get("auroc", math.nan) for k in self.k_grid], float)
+        threshold = np.array(
+            [by_k.get(k, {}).get("auroc_threshold", math.nan) for k in self.k_grid], float
+        )
+        # Truncated states that are themselves indistinguishable from full depth have no shift to
+        # repair (discrete states, as in planted distinct_computation, where any calibration
+        # moves them off their lattice and the classifier sees that).
+        raw = {row["iteration"]: row for row in probe.get("trajectory", [])}
+        raw_auroc = np.array([raw.get(k, {}).get("auroc", math.nan) for k in self.k_grid], float)
+        raw_threshold = np.array(
+            [raw.get(k, {}).get("auroc_threshold", math.nan) for k in self.k_grid], float
+        )
+        replay = np.array([self._replay_difference.get(k, math.nan) for k in self.k_grid], float)
+        with np.errstate(invalid="ignore"):
+            repaired = np.isfinite(auroc) & (auroc <= threshold)
+            unshifted = np.isfinite(raw_auroc) & (raw_auroc <= raw_threshold)
+            return {
+                "s_identified": repaired | unshifted,
+                "b_identified": np.isfinite(replay) & (replay > B_IDENTIFICATION_TOLERANCE),
+                "residual_auroc": auroc,
+                "residual_auroc_threshold": threshold,
+            }
 
     @torch.no_grad()
     def fit(self, calibration: EvaluationSet) -> Tensor | None:
@@ -261,30 +351,74 @@ class DepthControlProtocol:
         streams: dict[str, StreamingMoments | None] = {
             label: StreamingMoments() for label in sources
         }
+        mixture = self.calibration_mode == "mixture"
+        samples = {
+            label: _Subsample(self.calibration_points, len(calibration), self.seed + 7 + i)
+            for i, label in enumerate(sources if mixture else ())
+        }
         sample = _Subsample(self.probe_points, len(calibration), self.seed)
         for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
             states, _ = self.states(calibration.tokens[rows])
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
-            sample.add(pooled[self.r])
+            example = torch.arange(rows.start, rows.stop, device=keep.device)[:, None]
+            sample.add(pooled[self.r], example.expand(keep.shape)[keep])
             for label, moments in streams.items():
                 if moments is None:
                     continue
                 state = sources[label].readout_input(pooled)
                 if bool(torch.isfinite(state).all()):
                     moments.update(state)
+                    if mixture:
+                        samples[label].add(state)
                 else:
                     streams[label] = None
         reference = streams["full"]
         self.calibrations = {
             label: None
             if source is None or reference is None
-            else AffineCalibration.fit(source, reference, self.calibration_mode)
+            else self._fit_map(source, reference, samples.get(label), samples.get("full"))
             for label, source in streams.items()
         }
+        self.calibration_null = self._fit_halves(sample)
         return sample.tensor()
 
-    def fitted(self, source: Condition) -> AffineCalibration | None:
+    def _fit_map(
+        self,
+        source: StreamingMoments,
+        reference: StreamingMoments,
+        source_sample: _Subsample | None,
+        reference_sample: _Subsample | None,
+    ) -> StateMapLike:
+        if self.calibration_mode != "mixture":
+            return AffineCalibration.fit(source, reference, self.calibration_mode)
+        assert source_sample is not None and reference_sample is not None
+        source_states, reference_states = source_sample.tensor(), reference_sample.tensor()
+        assert source_states is not None and reference_states is not None
+        return MixtureCalibration.fit(
+            source_states, reference_states, self.mixture_components, self.seed
+        )
+
+    def _fit_halves(self, sample: _Subsample) -> StateMapLike | None:
+        """The real calibration null: the same kind of map fitted between two disjoint halves
+        of the calibration split's full-depth states (even and odd examples). It should leave
+        full depth's readout as it is; `calibrate(full)` fitted onto itself is the identity by
+        construction and tests nothing."""
+        states, groups = sample.tensor(), sample.groups()
+        if states is None or groups is None or not bool(states.isfinite().all()):
+            return None
+        even = groups.to(states.device) % 2 == 0
+        if int(even.sum()) < 8 or int((~even).sum()) < 8:
+            return None
+        first, second = states[even], states[~even]
+        try:
+            if self.calibration_mode == "mixture":
+                return MixtureCalibration.fit(first, second, self.mixture_components, self.seed)
+            return fit_calibration(first, second, self.calibration_mode)
+        except ValueError:
+            return None
+
+    def fitted(self, source: Condition) -> StateMapLike | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
         calibrations = self._require_calibrations()
         label = source.at_depth(self.r).label
@@ -350,6 +484,7 @@ class DepthControlProtocol:
         trajectory = [_Subsample(points, n, self.seed + 2 + t) for t in range(self.r + 1)]
         calibrated = {k: _Subsample(points, n, self.seed + 1000 + k) for k in self.k_grid}
         built = {k: self._sweep_at(k) for k in {*self.k_grid, self.r}}
+        halves_diff, halves_change = 0.0, dict[str, float]()
         for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
@@ -359,10 +494,22 @@ class DepthControlProtocol:
                 readouts = self._readouts(states, built[k], full_logits)
                 for name, logits in readouts.items():
                     self._record(per_example, (name, k), logits, full_log_probs, targets)
+                difference = _max_diff(readouts["replay"], readouts["truncate"])
+                self._replay_difference[k] = _nan_max(
+                    self._replay_difference.get(k, 0.0), difference
+                )
             # The null control: at k = r every condition must reproduce full depth.
             at_r = self._readouts(states, built[self.r], full_logits)
             for name, logits in at_r.items():
                 null[name] = _nan_max(null[name], _max_diff(logits, full_logits))
+            if self.calibration_null is not None:
+                halves = self.model.readout(self.calibration_null(states[self.r]))
+                halves_diff = _nan_max(halves_diff, _max_diff(halves, full_logits))
+                moved = per_example_metrics(halves, full_log_probs, targets, self.metrics)
+                reference = per_example_metrics(full_logits, full_log_probs, targets, self.metrics)
+                for metric in self.metrics:
+                    change = (moved[metric] - reference[metric]).double().sum()
+                    halves_change[metric] = halves_change.get(metric, 0.0) + float(change)
             if self.probe_mode != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
@@ -397,6 +544,12 @@ class DepthControlProtocol:
                 full_map.identity_deviation() if full_map is not None else math.nan
             ),
             **{f"{name}_at_r_max_abs_logit_diff": value for name, value in null.items()},
+            "calibrate_full_halves_max_abs_logit_diff": (
+                halves_diff if self.calibration_null is not None else math.nan
+            ),
+            "calibrate_full_halves_metric_change": {
+                metric: halves_change.get(metric, math.nan) / n for metric in self.metrics
+            },
         }
         probe_states: dict[str, Any] = {
             "held_out": sample.tensor(),
@@ -541,7 +694,7 @@ class DepthControlProtocol:
     def _calibration_failures(self) -> list[str]:
         return [label for label, mapping in self._require_calibrations().items() if mapping is None]
 
-    def _require_calibrations(self) -> dict[str, AffineCalibration | None]:
+    def _require_calibrations(self) -> dict[str, StateMapLike | None]:
         if self.calibrations is None:
             raise RuntimeError("fit the calibrations first: protocol.fit(calibration_set).")
         return self.calibrations
@@ -637,7 +790,7 @@ def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> floa
     return float((ranks[:, 0] * ranks[:, 1]).sum()) / denominator if denominator else math.nan
 
 
-def _apply(mapping: AffineCalibration | None, state: Tensor) -> Tensor:
+def _apply(mapping: StateMapLike | None, state: Tensor) -> Tensor:
     """``mapping(state)``, or NaN where no calibration could be fitted."""
     return mapping(state) if mapping is not None else torch.full_like(state, math.nan)
 

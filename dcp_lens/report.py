@@ -26,10 +26,44 @@ def format_summary(results: ProtocolResults) -> str:
         lines.append("  replay: not realizable as the same model (dense network)")
     shares = results.shares()
     lines.append(shares.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    lines.extend(f"  {flag}" for flag in flag_lines(results))
     lines.append(
         f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}"
     )
     return "\n".join(lines)
+
+
+def flag_lines(results: ProtocolResults) -> list[str]:
+    """What the numbers of a run cannot see, in words: one line per flag that is raised."""
+    lines = []
+    first = next(iter(results.decompositions.values()))
+    below_r = [i for i, k in enumerate(first.k_grid) if k < results.n_iterations]
+    s_open = [first.k_grid[i] for i in below_r if not first.s_identified[i]]  # type: ignore[index]
+    b_open = [first.k_grid[i] for i in below_r if not first.b_identified[i]]  # type: ignore[index]
+    if s_open:
+        lines.append(
+            f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
+            "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
+            "bound and D an upper bound there"
+        )
+    if b_open:
+        lines.append(
+            f"B not identified at k = {_ks(b_open)}: replay and truncate give the same readout "
+            "there, so B = I_BS = 0 by construction, not by measurement"
+        )
+    for metric, decomposition in results.decompositions.items():
+        if not decomposition.validated:
+            lines.append(f"{metric} not validated: {decomposition.validation_reason}")
+        if not decomposition.stable:
+            lines.append(
+                f"{metric} shares unstable: the gap's area interval includes 0, so its shares "
+                "mean nothing"
+            )
+    return lines
+
+
+def _ks(ks: list[int]) -> str:
+    return ", ".join(str(k) for k in ks)
 
 
 # ------------------------------------------------------------------ training

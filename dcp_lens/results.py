@@ -41,6 +41,15 @@ class Decomposition:
             ``_hi``.
         truncation_slope: least-squares slope of Q(truncate(k)) against k / r over the k < r of the
             grid plus the point (1, Q(full)); quality units, positive when quality rises with depth.
+        gap_area: the gap's area over ``share_k_grid`` with its interval; a share is ``stable``
+            only where that interval excludes 0 (a share of a gap that may be 0 means nothing).
+        s_identified: per k, whether S is identified: the calibrated truncated states are not
+            told apart from full-depth ones beyond the probe's null (``residual_auroc`` against
+            ``residual_auroc_threshold``). Where False, S is a lower bound and D an upper bound.
+        b_identified: per k, whether B (and I_BS) is identified: replay(k) and truncate(k) read
+            out differently on the evaluation set. Where False, B = I_BS = 0 by construction.
+        validated: whether this metric attributes planted factors correctly (`dcp_lens.metrics`),
+            with ``validation_reason``.
     """
 
     metric: str
@@ -64,10 +73,34 @@ class Decomposition:
     truncation_slope_lo: float
     truncation_slope_hi: float
     conditions: tuple[str, ...] = DECOMPOSED
+    gap_area: float = math.nan
+    gap_area_lo: float = math.nan
+    gap_area_hi: float = math.nan
+    s_identified: Bool[np.ndarray, " k"] | None = None
+    b_identified: Bool[np.ndarray, " k"] | None = None
+    residual_auroc: Float[np.ndarray, " k"] | None = None
+    residual_auroc_threshold: Float[np.ndarray, " k"] | None = None
+    validated: bool = False
+    validation_reason: str = "not validated"
 
     def __post_init__(self) -> None:
         n_k = len(self.k_grid)
         object.__setattr__(self, "conditions", tuple(self.conditions))
+        # Flags not measured are not granted: False (not identified) and NaN scores.
+        for name, dtype, missing in (
+            ("s_identified", np.bool_, False),
+            ("b_identified", np.bool_, False),
+            ("residual_auroc", np.float64, math.nan),
+            ("residual_auroc_threshold", np.float64, math.nan),
+        ):
+            given = getattr(self, name)
+            array = np.full(n_k, missing, dtype) if given is None else np.array(given, dtype)
+            if array.shape != (n_k,):
+                raise ValueError(
+                    f"Decomposition.{name} has shape {array.shape}; expected ({n_k},)."
+                )
+            array.flags.writeable = False
+            object.__setattr__(self, name, array)
         if self.conditions[: len(DECOMPOSED)] != DECOMPOSED:
             raise ValueError(
                 f"Decomposition.conditions={self.conditions} must start with {DECOMPOSED}."
@@ -101,11 +134,18 @@ class Decomposition:
             return NotImplemented
         return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
 
+    @property
+    def stable(self) -> bool:
+        """Whether the gap's area interval excludes 0, so that shares of it mean something."""
+        low, high = self.gap_area_lo, self.gap_area_hi
+        return bool(math.isfinite(low) and math.isfinite(high) and (low > 0 or high < 0))
+
     def table(self) -> pd.DataFrame:
-        """One row per k: ``metric, k, gap, S, B, D, I_BS, shift_gap``, their ``_lo`` / ``_hi``, and
-        ``nonfinite`` (any cell at that k flagged)."""
+        """One row per k: ``metric, k, gap, S, B, D, I_BS, shift_gap``, their ``_lo`` / ``_hi``,
+        ``nonfinite`` (any cell at that k flagged), ``S_identified``, ``B_identified``,
+        ``residual_auroc`` and ``residual_auroc_threshold``."""
         rows = self._decomposition_rows()
-        return pd.DataFrame(rows, columns=["metric", "k", *_TABLE_COLUMNS, "nonfinite"])
+        return pd.DataFrame(rows, columns=["metric", "k", *_TABLE_COLUMNS, *_FLAG_COLUMNS])
 
     def curves_table(self) -> pd.DataFrame:
         """One row per (condition, k): ``metric, condition, k, value, value_lo, value_hi,
@@ -113,8 +153,15 @@ class Decomposition:
         return pd.DataFrame(self._curve_rows(), columns=list(_CURVE_COLUMNS))
 
     def shares_table(self) -> pd.DataFrame:
-        """One row: ``metric, S, S_lo, S_hi, B, ..., D_hi, n_k`` (k values the area is over)."""
-        row = {"metric": self.metric, **self.shares, "n_k": len(self.share_k_grid)}
+        """One row: ``metric, S, S_lo, S_hi, B, ..., D_hi, n_k`` (k values the area is over),
+        ``stable`` and ``validated``."""
+        row = {
+            "metric": self.metric,
+            **self.shares,
+            "n_k": len(self.share_k_grid),
+            "stable": self.stable,
+            "validated": self.validated,
+        }
         return pd.DataFrame([row])
 
     def truncation_curve(self) -> pd.DataFrame:
@@ -138,6 +185,11 @@ class Decomposition:
             row: dict[str, Any] = {"metric": self.metric, "k": k}
             row.update({key: float(self.cells[key][i]) for key in _TABLE_COLUMNS})
             row["nonfinite"] = flagged
+            row["S_identified"] = bool(self.s_identified[i])  # type: ignore[index]
+            row["B_identified"] = bool(self.b_identified[i])  # type: ignore[index]
+            row["residual_auroc"] = float(self.residual_auroc[i])  # type: ignore[index]
+            threshold = self.residual_auroc_threshold[i]  # type: ignore[index]
+            row["residual_auroc_threshold"] = float(threshold)
             rows.append(row)
         return rows
 
@@ -164,6 +216,8 @@ class Decomposition:
             "truncation_slope": self.truncation_slope,
             "truncation_slope_lo": self.truncation_slope_lo,
             "truncation_slope_hi": self.truncation_slope_hi,
+            "validated": self.validated,
+            "reason": self.validation_reason,
         }
 
     @classmethod
@@ -183,6 +237,12 @@ class Decomposition:
                 f"metric {metric!r}: decomposition rows cover k={sorted(by_k)}, k_grid is {grid}."
             )
         cells = {key: _decode_floats(by_k[k][key] for k in grid) for key in _TABLE_COLUMNS}
+        flags: dict[str, Any] = {}
+        for key, name in _FLAG_FIELDS.items():  # absent from results.json written before 0.2
+            if all(key in by_k[k] for k in grid):
+                values = [by_k[k][key] for k in grid]
+                is_flag = key.endswith("_identified")
+                flags[name] = np.array(values, bool) if is_flag else _decode_floats(values)
         curve_at = {(row["condition"], int(row["k"])): row for row in curve_rows}
         full_row = curve_at[("full", n_iterations)]
         named = dict.fromkeys(row["condition"] for row in curve_rows if row["condition"] != "full")
@@ -210,12 +270,22 @@ class Decomposition:
             full_hi=_decode_float(full_row["value_hi"]),
             nonfinite=nonfinite,
             full_nonfinite=bool(full_row["nonfinite"]),
-            shares={key: _decode_float(value) for key, value in shares.items()},
+            shares={
+                key: _decode_float(value)
+                for key, value in shares.items()
+                if key != "stable" and not key.startswith("gap_area")
+            },
             share_k_grid=tuple(int(k) for k in record["share_k_grid"]),
             truncation_slope=_decode_float(record["truncation_slope"]),
             truncation_slope_lo=_decode_float(record["truncation_slope_lo"]),
             truncation_slope_hi=_decode_float(record["truncation_slope_hi"]),
             conditions=conditions,
+            gap_area=_decode_float(shares.get("gap_area")),
+            gap_area_lo=_decode_float(shares.get("gap_area_lo")),
+            gap_area_hi=_decode_float(shares.get("gap_area_hi")),
+            validated=bool(record.get("validated", False)),
+            validation_reason=str(record.get("reason", "not validated")),
+            **flags,
         )
 
 
@@ -247,6 +317,7 @@ class ProtocolResults:
     null_control: Mapping[str, Any] = field(default_factory=_default_null_control)
     probe: Mapping[str, Any] = field(default_factory=_default_probe)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    calibration: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -275,7 +346,7 @@ class ProtocolResults:
             realizable = bool(self.replay_realizable)
         object.__setattr__(self, "decompositions", decompositions)
         object.__setattr__(self, "replay_realizable", realizable)
-        for name in ("null_control", "probe", "metadata"):
+        for name in ("null_control", "probe", "metadata", "calibration"):
             object.__setattr__(self, name, _plain(getattr(self, name), name))
 
     def __eq__(self, other: object) -> bool:
@@ -324,10 +395,16 @@ class ProtocolResults:
             "n_iterations": self.n_iterations,
             "replay_realizable": self.replay_realizable,
             "decomposition": [row for d in decompositions for row in d._decomposition_rows()],
-            "shares": {d.metric: {f: d.shares[f] for f in FACTORS} for d in decompositions},
+            "shares": {
+                d.metric: {**{f: d.shares[f] for f in FACTORS}, "stable": d.stable}
+                for d in decompositions
+            },
             "share_intervals": {
                 d.metric: {
-                    key: d.shares[key] for key in _interval_keys(FACTORS) if key not in FACTORS
+                    **{key: d.shares[key] for key in _interval_keys(FACTORS) if key not in FACTORS},
+                    "gap_area": d.gap_area,
+                    "gap_area_lo": d.gap_area_lo,
+                    "gap_area_hi": d.gap_area_hi,
                 }
                 for d in decompositions
             },
@@ -337,6 +414,7 @@ class ProtocolResults:
             "metrics": {d.metric: d._metric_record() for d in decompositions},
             "nonfinite": self._nonfinite_rows(),
             "metadata": self.metadata,
+            "calibration": self.calibration,
         }
         return encode_json(run)
 
@@ -369,6 +447,7 @@ class ProtocolResults:
             null_control=decode_json(run["null_control"]),
             probe=decode_json(run["probe"]),
             metadata=decode_json(run["metadata"]),
+            calibration=decode_json(run.get("calibration", {})),
         )
 
     def save(self, directory: str | Path) -> Path:
@@ -442,6 +521,15 @@ _TABLE_COLUMNS = (
     "gap_lo", "gap_hi", "I_BS_lo", "I_BS_hi",
     "shift_gap", "shift_gap_lo", "shift_gap_hi",
 )  # fmt: skip
+_FLAG_COLUMNS = (
+    "nonfinite", "S_identified", "B_identified", "residual_auroc", "residual_auroc_threshold",
+)  # fmt: skip
+_FLAG_FIELDS = {
+    "S_identified": "s_identified",
+    "B_identified": "b_identified",
+    "residual_auroc": "residual_auroc",
+    "residual_auroc_threshold": "residual_auroc_threshold",
+}
 _CURVE_COLUMNS = ("metric", "condition", "k", "value", "value_lo", "value_hi", "nonfinite")
 _RUN_KEYS = (
     "model", "architecture", "n_iterations", "replay_realizable", "decomposition", "shares",
