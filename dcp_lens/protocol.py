@@ -240,6 +240,7 @@ class DepthControlProtocol:
                 "seed": self.seed,
                 "skip_first_position": self.skip_first_position,
                 "calibration_failures": self._calibration_failures(),
+                "calibration_fallbacks": self._calibration_fallbacks(),
             },
         )
 
@@ -400,7 +401,7 @@ class DepthControlProtocol:
                     c: self.model.readout(self.readout_inputs(states, c, self.r)) for c in at_r
                 }
             for name, condition in zip(null, at_r, strict=True):
-                null[name] = max(null[name], _max_diff(readouts[condition], full_logits))
+                null[name] = _worst(null[name], _max_diff(readouts[condition], full_logits))
             if self.probe_mode != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
@@ -553,6 +554,18 @@ class DepthControlProtocol:
         failed = [f"truncate({k})" for k, mapping in cal.truncate.items() if mapping is None]
         return failed + [f"replay({k})" for k, mapping in cal.replay.items() if mapping is None]
 
+    def _calibration_fallbacks(self) -> list[str]:
+        """Maps fitted in a simpler mode than asked, as ``"truncate(1): diag"``: the
+        calibration split had too few states for ``calibration_mode``."""
+        cal = self._require_calibrations()
+        maps = [("truncate", cal.truncate), ("replay", cal.replay)]
+        return [
+            f"{name}({k}): {mapping.mode}"
+            for name, by_k in maps
+            for k, mapping in by_k.items()
+            if mapping is not None and mapping.mode != self.calibration_mode
+        ]
+
     def _require_calibrations(self) -> _Calibrations:
         if self.calibrations is None:
             raise RuntimeError("fit the calibrations first: protocol.fit(calibration_set).")
@@ -661,3 +674,8 @@ def _replay_state(states: Tensor, k: int, r: int) -> Tensor:
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
+
+
+def _worst(a: float, b: float) -> float:
+    """max(a, b), NaN if either is NaN: a null control over NaN logits must not read as 0."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)

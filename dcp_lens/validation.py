@@ -152,9 +152,11 @@ def describe_type(annotation: Any) -> str:
     if annotation in words:
         return words[annotation]
     if origin in (tuple, list, collections.abc.Sequence):
-        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        args = typing.get_args(annotation)
         inner = describe_type(args[0]) if args else "values"
-        return f"a list of {inner.removeprefix('a ').removeprefix('an ')}s"
+        inner = inner.removeprefix("a ").removeprefix("an ")
+        fixed = origin is tuple and Ellipsis not in args
+        return f"a list of {len(args)} {inner}s" if fixed else f"a list of {inner}s"
     if origin in (dict, collections.abc.Mapping) or annotation in (dict, Mapping):
         return "a JSON object"
     return f"a {getattr(annotation, '__name__', str(annotation))}"

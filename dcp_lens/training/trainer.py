@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.devices import check_device
+from dcp_lens.errors import DamagedFileError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import SPLITS, Split, Task, get_task
 from dcp_lens.training.regimes import (
@@ -45,6 +47,13 @@ from dcp_lens.training.regimes import (
     check_known_keys,
     readout_logits,
     regime_loss,
+)
+from dcp_lens.training.validation import check_train_dict, check_train_values
+from dcp_lens.validation import (
+    check_output_folder,
+    naming_file,
+    read_json_object,
+    read_safetensors_file,
 )
 
 CONFIG_FILE = "train_config.json"
@@ -118,6 +127,7 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        check_train_values(self)
         if self.model.is_dense:
             raise ValueError(
                 "TrainConfig.model must be recurrent (n_core > 0); for a dense model use "
@@ -194,7 +204,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Inverse of `to_dict`; unknown keys are an error."""
+        """Inverse of `to_dict`; unknown keys and values of the wrong type are an error."""
+        check_train_dict(cls, data, "TrainConfig")
         check_known_keys(cls, data)
         values = dict(data)
         values["model"] = RecurrentConfig.from_dict(values["model"])
@@ -212,7 +223,10 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read `to_json` output; errors name the file, the field and the value."""
+        data = read_json_object(path)
+        with naming_file(path):
+            return cls.from_dict(data)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -476,7 +490,8 @@ def train(
     from `RUN_FIELDS`); without, any previous run there is replaced. ``stop_at_step`` stops
     after that many steps with a checkpoint, as an interruption would; calling `train` again
     continues bit-identically (on CPU) to an uninterrupted run."""
-    out = Path(out_dir)
+    out = check_output_folder(out_dir, "out_dir")
+    check_device(config.device)
     out.mkdir(parents=True, exist_ok=True)
     _prepare_run_folder(config, out, resume)
     config.to_json(out / CONFIG_FILE)
@@ -702,13 +717,17 @@ def _load_checkpoint(
     sampler: torch.Generator,
 ) -> _RunState:
     """Restore model, optimizer and RNG from ``folder``; return the trainer state."""
-    plain = json.loads((folder / CHECKPOINT_STATE).read_text())
+    recovery = (
+        f"Delete {folder} to resume from the previous checkpoint (if {CHECKPOINT_DIR}.old "
+        "exists) or from scratch, or pass resume=False (--no-resume) to start over."
+    )
+    plain = read_json_object(folder / CHECKPOINT_STATE, error=DamagedFileError, recovery=recovery)
     if plain.get("format") != CHECKPOINT_FORMAT or plain["parameter_names"] != names:
         raise ValueError(
             f"{folder} is not a checkpoint of this model (format {plain.get('format')!r}); "
             "pass resume=False to start over."
         )
-    tensors = load_file(str(folder / CHECKPOINT_TENSORS))
+    tensors = read_safetensors_file(folder / CHECKPOINT_TENSORS, recovery=recovery)
     model.load_canonical_state_dict(
         {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
         source=str(folder),
