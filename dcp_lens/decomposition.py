@@ -44,8 +44,11 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Shaped
 
+from dcp_lens.errors import DamagedFileError
+from dcp_lens.incomplete import check_complete
 from dcp_lens.metrics import LOSS_METRICS
 from dcp_lens.statistics import paired_bootstrap_means, percentile_interval
+from dcp_lens.validation import read_json_object
 
 # Conditions measured at every k, in the column order used throughout this module.
 CONDITIONS = ("truncate", "calibrate_truncate", "replay", "calibrate_replay", "shift")
@@ -564,15 +567,26 @@ def write_results_json(
     encoded = [r.to_results_json() if isinstance(r, ProtocolResults) else _to_json(r) for r in runs]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".tmp")  # never a half-written results.json
+    partial.write_text(json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n")
+    partial.replace(path)
     return path
 
 
 def read_results_json(path: str | Path) -> list[ProtocolResults]:
-    """Every run of a ``results.json`` written by `write_results_json`, as `ProtocolResults`."""
-    document = json.loads(Path(path).read_text())
-    if not isinstance(document, dict) or "runs" not in document:
-        raise ValueError(f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}.")
+    """Every run of a ``results.json`` written by `write_results_json`, as `ProtocolResults`.
+
+    Raises:
+        IncompleteRunError: its folder (or the folder above) is marked incomplete.
+        DamagedFileError: the file is truncated or not valid JSON (named, with how to recover).
+    """
+    check_complete(Path(path).parent)
+    recovery = "Delete it and rerun the command that wrote it (an experiment recomputes it)."
+    document = read_json_object(path, error=DamagedFileError, recovery=recovery)
+    if not isinstance(document.get("runs"), list):
+        raise DamagedFileError(
+            f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}. {recovery}"
+        )
     return [ProtocolResults.from_results_json(run) for run in document["runs"]]
 
 

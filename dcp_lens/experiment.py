@@ -39,6 +39,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dcp_lens.decomposition import FACTORS, ProtocolResults, _to_json
+from dcp_lens.devices import check_device
 from dcp_lens.protocol import DepthControlProtocol, task_data
 from dcp_lens.registry import load
 from dcp_lens.statistics import t_interval
@@ -110,6 +111,7 @@ def run_training_intervention(
         ``regimes`` (per regime `aggregate` plus ``n_iterations``), ``prediction`` and
         ``verdict``.
     """
+    check_device(device)
     seeds, regimes = _check_arguments(preset, seeds, regimes, probe)
     dense_seeds = (
         seeds[:1]

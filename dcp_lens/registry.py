@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dcp_lens.errors import ConfigError, ConfigTypeError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 
 Loader = Callable[..., Any]
@@ -44,8 +45,10 @@ def load(spec: str, **overrides: Any) -> Any:
     >>> model = load("planted:readout_shift")            # doctest: +SKIP
     >>> model = load("huginn:/models/huginn-0125", state_init="zeros")  # doctest: +SKIP
     """
-    if not isinstance(spec, str) or not spec:
-        raise TypeError(f"a model spec must be a non-empty string, got {spec!r}.")
+    if not isinstance(spec, str):
+        raise ConfigTypeError(f"a model spec must be a non-empty string, got {spec!r}.")
+    if not spec.strip():
+        raise ConfigError(f"a model spec must be a non-empty string, got {spec!r}.")
     _import_builtin_kinds()
     kind, _, argument = spec.partition(":")
     if argument and kind in LOADERS:
@@ -54,7 +57,7 @@ def load(spec: str, **overrides: Any) -> Any:
         return NAMED[spec](**overrides)
     if Path(spec).is_dir():
         return HookedRecurrentTransformer.from_pretrained(spec, **overrides)
-    raise ValueError(
+    raise ConfigError(
         f"unknown model spec {spec!r}: expected one of the kinds "
         f"{sorted(k + ':…' for k in LOADERS)}, a bundled name {sorted(NAMED)}, or a folder "
         "written by save_pretrained."
