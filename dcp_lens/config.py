@@ -189,7 +189,9 @@ class RecurrentConfig(TransformerLensConfig):
             raise ConfigError(
                 f"config is missing keys {missing}; write it with RecurrentConfig.to_dict()."
             )
-        return cls(**{k: v for k, v in config_dict.items() if k in known})
+        values = {k: v for k, v in config_dict.items() if k in known}
+        check_field_types(cls, values, "RecurrentConfig")  # before the constructor sees them
+        return cls(**values)
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

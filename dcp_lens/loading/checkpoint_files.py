@@ -30,6 +30,7 @@ from dcp_lens.devices import check_device, check_dtype
 from dcp_lens.errors import ConfigError, ConfigTypeError, MissingFileError, WeightsError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.validation import (
+    check_field_types,
     check_inside,
     naming_file,
     read_json_object,
@@ -264,6 +265,7 @@ def split_overrides(
             f"unknown overrides {unknown}: keyword overrides must be RecurrentConfig fields "
             f"({sorted(config_field_names())}), device or dtype."
         )
+    check_field_types(RecurrentConfig, fields, "overrides")
     return fields, device, dtype
 
 
