@@ -23,7 +23,13 @@ from typing import Any
 from transformer_lens.config import TransformerLensConfig
 
 from dcp_lens.errors import ConfigError, ConfigTypeError
-from dcp_lens.validation import check_field_types, check_limit, naming_file, read_json_object
+from dcp_lens.validation import (
+    as_declared_floats,
+    check_field_types,
+    check_limit,
+    naming_file,
+    read_json_object,
+)
 
 INJECTIONS = ("none", "add", "concat_adapter")
 STATE_INITS = ("zeros", "embed", "normal", "huginn")
@@ -191,7 +197,7 @@ class RecurrentConfig(TransformerLensConfig):
             )
         values = {k: v for k, v in config_dict.items() if k in known}
         check_field_types(cls, values, "RecurrentConfig")  # before the constructor sees them
-        return cls(**values)
+        return cls(**as_declared_floats(cls, values))
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -87,6 +87,25 @@ def check_field_types(cls: type, values: Mapping[str, Any], source: str) -> None
             )
 
 
+def as_declared_floats(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with the ints of ``float`` fields made floats (JSON writes 1.0 as 1), so the
+    constructor sees the declared type."""
+    hints = _type_hints(cls)
+
+    def declared(name: str, value: Any) -> Any:
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        return float(value) if whole and _declares_float(hints.get(name)) else value
+
+    return {name: declared(name, value) for name, value in values.items()}
+
+
+def _declares_float(annotation: Any) -> bool:
+    if annotation is float:
+        return True
+    origin = typing.get_origin(annotation)
+    return origin in (typing.Union, types.UnionType) and float in typing.get_args(annotation)
+
+
 def check_source_fields(
     config: Mapping[str, Any], schema: Mapping[str, Any], source: str, positive: tuple[str, ...]
 ) -> None:

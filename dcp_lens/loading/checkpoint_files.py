@@ -30,6 +30,7 @@ from dcp_lens.devices import check_device, check_dtype
 from dcp_lens.errors import ConfigError, ConfigTypeError, MissingFileError, WeightsError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.validation import (
+    as_declared_floats,
     check_field_types,
     check_inside,
     naming_file,
@@ -266,7 +267,7 @@ def split_overrides(
             f"({sorted(config_field_names())}), device or dtype."
         )
     check_field_types(RecurrentConfig, fields, "overrides")
-    return fields, device, dtype
+    return as_declared_floats(RecurrentConfig, fields), device, dtype
 
 
 def build_model(
