@@ -350,6 +350,9 @@ def test_bridge_refuses_pickle_weights_without_torchs_unsafe_advice(tmp_path):
     with pytest.raises(WeightsError, match="pickle-based checkpoint") as caught:
         load(f"bridge:{tmp_path}")
     assert "weights_only" not in str(caught.value)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"config\.json must hold a JSON object"):
+        load(f"bridge:{tmp_path}")
 
 
 def test_weight_files_linked_from_outside_the_folder_are_refused(shared_dir, tmp_path):

@@ -33,7 +33,7 @@ from dcp_lens.devices import check_device, check_dtype
 from dcp_lens.errors import MissingFileError, WeightsError
 from dcp_lens.loading.checkpoint_files import CONFIG_FILE, PICKLE_SUFFIXES, pickle_message
 from dcp_lens.registry import register_loader
-from dcp_lens.validation import check_inside
+from dcp_lens.validation import check_inside, read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Readout error allowed relative to the logits' per-position spread. TransformerLens measures
@@ -169,6 +169,7 @@ class BridgeModel:
                 f"{folder} holds no tokenizer (none of {list(TOKENIZER_FILES)}); save the "
                 "tokenizer there with tokenizer.save_pretrained(folder)."
             )
+        read_json_object(folder / CONFIG_FILE)  # a clear error for a binary or broken config
         _check_weight_files(folder)
         target, dtype = check_device(device), _as_dtype(dtype)
         try:
