@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from dcp_lens.decomposition import ProtocolResults, write_results_json
 from dcp_lens.devices import check_device
-from dcp_lens.errors import ConfigError
+from dcp_lens.errors import ConfigError, DCPLensError
 from dcp_lens.incomplete import mark_complete, mark_incomplete
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
 from dcp_lens.registry import load
@@ -153,6 +153,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, DCPLensError):
+        return text
     if isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text:
         return f"could not allocate memory ({text}); lower the batch, sequence or model size."
     return text
@@ -164,8 +166,6 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 def _run(args: argparse.Namespace) -> int:
     specs = [(args.model or DEFAULT_MODEL, False)]
-    # Per-model results are written as each finishes; the folder says so until the last one is.
-    mark_incomplete(args.out, "dcp-lens run")
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
     if dense:
         specs.append((dense, True))
@@ -187,6 +187,8 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         results = protocol.run(*data)
         runs.append(results)
+        # Per-model results are written as each finishes; the folder says so until all are.
+        mark_incomplete(args.out, "dcp-lens run")
         results.save(args.out / _folder_name(spec))
         _summarise(results)
     write_results_json(runs, args.out / "results.json")
