@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -27,6 +28,8 @@ from torch import Tensor
 
 from dcp_lens.conditions import SWEEP
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.devices import check_device
+from dcp_lens.errors import ResourceLimitError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 
@@ -112,10 +115,26 @@ def run_bench(
     naive: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Measure the figures above on a random 1 + n_core x n_iterations + 1 model."""
-    target = torch.device(device)
+    """Measure the figures above on a random 1 + n_core x n_iterations + 1 model.
+
+    Raises:
+        DeviceError: ``device`` is not available here.
+        ResourceLimitError: the largest tensors of the run would not fit in the device's memory
+            (checked before anything is allocated).
+    """
+    target = check_device(device)
+    n_heads = d_model // 64 or 1
+    needed = bench_bytes(batch, seq, n_heads, d_model, 2 + n_core * n_iterations)
+    available = device_memory_bytes(target)
+    if available is not None and needed > available:
+        raise ResourceLimitError(
+            f"batch {batch} x seq {seq} (d_model {d_model}, {n_heads} heads, "
+            f"{2 + n_core * n_iterations} blocks) needs about {needed / 2**30:.1f} GiB for its "
+            f"attention scores and cached states, more than the {available / 2**30:.1f} GiB of "
+            f"{target}; lower the sequence length or the batch."
+        )
     cfg = RecurrentConfig(
-        d_model=d_model, n_heads=d_model // 64 or 1, d_head=64 if d_model >= 64 else d_model,
+        d_model=d_model, n_heads=n_heads, d_head=64 if d_model >= 64 else d_model,
         d_mlp=4 * d_model, d_vocab=d_vocab, n_ctx=seq, n_prelude=1, n_core=n_core, n_coda=1,
         n_iterations=n_iterations, seed=seed,
     )  # fmt: skip
@@ -186,6 +205,27 @@ def run_bench(
         "peak_memory_mb": peak,
         "peak_memory_kind": "cuda max allocated" if target.type == "cuda" else "process max RSS",
     }  # fmt: skip
+
+
+def bench_bytes(batch: int, seq: int, n_heads: int, d_model: int, n_blocks: int) -> int:
+    """A lower bound on the peak memory of `run_bench`, in bytes (float32): one attention score
+    tensor and its softmax [batch, heads, seq, seq] and the cached states of every block
+    [blocks + 1, batch, seq, d_model], for the evaluation and calibration halves."""
+    scores = 2 * batch * n_heads * seq * seq
+    states = (n_blocks + 1) * batch * seq * d_model
+    return 4 * 2 * (scores + states)
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (physical memory for the CPU), or None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
 
 
 def print_bench(result: dict[str, Any], as_json: bool) -> None:

@@ -15,6 +15,7 @@ Covariances are Ledoit-Wolf shrunk toward (trace / d) * I, so A is always invert
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,32 @@ from jaxtyping import Float
 from torch import Tensor
 
 CALIBRATION_MODES = ("mean", "diag", "full")
+# Fewest states each mode is fitted from: a full covariance of width d needs d + 1 states to be
+# more than shrinkage fitted to noise (one program moved a share by 0.15 that way); per-dimension
+# variances need 3 (see the singular-covariance error of "diag").
+MIN_STATES = {"full": lambda width: width + 1, "diag": lambda width: 3, "mean": lambda width: 1}
+
+
+class CalibrationFallbackWarning(UserWarning):
+    """A calibration split too small for the chosen mode: a simpler mode was fitted instead (the
+    protocol records which maps fell back in its results' metadata)."""
+
+
+def usable_mode(mode: str, n_states: int, width: int) -> str:
+    """``mode``, or the richest simpler mode ``n_states`` states can fit (with a warning)."""
+    fitted = mode
+    while fitted != "mean" and n_states < MIN_STATES[fitted](width):
+        fitted = CALIBRATION_MODES[CALIBRATION_MODES.index(fitted) - 1]
+    if fitted != mode:
+        warnings.warn(
+            CalibrationFallbackWarning(
+                f"calibration mode {mode!r} needs at least {MIN_STATES[mode](width)} calibration "
+                f"states (width {width}), got {n_states}; fitted {fitted!r} instead. Use more "
+                "calibration sequences to fit the mode asked for."
+            ),
+            stacklevel=3,
+        )
+    return fitted
 
 
 def _check_mode(mode: str) -> None:
@@ -298,7 +325,8 @@ class AffineCalibration:
         """Fit the map that moves the ``source`` moments onto the ``reference`` moments.
 
         Covariances are Ledoit-Wolf shrunk first ("diag" uses the shrunk diagonals too), so the
-        map is invertible whenever neither stream is constant.
+        map is invertible whenever neither stream is constant. With fewer states than ``mode``
+        needs (`MIN_STATES`) a simpler mode is fitted, with a `CalibrationFallbackWarning`.
         """
         _check_mode(mode)
         if source.width != reference.width:
@@ -306,6 +334,7 @@ class AffineCalibration:
                 f"source states have width {source.width} but reference states have width "
                 f"{reference.width}; calibrate streams of the same model width."
             )
+        mode = usable_mode(mode, min(source.count, reference.count), source.width or 0)
         source_mean = source.mean
         reference_mean = reference.mean.to(source_mean.device)
         if mode == "mean":

@@ -6,22 +6,40 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
+from dcp_lens.devices import check_device
+from dcp_lens.errors import ConfigError, DCPLensError
+from dcp_lens.incomplete import mark_complete, mark_incomplete
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
 from dcp_lens.registry import load
 from dcp_lens.report import format_summary
 from dcp_lens.results import ProtocolResults, write_results_json
+from dcp_lens.validation import check_output_folder
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
 EXPERIMENTS = ("training-intervention",)
 K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 
 
+# Failures reported as one line with exit code 2: dcp-lens's own errors and the ones torch and the
+# OS raise on bad input (an unavailable file, a failed allocation).
+REPORTED = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line (``dcp-lens run: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-lens", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="dcp-lens", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("run", help="run the Depth Control Protocol on models")
     run.add_argument("--model", help=f"model spec (default: {DEFAULT_MODEL!r})")
@@ -87,27 +105,68 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--device", default="cpu")
 
     args = parser.parse_args(argv)
-    try:
-        if args.command == "run":
-            return _run(args)
-        if args.command == "train":
-            return _train(args)
-        if args.command == "experiment":
-            return _experiment(args)
-        if args.command == "bench":
-            from dcp_lens.bench import print_bench, run_bench
+    with warnings.catch_warnings():  # restores how warnings are shown when main returns
+        warnings.showwarning = _show_warning
+        try:
+            return _command(args)
+        except REPORTED as error:
+            print(f"dcp-lens {args.command}: error: {_one_line(error)}", file=sys.stderr)
+            return 2
 
-            result = run_bench(
-                d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
-                batch=args.batch, seq=args.seq, repeats=args.repeats, k_grid=_ints(args.k),
-                device=args.device, naive=not args.no_naive,
-            )  # fmt: skip
-            print_bench(result, args.json)
-            return 0
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"dcp-lens {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    return 1
+
+def _command(args: argparse.Namespace) -> int:
+    _check_arguments(args)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "experiment":
+        return _experiment(args)
+    from dcp_lens.bench import print_bench, run_bench
+
+    result = run_bench(
+        d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
+        batch=args.batch, seq=args.seq, repeats=args.repeats, k_grid=_ints(args.k),
+        device=args.device, naive=not args.no_naive,
+    )  # fmt: skip
+    print_bench(result, args.json)
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Everything that can be checked before any work: empty specs and lists, counts, the
+    output folder and the device."""
+    for flag in ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes"):
+        value = getattr(args, flag, None)
+        if value is not None and not value.strip():
+            name = "--" + flag.replace("_", "-")
+            raise ConfigError(f"{name} is empty; give a value or leave the flag out.")
+    minimums = {
+        "n_eval": 1, "n_calibration": 1, "batch_size": 1, "bootstrap": 0, "jobs": 1, "steps": 1,
+        "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1,
+    }  # fmt: skip
+    for name, minimum in minimums.items():
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {minimum}.")
+    for name in ("k", "seeds", "dense_seeds"):
+        _ints(getattr(args, name, None), f"--{name.replace('_', '-')}")
+    check_output_folder(getattr(args, "out", None) or ".", "--out")
+    if getattr(args, "device", None) is not None:
+        check_device(args.device)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, DCPLensError):
+        return text
+    if isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text:
+        return f"could not allocate memory ({text}); lower the batch, sequence or model size."
+    return text
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    print(f"dcp-lens: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -133,9 +192,12 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         results = protocol.run(*data)
         runs.append(results)
+        # Per-model results are written as each finishes; the folder says so until all are.
+        mark_incomplete(args.out, "dcp-lens run")
         results.save(args.out / _folder_name(spec))
         print(format_summary(results))
     write_results_json(runs, args.out / "results.json")
+    mark_complete(args.out)
     print(f"wrote {args.out / 'results.json'}")
     return 0
 
@@ -181,12 +243,15 @@ def _folder_name(spec: str) -> str:
 
 
 def _ints(text: str | None, flag: str = "--k") -> list[int] | None:
-    if not text:
+    if text is None:
         return None
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as error:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}.") from error
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}.") from error
+    if not values:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}.")
+    return values
 
 
 def _names(text: str | None) -> tuple[str, ...] | None:

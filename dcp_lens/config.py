@@ -22,6 +22,15 @@ from typing import Any
 
 from transformer_lens.config import TransformerLensConfig
 
+from dcp_lens.errors import ConfigError, ConfigTypeError
+from dcp_lens.validation import (
+    as_declared_floats,
+    check_field_types,
+    check_limit,
+    naming_file,
+    read_json_object,
+)
+
 INJECTIONS = ("none", "add", "concat_adapter")
 STATE_INITS = ("zeros", "embed", "normal", "huginn")
 NORMALIZATION_TYPES = ("LN", "RMS")
@@ -36,14 +45,15 @@ _DERIVED_FIELDS = ("n_layers", "device", "dtype")
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}; pick one of those strings.")
+        raise ConfigError(f"{name}={value!r} is not one of {choices}; pick one of those strings.")
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+        raise ConfigTypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}.")
+        raise ConfigError(f"{name}={value} must be >= {minimum}.")
+    check_limit(name, value, "RecurrentConfig")
 
 
 @dataclass
@@ -97,15 +107,18 @@ class RecurrentConfig(TransformerLensConfig):
     default_prepend_bos: bool = False
 
     def __post_init__(self) -> None:
+        # Types first: a string seed or "false" for a boolean is refused, never coerced.
+        fields = {name: getattr(self, name) for name in SERIALISED_FIELDS}
+        check_field_types(RecurrentConfig, fields, "RecurrentConfig")
         for name in ("d_model", "d_head", "n_ctx", "n_heads", "d_vocab"):
             _check_count(name, getattr(self, name), 1)
         for name in ("n_prelude", "n_core", "n_coda"):
             _check_count(name, getattr(self, name), 0)
         _check_count("n_iterations", self.n_iterations, 1 if self.n_core > 0 else 0)
         if self.n_core == 0 and self.n_prelude + self.n_coda == 0:
-            raise ValueError("a model needs at least one block: n_prelude + n_core + n_coda > 0.")
+            raise ConfigError("a model needs at least one block: n_prelude + n_core + n_coda > 0.")
         if self.d_model != self.n_heads * self.d_head:
-            raise ValueError(
+            raise ConfigError(
                 f"d_model={self.d_model} must equal n_heads * d_head = {self.n_heads} * "
                 f"{self.d_head}; choose d_head = d_model // n_heads with d_model divisible "
                 "into heads."
@@ -117,7 +130,7 @@ class RecurrentConfig(TransformerLensConfig):
             self.n_key_value_heads = self.n_heads
         _check_count("n_key_value_heads", self.n_key_value_heads, 1)
         if self.n_heads % self.n_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_key_value_heads={self.n_key_value_heads} must divide n_heads={self.n_heads} "
                 "(each kv head serves n_heads // n_key_value_heads query heads)."
             )
@@ -132,14 +145,14 @@ class RecurrentConfig(TransformerLensConfig):
         )
         _check_choice("act_fn", self.act_fn, ACT_FNS)
         if self.positional_embedding_type != "learned" and self.d_head % 2:
-            raise ValueError(f"rotary embeddings need an even d_head, got d_head={self.d_head}.")
+            raise ConfigError(f"rotary embeddings need an even d_head, got d_head={self.d_head}.")
         for name in ("eps", "state_init_std", "init_std", "rotary_base", "embed_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive finite number.")
+                raise ConfigError(f"{name}={value!r} must be a positive finite number.")
         for name in ("pre_coda_norm", "iteration_norm"):
             if getattr(self, name) == "final" and not self.final_norm:
-                raise ValueError(f"{name}='final' shares the final norm, but final_norm=False.")
+                raise ConfigError(f"{name}='final' shares the final norm, but final_norm=False.")
         if self.is_dense:
             # A dense model has no loop: nothing is injected and its layers are its iterations.
             self.injection, self.n_iterations = "none", 0
@@ -166,31 +179,35 @@ class RecurrentConfig(TransformerLensConfig):
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any]) -> RecurrentConfig:
         """Build a config from `to_dict` output; unknown or missing keys are an error."""
+        if not isinstance(config_dict, dict):
+            raise ConfigTypeError(
+                f"a RecurrentConfig is built from a dict of fields, got "
+                f"{type(config_dict).__name__}."
+            )
         known = set(SERIALISED_FIELDS)
         unknown = sorted(set(config_dict) - known - set(_DERIVED_FIELDS))
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown RecurrentConfig keys {unknown}; the known keys are {sorted(known)}."
             )
         missing = sorted(known - set(config_dict))
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"config is missing keys {missing}; write it with RecurrentConfig.to_dict()."
             )
-        return cls(**{k: v for k, v in config_dict.items() if k in known})
+        values = {k: v for k, v in config_dict.items() if k in known}
+        check_field_types(cls, values, "RecurrentConfig")  # before the constructor sees them
+        return cls(**as_declared_floats(cls, values))
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> RecurrentConfig:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
-        return cls.from_dict(data)
+        """Read `to_json` output; errors name the file, the field and the value."""
+        data = read_json_object(path)
+        with naming_file(path):
+            return cls.from_dict(data)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from dcp_lens.devices import check_device
 from dcp_lens.intervention import (
     CONFIDENCE,
     NEGATIVE_CONTROL,
@@ -98,6 +99,7 @@ def run_training_intervention(
         ``regimes`` (per regime `aggregate` plus ``n_iterations``), ``prediction`` and
         ``verdict``.
     """
+    check_device(device)
     seeds, regimes = _check_arguments(preset, seeds, regimes, probe)
     dense_seeds = (
         seeds[:1]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +39,7 @@ from dcp_lens.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.components.rotary import rotary_tables
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.metrics import next_token_loss
+from dcp_lens.validation import check_limit
 
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
@@ -175,6 +175,7 @@ class HookedRecurrentTransformer(HookedRootModule):
             raise TypeError(f"the number of iterations must be an int, got {k!r}.")
         if k < 1:
             raise ValueError(f"n_iterations={k}: a model with a core needs at least 1 iteration.")
+        check_limit("n_iterations", k, "iterations")
         return k
 
     def _tied_copy(self, block: TransformerBlock) -> TransformerBlock:
@@ -193,6 +194,22 @@ class HookedRecurrentTransformer(HookedRootModule):
         )
         if source is not None and source is not hooks.ln_iter:
             _share_parameters(hooks.ln_iter, source)
+
+    def reset_hooks(
+        self,
+        clear_contexts: bool = True,
+        direction: Literal["fwd", "bwd", "both"] = "both",
+        including_permanent: bool = False,
+        level: int | None = None,
+    ) -> None:
+        """As TransformerLens, but on every block and iteration object the model ever built: a
+        hook left on a block of a longer view (``n_iterations=8`` on r = 4) must not outlive it."""
+        super().reset_hooks(clear_contexts, direction, including_permanent, level)
+        built = [*self._prelude, *(b for row in self._core for b in row), *self._coda]
+        for module in [*built, *self._iteration_hooks]:
+            for hook_point in module.modules():
+                if isinstance(hook_point, HookPoint):
+                    hook_point.remove_hooks(direction, including_permanent, level)
 
     def tie_weights(self) -> None:
         """Make every copy of a shared layer hold its owner's parameters again (after loading)."""
@@ -681,38 +698,12 @@ class HookedRecurrentTransformer(HookedRootModule):
         cls, path: str | Path, device: str | torch.device | None = None, **overrides: Any
     ) -> HookedRecurrentTransformer:
         """Load a folder written by `save_pretrained` (safetensors only, never pickle);
-        ``overrides`` replace config fields (e.g. ``n_iterations=8``)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        ``overrides`` replace config fields (e.g. ``n_iterations=8``). The config and the
+        weights' shapes and dtypes are checked on the meta device before anything is allocated
+        (`dcp_lens.loading.checkpoint_files.load_pretrained_folder`)."""
+        from dcp_lens.loading.checkpoint_files import load_pretrained_folder
 
-        folder = Path(path)
-        config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
-        for file in (config_path, weights_path):
-            if not file.is_file():
-                raise FileNotFoundError(
-                    f"{file} does not exist; expected a save_pretrained folder."
-                )
-        config = json.loads(config_path.read_text())
-        unknown = sorted(set(overrides) - set(config))
-        if unknown:
-            raise ValueError(f"unknown config overrides {unknown}; known keys: {sorted(config)}.")
-        config.update(overrides)
-        cfg = RecurrentConfig.from_dict(config)
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as error:
-            raise ValueError(
-                f"{weights_path} is not a readable safetensors file: {error}"
-            ) from error
-        model = cls(cfg)
-        if state:  # the model takes the checkpoint's dtype
-            model.to(next(iter(state.values())).dtype)
-        model.load_canonical_state_dict(state, source=str(weights_path))
-        if (folder / TASK_FILE).is_file():
-            model.task_config = json.loads((folder / TASK_FILE).read_text())
-        if device is not None:
-            model.to(device)
-        return model.eval()
+        return load_pretrained_folder(cls, path, device=device, **overrides)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """`torch.nn.Module.load_state_dict`, then re-tie the shared weights."""

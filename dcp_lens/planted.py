@@ -29,6 +29,7 @@ from torch import Tensor
 
 from dcp_lens.components.norms import RMSNorm
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.errors import ConfigError, ConfigTypeError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol import EvaluationSet
 from dcp_lens.registry import register_loader
@@ -230,13 +231,13 @@ EXPECTED_FACTOR = {"readout_shift": "S", "distinct_computation": "D", "block_cou
 def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
-        raise ValueError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
+        raise ConfigError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
     return BUILDERS[name](**overrides)  # type: ignore[arg-type]
 
 
 def _at_least(value: object, minimum: int, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
+        raise ConfigTypeError(f"{name} must be an int, got {value!r}.")
     if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}.")
+        raise ConfigError(f"{name}={value} must be >= {minimum}.")
     return value

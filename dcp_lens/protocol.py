@@ -284,6 +284,7 @@ class DepthControlProtocol:
                     str(k): self._replay_difference.get(k, math.nan) for k in self.k_grid
                 },
                 "b_identification_tolerance": B_IDENTIFICATION_TOLERANCE,
+                "calibration_fallbacks": self._calibration_fallbacks(),
             },
         )
 
@@ -693,6 +694,15 @@ class DepthControlProtocol:
 
     def _calibration_failures(self) -> list[str]:
         return [label for label, mapping in self._require_calibrations().items() if mapping is None]
+
+    def _calibration_fallbacks(self) -> list[str]:
+        """Maps fitted in a simpler mode than asked, as ``"truncate(1): diag"``: the
+        calibration split had too few states for ``calibration_mode``."""
+        return [
+            f"{label}: {mapping.mode}"
+            for label, mapping in self._require_calibrations().items()
+            if mapping is not None and mapping.mode != self.calibration_mode
+        ]
 
     def _require_calibrations(self) -> dict[str, StateMapLike | None]:
         if self.calibrations is None:

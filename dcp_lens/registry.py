@@ -12,6 +12,8 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dcp_lens.errors import ConfigError, ConfigTypeError
+
 Loader = Callable[..., Any]
 LOADERS: dict[str, Loader] = {}
 NAMED: dict[str, Loader] = {}
@@ -68,8 +70,10 @@ def load(spec: str, **overrides: Any) -> Any:
     >>> model = load("planted:readout_shift")            # doctest: +SKIP
     >>> model = load("huginn:/models/huginn-0125", state_init="zeros")  # doctest: +SKIP
     """
-    if not isinstance(spec, str) or not spec:
-        raise TypeError(f"a model spec must be a non-empty string, got {spec!r}.")
+    if not isinstance(spec, str):
+        raise ConfigTypeError(f"a model spec must be a non-empty string, got {spec!r}.")
+    if not spec.strip():
+        raise ConfigError(f"a model spec must be a non-empty string, got {spec!r}.")
     _import_builtin_kinds()
     kind, _, argument = spec.partition(":")
     if argument and kind in LOADERS:
@@ -80,7 +84,7 @@ def load(spec: str, **overrides: Any) -> Any:
         from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 
         return HookedRecurrentTransformer.from_pretrained(spec, **overrides)
-    raise ValueError(
+    raise ConfigError(
         f"unknown model spec {spec!r}: expected one of the kinds "
         f"{sorted(k + ':…' for k in LOADERS)}, a bundled name {sorted(NAMED)}, or a folder "
         "written by save_pretrained."

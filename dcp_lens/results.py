@@ -17,6 +17,9 @@ import pandas as pd
 from jaxtyping import Bool, Float
 
 from dcp_lens.conditions import DECOMPOSED
+from dcp_lens.errors import DamagedFileError
+from dcp_lens.incomplete import check_complete
+from dcp_lens.validation import read_json_object
 
 FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
@@ -501,15 +504,26 @@ def write_results_json(
     ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".tmp")  # never a half-written results.json
+    partial.write_text(json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n")
+    partial.replace(path)
     return path
 
 
 def read_results_json(path: str | Path) -> list[ProtocolResults]:
-    """Every run of a ``results.json`` written by `write_results_json`, as `ProtocolResults`."""
-    document = json.loads(Path(path).read_text())
-    if not isinstance(document, dict) or "runs" not in document:
-        raise ValueError(f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}.")
+    """Every run of a ``results.json`` written by `write_results_json`, as `ProtocolResults`.
+
+    Raises:
+        IncompleteRunError: its folder (or the folder above) is marked incomplete.
+        DamagedFileError: the file is truncated or not valid JSON (named, with how to recover).
+    """
+    check_complete(Path(path).parent)
+    recovery = "Delete it and rerun the command that wrote it (an experiment recomputes it)."
+    document = read_json_object(path, error=DamagedFileError, recovery=recovery)
+    if not isinstance(document.get("runs"), list):
+        raise DamagedFileError(
+            f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}. {recovery}"
+        )
     return [ProtocolResults.from_results_json(run) for run in document["runs"]]
 
 

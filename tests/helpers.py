@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -86,4 +90,76 @@ def data_path(*parts: str) -> Path:
             f"{path} is missing: the tests read the data and fixtures committed under demos/data"
             " (see demos/data/README.md); restore them with `git checkout -- demos/data`"
         )
+    return path
+
+
+# ------------------------------------- fuzz and property helpers (test_hardening, test_properties)
+
+# Inputs tried by the fuzz and property tests, and what became of them (printed at the end).
+FUZZ_TALLY: Counter[str] = Counter()
+
+
+def outcome(action: Callable[[], Any], name: str) -> str:
+    """Run ``action``; "works" or "clean error" (a `DCPLensError`, with a message), counted under
+    ``name``. Any other exception propagates: it is what the property tests exist to find."""
+    from dcp_lens.errors import DCPLensError
+
+    FUZZ_TALLY[f"{name}: tried"] += 1
+    try:
+        action()
+    except DCPLensError as error:
+        assert str(error).strip(), f"{type(error).__name__} without a message"
+        FUZZ_TALLY[f"{name}: clean error"] += 1
+        return "clean error"
+    FUZZ_TALLY[f"{name}: works"] += 1
+    return "works"
+
+
+def tiny_config(**fields: Any) -> RecurrentConfig:
+    """A 1 + 1 x 2 + 1 model small enough to build in milliseconds."""
+    from dcp_lens.config import RecurrentConfig
+
+    base: dict[str, Any] = dict(
+        d_model=16, n_heads=2, d_head=8, d_mlp=32, d_vocab=20, n_ctx=16,
+        n_prelude=1, n_core=1, n_coda=1, n_iterations=2, seed=0,
+    )  # fmt: skip
+    return RecurrentConfig(**{**base, **fields})
+
+
+def save_tiny_model(folder: Path, **fields: Any) -> Path:
+    """A `save_pretrained` folder of `tiny_config`."""
+    from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+
+    return HookedRecurrentTransformer(tiny_config(**fields)).save_pretrained(folder)
+
+
+def write_llama2c(
+    path: Path,
+    dim: int = 8,
+    hidden: int = 16,
+    n_layers: int = 1,
+    n_heads: int = 2,
+    n_kv_heads: int = 2,
+    vocab: int = 10,
+    seq_len: int = 4,
+    tables: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Path:
+    """A llama2.c version-0 checkpoint with random weights and correct RoPE tables (``tables``
+    may alter them)."""
+    from dcp_lens.components.rotary import rotary_tables
+    from dcp_lens.loading.llama2c_format import Llama2cHeader
+
+    header = Llama2cHeader(dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)
+    generator = torch.Generator().manual_seed(0)
+    cos, sin = rotary_tables(seq_len, dim // n_heads, 10000.0)
+    arrays = []
+    for name, shape in header.array_shapes():
+        if name in ("freq_cis_real", "freq_cis_imag"):
+            table = cos if name == "freq_cis_real" else sin
+            array = tables(table.clone()) if tables is not None else table
+        else:
+            array = torch.randn(shape, generator=generator) * 0.1
+        arrays.append(array.float().flatten())
+    values = (dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)
+    path.write_bytes(struct.pack("<7i", *values) + torch.cat(arrays).numpy().tobytes())
     return path

@@ -10,6 +10,7 @@ import torch
 
 from dcp_lens.calibration import (
     AffineCalibration,
+    CalibrationFallbackWarning,
     StreamingMoments,
     fit_calibration,
     ledoit_wolf_shrinkage,
@@ -217,8 +218,9 @@ def test_bad_calibration_inputs_raise_with_the_value() -> None:
         fit_calibration(constant, samples, mode="full")
     with pytest.raises(ValueError, match="source covariance is singular"):
         fit_calibration(constant, samples, mode="diag")
-    with pytest.raises(ValueError, match="reference covariance is singular"):
-        fit_calibration(samples, samples[:2], mode="full")  # two states: x x^T = S, no shrinkage
+    # Two reference states cannot fit a covariance: the map falls back to a mean shift, loudly.
+    with pytest.warns(CalibrationFallbackWarning, match="needs at least 5 calibration states"):
+        assert fit_calibration(samples, samples[:2], mode="full").mode == "mean"
     calibration = fit_calibration(samples, samples)
     with pytest.raises(ValueError, match="states have width 3 but the calibration was fitted on"):
         calibration(torch.randn(2, 3))

@@ -29,8 +29,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from dcp_lens.loading.checkpoint_files import CONFIG_FILE, DTYPES
+from dcp_lens.devices import check_device, check_dtype
+from dcp_lens.errors import MissingFileError, WeightsError
+from dcp_lens.loading.checkpoint_files import CONFIG_FILE, PICKLE_SUFFIXES, pickle_message
 from dcp_lens.registry import register_loader
+from dcp_lens.validation import check_inside, read_json_object
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Readout error allowed relative to the logits' per-position spread. TransformerLens measures
@@ -149,23 +152,34 @@ class BridgeModel:
 
         Raises:
             FileNotFoundError: ``path`` is not a folder holding ``config.json`` and a tokenizer.
+            WeightsError: the folder holds pickle weights only (``pytorch_model.bin``, never
+                unpickled), or a weight file links outside it.
+            DeviceError: ``device`` is not available here, or ``dtype`` is not floating.
         """
         from transformer_lens.model_bridge import TransformerBridge
 
         folder = Path(path)
         if not (folder / CONFIG_FILE).is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{folder} is not a Hugging Face model folder (no {CONFIG_FILE}); pass a local "
                 "folder written by save_pretrained (config, safetensors weights, tokenizer)."
             )
         if not _holds_tokenizer(folder):
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"{folder} holds no tokenizer (none of {list(TOKENIZER_FILES)}); save the "
                 "tokenizer there with tokenizer.save_pretrained(folder)."
             )
-        bridge = TransformerBridge.boot_transformers(
-            str(folder), device=device, dtype=_as_dtype(dtype), **boot_options
-        )
+        read_json_object(folder / CONFIG_FILE)  # a clear error for a binary or broken config
+        _check_weight_files(folder)
+        target, dtype = check_device(device), _as_dtype(dtype)
+        try:
+            bridge = TransformerBridge.boot_transformers(
+                str(folder), device=target, dtype=dtype, **boot_options
+            )
+        except Exception as error:  # never pass on torch's advice to unpickle (weights_only)
+            if "weights_only" in str(error) or "pickle" in type(error).__name__.lower():
+                raise WeightsError(pickle_message(folder)) from None
+            raise
         return cls(bridge).eval()
 
     # ------------------------------------------------------------------------ iteration model
@@ -335,11 +349,23 @@ def _holds_tokenizer(folder: Path | None) -> bool:
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}.")
-    return DTYPES[dtype]
+    return check_dtype(dtype)
+
+
+def _check_weight_files(folder: Path) -> None:
+    """Safetensors weights inside ``folder``: pickle-only folders are refused before
+    transformers sees them (it would hand them to ``torch.load``)."""
+    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.index.json"))
+    if not weights:
+        pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise WeightsError(pickle_message(pickles[0]))
+        raise MissingFileError(
+            f"{folder} holds no .safetensors weights; save the model there with "
+            "model.save_pretrained(folder) (safetensors is its default)."
+        )
+    for file in weights:
+        check_inside(file, folder)
 
 
 @register_loader("bridge")

@@ -15,7 +15,6 @@ Shared by every loader (``huginn``, ``ouro``, ``llama2c``):
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
@@ -27,18 +26,23 @@ from torch import Tensor, nn
 
 from dcp_lens.components.rotary import rotary_tables
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.devices import check_device, check_dtype
+from dcp_lens.errors import ConfigError, ConfigTypeError, MissingFileError, WeightsError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.validation import (
+    as_declared_floats,
+    check_field_types,
+    check_inside,
+    naming_file,
+    read_json_object,
+    weight_dtype,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+TASK_FILE = "task.json"
 
 ModelT = TypeVar("ModelT", bound=HookedRecurrentTransformer)
 Shape = tuple[int, ...]
@@ -52,9 +56,10 @@ class SafetensorsCheckpoint:
             sharded checkpoint) or a single ``model.safetensors``.
 
     Raises:
-        FileNotFoundError: the path, or a shard the index names, does not exist.
-        ValueError: a file is truncated or not safetensors, the index is malformed, or a shard does
-            not hold exactly the keys the index assigns to it (the key and the shard are named).
+        MissingFileError: the path, or a shard the index names, does not exist.
+        WeightsError: a file is truncated or not safetensors, links outside the folder, holds a
+            tensor that is not float16/bfloat16/float32/float64, the index is malformed, or a
+            shard does not hold exactly the keys the index assigns to it (named).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -65,22 +70,26 @@ class SafetensorsCheckpoint:
         self.source = str(self.path)
         self.file_of: dict[str, Path] = {}
         self.shapes: dict[str, Shape] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        folder = self.path if self.path.is_dir() else self.path.parent
         for file, keys in files.items():
+            check_inside(file, folder)
             try:
                 with safe_open(str(file), framework="pt") as handle:
-                    stored = {
-                        key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()
-                    }
+                    slices = {key: handle.get_slice(key) for key in handle.keys()}
+                    stored = {key: tuple(piece.get_shape()) for key, piece in slices.items()}
+                    dtypes = {key: piece.get_dtype() for key, piece in slices.items()}
             except Exception as error:  # safetensors raises its own SafetensorError and OSError
-                raise ValueError(
+                raise WeightsError(
                     f"{file} is not a readable safetensors file ({error}); the file is truncated "
                     "or corrupt, download or copy it again."
                 ) from error
             if keys is not None:
                 _check_shard_matches_index(file, set(stored), keys, self.path / INDEX_FILE)
             for key, shape in stored.items():
+                self.dtypes[key] = weight_dtype(key, dtypes[key], str(file))
                 if key in self.file_of:
-                    raise ValueError(
+                    raise WeightsError(
                         f"key {key!r} is stored twice, in {self.file_of[key]} and {file}; "
                         "remove one copy."
                     )
@@ -103,7 +112,7 @@ class SafetensorsCheckpoint:
         wanted = list(self.shapes) if keys is None else list(keys)
         unknown = [key for key in wanted if key not in self.shapes]
         if unknown:
-            raise KeyError(f"{self.source} holds no key {unknown[0]!r}.")
+            raise WeightsError(f"{self.source} holds no key {unknown[0]!r}.")
         by_file: dict[Path, list[str]] = defaultdict(list)
         for key in wanted:
             by_file[self.file_of[key]].append(key)
@@ -118,10 +127,10 @@ class SafetensorsCheckpoint:
 def _weight_files(path: Path) -> dict[Path, set[str] | None]:
     """Files to read, each with the keys its index assigns to it (None: no index)."""
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a checkpoint folder or file.")
+        raise MissingFileError(f"{path} does not exist; pass a checkpoint folder or file.")
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
-            raise ValueError(_pickle_message(path))
+            raise WeightsError(pickle_message(path))
         return {path: None}
     index = path / INDEX_FILE
     if index.is_file():
@@ -133,17 +142,18 @@ def _weight_files(path: Path) -> dict[Path, set[str] | None]:
     if len(found) == 1:
         return {found[0]: None}
     if found:
-        raise ValueError(
+        raise WeightsError(
             f"{path} holds {len(found)} .safetensors files but no {INDEX_FILE}; add the index "
             "(it says which shard holds each key) or pass one file."
         )
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
-        raise ValueError(_pickle_message(path / pickles[0]))
-    raise FileNotFoundError(f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or .safetensors file.")
+        raise WeightsError(pickle_message(path / pickles[0]))
+    raise MissingFileError(f"{path} holds no {SINGLE_FILE}, {INDEX_FILE} or .safetensors file.")
 
 
-def _pickle_message(path: Path) -> str:
+def pickle_message(path: Path) -> str:
+    """Why a pickle checkpoint is refused, and what to do instead."""
     return (
         f"{path} is a pickle-based checkpoint, which dcp-lens never loads (unpickling can run "
         "code). Convert it to safetensors first, e.g. with safetensors.torch.save_file in a "
@@ -155,17 +165,17 @@ def _read_index(index: Path) -> dict[Path, set[str] | None]:
     data = read_json(index)
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index} has no 'weight_map' object mapping keys to shard files.")
+        raise WeightsError(f"{index} has no 'weight_map' object mapping keys to shard files.")
     shards: dict[Path, set[str] | None] = {}
     for key, shard in weight_map.items():
         if not isinstance(shard, str) or Path(shard).name != shard:
-            raise ValueError(
+            raise WeightsError(
                 f"{index}: key {key!r} maps to {shard!r}; shard names must be plain file names "
                 "in the same folder."
             )
         file = index.parent / shard
         if not file.is_file():
-            raise FileNotFoundError(f"{index} puts key {key!r} in {shard}, which does not exist.")
+            raise MissingFileError(f"{index} puts key {key!r} in {shard}, which does not exist.")
         keys = shards.setdefault(file, set())
         assert keys is not None
         keys.add(key)
@@ -175,27 +185,21 @@ def _read_index(index: Path) -> dict[Path, set[str] | None]:
 def _check_shard_matches_index(file: Path, stored: set[str], listed: set[str], index: Path) -> None:
     absent = sorted(listed - stored)
     if absent:
-        raise ValueError(f"{index} puts key {absent[0]!r} in {file.name}, but that shard lacks it.")
+        raise WeightsError(
+            f"{index} puts key {absent[0]!r} in {file.name}, but that shard lacks it."
+        )
     extra = sorted(stored - listed)
     if extra:
-        raise ValueError(
+        raise WeightsError(
             f"{file} holds key {extra[0]!r}, which {index.name} does not list; the index and "
             "the shards do not match."
         )
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
-    """A JSON object from a file; a clear error if it is missing or not an object."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; the checkpoint folder needs it.")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}.")
-    return data
+    """A JSON object from a file; a `ConfigError` naming the file if it is missing, binary, not
+    valid JSON or not an object."""
+    return read_json_object(path)
 
 
 def check_tensor_shapes(
@@ -204,7 +208,7 @@ def check_tensor_shapes(
     source: str,
     optional: Mapping[str, Shape | None] | None = None,
 ) -> None:
-    """Raise ValueError naming the first missing, unexpected or wrong-shaped key.
+    """Raise `WeightsError` naming the first missing, unexpected or wrong-shaped key.
 
     Args:
         shapes: key -> shape of what the checkpoint holds.
@@ -216,21 +220,21 @@ def check_tensor_shapes(
     missing = [key for key in expected if key not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(
+        raise WeightsError(
             f"{source}: missing key {missing[0]!r} (shape {expected[missing[0]]}){more}; the "
             "checkpoint is incomplete or is not this architecture."
         )
     unexpected = sorted(key for key in shapes if key not in expected and key not in optional)
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise ValueError(
+        raise WeightsError(
             f"{source}: unexpected key {unexpected[0]!r} (shape {shapes[unexpected[0]]}){more}; "
             "the checkpoint holds weights this architecture has no place for."
         )
     for key, shape in shapes.items():
         wanted = expected.get(key, optional.get(key))
         if wanted is not None and tuple(shape) != tuple(wanted):
-            raise ValueError(
+            raise WeightsError(
                 f"{source}: key {key!r} has shape {tuple(shape)}, expected {tuple(wanted)} from "
                 "the config; the config and the weights do not match."
             )
@@ -253,19 +257,17 @@ def split_overrides(
     fields = dict(overrides)
     device = fields.pop("device", None)
     dtype = fields.pop("dtype", None)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}.")
-        dtype = DTYPES[dtype]
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or a name, got {dtype!r}.")
+    # Checked once, here, before any file is read: an unavailable device is one clear line.
+    device = None if device is None else check_device(device)
+    dtype = None if dtype is None else check_dtype(dtype)
     unknown = sorted(set(fields) - config_field_names())
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"unknown overrides {unknown}: keyword overrides must be RecurrentConfig fields "
             f"({sorted(config_field_names())}), device or dtype."
         )
-    return fields, device, dtype
+    check_field_types(RecurrentConfig, fields, "overrides")
+    return as_declared_floats(RecurrentConfig, fields), device, dtype
 
 
 def build_model(
@@ -275,6 +277,7 @@ def build_model(
     source: str,
     tokenizer: Any | None = None,
     device: str | torch.device | None = None,
+    model: ModelT | None = None,
 ) -> ModelT:
     """A model of ``cfg`` holding ``state`` (a `canonical_state_dict`), in eval mode.
 
@@ -282,10 +285,10 @@ def build_model(
     replaced by its loaded tensor wherever it appears, so tied copies stay one object.
 
     Raises:
-        ValueError: ``state`` misses a canonical key, has an extra one, or a wrong shape.
+        WeightsError: ``state`` misses a canonical key, has an extra one, or a wrong shape.
     """
-    with torch.device("meta"):
-        model = model_class(cfg, tokenizer=tokenizer)
+    if model is None:  # a meta model already built for an earlier shape check is reused
+        model = meta_model(model_class, cfg, tokenizer)
     placeholders = model.canonical_state_dict()
     check_tensor_shapes(
         {key: tuple(value.shape) for key, value in state.items()},
@@ -333,24 +336,86 @@ def _materialise_rotary_tables(model: HookedRecurrentTransformer, device: Any) -
     model.rotary_sin = sin.to(device)
 
 
+def meta_model(
+    model_class: type[ModelT], cfg: RecurrentConfig, tokenizer: Any | None = None
+) -> ModelT:
+    """The model of ``cfg`` on the meta device: its parameter shapes, no memory, no init."""
+    with torch.device("meta"):
+        return model_class(cfg, tokenizer=tokenizer)
+
+
+def load_pretrained_folder(
+    model_class: type[ModelT],
+    path: str | Path,
+    device: str | torch.device | None = None,
+    **overrides: Any,
+) -> ModelT:
+    """A folder written by ``save_pretrained`` (config.json, model.safetensors, optional
+    task.json), checked before anything is allocated.
+
+    The config is validated, the model is built on the meta device and the weights' shapes and
+    dtypes (read from the safetensors header) are checked against it; only then are the weights
+    read and assigned. The model takes the checkpoint's dtype and is in eval mode.
+
+    Raises:
+        MissingFileError: the folder lacks config.json or model.safetensors.
+        ConfigError: config.json or task.json is invalid (the file, field and value are named).
+        WeightsError: the weights miss a key, hold an extra one, a wrong shape or dtype, are
+            truncated, or link outside the folder.
+    """
+    folder = Path(path)
+    config_path, weights_path = folder / CONFIG_FILE, folder / SINGLE_FILE
+    for file in (config_path, weights_path):
+        if not file.is_file():
+            raise MissingFileError(f"{file} does not exist; expected a save_pretrained folder.")
+    target = None if device is None else check_device(device)
+    config = read_json_object(config_path)
+    unknown = sorted(set(overrides) - set(config))
+    if unknown:
+        raise ConfigError(f"unknown config overrides {unknown}; known keys: {sorted(config)}.")
+    with naming_file(config_path):
+        cfg = RecurrentConfig.from_dict({**config, **overrides})
+    task_config = None
+    if (folder / TASK_FILE).is_file():
+        from dcp_lens.tasks import check_task_config
+
+        task_config = read_json_object(folder / TASK_FILE)
+        check_task_config(task_config, str(folder / TASK_FILE))
+    checkpoint = SafetensorsCheckpoint(weights_path)
+    model = meta_model(model_class, cfg)
+    expected = {key: tuple(p.shape) for key, p in model.canonical_state_dict().items()}
+    check_tensor_shapes(checkpoint.shapes, expected, str(weights_path))
+    state = checkpoint.read()
+    loaded = build_model(model_class, cfg, state, str(weights_path), device=target, model=model)
+    loaded.task_config = task_config
+    return loaded
+
+
 def require_values(
     config: Mapping[str, Any], supported: Mapping[str, Collection[Any]], source: str
 ) -> None:
-    """Raise ValueError if a config switch present in ``config`` has a value we do not implement."""
+    """Raise `ConfigError` if a config switch in ``config`` has a value we do not implement."""
     for key, allowed in supported.items():
-        if key in config and config[key] not in allowed:
-            raise ValueError(
+        if key in config and not any(_same_value(config[key], value) for value in allowed):
+            raise ConfigError(
                 f"{source}: {key}={config[key]!r} is not supported (dcp-lens implements "
                 f"{sorted(map(repr, allowed))}); this checkpoint is a different architecture."
             )
 
 
 def required_int(config: Mapping[str, Any], key: str, source: str) -> int:
-    """``config[key]``, which must be an int; a ValueError naming the key otherwise."""
+    """``config[key]``, which must be an int >= 0; a `ConfigError` naming the key otherwise."""
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{source}: needs an int {key!r}, got {value!r}.")
+        raise ConfigTypeError(f"{source}: field {key!r} must be an integer, got {value!r}.")
+    if value < 0:
+        raise ConfigError(f"{source}: field {key}={value} must be >= 0.")
     return value
+
+
+def _same_value(value: Any, allowed: Any) -> bool:
+    """Equality that keeps booleans apart from numbers (``False == 0`` in Python)."""
+    return isinstance(value, bool) == isinstance(allowed, bool) and value == allowed
 
 
 def heads_in(
@@ -373,7 +438,7 @@ def drop_tied_head(tensors: dict[str, Tensor], head: str, embedding: str, source
     (the model ties the two itself; a differing copy means an inconsistent checkpoint)."""
     stored = tensors.pop(head, None)
     if stored is not None and not torch.equal(stored, tensors[embedding]):
-        raise ValueError(
+        raise WeightsError(
             f"{source}: {head!r} differs from {embedding!r}, but the config ties them; the "
             "checkpoint is inconsistent."
         )

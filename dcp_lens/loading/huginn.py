@@ -26,6 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.errors import ConfigError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.loading.checkpoint_files import (
     CONFIG_FILE,
@@ -42,6 +43,7 @@ from dcp_lens.loading.checkpoint_files import (
     split_overrides,
 )
 from dcp_lens.registry import register_loader
+from dcp_lens.validation import check_source_fields, naming_file
 
 # Architecture switches of RavenConfig and the values this mapping implements (Huginn-0125's).
 SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
@@ -60,6 +62,31 @@ OUR_PART = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
 # Persistent RoPE table of the reference; recomputed from rope_base instead of read.
 ROPE_BUFFER = "freqs_cis"
 TIED_HEAD = "lm_head.weight"
+# Types of the RavenConfig fields read here (checked before any is used).
+SOURCE_FIELDS: dict[str, Any] = {
+    "n_embd": int,
+    "n_heads": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int | None,
+    "head_dim": int | None,
+    "intermediate_size": int,
+    "padded_vocab_size": int | None,
+    "vocab_size": int,
+    "block_size": int,
+    "n_layers_in_prelude": int,
+    "n_layers_in_recurrent_block": int,
+    "n_layers_in_coda": int,
+    "mean_recurrence": int,
+    "init_values": dict[str, float] | None,
+    "norm_eps": float,
+    "rope_base": float,
+    "qk_bias": bool,
+}
+POSITIVE_FIELDS = (
+    "n_embd", "n_heads", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "padded_vocab_size", "vocab_size", "block_size", "mean_recurrence",
+    "norm_eps", "rope_base",
+)  # fmt: skip
 
 
 def huginn_config(
@@ -70,14 +97,15 @@ def huginn_config(
     ``n_iterations`` defaults to ``mean_recurrence`` and the initial state to Huginn's own
     truncated-normal draw; ``overrides`` replace any field (e.g. ``state_init="zeros"``).
     """
+    check_source_fields(raven, SOURCE_FIELDS, source, POSITIVE_FIELDS)
     require_values(raven, SUPPORTED_SWITCHES, source)
     d_model = required_int(raven, "n_embd", source)
     n_heads = raven.get("num_attention_heads", raven.get("n_heads"))
     if not isinstance(n_heads, int):
-        raise ValueError(f"{source}: needs an int 'n_heads' (or 'num_attention_heads').")
+        raise ConfigError(f"{source}: needs an int 'n_heads' (or 'num_attention_heads').")
     n_kv_heads = raven.get("num_key_value_heads") or n_heads
     if n_kv_heads != n_heads:
-        raise ValueError(
+        raise ConfigError(
             f"{source}: num_key_value_heads={n_kv_heads} differs from n_heads={n_heads}; Huginn's "
             "qk_bias layout assumes one key head per query head, so this is not supported."
         )
@@ -110,7 +138,8 @@ def huginn_config(
         embed_scale=float(init_values.get("embed_scale", math.sqrt(d_model))),
     )
     fields.update(overrides)
-    return RecurrentConfig(**fields)
+    with naming_file(source):
+        return RecurrentConfig(**fields)
 
 
 def huginn_tensor_shapes(cfg: RecurrentConfig) -> tuple[dict[str, Shape], dict[str, Shape | None]]:

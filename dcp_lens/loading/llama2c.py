@@ -17,11 +17,13 @@ from typing import Any
 from torch import Tensor
 
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.errors import MissingFileError, WeightsError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.loading.checkpoint_files import build_model, heads_in, heads_out, split_overrides
 from dcp_lens.loading.llama2c_format import Llama2cHeader, read_llama2c_checkpoint
 from dcp_lens.loading.tokenizer import Llama2cTokenizer
 from dcp_lens.registry import register_loader
+from dcp_lens.validation import check_finite, check_inside, naming_file
 
 ROTARY_BASE = 10000.0
 RMS_EPS = 1e-5
@@ -54,7 +56,8 @@ def llama2c_config(header: Llama2cHeader, **overrides: Any) -> RecurrentConfig:
         default_prepend_bos=True,
     )
     fields.update(overrides)
-    return RecurrentConfig(**fields)
+    with naming_file("llama2.c header"):
+        return RecurrentConfig(**fields)
 
 
 def llama2c_state_dict(
@@ -90,9 +93,10 @@ def _check_rope_tables(tensors: dict[str, Tensor], header: Llama2cHeader, path: 
 
     cos, sin = rotary_tables(header.seq_len, header.head_size, ROTARY_BASE)
     for name, ours in (("freq_cis_real", cos), ("freq_cis_imag", sin)):
+        check_finite(name, tensors[name], str(path))  # a NaN gap would compare as "close"
         gap = (tensors[name] - ours).abs().max().item()
         if gap > _ROPE_TABLE_ATOL:
-            raise ValueError(
+            raise WeightsError(
                 f"{path}: {name} differs from rotary tables of base {ROTARY_BASE:g} by {gap:.3g}; "
                 "this checkpoint uses another RoPE base or scaling, which is not supported."
             )
@@ -104,7 +108,7 @@ def find_llama2c_files(path: str | Path) -> tuple[Path, Path | None]:
     The tokenizer is ``tokenizer.bin`` or ``tok{N}.bin`` beside the checkpoint."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a llama2.c .bin file or its folder.")
+        raise MissingFileError(f"{path} does not exist; pass a llama2.c .bin file or its folder.")
     folder = path if path.is_dir() else path.parent
     tokenizers = sorted(p for p in folder.glob("*.bin") if _TOKENIZER_NAME.fullmatch(p.name))
     if path.is_file():
@@ -112,16 +116,18 @@ def find_llama2c_files(path: str | Path) -> tuple[Path, Path | None]:
     else:
         candidates = sorted(p for p in folder.glob("*.bin") if p not in tokenizers)
         if len(candidates) != 1:
-            raise ValueError(
+            raise WeightsError(
                 f"{folder} holds {len(candidates)} checkpoint .bin files "
                 f"{[p.name for p in candidates]}; pass the path of one file instead."
             )
         checkpoint = candidates[0]
     if len(tokenizers) > 1:
-        raise ValueError(
+        raise WeightsError(
             f"{folder} holds several tokenizers {[p.name for p in tokenizers]}; keep one, or "
             "pass tokenizer=PATH."
         )
+    for file in (checkpoint, *tokenizers):
+        check_inside(file, folder)
     return checkpoint, tokenizers[0] if tokenizers else None
 
 

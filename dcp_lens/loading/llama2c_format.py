@@ -19,6 +19,7 @@ matrices are stored in ``nn.Linear`` ``[out, in]`` layout and returned that way.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,17 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from dcp_lens.errors import ConfigTypeError, DCPLensError, MissingFileError, WeightsError
+from dcp_lens.validation import check_limit
+
 HEADER_FIELDS = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len")
 HEADER_BYTES = 4 * len(HEADER_FIELDS)
 FLOAT_BYTES = 4
+# Header field -> the RecurrentConfig field whose bound applies to it.
+HEADER_LIMITS = (
+    ("dim", "d_model"), ("hidden_dim", "d_mlp"), ("n_layers", "n_prelude"), ("n_heads", "n_heads"),
+    ("vocab_size", "d_vocab"), ("seq_len", "n_ctx"),
+)  # fmt: skip
 # llama2.c's newer export formats (version >= 1) start with this magic ("ak42").
 _VERSIONED_MAGIC = 0x616B3432
 
@@ -55,24 +64,29 @@ class Llama2cHeader:
         for name in HEADER_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+                raise ConfigTypeError(
+                    f"{name} must be an int, got {type(value).__name__} ({value!r})."
+                )
             if value <= 0:
-                raise ValueError(
+                raise WeightsError(
                     f"header field {name}={value} must be positive; the file is corrupt or not a "
                     "llama2.c version-0 checkpoint."
                 )
+        # Declared sizes are bounded before any size is computed from them.
+        for name, field in HEADER_LIMITS:
+            check_limit(field, getattr(self, name), f"header field {name}")
         if self.dim % self.n_heads != 0:
-            raise ValueError(
+            raise WeightsError(
                 f"header field n_heads={self.n_heads} does not divide dim={self.dim}; the file is "
                 "corrupt or not a llama2.c version-0 checkpoint."
             )
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
+            raise WeightsError(
                 f"header field n_kv_heads={self.n_kv_heads} does not divide "
                 f"n_heads={self.n_heads}; the file is corrupt or not a llama2.c checkpoint."
             )
         if self.head_size % 2 != 0:
-            raise ValueError(
+            raise WeightsError(
                 f"header field n_heads={self.n_heads} gives head_size={self.head_size} (dim / "
                 "n_heads), which must be even for rotary embeddings."
             )
@@ -116,23 +130,25 @@ class Llama2cHeader:
     @property
     def file_bytes(self) -> int:
         """Exact size in bytes of a checkpoint with this header."""
-        floats = sum(int(np.prod(shape)) for _, shape in self.array_shapes())
+        floats = sum(math.prod(shape) for _, shape in self.array_shapes())
         return HEADER_BYTES + FLOAT_BYTES * floats
 
 
 def read_llama2c_header(path: str | Path) -> Llama2cHeader:
     """Read and validate only the header of a llama2.c version-0 checkpoint."""
     path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path} does not exist; pass a llama2.c .bin checkpoint.")
     with path.open("rb") as handle:
         raw = handle.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
-        raise ValueError(
+        raise WeightsError(
             f"{path}: {len(raw)} bytes, expected at least the {HEADER_BYTES}-byte header "
             f"({', '.join(HEADER_FIELDS)} as int32); the file is truncated or not a checkpoint."
         )
     values = [int(v) for v in np.frombuffer(raw, dtype="<i4")]
     if values[0] == _VERSIONED_MAGIC:
-        raise ValueError(
+        raise WeightsError(
             f"{path}: starts with the magic 0x{_VERSIONED_MAGIC:08x} of llama2.c's versioned "
             "export (version >= 1); only the legacy version-0 format is supported. Re-export "
             "with `export.py --version 0`."
@@ -142,8 +158,8 @@ def read_llama2c_header(path: str | Path) -> Llama2cHeader:
     fields["vocab_size"] = abs(fields["vocab_size"])
     try:
         return Llama2cHeader(**fields, shared_classifier=shared)
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from error
+    except DCPLensError as error:
+        raise type(error)(f"{path}: {error}") from error
 
 
 def read_llama2c_checkpoint(
@@ -158,7 +174,7 @@ def read_llama2c_checkpoint(
         ``wcls [vocab, dim]`` only when the classifier is unshared).
 
     Raises:
-        ValueError: a header field is nonsense (named), or the file size differs from the size
+        WeightsError: a header field is nonsense (named), or the file size differs from the size
             the header implies (expected and actual byte counts and the array that was cut).
     """
     path = Path(path)
@@ -166,12 +182,12 @@ def read_llama2c_checkpoint(
     actual = path.stat().st_size
     expected = header.file_bytes
     if actual != expected:
-        raise ValueError(_size_mismatch_message(path, header, actual))
+        raise WeightsError(_size_mismatch_message(path, header, actual))
     flat = np.fromfile(path, dtype="<f4", offset=HEADER_BYTES)
     tensors: dict[str, Tensor] = {}
     start = 0
     for name, shape in header.array_shapes():
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         array = flat[start : start + count].reshape(shape).astype(np.float32, copy=False)
         tensors[name] = torch.from_numpy(array)
         start += count
@@ -195,7 +211,7 @@ def _size_mismatch_message(path: Path, header: Llama2cHeader, actual: int) -> st
         return f"{described}; {surplus} unexpected trailing bytes{hint}."
     offset = HEADER_BYTES
     for name, shape in header.array_shapes():
-        size = FLOAT_BYTES * int(np.prod(shape))
+        size = FLOAT_BYTES * math.prod(shape)
         if actual < offset + size:
             return (
                 f"{described}; the file is truncated inside array {name!r} {list(shape)}, which "

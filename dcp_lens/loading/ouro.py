@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.errors import ConfigError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.loading.checkpoint_files import (
     CONFIG_FILE,
@@ -48,6 +49,7 @@ from dcp_lens.loading.checkpoint_files import (
 )
 from dcp_lens.registry import register_loader
 from dcp_lens.states import capture_states
+from dcp_lens.validation import check_source_fields, naming_file
 
 SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu",),
@@ -64,6 +66,28 @@ LAYER_NORMS = {
 }
 GATE_PREFIX = "model.early_exit_gate"
 HEAD = "lm_head.weight"
+# Types of the OuroConfig fields read here (checked before any is used).
+SOURCE_FIELDS: dict[str, Any] = {
+    "hidden_size": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int | None,
+    "head_dim": int | None,
+    "intermediate_size": int,
+    "vocab_size": int,
+    "max_position_embeddings": int,
+    "num_hidden_layers": int,
+    "total_ut_steps": int,
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "rope_parameters": dict[str, Any] | None,
+    "tie_word_embeddings": bool,
+    "initializer_range": float,
+}
+POSITIVE_FIELDS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "total_ut_steps", "rms_norm_eps", "rope_theta",
+    "initializer_range",
+)  # fmt: skip
 
 
 class ExitGate(nn.Module):
@@ -201,10 +225,13 @@ def ouro_config(
 ) -> RecurrentConfig:
     """The `RecurrentConfig` of an OuroConfig dict (Ouro's ``config.json``); ``n_iterations``
     defaults to ``total_ut_steps``, and ``overrides`` replace any field."""
+    check_source_fields(ouro, SOURCE_FIELDS, source, POSITIVE_FIELDS)
     require_values(ouro, SUPPORTED_SWITCHES, source)
     rope = ouro.get("rope_parameters") or {}
+    if "rope_theta" not in ouro:
+        check_source_fields(rope, {"rope_theta": float}, f"{source} (rope_parameters)", ())
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(
+        raise ConfigError(
             f"{source}: rope_type={rope['rope_type']!r} is not supported; dcp-lens implements "
             "the default (unscaled) rotary embedding."
         )
@@ -238,7 +265,8 @@ def ouro_config(
         init_std=float(ouro.get("initializer_range", 0.02)),
     )
     fields.update(overrides)
-    return RecurrentConfig(**fields)
+    with naming_file(source):
+        return RecurrentConfig(**fields)
 
 
 def ouro_tensor_shapes(cfg: RecurrentConfig) -> tuple[dict[str, Shape], dict[str, Shape | None]]:

@@ -27,6 +27,8 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from dcp_lens.errors import MissingFileError, WeightsError
+
 UNK_TOKEN_ID = 0
 BOS_TOKEN_ID = 1
 EOS_TOKEN_ID = 2
@@ -76,19 +78,21 @@ class Llama2cTokenizer:
         """Read a llama2.c ``tokenizer.bin``; ``vocab_size``, if given, must match the record count.
 
         Raises:
-            ValueError: the file is truncated or corrupt (the message names the file and the
+            WeightsError: the file is truncated or corrupt (the message names the file and the
                 byte offset of the bad record), or holds a different number of tokens.
         """
         path = Path(path)
+        if not path.is_file():
+            raise MissingFileError(f"{path} does not exist; pass a llama2.c tokenizer.bin.")
         data = path.read_bytes()
         if len(data) < 4:
-            raise ValueError(
+            raise WeightsError(
                 f"{path}: {len(data)} bytes, too short for the int32 max_token_length header at "
                 "byte offset 0; is this a llama2.c tokenizer.bin?"
             )
         (max_token_length,) = struct.unpack_from("<i", data, 0)
         if max_token_length <= 0:
-            raise ValueError(
+            raise WeightsError(
                 f"{path}: max_token_length={max_token_length} at byte offset 0 must be positive; "
                 "the file is corrupt or not a llama2.c tokenizer.bin."
             )
@@ -98,19 +102,19 @@ class Llama2cTokenizer:
         while offset < len(data) and (vocab_size is None or len(pieces) < vocab_size):
             token_id = len(pieces)
             if offset + 8 > len(data):
-                raise ValueError(
+                raise WeightsError(
                     f"{path}: truncated at byte offset {offset}: token {token_id} needs an 8-byte "
                     f"(score, length) record but only {len(data) - offset} bytes remain."
                 )
             score, length = struct.unpack_from("<fi", data, offset)
             if not 0 <= length <= max_token_length:
-                raise ValueError(
+                raise WeightsError(
                     f"{path}: corrupt at byte offset {offset + 4}: token {token_id} has length "
                     f"{length}, expected 0..{max_token_length} (max_token_length)."
                 )
             offset += 8
             if offset + length > len(data):
-                raise ValueError(
+                raise WeightsError(
                     f"{path}: truncated at byte offset {offset}: token {token_id} needs {length} "
                     f"bytes but only {len(data) - offset} remain."
                 )
@@ -118,19 +122,19 @@ class Llama2cTokenizer:
             scores.append(score)
             offset += length
         if vocab_size is not None and len(pieces) != vocab_size:
-            raise ValueError(
+            raise WeightsError(
                 f"{path}: holds {len(pieces)} tokens, expected vocab_size={vocab_size} "
                 f"(file ends at byte offset {offset}); tokenizer and model do not match."
             )
         if offset != len(data):
-            raise ValueError(
+            raise WeightsError(
                 f"{path}: {len(data) - offset} unexpected bytes after token {len(pieces) - 1} at "
                 f"byte offset {offset}; vocab_size={vocab_size} does not match the file."
             )
         try:
             return cls(pieces, scores, max_token_length)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from error
+            raise WeightsError(f"{path}: {error}") from error
 
     @property
     def vocab_size(self) -> int:

@@ -10,13 +10,17 @@ Every task returns a `TaskBatch`; ``get_task(**task.to_dict())`` rebuilds a task
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
+from dcp_lens.errors import ConfigError, ConfigTypeError, DCPLensError
 from dcp_lens.metrics import IGNORE_INDEX
 from dcp_lens.registry import add_entry
 from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch
 from dcp_lens.tasks.char_lm import CharLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
+from dcp_lens.validation import check_field_types
 
 TASKS: dict[str, type[Task]] = {
     VariableBinding.name: VariableBinding,
@@ -30,10 +34,47 @@ def register_task(task_class: type[Task]) -> type[Task]:
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
-    """The task registered as ``name``, built with ``kwargs`` (its parameters)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {sorted(TASKS)}.")
-    return TASKS[name](**kwargs)
+    """The task registered as ``name``, built with ``kwargs`` (its parameters).
+
+    Raises:
+        ConfigError: an unknown task, an unknown parameter, or a parameter of the wrong type or
+            out of range (named, with its value).
+    """
+    check_task_config({"name": name, **kwargs}, f"task {name!r}")
+    try:
+        return TASKS[name](**kwargs)
+    except DCPLensError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"task {name!r}: {error}") from error
+
+
+def check_task_config(config: Any, source: str) -> None:
+    """Check a task's ``to_dict()`` (as ``task.json`` holds it): an object with a registered
+    ``name`` and that task's parameters, each of its declared type.
+
+    Raises:
+        ConfigError: naming ``source``, the field, its value and what was expected.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigTypeError(
+            f'{source} must be a JSON object {{"name": ..., parameters}}, got '
+            f"{type(config).__name__}."
+        )
+    name = config.get("name")
+    if not isinstance(name, str) or name not in TASKS:
+        raise ConfigError(
+            f"{source}: unknown task {name!r} (field name); registered tasks: {sorted(TASKS)}."
+        )
+    task_class = TASKS[name]
+    parameters = {key: value for key, value in config.items() if key != "name"}
+    known = {f.name for f in dataclasses.fields(task_class) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(parameters) - known)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown {name} parameters {unknown}; known parameters: {sorted(known)}."
+        )
+    check_field_types(task_class, parameters, source)
 
 
 __all__ = [
@@ -46,6 +87,7 @@ __all__ = [
     "Task",
     "TaskBatch",
     "VariableBinding",
+    "check_task_config",
     "get_task",
     "register_task",
 ]

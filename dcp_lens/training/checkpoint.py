@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from dcp_lens.errors import DamagedFileError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
+from dcp_lens.validation import read_json_object, read_safetensors_file
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_STATE = "trainer_state.json"
@@ -114,13 +116,17 @@ def load_checkpoint(
     sampler: torch.Generator,
 ) -> RunState:
     """Restore model, optimizer and RNG from ``folder``; return the trainer state."""
-    plain = json.loads((folder / CHECKPOINT_STATE).read_text())
+    recovery = (
+        f"Delete {folder} to resume from the previous checkpoint (if {CHECKPOINT_DIR}.old "
+        "exists) or from scratch, or pass resume=False (--no-resume) to start over."
+    )
+    plain = read_json_object(folder / CHECKPOINT_STATE, error=DamagedFileError, recovery=recovery)
     if plain.get("format") != CHECKPOINT_FORMAT or plain["parameter_names"] != names:
         raise ValueError(
             f"{folder} is not a checkpoint of this model (format {plain.get('format')!r}); "
             "pass resume=False to start over."
         )
-    tensors = load_file(str(folder / CHECKPOINT_TENSORS))
+    tensors = read_safetensors_file(folder / CHECKPOINT_TENSORS, recovery=recovery)
     model.load_canonical_state_dict(
         {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
         source=str(folder),

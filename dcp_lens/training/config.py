@@ -12,6 +12,8 @@ from typing import Any
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.tasks import Task, get_task
 from dcp_lens.training.regimes import RegimeConfig, check_known_keys
+from dcp_lens.training.validation import check_train_dict, check_train_values
+from dcp_lens.validation import naming_file, read_json_object
 
 CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.json"
@@ -81,6 +83,7 @@ class TrainConfig:
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        check_train_values(self)
         if self.model.is_dense:
             raise ValueError(
                 "TrainConfig.model must be recurrent (n_core > 0); for a dense model use "
@@ -157,7 +160,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Inverse of `to_dict`; unknown keys are an error."""
+        """Inverse of `to_dict`; unknown keys and values of the wrong type are an error."""
+        check_train_dict(cls, data, "TrainConfig")
         check_known_keys(cls, data)
         values = dict(data)
         values["model"] = RecurrentConfig.from_dict(values["model"])
@@ -175,7 +179,10 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read `to_json` output; errors name the file, the field and the value."""
+        data = read_json_object(path)
+        with naming_file(path):
+            return cls.from_dict(data)
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dcp_lens.devices import check_device
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import Task
 from dcp_lens.training.checkpoint import (
@@ -53,6 +54,7 @@ from dcp_lens.training.config import (
 )
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
 from dcp_lens.training.regimes import build_model, regime_loss
+from dcp_lens.validation import check_output_folder
 
 
 @dataclass
@@ -163,7 +165,8 @@ def train(
     from `RUN_FIELDS`); without, any previous run there is replaced. ``stop_at_step`` stops
     after that many steps with a checkpoint, as an interruption would; calling `train` again
     continues bit-identically (on CPU) to an uninterrupted run."""
-    out = Path(out_dir)
+    out = check_output_folder(out_dir, "out_dir")
+    check_device(config.device)
     out.mkdir(parents=True, exist_ok=True)
     prepare_run_folder(config, out, resume)
     config.to_json(out / CONFIG_FILE)

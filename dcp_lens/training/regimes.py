@@ -29,9 +29,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.config import RecurrentConfig
+from dcp_lens.errors import ConfigError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.metrics import scored_cross_entropy
 from dcp_lens.states import capture_states
+from dcp_lens.validation import check_field_types
 
 REGIMES = ("fixed", "sampled", "every-iteration", "dense")
 SAMPLINGS = ("poisson_lognormal", "uniform")
@@ -59,6 +61,7 @@ class RegimeConfig:
     n_grad: int | None = None
 
     def __post_init__(self) -> None:
+        check_field_types(RegimeConfig, dataclasses.asdict(self), "RegimeConfig")
         if self.name not in REGIMES:
             raise ValueError(f"regime name={self.name!r} is not one of {REGIMES}.")
         if self.sampling not in SAMPLINGS:
@@ -93,6 +96,7 @@ class RegimeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RegimeConfig:
+        check_field_types(cls, data, "RegimeConfig")
         check_known_keys(cls, data)
         values = dict(data)
         for name in ("mean_iterations", "sigma"):
@@ -106,7 +110,7 @@ def check_known_keys(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(known)}.")
+        raise ConfigError(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(known)}.")
 
 
 def dense_config(cfg: RecurrentConfig) -> RecurrentConfig:
