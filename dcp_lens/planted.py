@@ -1,22 +1,32 @@
-"""Planted ground truth: hand-built recurrent models whose truncation gap has one known cause.
+"""Planted ground truth: hand-built recurrent models whose truncation gap has a known cause.
 
 Each model is an ordinary `HookedRecurrentTransformer` (no prelude or coda, one core layer, RMS
 pre-norm, attention switched off) whose MLP is set by hand. A GELU MLP computes any linear map
 exactly, since gelu(z) - gelu(-z) = z, and |z| up to exp(-200) as (gelu(cz) + gelu(-cz)) / c for
 large c. Positions do not interact, so every position of a sequence is an independent example.
-Run DCP on one (``dcp-lens run --model planted:readout_shift``) to check a setup: on the accuracy
-metric it must give the planted factor >= 90% of the gap's area and the others <= 10%.
+Run DCP on one (``dcp-lens run --model planted:readout_shift``) to check a setup: it must give the
+planted factor >= 90% of the gap's area and the others within 10%; a mixture's shares must lie
+within 0.1 of its true shares (`expected_shares`). ``dcp-lens validate`` runs them all.
 
-=========================  ==========================================================  ========
-model                      mechanism                                                   DCP must
-=========================  ==========================================================  ========
-``readout_shift``          answer in e at every depth; a clock rotates by 2 pi / 11    S
-                           each iteration and biases the answer logits unless at r
-``distinct_computation``   one-hot node, one step of a 13-cycle per iteration; the     D
-                           answer is the node after r steps
-``block_count``            every iteration adds the same vote +-delta (sign of an      B
-                           XOR of two input features) to a noisy answer coordinate
-=========================  ==========================================================  ========
+===============================  ====================================================  ========
+model                            mechanism                                             DCP must
+===============================  ====================================================  ========
+``readout_shift``                answer in e at every depth; a clock rotates by        S
+                                 2 pi / 11 each iteration and biases the answer
+                                 logits unless at r
+``distinct_computation``         one-hot node, one step of a 13-cycle per iteration;   D
+                                 the answer is the node after r steps
+``block_count``                  every iteration adds the same vote +-delta (sign of   B
+                                 an XOR of two input features) to a noisy answer
+``readout_shift_by_token_type``  the answer's logits shifted by a turning clock, in    S
+                                 opposite directions for two token types
+``readout_shift_by_position``    the same, the type set by the position's parity       S
+``mixture_shift_distinct``       half the tokens ``readout_shift``, half a 32-cycle    S + D
+``mixture_shift_blocks``         half the tokens ``readout_shift``, half               S + B
+                                 ``block_count``
+``*_soft``                       the first three with answers drawn from the full-     S, D, B
+                                 depth prediction (cross-entropy = KL to full)
+===============================  ====================================================  ========
 """
 
 from __future__ import annotations
