@@ -12,7 +12,7 @@ from dcp_lens import DepthControlProtocol, planted
 from dcp_lens.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.cli import main
 from dcp_lens.states import capture_states
-from dcp_lens.validation import judge, validate
+from dcp_lens.planted_validation import judge, validate
 
 NEW = [name for name in planted.PLANTED if name not in ("readout_shift", "distinct_computation",
                                                        "block_count")]  # fmt: skip
