@@ -1,5 +1,6 @@
 """The ``dcp-lens`` command line: ``run`` (diagnose models), ``train``, ``experiment``
-(the controlled training intervention) and ``bench`` (what it costs)."""
+(the controlled training intervention), ``validate`` (the planted models) and ``bench`` (what
+it costs)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiment.add_argument("--quiet", action="store_true", help="no progress bars")
     experiment.add_argument("--out", required=True, type=Path, help="experiment folder (resumed)")
 
+    validate = commands.add_parser(
+        "validate", help="DCP on every planted model of known ground truth, on every metric"
+    )
+    validate.add_argument("--models", help="comma-separated planted models (default: all)")
+    validate.add_argument("--metrics", help="comma-separated metrics (default: all)")
+    validate.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
+    validate.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
+    validate.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
+    validate.add_argument("--seed", type=int, default=0, help="seed of the models and splits")
+    validate.add_argument("--quiet", action="store_true", help="no progress bars")
+    validate.add_argument("--out", type=Path, help="write validation.json and validation.md here")
+
     bench = commands.add_parser("bench", help="cost of the sweep, naive sweep, hooks-off forward")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--d-model", type=int, default=256)
@@ -122,6 +135,8 @@ def _command(args: argparse.Namespace) -> int:
         return _train(args)
     if args.command == "experiment":
         return _experiment(args)
+    if args.command == "validate":
+        return _validate(args)
     from dcp_lens.bench import print_bench, run_bench
 
     result = run_bench(
@@ -236,6 +251,24 @@ def _experiment(args: argparse.Namespace) -> int:
         print(f"{regime}: {labels}")
     print(f"wrote {args.out / 'intervention.json'} and {args.out / 'intervention.md'}")
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from dcp_lens import planted_validation as validation
+
+    rows = validation.validate(
+        _names(args.models), _names(args.metrics), seed=args.seed, n_eval=args.n_eval,
+        n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, progress=not args.quiet,
+    )  # fmt: skip
+    print("\n".join(validation.markdown(rows)))
+    if args.out is not None:
+        settings = {
+            "seed": args.seed, "n_eval": args.n_eval, "n_calibration": args.n_calibration,
+            "n_bootstrap": args.bootstrap,
+        }  # fmt: skip
+        validation.save(rows, args.out, settings)
+        print(f"wrote {args.out / 'validation.json'} and {args.out / 'validation.md'}")
+    return 0 if validation.suite_passed(rows) else 1
 
 
 def _folder_name(spec: str) -> str:

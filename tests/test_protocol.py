@@ -14,7 +14,7 @@ from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 N = 384  # sequences of 8 scored positions per split
 
 
-@pytest.mark.parametrize("name", planted.PLANTED)
+@pytest.mark.parametrize("name", ["readout_shift", "distinct_computation", "block_count"])
 def test_planted_factor_carries_the_gap(name):
     model = load(f"planted:{name}", seed=1)
     task = model.planted_task
