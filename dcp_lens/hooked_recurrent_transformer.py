@@ -505,7 +505,9 @@ class HookedRecurrentTransformer(HookedRootModule):
 
     # ------------------------------------------------------------ TransformerLens surface
 
-    def run_with_cache(self, *model_args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]:
+    def run_with_cache(
+        self, *model_args: Any, **kwargs: Any
+    ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Like TransformerLens: returns (output, `ActivationCache`) with every iteration's
         activations under its own ``blocks.{i}`` name. With ``n_iterations=k`` the cache is
         recorded in the k-iteration view (use ``with model.iterations(k):`` to analyse it);
@@ -570,10 +572,13 @@ class HookedRecurrentTransformer(HookedRootModule):
 
     def _str_tokens(self, ids: Tensor) -> list[str]:
         # A piece as the vocabulary holds it where the tokenizer says (decode drops BOS / EOS).
-        piece = getattr(self.tokenizer, "id_to_piece", None)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        piece = getattr(tokenizer, "id_to_piece", None)
         if piece is not None:
             return [piece(int(i)) for i in ids.tolist()]
-        return [self.tokenizer.decode([int(i)]) for i in ids.tolist()]
+        return [tokenizer.decode([int(i)]) for i in ids.tolist()]
 
     def to_single_token(self, string: str) -> int:
         """The id of the one token that ``string`` is (no BOS); a ValueError if it is several."""

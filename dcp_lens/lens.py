@@ -231,9 +231,7 @@ def prediction_trajectory(
     )
 
 
-def _exit_probability(
-    model: Any, source: LensSource, wanted: list[int]
-) -> Tensor | None:
+def _exit_probability(model: Any, source: LensSource, wanted: list[int]) -> Tensor | None:
     """Ouro's exit distribution over steps 1..r, aligned with ``wanted`` (NaN at t = 0)."""
     if getattr(model, "exit_gate", None) is None:
         return None
