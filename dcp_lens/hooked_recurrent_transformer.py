@@ -522,15 +522,21 @@ class HookedRecurrentTransformer(HookedRootModule):
 
     # ------------------------------------------------------------ TransformerLens surface
 
-    def run_with_cache(self, *model_args: Any, **kwargs: Any) -> tuple[Any, ActivationCache]:
+    def run_with_cache(
+        self, *model_args: Any, **kwargs: Any
+    ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
         """Like TransformerLens: returns (output, `ActivationCache`) with every iteration's
         activations under its own ``blocks.{i}`` name. With ``n_iterations=k`` the cache is
-        recorded in the k-iteration view (use ``with model.iterations(k):`` to analyse it)."""
+        recorded in the k-iteration view (use ``with model.iterations(k):`` to analyse it);
+        with ``return_cache_object=False`` the cache is a plain ``{hook name: tensor}`` dict."""
         n_iterations = kwargs.pop("n_iterations", None)
         if n_iterations is not None and not self.is_dense:
             with self.iterations(n_iterations):
                 return self.run_with_cache(*model_args, **kwargs)
+        return_cache_object = kwargs.pop("return_cache_object", True)
         output, cache_dict = super().run_with_cache(*model_args, **kwargs)
+        if not return_cache_object:  # as TransformerLens: the plain {hook name: tensor} dict
+            return output, cache_dict
         has_batch_dim = not kwargs.get("remove_batch_dim", False)
         return output, ActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
 
@@ -561,6 +567,105 @@ class HookedRecurrentTransformer(HookedRootModule):
         if ids and isinstance(ids[0], list):
             return [self.tokenizer.decode(row) for row in ids]
         return self.tokenizer.decode(ids)
+
+    def to_str_tokens(
+        self, input: str | list[str] | Tensor | Sequence[int], prepend_bos: bool | None = None
+    ) -> list[str] | list[list[str]]:
+        """Each token as its own string, as TransformerLens: text (tokenized first, with BOS as
+        ``prepend_bos`` or the config says), [pos] tokens, or [1, pos]; a list of texts or
+        [batch, pos] tokens give a list per row."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        if isinstance(input, str):
+            return self.to_str_tokens(self.to_tokens(input, prepend_bos=prepend_bos)[0])
+        if isinstance(input, list) and input and isinstance(input[0], str):
+            return [self.to_str_tokens(text, prepend_bos) for text in input]  # type: ignore
+        ids = torch.as_tensor(input)
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            return [self._str_tokens(row) for row in ids]
+        if ids.ndim > 2:
+            raise ValueError(f"tokens must be [pos] or [batch, pos], got shape {tuple(ids.shape)}.")
+        return self._str_tokens(ids.reshape(-1))
+
+    def _str_tokens(self, ids: Tensor) -> list[str]:
+        # A piece as the vocabulary holds it where the tokenizer says (decode drops BOS / EOS).
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        piece = getattr(tokenizer, "id_to_piece", None)
+        if piece is not None:
+            return [piece(int(i)) for i in ids.tolist()]
+        return [tokenizer.decode([int(i)]) for i in ids.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of the one token that ``string`` is (no BOS); a ValueError if it is several."""
+        ids = self.to_tokens(string, prepend_bos=False)[0]
+        if ids.numel() != 1:
+            raise ValueError(
+                f"{string!r} is {ids.numel()} tokens ({self.to_str_tokens(ids)}), not one."
+            )
+        return int(ids.item())
+
+    def to_single_str_token(self, token: int) -> str:
+        """The string of token id ``token``."""
+        return self._str_tokens(torch.tensor([token]))[0]
+
+    def get_token_position(
+        self,
+        single_token: str | int | Tensor,
+        input: str | Tensor,
+        mode: Literal["first", "last"] = "first",
+        prepend_bos: bool | None = None,
+    ) -> int:
+        """Position of ``single_token`` (a string of one token, or an id) in text or in [pos] /
+        [1, pos] tokens: its first or last occurrence. A ValueError if it does not occur."""
+        tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, str) else input
+        if tokens.ndim == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"tokens must be [pos] or [1, pos], got {tuple(tokens.shape)}.")
+            tokens = tokens[0]
+        if isinstance(single_token, str):
+            single_token = self.to_single_token(single_token)
+        token = int(single_token.item()) if isinstance(single_token, Tensor) else single_token
+        positions = (tokens == token).nonzero()[:, 0]
+        if positions.numel() == 0:
+            raise ValueError(f"token {token} does not occur in the input.")
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode={mode!r} must be 'first' or 'last'.")
+        return int(positions[0 if mode == "first" else -1])
+
+    def tokens_to_residual_directions(
+        self, tokens: str | int | Tensor
+    ) -> Float[Tensor, "*tokens d_model"]:
+        """The direction in the stream entering ``ln_final`` that each token's logit reads:
+        ``ln_final.w * W_U[:, token]`` (the final norm's weight folded in, as TransformerLens's
+        folded models have it), shape ``tokens.shape + (d_model,)``.
+
+        So `ActivationCache.logit_attrs` of the final stream (scaled by the cached
+        ``ln_final.hook_scale``) is that token's logit less the constant ``ln_final.b @ W_U``."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        index = torch.as_tensor(tokens, device=self.W_U.device)
+        directions = self.W_U[:, index].movedim(0, -1)
+        weight = getattr(self.ln_final, "w", None)  # NoNorm has none
+        return directions if weight is None else directions * weight
+
+    def accumulated_bias(
+        self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
+    ) -> Float[Tensor, " d_model"]:
+        """Sum of the biases the blocks before ``layer`` add to the stream, as TransformerLens:
+        each MLP's ``b_out`` (attention has no output bias here). Exact for pre-norm blocks; a
+        sandwich norm rescales what a block adds."""
+        if not 0 <= layer <= self.cfg.n_layers:
+            raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
+        total = torch.zeros(self.cfg.d_model, device=self.W_E.device, dtype=self.W_E.dtype)
+        if not include_mlp_biases:
+            return total
+        for block in self.blocks[:layer]:
+            b_out = getattr(block.mlp, "b_out", None)  # gated MLPs have none
+            if b_out is not None:
+                total = total + b_out
+        return total
 
     @torch.no_grad()
     def generate(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers import make_model, tokens_for
+from helpers import data_path, make_model, tokens_for
 from transformer_lens import patching
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.model_protocol import TransformerLensModel
+
+from dcp_lens import load
 
 
 def test_is_a_transformer_lens_model_with_an_activation_cache():
@@ -92,3 +95,77 @@ def test_an_eval_model_stays_in_eval_mode_across_views_and_patching_runs():
     model.train()
     with model.iterations(11):  # a training model builds its new blocks in training mode
         assert all(module.training for module in model.modules())
+
+
+def test_logit_attrs_agree_with_a_manual_computation():
+    model = make_model()
+    tokens = tokens_for(model)
+    logits, cache = model.run_with_cache(tokens)
+    answer, wrong = tokens[:, -1], (tokens[:, -1] + 1) % model.cfg.d_vocab
+    stack = cache.accumulated_resid(pos_slice=-1)  # [n_layers + 1, batch, d_model]
+    attrs = cache.logit_attrs(stack, answer, pos_slice=-1)
+    # By hand: centre (LayerNorm), divide by the cached final scale, dot with w * W_U[:, answer].
+    scale = cache["ln_final.hook_scale"][:, -1]  # [batch, 1]
+    centred = stack - stack.mean(-1, keepdim=True)
+    direction = (model.ln_final.w[:, None] * model.W_U[:, answer]).T  # [batch, d_model]
+    assert torch.allclose(attrs, (centred / scale * direction).sum(-1), atol=1e-10)
+    # The final stream's attribution is the answer's logit less the final norm's bias term.
+    bias_term = model.ln_final.b @ model.W_U[:, answer]
+    assert torch.allclose(attrs[-1], logits[:, -1].gather(1, answer[:, None])[:, 0] - bias_term)
+    difference = cache.logit_attrs(stack, answer, incorrect_tokens=wrong, pos_slice=-1)
+    expected = logits[:, -1].gather(1, answer[:, None]) - logits[:, -1].gather(1, wrong[:, None])
+    bias_gap = model.ln_final.b @ (model.W_U[:, answer] - model.W_U[:, wrong])
+    assert torch.allclose(difference[-1], expected[:, 0] - bias_gap, atol=1e-10)
+
+
+def test_get_full_resid_decomposition_adds_up_to_the_stream_entering_the_readout():
+    # A pure residual sum (pre-norm, no injection, s_0 = e): heads + neurons + embeddings +
+    # accumulated MLP biases are the whole stream.
+    model = make_model(injection="none", state_init="embed", n_coda=0)
+    _, cache = model.run_with_cache(tokens_for(model))
+    parts, labels = cache.get_full_resid_decomposition(return_labels=True)
+    n = model.cfg.n_layers
+    assert len(labels) == n * model.cfg.n_heads + n * model.cfg.d_mlp + 3
+    assert labels[0] == "L0H0" and labels[-3:] == ["embed", "pos_embed", "bias"]
+    assert torch.allclose(parts.sum(0), cache["hook_readout_in"], atol=1e-10)
+    mlp_only = cache.get_full_resid_decomposition(expand_neurons=False)
+    assert torch.allclose(mlp_only.sum(0), cache["hook_readout_in"], atol=1e-10)
+    bias = sum(block.mlp.b_out for block in model.blocks)
+    assert torch.allclose(model.accumulated_bias(n), bias)
+    assert model.accumulated_bias(0).abs().max() == 0
+
+
+def test_run_with_cache_can_return_the_plain_dict():
+    model = make_model()
+    tokens = tokens_for(model)
+    logits, cache = model.run_with_cache(tokens)
+    same_logits, plain = model.run_with_cache(tokens, return_cache_object=False)
+    assert type(plain) is dict and set(plain) == set(cache.keys())
+    assert torch.equal(logits, same_logits)
+    assert torch.equal(plain["loop.2.hook_state"], cache["loop.2.hook_state"])
+
+
+def test_string_helpers_on_a_model_with_a_tokenizer():
+    model = load(f"llama2c:{data_path('stories260K')}")
+    text = "Once upon a time"
+    tokens = model.to_tokens(text)
+    pieces = model.to_str_tokens(text)
+    # BOS as llama2.c's vocabulary stores it ("\n<s>\n"), then the pieces of the text.
+    assert pieces[0] == model.tokenizer.id_to_piece(1) and "".join(pieces[1:]) == " " + text
+    assert model.to_str_tokens(tokens) == pieces == model.to_str_tokens(tokens[0])
+    assert model.to_str_tokens([text, text]) == [pieces, pieces]
+    time = model.to_single_token("time")  # SentencePiece adds the leading space itself
+    assert model.to_single_str_token(time) == " time"
+    assert model.get_token_position(time, tokens) == len(pieces) - 1
+    assert model.get_token_position("time", text) == len(pieces) - 1
+    assert model.get_token_position(1, tokens, mode="last") == 0
+    with pytest.raises(ValueError, match="not one"):
+        model.to_single_token("once upon")
+    with pytest.raises(ValueError, match="does not occur"):
+        model.get_token_position(time, tokens[:, :2])
+    # logit_attrs takes a token as a string too.
+    _, cache = model.run_with_cache(tokens)
+    stack = cache.accumulated_resid(pos_slice=-1)
+    by_string = cache.logit_attrs(stack, "time", pos_slice=-1)
+    by_id = cache.logit_attrs(stack, time, pos_slice=-1)
+    assert torch.equal(by_string, by_id)
