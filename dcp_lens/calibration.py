@@ -15,6 +15,7 @@ Covariances are Ledoit-Wolf shrunk toward (trace / d) * I, so A is always invert
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -633,8 +634,20 @@ class MixtureCalibration:
         return {"mode": self.mode, **self.settings}
 
 
-def _kmeans(points: Tensor, k: int, seed: int, iterations: int = 30) -> Tensor:
-    """k-means++ seeded centres refined by Lloyd's iterations: ``[k, d]``."""
+def _kmeans(points: Tensor, k: int, seed: int, restarts: int = 8) -> Tensor:
+    """k-means: the best (least within-cluster spread) of ``restarts`` k-means++ starts refined
+    by Lloyd's iterations, ``[k, d]``; seeded."""
+    best, best_spread = None, math.inf
+    for restart in range(restarts):
+        centres = _kmeans_once(points, k, seed * 1009 + restart)
+        spread = float(torch.cdist(points, centres).min(-1).values.pow(2).sum())
+        if spread < best_spread:
+            best, best_spread = centres, spread
+    assert best is not None
+    return best
+
+
+def _kmeans_once(points: Tensor, k: int, seed: int, iterations: int = 30) -> Tensor:
     generator = torch.Generator().manual_seed(seed)
     first = int(torch.randint(points.shape[0], (), generator=generator))
     centres = [points[first]]

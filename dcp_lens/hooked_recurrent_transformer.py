@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -379,7 +380,7 @@ class HookedRecurrentTransformer(HookedRootModule):
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, state = self._enter_loop(embedding)
+                    x, state = self._enter_loop(embedding, tokens)
                 elif t is not None:
                     x, state = self._finish_iteration(t, x, embedding)
                 elif self.is_dense and i == n_layers:
@@ -408,9 +409,9 @@ class HookedRecurrentTransformer(HookedRootModule):
             x = block(x, rotary, None)
         return self._finish(x, return_type, tokens, loss_per_token)
 
-    def _enter_loop(self, embedding: Tensor) -> tuple[Tensor, Tensor]:
+    def _enter_loop(self, embedding: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
-        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding))
+        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding, tokens))
         return self._next_input(0, state, embedding), state
 
     def _finish_iteration(
@@ -453,21 +454,31 @@ class HookedRecurrentTransformer(HookedRootModule):
             f"return_type={return_type!r} is not one of 'logits', 'loss', 'both', None."
         )
 
-    def _initial_state(self, embedding: Tensor) -> Tensor:
+    def _initial_state(self, embedding: Tensor, tokens: Tensor | None = None) -> Tensor:
         kind = self.cfg.state_init
         if kind == "zeros":
             return torch.zeros_like(embedding)
         if kind == "embed":
             return embedding
-        # Seeded per call, so every condition of a paired comparison sees the same noise.
-        generator = torch.Generator().manual_seed(self.cfg.state_init_seed)
-        noise = torch.randn(embedding.shape, generator=generator)
+        # Noise keyed by (seed, example): every condition of a paired comparison sees the same
+        # noise, and an example's noise does not depend on its batch, slot or order.
         std = self.cfg.state_init_std
-        if kind == "huginn":
-            torch.nn.init.trunc_normal_(noise, std=std, a=-3 * std, b=3 * std, generator=generator)
-            noise = noise * self.cfg.embed_scale
-        else:
-            noise = noise * std
+        rows = []
+        for b in range(embedding.shape[0]):
+            key = None if tokens is None else tokens[b]
+            generator = torch.Generator().manual_seed(
+                example_noise_seed(self.cfg.state_init_seed, key)
+            )
+            row = torch.randn(embedding.shape[1:], generator=generator, dtype=torch.float32)
+            if kind == "huginn":
+                torch.nn.init.trunc_normal_(
+                    row, std=std, a=-3 * std, b=3 * std, generator=generator
+                )
+                row = row * self.cfg.embed_scale
+            else:
+                row = row * std
+            rows.append(row)
+        noise = torch.stack(rows)
         return noise.to(device=embedding.device, dtype=embedding.dtype)
 
     def _embed(self, tokens: Tensor, offset: int) -> Tensor:
@@ -824,6 +835,18 @@ class HookedRecurrentTransformer(HookedRootModule):
             else f"{c.n_prelude} + {c.n_core} x {self._active} + {c.n_coda}"
         )
         return f"{kind} blocks, d_model={c.d_model}, n_heads={c.n_heads}, d_vocab={c.d_vocab}"
+
+
+def example_noise_seed(seed: int, tokens: Tensor | None) -> int:
+    """The seed of one example's initial-state noise: a hash of ``seed`` and the example's token
+    ids ([pos]), so the draw follows the example, not its batch or slot. Without tokens (a
+    forward resumed from a residual stream) it is ``seed`` itself."""
+    if tokens is None:
+        return int(seed)
+    digest = hashlib.sha256(
+        f"{int(seed)}:".encode() + tokens.detach().cpu().long().numpy().tobytes()
+    )
+    return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:

@@ -15,14 +15,26 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 IGNORE_INDEX = -100
-METRICS = ("accuracy", "cross_entropy", "kl_to_full")
-HIGHER_IS_BETTER = {"accuracy": True, "cross_entropy": False, "kl_to_full": False}
+METRICS = ("accuracy", "top1_agreement", "cross_entropy", "kl_to_full")
+HIGHER_IS_BETTER = {
+    "accuracy": True,
+    "top1_agreement": True,
+    "cross_entropy": False,
+    "kl_to_full": False,
+}
+# Metrics that need the answers (targets); the others are label-free.
+NEEDS_ANSWERS = ("accuracy",)
 LOSS_METRICS = tuple(name for name in METRICS if not HIGHER_IS_BETTER[name])
 
 # Whether each metric attributes the planted factors correctly (`dcp-lens validate`: every
 # planted model's factor >= 0.9 of the gap, every mixture within 0.1 of its stated shares).
 VALIDATION: dict[str, tuple[bool, str]] = {
     "accuracy": (True, "planted factors recovered by `dcp-lens validate` (seeds 0 and 1)"),
+    "top1_agreement": (
+        True,
+        "label-free: agreement with the full-depth top-1 prediction; planted factors recovered "
+        "by `dcp-lens validate` (seeds 0 and 1)",
+    ),
     "cross_entropy": (
         False,
         "rewards changes of confidence: calibration moves uninformed states into the confident "
@@ -92,6 +104,12 @@ def per_example_metrics(
         bad = (torch.isnan(correct) & scored).any(-1)
         out["accuracy"] = (correct * scored).nansum(-1) / count
         out["accuracy"] = torch.where(bad, torch.nan, out["accuracy"])
+    if "top1_agreement" in metrics:
+        agree = (logits.argmax(-1) == full_log_probs.argmax(-1)).to(logits.dtype)
+        agree = torch.where(torch.isfinite(logits).all(-1), agree, torch.nan)
+        bad = (torch.isnan(agree) & scored).any(-1)
+        out["top1_agreement"] = (agree * scored).nansum(-1) / count
+        out["top1_agreement"] = torch.where(bad, torch.nan, out["top1_agreement"])
     if "kl_to_full" in metrics:
         log_probs = logits.log_softmax(-1)
         kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)

@@ -85,7 +85,7 @@ def validate(
         task = model.planted_task
         evaluation, calibration = task.evaluation(n_eval), task.calibration(n_calibration)
         protocol = DepthControlProtocol(
-            model, metrics=wanted, n_bootstrap=n_bootstrap, seed=seed, probe="none",
+            model, metrics=wanted, n_bootstrap=n_bootstrap, seed=seed, probe_points=1000,
             spec=f"planted:{name}", progress=progress,
         )  # fmt: skip
         run = protocol.run(evaluation, calibration).to_results_json()
@@ -167,7 +167,12 @@ def _flags(run: dict[str, Any], metric: str) -> dict[str, Any]:
     stable = run["shares"][metric].get("stable")
     if stable is not None:
         flags["stable"] = stable
-    rows = [row for row in run["decomposition"] if row["metric"] == metric]
+    # At k = r every factor is 0 by construction; the flags speak of the k below r.
+    rows = [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and row["k"] < run["n_iterations"]
+    ]
     for name in ("S_identified", "B_identified"):
         values = [row[name] for row in rows if name in row]
         if values:
@@ -176,7 +181,7 @@ def _flags(run: dict[str, Any], metric: str) -> dict[str, Any]:
     record = run.get("metrics", {}).get(metric, {})
     if "validated" in record:
         flags["validated"] = record["validated"]
-        if record.get("reason"):
+        if record.get("reason") and not record["validated"]:
             flags["reason"] = record["reason"]
     return flags
 

@@ -20,10 +20,11 @@ batch at a time, and only fixed-size subsamples are kept for the probe.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,9 @@ from dcp_lens.decomposition import decompose
 from dcp_lens.metrics import (
     HIGHER_IS_BETTER,
     IGNORE_INDEX,
+    LOSS_METRICS,
     METRICS,
+    NEEDS_ANSWERS,
     VALIDATION,
     per_example_metrics,
 )
@@ -133,15 +136,25 @@ class EvaluationSet:
     def batches(self, batch_size: int) -> list[slice]:
         return [slice(i, min(i + batch_size, len(self))) for i in range(0, len(self), batch_size)]
 
-    def fingerprints(self) -> set[str]:
-        """One hash per example (its tokens up to padding), to detect overlapping splits."""
+    def example_keys(self) -> Int[Tensor, " n"]:
+        """One non-negative int64 per example, a hash of its tokens up to padding: what keys an
+        example's noise, probe sampling and bootstrap order, so none of them depends on the
+        batch size or the order of the examples."""
+        keys = [int(digest[:15], 16) for digest in self._digests()]
+        return torch.tensor(keys, dtype=torch.int64)
+
+    def _digests(self) -> list[str]:
         rows = []
         for i in range(len(self)):
             row = self.tokens[i]
             if self.attention_mask is not None:
                 row = row[self.attention_mask[i]]
             rows.append(hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest())
-        return set(rows)
+        return rows
+
+    def fingerprints(self) -> set[str]:
+        """One hash per example (its tokens up to padding), to detect overlapping splits."""
+        return set(self._digests())
 
 
 StateMapLike = AffineCalibration | MixtureCalibration
@@ -168,6 +181,13 @@ class DepthControlProtocol:
             Gaussian mixtures of the two marginals, for shifts that differ between inputs).
         mixture_components: clusters of the ``"mixture"`` map.
         calibration_points: states per condition kept to fit the ``"mixture"`` map.
+        match_confidence: score the loss metrics (``cross_entropy``, ``kl_to_full``) on readouts
+            whose temperature is matched, label-free on the calibration split, to full depth's
+            mean entropy: the frame's repair is then not confused with a change of confidence.
+        noise_draws: with a noisy initial state (``state_init`` ``normal`` / ``huginn``), the
+            evaluation is repeated with this many noise draws and each example's values are
+            averaged over them, so the intervals (over examples) include the noise's variance.
+            An example's noise is keyed by the seed and its tokens, never by its batch slot.
         batch_size: sequences per forward pass.
         n_bootstrap: paired bootstrap draws for the intervals.
         probe: ``"trajectory"`` (probe s_t for every t and calibrate(truncate(k))), ``"none"``.
@@ -183,8 +203,10 @@ class DepthControlProtocol:
         k_grid: Sequence[int] | None = None,
         metrics: Sequence[str] | None = None,
         calibration_mode: str = "full",
-        mixture_components: int = 4,
+        mixture_components: int = 8,
         calibration_points: int = 4096,
+        match_confidence: bool = True,
+        noise_draws: int = 1,
         batch_size: int = 32,
         n_bootstrap: int = 1000,
         seed: int = 0,
@@ -212,6 +234,13 @@ class DepthControlProtocol:
         self.calibration_mode = calibration_mode
         self.mixture_components = mixture_components
         self.calibration_points = calibration_points
+        self.match_confidence = match_confidence
+        if isinstance(noise_draws, bool) or not isinstance(noise_draws, int) or noise_draws < 1:
+            raise ValueError(f"noise_draws={noise_draws!r} must be an int >= 1.")
+        self.noise_draws = noise_draws
+        # Per (sweep condition, k): the temperature that gives its readout full depth's mean
+        # entropy on the calibration split (loss metrics only; 1.0 without matching).
+        self.temperatures: dict[tuple[str, int], float] = {}
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
         self.seed = seed
@@ -239,7 +268,17 @@ class DepthControlProtocol:
         try:
             with torch.no_grad():
                 probe_reference = self.fit(calibration)
+                if self.match_confidence and set(self.metrics) & set(LOSS_METRICS):
+                    self._fit_temperatures(calibration)
                 values, null_control, probe_states = self._evaluate(evaluation)
+                for draw in range(1, self._noise_draws()):
+                    with _noise_seed(self.model, draw):
+                        more, _, _ = self._evaluate(evaluation)
+                    values = _accumulate(values, more)
+                if self._noise_draws() > 1:
+                    values = _scale(values, 1.0 / self._noise_draws())
+                # The bootstrap resamples positions in this order: make it the examples' own.
+                values = _reorder(values, torch.argsort(evaluation.example_keys(), stable=True))
                 probe_summary = self._probe(probe_reference, probe_states)
         finally:
             self.model.train(was_training)
@@ -280,6 +319,7 @@ class DepthControlProtocol:
                 "seed": self.seed,
                 "skip_first_position": self.skip_first_position,
                 "calibration_failures": self._calibration_failures(),
+                "noise_draws": self._noise_draws(),
                 "replay_truncate_max_abs_logit_diff": {
                     str(k): self._replay_difference.get(k, math.nan) for k in self.k_grid
                 },
@@ -287,6 +327,44 @@ class DepthControlProtocol:
                 "calibration_fallbacks": self._calibration_fallbacks(),
             },
         )
+
+    @torch.no_grad()
+    def _fit_temperatures(self, calibration: EvaluationSet) -> None:
+        """Fit each condition's temperature so that its readout's mean entropy over scored
+        positions of the calibration split equals full depth's (bisection on log T).
+
+        Label-free: only the readouts' own distributions are used. Scaling logits does not move
+        the argmax, so accuracy and top-1 agreement are unchanged; the loss metrics then compare
+        what the readouts rank, not how confident a shifted frame makes them."""
+        vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
+        budget = max(64, (1 << 24) // max(1, vocabulary))
+        kept: dict[tuple[str, int], list[Tensor]] = {}
+        full_kept: list[Tensor] = []
+        built = {k: self._sweep_at(k) for k in self.k_grid}
+        seen = 0
+        for rows in calibration.batches(self.batch_size):
+            if seen >= budget:
+                break
+            targets = calibration.targets[rows].to(self._device())
+            states, full_logits = self.states(calibration.tokens[rows])
+            scored = targets != IGNORE_INDEX
+            full_kept.append(full_logits[scored].double())
+            for k in self.k_grid:
+                for name, logits in self._readouts(states, built[k], full_logits).items():
+                    kept.setdefault((name, k), []).append(logits[scored].double())
+            seen += int(scored.sum())
+        reference = _mean_entropy(torch.cat(full_kept), 1.0)
+        self.temperatures = {
+            cell: _matching_temperature(torch.cat(chunks), reference)
+            for cell, chunks in kept.items()
+        }
+
+    def _noise_draws(self) -> int:
+        noisy = getattr(getattr(self.model, "cfg", None), "state_init", "zeros") in (
+            "normal",
+            "huginn",
+        )
+        return self.noise_draws if noisy else 1
 
     def _calibration_record(self) -> dict[str, Any]:
         """The S control's map and its settings, as results record them."""
@@ -296,6 +374,14 @@ class DepthControlProtocol:
             "covariance": "Ledoit-Wolf shrinkage",
             "skip_first_position": self.skip_first_position,
         }
+        if self.temperatures:
+            record["confidence_matching"] = {
+                "what": "loss metrics scored at the temperature giving full depth's mean entropy",
+                "temperatures": {
+                    name: {str(k): t for (n, k), t in self.temperatures.items() if n == name}
+                    for name in dict.fromkeys(n for n, _ in self.temperatures)
+                },
+            }
         if self.calibration_mode == "mixture":
             record.update(
                 components=self.mixture_components,
@@ -354,16 +440,17 @@ class DepthControlProtocol:
         }
         mixture = self.calibration_mode == "mixture"
         samples = {
-            label: _Subsample(self.calibration_points, len(calibration), self.seed + 7 + i)
+            label: _Subsample(self.calibration_points, self.seed + 7 + i)
             for i, label in enumerate(sources if mixture else ())
         }
-        sample = _Subsample(self.probe_points, len(calibration), self.seed)
+        sample = _Subsample(self.probe_points, self.seed)
+        calibration_keys = calibration.example_keys()
         for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
             states, _ = self.states(calibration.tokens[rows])
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
-            example = torch.arange(rows.start, rows.stop, device=keep.device)[:, None]
-            sample.add(pooled[self.r], example.expand(keep.shape)[keep])
+            example, position = _row_ids(calibration_keys[rows], keep)
+            sample.add(pooled[self.r], example, position)
             for label, moments in streams.items():
                 if moments is None:
                     continue
@@ -371,7 +458,7 @@ class DepthControlProtocol:
                 if bool(torch.isfinite(state).all()):
                     moments.update(state)
                     if mixture:
-                        samples[label].add(state)
+                        samples[label].add(state, example, position)
                 else:
                     streams[label] = None
         reference = streams["full"]
@@ -481,9 +568,10 @@ class DepthControlProtocol:
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
         null: dict[str, float] = {name: 0.0 for name in SWEEP}
         n, points = len(evaluation), self.probe_points
-        sample = _Subsample(points, n, self.seed + 1)
-        trajectory = [_Subsample(points, n, self.seed + 2 + t) for t in range(self.r + 1)]
-        calibrated = {k: _Subsample(points, n, self.seed + 1000 + k) for k in self.k_grid}
+        sample = _Subsample(points, self.seed + 1)
+        trajectory = [_Subsample(points, self.seed + 2 + t) for t in range(self.r + 1)]
+        calibrated = {k: _Subsample(points, self.seed + 1000 + k) for k in self.k_grid}
+        evaluation_keys = evaluation.example_keys()
         built = {k: self._sweep_at(k) for k in {*self.k_grid, self.r}}
         halves_diff, halves_change = 0.0, dict[str, float]()
         for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
@@ -494,7 +582,8 @@ class DepthControlProtocol:
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
                 for name, logits in readouts.items():
-                    self._record(per_example, (name, k), logits, full_log_probs, targets)
+                    tempered = logits / self.temperatures.get((name, k), 1.0)
+                    self._record(per_example, (name, k), tempered, full_log_probs, targets)
                 difference = _max_diff(readouts["replay"], readouts["truncate"])
                 self._replay_difference[k] = _nan_max(
                     self._replay_difference.get(k, 0.0), difference
@@ -517,16 +606,17 @@ class DepthControlProtocol:
                 # The example of each state goes along: the C2ST splits by example, since the
                 # positions of one sequence share its content and are not independent draws.
                 keep = self._pooled_positions(evaluation, rows)
-                example = torch.arange(rows.start, rows.stop, device=keep.device)[:, None]
-                example = example.expand(keep.shape)
+                example, position = _row_ids(evaluation_keys[rows], keep)
                 even = example % 2 == 0
-                sample.add(states[self.r][keep & even], example[keep & even])
-                probed, probed_examples = states[:, keep & ~even], example[keep & ~even]
+                held_out = states[self.r][keep][even.to(keep.device)]
+                sample.add(held_out, example[even], position[even])
+                probed = states[:, keep][:, (~even).to(keep.device)]
+                probed_examples, probed_positions = example[~even], position[~even]
                 for t in range(self.r + 1):
-                    trajectory[t].add(probed[t], probed_examples)
+                    trajectory[t].add(probed[t], probed_examples, probed_positions)
                 for k in self.k_grid:
                     mapping = self.fitted(Truncate(k))
-                    calibrated[k].add(_apply(mapping, probed[k]), probed_examples)
+                    calibrated[k].add(_apply(mapping, probed[k]), probed_examples, probed_positions)
         values: dict[str, dict[str, Any]] = {}
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
@@ -672,7 +762,9 @@ class DepthControlProtocol:
             if not isinstance(data, EvaluationSet):
                 raise TypeError(f"{name} must be an EvaluationSet, got {type(data).__name__}.")
         if self.requested_metrics is None:
-            self.metrics = METRICS if evaluation.has_answers else METRICS[1:]
+            self.metrics = tuple(
+                m for m in METRICS if evaluation.has_answers or m not in NEEDS_ANSWERS
+            )
         if "accuracy" in self.metrics and not evaluation.has_answers:
             raise ValueError(
                 "metric 'accuracy' needs answers, but this evaluation set is plain language "
@@ -752,35 +844,64 @@ def task_data(
 
 
 class _Subsample:
-    """A fixed-size random subsample of rows streamed in batches (for the probe), with the
-    example each row comes from when given."""
+    """A fixed-size pseudo-random subsample of rows streamed in batches (for the probe and the
+    mixture calibration): the ``size`` rows of smallest priority, a hash of the seed, the row's
+    example key and its position. Which rows are kept, and their order, depend on the examples
+    only, never on the batch size or the order of the examples."""
 
-    def __init__(self, size: int, n_examples: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int) -> None:
         self.size = size
-        self.generator = torch.Generator().manual_seed(seed)
-        self.chunks: list[Tensor] = []
-        self.group_chunks: list[Tensor] = []
-        self.kept = 0
-        self.n_examples = n_examples
+        self.seed = np.uint64(seed % 2**63)
+        self.rows: Tensor | None = None
+        self.keys: Tensor | None = None  # the example of each kept row
+        self.priority = np.zeros(0, dtype=np.uint64)
 
-    def add(self, rows: Float[Tensor, "n d"], groups: Int[Tensor, " n"] | None = None) -> None:
-        if self.kept >= self.size or rows.shape[0] == 0:
+    def add(
+        self,
+        rows: Float[Tensor, "n d"],
+        keys: Int[Tensor, " n"],
+        positions: Int[Tensor, " n"],
+    ) -> None:
+        if rows.shape[0] == 0:
             return
-        take = min(rows.shape[0], self.size - self.kept, max(1, math.ceil(self.size / 4)))
-        order = torch.randperm(rows.shape[0], generator=self.generator)[:take]
-        self.chunks.append(rows[order.to(rows.device)].detach())
-        if groups is not None:
-            self.group_chunks.append(groups[order.to(groups.device)].cpu())
-        self.kept += take
+        priority = _mix(keys.cpu().numpy(), positions.cpu().numpy(), self.seed)
+        rows, keys = rows.detach(), keys.cpu()
+        if self.rows is not None and self.keys is not None:
+            priority = np.concatenate([self.priority, priority])
+            rows = torch.cat([self.rows, rows])
+            keys = torch.cat([self.keys, keys])
+        order = np.argsort(priority, kind="stable")[: self.size]
+        index = torch.from_numpy(order.astype(np.int64))
+        self.rows, self.keys = rows[index.to(rows.device)], keys[index]
+        self.priority = priority[order]
 
     def tensor(self) -> Tensor | None:
-        return torch.cat(self.chunks) if self.chunks else None
+        return self.rows
 
     def groups(self) -> Tensor | None:
-        """The example of each kept row (None unless every `add` gave them)."""
-        if not self.group_chunks or len(self.group_chunks) != len(self.chunks):
-            return None
-        return torch.cat(self.group_chunks)
+        """The example key of each kept row."""
+        return self.keys
+
+
+def _row_ids(
+    keys: Int[Tensor, " batch"], keep: Bool[Tensor, "batch pos"]
+) -> tuple[Int[Tensor, " n"], Int[Tensor, " n"]]:
+    """The example key and the position of every kept (batch, position), on the CPU."""
+    keep = keep.cpu()
+    example = keys[:, None].expand(keep.shape)[keep]
+    position = torch.arange(keep.shape[1])[None].expand(keep.shape)[keep]
+    return example, position
+
+
+def _mix(keys: np.ndarray, positions: np.ndarray, seed: np.uint64) -> np.ndarray:
+    """A splitmix64-style hash of (example key, position, seed), uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = keys.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        x ^= positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9) + seed
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+    return x
 
 
 def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> float:
@@ -807,6 +928,57 @@ def _apply(mapping: StateMapLike | None, state: Tensor) -> Tensor:
 
 def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
+
+
+@contextlib.contextmanager
+def _noise_seed(model: Any, draw: int) -> Iterator[None]:
+    """The model's initial-state noise seed moved by ``draw`` (restored afterwards)."""
+    cfg = model.cfg
+    seed = cfg.state_init_seed
+    cfg.state_init_seed = seed + 1_000_003 * draw
+    try:
+        yield
+    finally:
+        cfg.state_init_seed = seed
+
+
+def _accumulate(values: Any, more: Any) -> Any:
+    """Per-example values of two evaluations added, cell by cell."""
+    if isinstance(values, Tensor):
+        return values + more
+    return {key: _accumulate(value, more[key]) for key, value in values.items()}
+
+
+def _reorder(values: Any, order: Tensor) -> Any:
+    if isinstance(values, Tensor):
+        return values[order]
+    return {key: _reorder(value, order) for key, value in values.items()}
+
+
+def _scale(values: Any, factor: float) -> Any:
+    if isinstance(values, Tensor):
+        return values * factor
+    return {key: _scale(value, factor) for key, value in values.items()}
+
+
+def _mean_entropy(logits: Float[Tensor, "n d_vocab"], temperature: float) -> float:
+    log_probs = (logits / temperature).log_softmax(-1)
+    return float(-(log_probs.exp() * log_probs).sum(-1).mean())
+
+
+def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) -> float:
+    """The temperature T at which softmax(logits / T) has mean entropy ``entropy`` (bisection
+    on log T in [1e-3, 1e3]; the nearer end where it is out of reach; 1.0 if non-finite)."""
+    if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
+        return 1.0
+    low, high = math.log(1e-3), math.log(1e3)
+    for _ in range(50):  # entropy rises with T
+        middle = (low + high) / 2
+        if _mean_entropy(logits, math.exp(middle)) < entropy:
+            low = middle
+        else:
+            high = middle
+    return math.exp((low + high) / 2)
 
 
 def _nan_max(a: float, b: float) -> float:

@@ -7,6 +7,7 @@ numbers, no shared code) and runs the loop directly. Tests compare the library a
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -114,8 +115,16 @@ def reference_forward(
     elif cfg.state_init == "embed":
         s = e
     else:
-        generator = torch.Generator().manual_seed(cfg.state_init_seed)
-        s = (torch.randn(e.shape, generator=generator) * cfg.state_init_std).to(e.dtype)
+        # One draw per example, seeded by sha256 of "seed:" and its token ids (int64 bytes).
+        noise = []
+        for row in tokens:
+            digest = hashlib.sha256(
+                f"{cfg.state_init_seed}:".encode() + row.long().numpy().tobytes()
+            )
+            seed = int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
+            generator = torch.Generator().manual_seed(seed)
+            noise.append(torch.randn(e.shape[1:], generator=generator))
+        s = (torch.stack(noise) * cfg.state_init_std).to(e.dtype)
     states = [s]
     for _ in range(n_iterations):
         if cfg.injection == "add":
