@@ -142,8 +142,13 @@ def probe_figure(runs: Sequence[Run]) -> go.Figure:
         probe = run.get("probe") or {}
         trajectory = probe.get("trajectory") or []
         calibrated = probe.get("calibrate_truncate") or []
-        floor = probe.get("noise_floor", 1.0)
-        for row, score, reference in ((1, "mahalanobis", floor), (2, "auroc", 0.5)):
+        ts = [p["iteration"] for p in trajectory] or [0, run["n_iterations"]]
+        # Both scores' references: held-out full-depth states score 1 (Mahalanobis over the
+        # noise floor) and 0.5 (AUROC) by construction.
+        for row, score, reference, name in (
+            (1, "mahalanobis", 1.0, "noise floor (held-out full depth)"),
+            (2, "auroc", 0.5, "indistinguishable (AUROC 0.5)"),
+        ):
             figure.add_trace(
                 go.Scatter(
                     x=[p["iteration"] for p in trajectory], y=[p[score] for p in trajectory],
@@ -161,13 +166,17 @@ def probe_figure(runs: Sequence[Run]) -> go.Figure:
                 ),
                 row=row, col=column,
             )  # fmt: skip
-            if isinstance(reference, (int, float)) and math.isfinite(reference):
-                figure.add_hline(
-                    y=reference, line_dash="dot", line_color="grey", row=row, col=column,
-                    annotation_text="noise floor" if row == 1 else "indistinguishable",
-                )  # fmt: skip
+            figure.add_trace(
+                go.Scatter(
+                    x=[min(ts), max(ts)], y=[reference] * 2, mode="lines", name=name,
+                    showlegend=column == 1, line={"color": "grey", "dash": "dot"},
+                ),
+                row=row, col=column,
+            )  # fmt: skip
+        distances = [p["mahalanobis"] for p in (*trajectory, *calibrated)]
+        if any(isinstance(d, float) and d > 10 for d in distances):
+            figure.update_yaxes(type="log", row=1, col=column)  # far-off states: orders apart
         figure.update_xaxes(title_text="iteration t (or k)", row=2, col=column)
-        figure.update_yaxes(type="log", row=1, col=column)
     figure.update_yaxes(title_text="Mahalanobis / held-out", row=1, col=1)
     figure.update_yaxes(title_text="two-sample AUROC", row=2, col=1)
     figure.update_layout(title="Readout shift measured directly: the probe", height=560)

@@ -202,32 +202,34 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
 
 def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
     """The headline of one run as HTML (no scripts): shares with intervals, the classic slope,
-    the gap in the metric's units, the verdict and its flags, per metric."""
+    the gap in the metric's units, then the verdict and its flags, per metric."""
     run = run_record(results)
-    rows = []
+    rows, verdicts = [], []
     for metric in run["shares"]:
         shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
         record = run.get("metrics", {}).get(metric, {})
+        cells = [escape(metric), *(_interval_text(shares, factor) for factor in FACTORS)]
+        cells += [_interval_text(record, "truncation_slope"), _gap_text(run, metric)]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
         text, flags = verdict(run, metric)
-        cells = [f"<td>{escape(metric)}</td>"]
-        cells += [f"<td>{_interval_text(shares, factor)}</td>" for factor in FACTORS]
-        cells.append(f"<td>{_interval_text(record, 'truncation_slope')}</td>")
-        cells.append(f"<td>{_gap_text(run, metric)}</td>")
         flag_items = "".join(f"<li class='flag'>{escape(flag)}</li>" for flag in flags)
-        cells.append(f"<td>{escape(text)}<ul>{flag_items}</ul></td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+        verdicts.append(
+            f"<li><b>{escape(metric)}</b>: {escape(text)}"
+            + (f"<ul>{flag_items}</ul>" if flags else "")
+            + "</li>"
+        )
     head = "".join(
         f"<th>{name}</th>"
         for name in ("metric", "S share", "B share", "D share", "truncation slope",
-                     "gap (metric's units)", "verdict")
+                     "gap (metric's units)")
     )  # fmt: skip
-    replay = "" if run["replay_realizable"] else f"<p>replay: {REPLAY_NOT_REALIZABLE}.</p>"
     return (
-        f"<div class='headline'><h3>{escape(_run_title(run))}</h3>{replay}"
+        f"<div class='headline'><h3>{escape(_run_title(run))}</h3>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        f"<ul class='verdicts'>{''.join(verdicts)}</ul>"
         "<p class='note'>Shares: S, B, D as shares of the truncation gap's area over k, with "
-        "95% paired bootstrap intervals; slope: quality against k / r, the classic reading."
-        "</p></div>"
+        "95% paired bootstrap intervals; slope: quality against k / r, the classic reading; gap: "
+        "its mean over k (a loss gap is the rise in loss).</p></div>"
     )
 
 
@@ -387,14 +389,14 @@ def _per_run(
     figure: Any,
     missing: str,
 ) -> list[str]:
-    parts = ["<div class='runs'>"]
+    """One figure per run, one under the other (they are too wide to sit side by side)."""
+    parts = []
     for index, run in enumerate(records):
         name = f"{kind}_{index}"
         if name in drawn:
-            parts.append(f"<div class='run'>{figure(name)}</div>")
+            parts.append(figure(name))
         else:
-            parts.append(f"<div class='run'><p>{escape(_run_title(run))}: {missing}.</p></div>")
-    parts.append("</div>")
+            parts.append(f"<p>{escape(_run_title(run))}: {missing}.</p>")
     return parts
 
 
@@ -506,7 +508,7 @@ def _gap_text(run: Mapping[str, Any], metric: str) -> str:
         (row for row in curves if row["condition"] == "truncate"), key=lambda row: row["k"]
     )
     first = f"; k = {truncated[0]['k']}: {_number(truncated[0]['value'])}" if truncated else ""
-    return f"mean over k {_number(_mean(gaps))} (full depth: {_number(full)}{first})"
+    return f"{_number(_mean(gaps))} (full: {_number(full)}{first})"
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -521,7 +523,8 @@ table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
 thead th { background: #f3f3f3; }
 .runs { display: flex; flex-wrap: wrap; gap: 1.5em; }
-.runs > div { flex: 1 1 600px; min-width: 0; }
+.runs > div { flex: 1 1 520px; min-width: 0; }
+.verdicts { padding-left: 1.2em; font-size: 0.92em; }
 .flag { color: #a33; } .note { color: #666; font-size: 0.85em; }
 code { background: #f3f3f3; padding: 0.1em 0.3em; }
 """

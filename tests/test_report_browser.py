@@ -45,7 +45,7 @@ def test_run_writes_the_report_beside_results_and_tables(default_run) -> None:
     data = json.loads((default_run / "report_data.json").read_text())
     assert data["command"].startswith("dcp-lens run --out")
     recurrent = data["runs"][0]
-    r = 8
+    r = json.loads((default_run / "results.json").read_text())["runs"][0]["n_iterations"]
     assert len(recurrent["lens"]["top_probs"]) == r + 1  # s_0 .. s_r
     assert len(recurrent["attention"]["patterns"]) == r
     assert [group["hops"] for group in recurrent["by_hops"]["groups"]] == [1, 2, 3, 4]
