@@ -517,7 +517,9 @@ def _mean(values: Sequence[float]) -> float:
 
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; padding: 0 1em; max-width: 1400px;
+  color: #222; box-sizing: border-box; }
+.figure { max-width: 100%; overflow-x: auto; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-top: 0.6em; }
 table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
