@@ -102,6 +102,11 @@ def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             hover = [
                 f"{factor}(k={row['k']}) = {_number(row[factor])} "
                 f"[{_number(row.get(factor + '_lo'))}, {_number(row.get(factor + '_hi'))}]"
+                + (
+                    f"<br>residual AUROC {_number(row['residual_auroc'])}"
+                    if factor == "S" and "residual_auroc" in row
+                    else ""
+                )
                 + "".join(f"<br>{flag}" for flag in row_flags(row) if flag.startswith(factor))
                 for row in rows
             ]

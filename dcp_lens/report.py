@@ -379,7 +379,9 @@ def _extras(
     records: Sequence[Mapping[str, Any]], report_data: Mapping[str, Any] | None
 ) -> list[dict[str, Any]]:
     by_model = (report_data or {}).get("runs", {})
-    return [dict(by_model.get(run["model"]) or {}) for run in records]
+    entries = [by_model.get(run["model"]) or {} for run in records]
+    # Only parts that are there: a null in report_data.json reads back as NaN.
+    return [{key: value for key, value in e.items() if isinstance(value, dict)} for e in entries]
 
 
 def _per_run(
@@ -460,7 +462,7 @@ def _configuration_html(
 
 def _command_html(report_data: Mapping[str, Any]) -> str:
     command = report_data.get("command")
-    if not command:
+    if not isinstance(command, str) or not command:
         return "<p class='note'>Written from Python (no command line recorded).</p>"
     return f"<p>Reproduce with: <code>{escape(command)}</code></p>"
 

@@ -49,14 +49,14 @@ def collect_report_data(
         n_bootstrap: bootstrap draws of the per-hop decomposition.
 
     Returns:
-        ``{"model": spec, "lens": ..., "attention": ... | None, "by_hops": ... | None}``,
-        JSON-ready.
+        ``{"model": spec, "lens": ..., "attention": ..., "by_hops": ...}``, JSON-ready;
+        ``attention`` and ``by_hops`` are left out where the model or task has none.
     """
     model = protocol.model
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        return {
+        entry = {
             "model": protocol.spec,
             "lens": logit_lens(protocol, evaluation, example, vocab),
             "attention": attention_across_iterations(protocol, evaluation, example, vocab),
@@ -64,6 +64,8 @@ def collect_report_data(
         }
     finally:
         model.train(was_training)
+    # JSON null reads back as NaN here (`decode_json`), so what a model lacks is left out.
+    return {key: value for key, value in entry.items() if value is not None}
 
 
 def logit_lens(

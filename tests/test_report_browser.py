@@ -57,6 +57,23 @@ def test_report_rerenders_a_finished_run_without_the_model(default_run, tmp_path
     assert again.read_text() == (default_run / "report.html").read_text()
 
 
+def test_run_on_a_planted_model_writes_a_report_without_hop_counts(tmp_path) -> None:
+    out = tmp_path / "out"
+    code = main(
+        ["run", "--model", "planted:readout_shift", "--n-eval", "64", "--n-calibration", "64",
+         "--bootstrap", "50", "--quiet", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    tables = [f"planted_readout_shift/{name}.csv" for name in ("decomposition", "curves", "shares")]
+    for name in ("report.html", "results.json", *tables):
+        assert (out / name).is_file(), name
+    html = (out / "report.html").read_text()
+    assert "record no hop counts" in html and 'id="figure-lens_0"' in html
+    assert "readout shift" in html  # the verdict names the planted factor
+    assert main(["report", str(out / "planted_readout_shift")]) == 0  # a run's own folder too
+    assert 'id="figure-lens_0"' in (out / "planted_readout_shift" / "report.html").read_text()
+
+
 def test_report_of_a_folder_without_results_fails_with_a_message(tmp_path, capsys) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "results.json does not exist" in capsys.readouterr().err
