@@ -1,11 +1,12 @@
-"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``train``, ``experiment``
-(the controlled training intervention), ``validate`` (the planted models) and ``bench`` (what
-it costs)."""
+"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``report`` (re-render a finished
+run's report.html), ``train``, ``experiment`` (the controlled training intervention),
+``validate`` (the planted models) and ``bench`` (what it costs)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import warnings
 from collections.abc import Sequence
@@ -60,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--device", default="cpu")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=Path, help="output folder")
+
+    report = commands.add_parser(
+        "report", help="re-render report.html of a finished run folder from its results.json"
+    )
+    report.add_argument("folder", type=Path, help="a folder written by dcp-lens run")
+    report.add_argument("--out", type=Path, help="where to write (default: FOLDER/report.html)")
 
     train = commands.add_parser("train", help="train a model on a task preset")
     train.add_argument("--preset", default="default", help="training preset (tiny, default)")
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():  # restores how warnings are shown when main returns
         warnings.showwarning = _show_warning
         try:
+            args.command_line = _command_line(argv)
             return _command(args)
         except REPORTED as error:
             print(f"dcp-lens {args.command}: error: {_one_line(error)}", file=sys.stderr)
@@ -130,7 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     _check_arguments(args)
     if args.command == "run":
-        return _run(args)
+        return _run(args, args.command_line)
+    if args.command == "report":
+        return _report(args)
     if args.command == "train":
         return _train(args)
     if args.command == "experiment":
@@ -184,12 +194,21 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
     print(f"dcp-lens: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, command: str) -> int:
+    from dcp_lens.report import write_report
+    from dcp_lens.report_data import (
+        REPORT_DATA,
+        collect_report_data,
+        environment,
+        write_report_data,
+    )
+
     specs = [(args.model or DEFAULT_MODEL, False)]
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
     if dense:
         specs.append((dense, True))
     runs: list[ProtocolResults] = []
+    extras: list[dict[str, Any]] = []
     data: tuple[EvaluationSet, EvaluationSet] | None = None
     for spec, is_negative_control in specs:
         model = load(spec).to(args.device).eval()
@@ -207,14 +226,59 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         results = protocol.run(*data)
         runs.append(results)
+        extra = collect_report_data(
+            protocol, data[0], vocab=_vocab(model, args.task, args.seed),
+            n_bootstrap=min(args.bootstrap, 200),
+        )  # fmt: skip
+        extras.append(extra)
         # Per-model results are written as each finishes; the folder says so until all are.
         mark_incomplete(args.out, "dcp-lens run")
-        results.save(args.out / _folder_name(spec))
+        folder = results.save(args.out / _folder_name(spec))
+        write_report_data([extra], folder / REPORT_DATA, command=command, environment=environment())
         print(format_summary(results))
     write_results_json(runs, args.out / "results.json")
+    write_report_data(extras, args.out / REPORT_DATA, command=command, environment=environment())
+    report = write_report(runs, args.out, _report_data(args.out))
     mark_complete(args.out)
-    print(f"wrote {args.out / 'results.json'}")
+    print(f"wrote {args.out / 'results.json'}; open {report}")
     return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dcp_lens.report import write_report
+    from dcp_lens.results import read_results_json
+
+    source = args.folder / "results.json"
+    if not source.is_file():
+        raise FileNotFoundError(f"{source} does not exist; pass a folder written by dcp-lens run.")
+    report = write_report(
+        read_results_json(source), args.out or args.folder, _report_data(args.folder)
+    )
+    print(f"wrote {report}")
+    return 0
+
+
+def _report_data(folder: Path) -> dict[str, Any]:
+    from dcp_lens.report_data import REPORT_DATA, read_report_data
+
+    return read_report_data(folder / REPORT_DATA)
+
+
+def _vocab(model: Any, task: str | None, seed: int) -> list[str] | None:
+    """Token strings of the task the run evaluates on (None: show token ids)."""
+    from dcp_lens.tasks import get_task
+
+    if hasattr(model, "planted_task") and task is None:
+        return None
+    if task is not None:
+        name, _, path = task.partition(":")
+        return list(get_task(name, seed=seed, **({"path": path} if path else {})).vocab)
+    config = getattr(model, "task_config", None)
+    return list(get_task(**config).vocab) if config else None
+
+
+def _command_line(argv: Sequence[str] | None) -> str:
+    return shlex.join(["dcp-lens", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _train(args: argparse.Namespace) -> int:

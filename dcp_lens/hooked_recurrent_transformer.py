@@ -118,6 +118,23 @@ class HookedRecurrentTransformer(HookedRootModule):
         return self._cfg
 
     @property
+    def task(self) -> Any:
+        """The task this model was trained on, built from ``task_config`` (a
+        `dcp_lens.tasks.Task`): ``model.task.evaluation(256)`` feeds `DepthControlProtocol.run`.
+
+        Raises:
+            ValueError: the model records no task (it was not trained by dcp-lens).
+        """
+        if not self.task_config:
+            raise ValueError(
+                "this model records no task (no task.json beside its weights); build one with "
+                "dcp_lens.tasks.get_task(name, ...) or pass evaluation sets directly."
+            )
+        from dcp_lens.tasks import get_task
+
+        return get_task(**self.task_config)
+
+    @property
     def is_dense(self) -> bool:
         return self.cfg.is_dense
 

@@ -112,6 +112,11 @@ class PlantedModel(HookedRecurrentTransformer):
     planted_task: PlantedTask
 
     @property
+    def task(self) -> PlantedTask:
+        """The planted task (``evaluation(n)`` / ``calibration(n)`` give evaluation sets)."""
+        return self.planted_task
+
+    @property
     def unembedding(self) -> Tensor:
         assert self.W_U_untied is not None, "planted models have an untied unembedding"
         return self.W_U_untied

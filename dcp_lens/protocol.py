@@ -193,7 +193,8 @@ class DepthControlProtocol:
         probe: ``"trajectory"`` (probe s_t for every t and calibrate(truncate(k))), ``"none"``.
         probe_points: states per side kept for the probe (a random subsample).
         skip_first_position: leave position 0 out of the calibration statistics (attention sinks).
-        spec: the model's name in the results (e.g. its `load` spec).
+        spec: the model's name in the results (default: the spec it was loaded with,
+            ``model.spec``, else ``"model"``).
     """
 
     def __init__(
@@ -213,7 +214,7 @@ class DepthControlProtocol:
         probe: str = "trajectory",
         probe_points: int = 2000,
         skip_first_position: bool = False,
-        spec: str = "model",
+        spec: str | None = None,
         progress: bool = True,
     ) -> None:
         self.model = model
@@ -247,7 +248,7 @@ class DepthControlProtocol:
         self.probe_mode = probe
         self.probe_points = probe_points
         self.skip_first_position = skip_first_position
-        self.spec = spec
+        self.spec = spec if spec is not None else str(getattr(model, "spec", None) or "model")
         self.progress = progress
         # Fitted maps keyed by the label of the condition they were fitted from (at depth r:
         # ``"full"`` is calibrate(full)); None where that condition's states were non-finite.
@@ -259,9 +260,14 @@ class DepthControlProtocol:
 
     # ------------------------------------------------------------------------ public API
 
-    def run(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> ProtocolResults:
+    def run(
+        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any
+    ) -> ProtocolResults:
         """Fit the calibrations on ``calibration``, evaluate every condition on ``evaluation``
-        and decompose. The two sets must not share an example."""
+        and decompose. The two sets must not share an example. Task batches
+        (`dcp_lens.tasks.TaskBatch`) are converted with `EvaluationSet.from_task_batch`."""
+        evaluation = _as_evaluation_set(evaluation, "evaluation")
+        calibration = _as_evaluation_set(calibration, "calibration")
         self._check_sets(evaluation, calibration)
         was_training = getattr(self.model, "training", False)
         self.model.eval()
@@ -919,6 +925,20 @@ def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> floa
     ranks = ranks - ranks.mean(0)
     denominator = float(ranks.norm(dim=0).prod())
     return float((ranks[:, 0] * ranks[:, 1]).sum()) / denominator if denominator else math.nan
+
+
+def _as_evaluation_set(data: Any, name: str) -> EvaluationSet:
+    """``data`` as an `EvaluationSet` (a `dcp_lens.tasks.TaskBatch` is converted)."""
+    from dcp_lens.tasks import TaskBatch
+
+    if isinstance(data, TaskBatch):
+        return EvaluationSet.from_task_batch(data)
+    if not isinstance(data, EvaluationSet):
+        raise TypeError(
+            f"{name} must be an EvaluationSet or a TaskBatch, got {type(data).__name__}; build "
+            "one with EvaluationSet.from_task_batch(batch) or EvaluationSet.from_tokens(tokens)."
+        )
+    return data
 
 
 def _apply(mapping: StateMapLike | None, state: Tensor) -> Tensor:

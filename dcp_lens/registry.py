@@ -77,18 +77,24 @@ def load(spec: str, **overrides: Any) -> Any:
     _import_builtin_kinds()
     kind, _, argument = spec.partition(":")
     if argument and kind in LOADERS:
-        return LOADERS[kind](argument, **overrides)
+        return _named(LOADERS[kind](argument, **overrides), spec)
     if spec in NAMED:
-        return NAMED[spec](**overrides)
+        return _named(NAMED[spec](**overrides), spec)
     if Path(spec).is_dir():
         from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 
-        return HookedRecurrentTransformer.from_pretrained(spec, **overrides)
+        return _named(HookedRecurrentTransformer.from_pretrained(spec, **overrides), spec)
     raise ConfigError(
         f"unknown model spec {spec!r}: expected one of the kinds "
         f"{sorted(k + ':…' for k in LOADERS)}, a bundled name {sorted(NAMED)}, or a folder "
         "written by save_pretrained."
     )
+
+
+def _named(model: Any, spec: str) -> Any:
+    """``model`` with ``model.spec = spec``: results name it by default (`DepthControlProtocol`)."""
+    model.spec = spec
+    return model
 
 
 def _import_builtin_kinds() -> None:

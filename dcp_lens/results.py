@@ -453,6 +453,27 @@ class ProtocolResults:
             calibration=decode_json(run.get("calibration", {})),
         )
 
+    def figures(self) -> dict[str, Any]:
+        """The figures of report.html for this run as plotly figures (`dcp_lens.report.
+        report_figures`): ``quality_<metric>``, ``decomposition_<metric>``, ``probe``."""
+        from dcp_lens.report import report_figures
+
+        return report_figures([self])
+
+    def report(self, path: str | Path, report_data: Mapping[str, Any] | None = None) -> Path:
+        """Write report.html for this run to ``path`` (a file, or a folder to hold
+        ``report.html``); ``report_data``: a `dcp_lens.report_data.read_report_data` document.
+        Several runs side by side: `dcp_lens.report.write_report`. Returns the file's path."""
+        from dcp_lens.report import write_report
+
+        return write_report([self], path, report_data)
+
+    def _repr_html_(self) -> str:
+        """The headline (shares, slope, gap, verdict and flags) for Jupyter."""
+        from dcp_lens.report import headline_html
+
+        return headline_html(self)
+
     def save(self, directory: str | Path) -> Path:
         """Write ``results.json`` (this run only) and ``decomposition.csv``, ``curves.csv``,
         ``shares.csv`` into ``directory`` (created if needed). Returns the directory."""
