@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformer_lens.ActivationCache import ActivationCache
@@ -526,15 +526,26 @@ class HookedRecurrentTransformer(HookedRootModule):
         return super().run_with_hooks(*model_args, **kwargs)
 
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
-        """Tokenize text with the model's tokenizer: [batch, pos] (right-padded with 0)."""
+        """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
+        tokenizer's pad id (`padding_id`); `to_tokens_with_mask` also returns which are real."""
+        return self.to_tokens_with_mask(text, prepend_bos)[0]
+
+    def to_tokens_with_mask(
+        self, text: str | list[str], prepend_bos: bool | None = None
+    ) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+        """``(tokens, attention_mask)``: tokens [batch, pos] right-padded with the tokenizer's
+        pad id, and True on real tokens (TransformerLens convention). ``prepend_bos`` defaults to
+        ``cfg.default_prepend_bos`` (a loader sets it from the checkpoint's tokenizer)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; set model.tokenizer or pass token ids.")
         texts = [text] if isinstance(text, str) else list(text)
         bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        rows = [_encode(self.tokenizer, t, bos) for t in texts]
+        rows = [encode_text(self.tokenizer, t, bos) for t in texts]
         width = max(len(r) for r in rows)
-        padded = [r + [0] * (width - len(r)) for r in rows]
-        return self._as_tokens(torch.tensor(padded, dtype=torch.long))
+        pad = padding_id(self.tokenizer)
+        tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+        return self._as_tokens(tokens), mask.to(tokens.device)
 
     def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
         """Decode [pos] tokens to a string, or [batch, pos] to a list of strings."""
@@ -737,7 +748,8 @@ def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
             twin_module._parameters[name] = parameter
 
 
-def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
+def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
+    """Token ids of ``text`` by any tokenizer dcp-lens attaches, with BOS first iff ``bos``."""
     try:
         return list(tokenizer.encode(text, bos=bos))
     except TypeError:
@@ -746,10 +758,22 @@ def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
         return ([bos_id] + ids) if bos and bos_id is not None else ids
 
 
+def padding_id(tokenizer: Any) -> int:
+    """The id that right-pads a batch: the tokenizer's pad token, else its EOS, else 0 (padding
+    is masked out and never scored, so any real id is safe)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
 __all__ = [
     "HookedRecurrentTransformer",
     "IterationHooks",
     "LayerNorm",
     "RMSNorm",
+    "encode_text",
     "next_token_loss",
+    "padding_id",
 ]
