@@ -14,13 +14,15 @@ from typing import Any
 
 from dcp_lens.metrics import IGNORE_INDEX
 from dcp_lens.registry import add_entry
-from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch
+from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch, check_task_tokens
 from dcp_lens.tasks.char_lm import CharLM
+from dcp_lens.tasks.text import TextLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
 
 TASKS: dict[str, type[Task]] = {
     VariableBinding.name: VariableBinding,
     CharLM.name: CharLM,
+    TextLM.name: TextLM,
 }
 
 
@@ -45,7 +47,9 @@ __all__ = [
     "Split",
     "Task",
     "TaskBatch",
+    "TextLM",
     "VariableBinding",
+    "check_task_tokens",
     "get_task",
     "register_task",
 ]
