@@ -40,6 +40,7 @@ from dcp_lens.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.components.rotary import rotary_tables
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.metrics import next_token_loss
+from dcp_lens.tokenization import encode_text, padding_id
 
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
@@ -748,32 +749,10 @@ def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
             twin_module._parameters[name] = parameter
 
 
-def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
-    """Token ids of ``text`` by any tokenizer dcp-lens attaches, with BOS first iff ``bos``."""
-    try:
-        return list(tokenizer.encode(text, bos=bos))
-    except TypeError:
-        ids = list(tokenizer.encode(text))
-        bos_id = getattr(tokenizer, "bos_token_id", None)
-        return ([bos_id] + ids) if bos and bos_id is not None else ids
-
-
-def padding_id(tokenizer: Any) -> int:
-    """The id that right-pads a batch: the tokenizer's pad token, else its EOS, else 0 (padding
-    is masked out and never scored, so any real id is safe)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
 __all__ = [
     "HookedRecurrentTransformer",
     "IterationHooks",
     "LayerNorm",
     "RMSNorm",
-    "encode_text",
     "next_token_loss",
-    "padding_id",
 ]

@@ -23,7 +23,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from dcp_lens.hooked_recurrent_transformer import padding_id
+from dcp_lens.tokenization import padding_id
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dcp_lens.tasks.base import Split, Task, TaskBatch, check_batch_request
+from dcp_lens.tokenization import encode_text, tokenizer_fingerprint
 
 CACHE_ENV = "DCP_LENS_CACHE"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -47,19 +48,6 @@ _HASH_BLOCK = 1 << 20
 def cache_dir() -> Path:
     """Where token files are cached: ``$DCP_LENS_CACHE`` or ``~/.cache/dcp-lens``."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dcp-lens")
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of a tokenizer (its ``fingerprint()``, or a Hugging Face fast tokenizer's JSON)."""
-    if hasattr(tokenizer, "fingerprint"):
-        return str(tokenizer.fingerprint())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
-    raise ValueError(
-        f"cannot fingerprint tokenizer {type(tokenizer).__name__} for the token-file cache; give "
-        "it a fingerprint() method returning a hash of its vocabulary and rules."
-    )
 
 
 @dataclass
@@ -156,8 +144,6 @@ class TextLM(Task):
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` by the model's tokenizer (no BOS)."""
-        from dcp_lens.hooked_recurrent_transformer import encode_text
-
         return encode_text(self._require_tokenizer(), text, False)
 
     def decode(self, ids: Sequence[int] | Tensor) -> str:
@@ -266,8 +252,6 @@ class TextLM(Task):
 
     def _tokenize(self, source: Path, dtype: np.dtype[Any]) -> Path:
         """The cached token file of ``source`` (written on first use, atomically)."""
-        from dcp_lens.hooked_recurrent_transformer import encode_text
-
         tokenizer = self._require_tokenizer()
         key = hashlib.sha256()
         key.update(_content_hash(source, self.text_field).encode())
