@@ -117,7 +117,7 @@ class TextLM(Task):
             self._tokens = _read_token_file(self.token_file, dtype)
         if self.max_tokens is not None:
             self._tokens = self._tokens[: self.max_tokens]  # a view of the memory map
-        if self.vocab_size is not None:
+        if is_bin and self.vocab_size is not None:  # ids written elsewhere: check them once
             _check_ids(self._tokens, self.vocab_size, self.token_file)
         if self.n_windows < 2:
             raise ValueError(
