@@ -13,9 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from dcp_lens.devices import check_device
 from dcp_lens.errors import ConfigError, DCPLensError
 from dcp_lens.incomplete import mark_complete, mark_incomplete
+from dcp_lens.memory import limit_heap_fragmentation
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
 from dcp_lens.registry import load
 from dcp_lens.report import format_summary
@@ -23,6 +26,7 @@ from dcp_lens.results import ProtocolResults, write_results_json
 from dcp_lens.validation import check_output_folder
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERIMENTS = ("training-intervention",)
 K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 
@@ -46,11 +50,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = commands.add_parser("run", help="run the Depth Control Protocol on models")
     run.add_argument("--model", help=f"model spec (default: {DEFAULT_MODEL!r})")
     run.add_argument("--dense", help="a dense model spec to run as the negative control")
-    run.add_argument("--task", help="task name, or char_lm:PATH (default: the model's own task)")
+    run.add_argument(
+        "--task", help="task name, char_lm:PATH or text:PATH (default: the model's own task)"
+    )
     run.add_argument("--k", help=K_HELP)
     run.add_argument("--metrics", help="comma-separated metrics (default: all the task defines)")
-    run.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
-    run.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
+    run.add_argument(
+        "--n-eval", type=int, help="evaluation sequences (default 512; text: every window left)"
+    )
+    run.add_argument(
+        "--n-calibration", type=int, help="calibration sequences (default 512; text: see README)"
+    )
+    run.add_argument("--max-tokens", type=int, help="text: use at most this many corpus tokens")
+    run.add_argument("--seq-len", type=int, help="text: tokens per window (default: n_ctx, <= 128)")
+    run.add_argument("--text-field", default="text", help="text: the field of a .jsonl record")
+    run.add_argument("--token-dtype", choices=("uint16", "uint32"), help="text: ids of a .bin")
     run.add_argument("--batch-size", type=int, default=64)
     run.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap draws")
     run.add_argument(
@@ -59,6 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--device", default="cpu")
+    run.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        help="compute in this dtype (default: the model's); statistics stay float64",
+    )
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=Path, help="output folder")
 
@@ -125,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--device", default="cpu")
 
     args = parser.parse_args(argv)
+    limit_heap_fragmentation()
     with warnings.catch_warnings():  # restores how warnings are shown when main returns
         warnings.showwarning = _show_warning
         try:
@@ -210,14 +230,26 @@ def _run(args: argparse.Namespace, command: str) -> int:
     runs: list[ProtocolResults] = []
     extras: list[dict[str, Any]] = []
     data: tuple[EvaluationSet, EvaluationSet] | None = None
+    text_flags = {"--seq-len": args.seq_len, "--max-tokens": args.max_tokens}
+    text_flags["--token-dtype"] = args.token_dtype
+    is_text = (args.task or "").startswith("text:")
+    given = [flag for flag, value in text_flags.items() if value is not None]
+    if given and not is_text:
+        raise ValueError(f"{', '.join(given)} apply to --task text:PATH only.")
+    text_options = dict(
+        seq_len=args.seq_len, max_tokens=args.max_tokens, text_field=args.text_field,
+        token_dtype=args.token_dtype,
+    ) if is_text else {}  # fmt: skip
     for spec, is_negative_control in specs:
-        model = load(spec).to(args.device).eval()
+        model = load(spec).to(device=args.device, dtype=DTYPES.get(args.dtype)).eval()
         if is_negative_control and not model.is_dense:
             raise ValueError(
                 f"--dense {spec!r} is not a dense model (it has a weight-shared core)."
             )
         if data is None or hasattr(model, "planted_task"):
-            data = task_data(model, args.task, args.n_eval, args.n_calibration, args.seed)
+            data = task_data(
+                model, args.task, args.n_eval, args.n_calibration, args.seed, **text_options
+            )
         protocol = DepthControlProtocol(
             model, k_grid=_ints(args.k), metrics=_names(args.metrics),
             calibration_mode=args.calibration_mode, batch_size=args.batch_size,

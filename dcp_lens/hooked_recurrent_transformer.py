@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformer_lens.ActivationCache import ActivationCache
@@ -40,6 +40,7 @@ from dcp_lens.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.components.rotary import rotary_tables
 from dcp_lens.config import RecurrentConfig
 from dcp_lens.metrics import next_token_loss
+from dcp_lens.tokenization import encode_text, padding_id
 from dcp_lens.validation import check_limit
 
 ReturnType = Literal["logits", "loss", "both"] | None
@@ -577,15 +578,26 @@ class HookedRecurrentTransformer(HookedRootModule):
         return super().run_with_hooks(*model_args, **kwargs)
 
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
-        """Tokenize text with the model's tokenizer: [batch, pos] (right-padded with 0)."""
+        """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
+        tokenizer's pad id (`padding_id`); `to_tokens_with_mask` also returns which are real."""
+        return self.to_tokens_with_mask(text, prepend_bos)[0]
+
+    def to_tokens_with_mask(
+        self, text: str | list[str], prepend_bos: bool | None = None
+    ) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+        """``(tokens, attention_mask)``: tokens [batch, pos] right-padded with the tokenizer's
+        pad id, and True on real tokens (TransformerLens convention). ``prepend_bos`` defaults to
+        ``cfg.default_prepend_bos`` (a loader sets it from the checkpoint's tokenizer)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; set model.tokenizer or pass token ids.")
         texts = [text] if isinstance(text, str) else list(text)
         bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        rows = [_encode(self.tokenizer, t, bos) for t in texts]
+        rows = [encode_text(self.tokenizer, t, bos) for t in texts]
         width = max(len(r) for r in rows)
-        padded = [r + [0] * (width - len(r)) for r in rows]
-        return self._as_tokens(torch.tensor(padded, dtype=torch.long))
+        pad = padding_id(self.tokenizer)
+        tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+        return self._as_tokens(tokens), mask.to(tokens.device)
 
     def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
         """Decode [pos] tokens to a string, or [batch, pos] to a list of strings."""
@@ -871,15 +883,6 @@ def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
     for twin_module, owner_module in zip(twin.modules(), owner.modules(), strict=True):
         for name, parameter in owner_module._parameters.items():
             twin_module._parameters[name] = parameter
-
-
-def _encode(tokenizer: Any, text: str, bos: bool) -> list[int]:
-    try:
-        return list(tokenizer.encode(text, bos=bos))
-    except TypeError:
-        ids = list(tokenizer.encode(text))
-        bos_id = getattr(tokenizer, "bos_token_id", None)
-        return ([bos_id] + ids) if bos and bos_id is not None else ids
 
 
 __all__ = [

@@ -83,6 +83,19 @@ def next_token_loss(
     return losses if per_token else losses.mean()
 
 
+def metric_precision(logits: Tensor) -> Tensor:
+    """``logits`` in float32 at least: metrics of a float16 / bfloat16 model are computed from
+    upcast logits, so a log-softmax or a KL never rounds in the model's precision."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def reference_log_probs(
+    full_logits: Float[Tensor, "batch pos d_vocab"],
+) -> Float[Tensor, "batch pos d_vocab"]:
+    """Full-depth log-probabilities, the reference of ``kl_to_full``, in `metric_precision`."""
+    return metric_precision(full_logits).log_softmax(-1)
+
+
 def per_example_metrics(
     logits: Float[Tensor, "batch pos d_vocab"],
     full_log_probs: Float[Tensor, "batch pos d_vocab"],
@@ -91,8 +104,11 @@ def per_example_metrics(
 ) -> dict[str, Float[Tensor, " batch"]]:
     """Each metric averaged over an example's scored positions: [batch] per metric.
 
-    ``full_log_probs`` are the full-depth log-probabilities, the reference of ``kl_to_full``. A
-    non-finite readout has no prediction: its accuracy is NaN, never the argmax of NaNs."""
+    ``full_log_probs`` are the full-depth log-probabilities (`reference_log_probs`), the reference
+    of ``kl_to_full``. Everything is computed in `metric_precision` (float32 at least, whatever the
+    model computes in). A non-finite readout has no prediction: its accuracy is NaN, never the
+    argmax of NaNs."""
+    logits, full_log_probs = metric_precision(logits), metric_precision(full_log_probs)
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).clamp(min=1).to(logits.dtype)
     out: dict[str, Tensor] = {}
@@ -113,5 +129,6 @@ def per_example_metrics(
     if "kl_to_full" in metrics:
         log_probs = logits.log_softmax(-1)
         kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
+        kl = kl.clamp_min(0.0)  # KL >= 0: a negative sum is rounding, not a value (NaN stays)
         out["kl_to_full"] = (kl * scored).sum(-1) / count
     return out

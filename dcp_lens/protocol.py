@@ -50,6 +50,7 @@ from dcp_lens.metrics import (
     NEEDS_ANSWERS,
     VALIDATION,
     per_example_metrics,
+    reference_log_probs,
 )
 from dcp_lens.probe import ResidualOODProbe
 from dcp_lens.results import ProtocolResults
@@ -583,7 +584,7 @@ class DepthControlProtocol:
         for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
-            full_log_probs = full_logits.log_softmax(-1)
+            full_log_probs = reference_log_probs(full_logits)
             self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
@@ -815,21 +816,33 @@ class DepthControlProtocol:
 
 
 def task_data(
-    model: Any, task: str | None, n_eval: int, n_calibration: int, seed: int
+    model: Any,
+    task: str | None,
+    n_eval: int | None,
+    n_calibration: int | None,
+    seed: int,
+    **text_options: Any,
 ) -> tuple[EvaluationSet, EvaluationSet]:
     """Evaluation and calibration sets for a model: its planted task, the task it was trained on
-    (``model.task_config``), or ``task`` (a task name, or ``char_lm:PATH``, built with ``seed``).
+    (``model.task_config``), or ``task`` (a task name, ``char_lm:PATH``, or ``text:PATH`` in the
+    model's own tokens with ``text_options`` of `dcp_lens.tasks.text.text_task`), built with
+    ``seed``. A task with its own vocabulary is refused on a model with its own tokenizer.
 
     Returns:
-        ``(evaluation, calibration)``: ``n_eval`` and ``n_calibration`` sequences from the task's
-        disjoint evaluation and calibration splits.
+        ``(evaluation, calibration)``: ``n_eval`` and ``n_calibration`` sequences (None: 512, or
+        for a text corpus `TextLM.split_sizes`) from the task's disjoint splits.
     """
     planted = getattr(model, "planted_task", None)
     if planted is not None and task is None:
-        return planted.evaluation(n_eval), planted.calibration(n_calibration)
-    from dcp_lens.tasks import get_task
+        return planted.evaluation(n_eval or 512), planted.calibration(n_calibration or 512)
+    from dcp_lens.tasks import Task, check_task_tokens, get_task
+    from dcp_lens.tasks.text import text_task
 
-    if task is not None:
+    built: Task
+    if task is not None and task.startswith("text:"):
+        built = text_task(model, task.partition(":")[2], seed=seed, **text_options)
+        n_eval, n_calibration = built.split_sizes(n_eval, n_calibration)
+    elif task is not None:
         name, _, path = task.partition(":")
         kwargs: dict[str, Any] = {"path": path} if path else {}
         built = get_task(name, seed=seed, **kwargs)
@@ -837,15 +850,12 @@ def task_data(
         built = get_task(**model.task_config)
     else:
         raise ValueError(
-            "this model has no task of its own; pass a task name or char_lm:PATH (--task)."
+            "this model has no task of its own; pass a task name, char_lm:PATH or text:PATH "
+            "(--task)."
         )
-    if built.d_vocab > model.cfg.d_vocab:
-        raise ValueError(
-            f"task {built.describe()} has {built.d_vocab} tokens, more than the model's "
-            f"d_vocab={model.cfg.d_vocab}."
-        )
-    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval))
-    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration))
+    check_task_tokens(built, model)
+    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval or 512))
+    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration or 512))
     return evaluation, calibration
 
 

@@ -42,6 +42,7 @@ from dcp_lens.loading.checkpoint_files import (
     required_int,
     split_overrides,
 )
+from dcp_lens.loading.hf_tokenizer import load_checkpoint_tokenizer
 from dcp_lens.registry import register_loader
 from dcp_lens.validation import check_source_fields, naming_file
 
@@ -215,7 +216,9 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
             ``device`` and ``dtype`` (default: the checkpoint's dtype, on CPU).
 
     Returns:
-        A `HookedRecurrentTransformer` in eval mode with ``mean_recurrence`` iterations.
+        A `HookedRecurrentTransformer` in eval mode with ``mean_recurrence`` iterations, and
+        ``model.tokenizer`` the folder's own (`HFTokenizer`, from ``tokenizer.json``) if it ships
+        one; ``default_prepend_bos`` then follows its ``tokenizer_config.json``.
 
     Raises:
         ValueError: the config describes another architecture, or the weights miss a key, hold an
@@ -224,6 +227,9 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
     path = Path(path)
     folder = path.parent if path.is_file() else path
     config_overrides, device, dtype = split_overrides(overrides)
+    tokenizer = load_checkpoint_tokenizer(folder)
+    if tokenizer is not None:
+        config_overrides.setdefault("default_prepend_bos", tokenizer.prepends_bos)
     config_path = folder / CONFIG_FILE
     cfg = huginn_config(read_json(config_path), source=str(config_path), **config_overrides)
     checkpoint = SafetensorsCheckpoint(path)
@@ -233,4 +239,6 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
     tensors = checkpoint.read(keys, dtype=dtype)
     drop_tied_head(tensors, TIED_HEAD, "transformer.wte.weight", checkpoint.source)
     state = huginn_state_dict(tensors, cfg)
-    return build_model(HookedRecurrentTransformer, cfg, state, checkpoint.source, device=device)
+    return build_model(
+        HookedRecurrentTransformer, cfg, state, checkpoint.source, tokenizer, device=device
+    )

@@ -47,6 +47,7 @@ from dcp_lens.loading.checkpoint_files import (
     required_int,
     split_overrides,
 )
+from dcp_lens.loading.hf_tokenizer import load_checkpoint_tokenizer
 from dcp_lens.registry import register_loader
 from dcp_lens.states import capture_states
 from dcp_lens.validation import check_source_fields, naming_file
@@ -344,7 +345,9 @@ def load_ouro(path: str | Path, **overrides: Any) -> OuroRecurrentTransformer:
             (default: the checkpoint's dtype, on CPU).
 
     Returns:
-        An `OuroRecurrentTransformer` in eval mode with ``total_ut_steps`` iterations.
+        An `OuroRecurrentTransformer` in eval mode with ``total_ut_steps`` iterations, and
+        ``model.tokenizer`` the folder's own (`HFTokenizer`, from ``tokenizer.json``) if it ships
+        one; ``default_prepend_bos`` then follows its ``tokenizer_config.json``.
 
     Raises:
         ValueError: the config describes another architecture, or the weights miss a key, hold an
@@ -353,9 +356,13 @@ def load_ouro(path: str | Path, **overrides: Any) -> OuroRecurrentTransformer:
     path = Path(path)
     folder = path.parent if path.is_file() else path
     config_overrides, device, dtype = split_overrides(overrides)
+    tokenizer = load_checkpoint_tokenizer(folder)
+    if tokenizer is not None:
+        config_overrides.setdefault("default_prepend_bos", tokenizer.prepends_bos)
     if path.is_dir() and _is_save_pretrained_folder(folder):
         model = OuroRecurrentTransformer.from_pretrained(folder, device=device, **config_overrides)
         assert isinstance(model, OuroRecurrentTransformer)
+        model.tokenizer = tokenizer
         return model if dtype is None else model.to(dtype)
     config_path = folder / CONFIG_FILE
     cfg = ouro_config(read_json(config_path), source=str(config_path), **config_overrides)
@@ -366,4 +373,6 @@ def load_ouro(path: str | Path, **overrides: Any) -> OuroRecurrentTransformer:
     if cfg.tie_unembed:
         drop_tied_head(tensors, HEAD, "model.embed_tokens.weight", checkpoint.source)
     state = ouro_state_dict(tensors, cfg)
-    return build_model(OuroRecurrentTransformer, cfg, state, checkpoint.source, device=device)
+    return build_model(
+        OuroRecurrentTransformer, cfg, state, checkpoint.source, tokenizer, device=device
+    )

@@ -17,6 +17,7 @@ pair on ties), optional EOS.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import re
 import struct
@@ -140,6 +141,13 @@ class Llama2cTokenizer:
     def vocab_size(self) -> int:
         """Number of tokens."""
         return len(self.pieces)
+
+    def fingerprint(self) -> str:
+        """A hash of the pieces and scores (cache keys of token files)."""
+        digest = hashlib.sha256()
+        for piece, score in zip(self.pieces, self.scores, strict=True):
+            digest.update(struct.pack("<fi", score, len(piece)) + piece)
+        return digest.hexdigest()
 
     def id_to_piece(self, token_id: int) -> str:
         """The piece of ``token_id`` as text (a space where SentencePiece writes ``▁``)."""

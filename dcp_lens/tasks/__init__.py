@@ -17,14 +17,16 @@ from typing import Any
 from dcp_lens.errors import ConfigError, ConfigTypeError, DCPLensError
 from dcp_lens.metrics import IGNORE_INDEX
 from dcp_lens.registry import add_entry
-from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch
+from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch, check_task_tokens
 from dcp_lens.tasks.char_lm import CharLM
+from dcp_lens.tasks.text import TextLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
 from dcp_lens.validation import check_field_types
 
 TASKS: dict[str, type[Task]] = {
     VariableBinding.name: VariableBinding,
     CharLM.name: CharLM,
+    TextLM.name: TextLM,
 }
 
 
@@ -86,8 +88,10 @@ __all__ = [
     "Split",
     "Task",
     "TaskBatch",
+    "TextLM",
     "VariableBinding",
     "check_task_config",
+    "check_task_tokens",
     "get_task",
     "register_task",
 ]

@@ -117,6 +117,8 @@ class Task(ABC):
     """
 
     name: ClassVar[str]
+    # True for tasks in the model's own token ids (text); False for tasks with their own vocabulary.
+    uses_model_tokenizer: ClassVar[bool] = False
     seed: int
     n_ctx: int
 
@@ -160,6 +162,30 @@ class Task(ABC):
         params = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         params = {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()}
         return {"name": self.name, **params}
+
+
+def check_task_tokens(task: Task, model: Any) -> None:
+    """Refuse a task whose token ids mean nothing to ``model``.
+
+    Raises:
+        ValueError: the task numbers symbols by its own vocabulary (``char_lm``, variable
+            binding) but the model has its own tokenizer, or the task's ids exceed the model's
+            vocabulary.
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None and not task.uses_model_tokenizer:
+        raise ValueError(
+            f"task {task.name!r} numbers its symbols by its own vocabulary ({task.d_vocab} "
+            f"symbols), but this model has its own tokenizer ({type(tokenizer).__name__}, "
+            f"{len(tokenizer)} tokens): its token ids would mean other tokens to the model. "
+            "Use --task text:PATH to read the file in the model's own tokens."
+        )
+    d_vocab = model.cfg.d_vocab
+    if task.d_vocab > d_vocab:
+        raise ValueError(
+            f"task {task.describe()} has {task.d_vocab} tokens, more than the model's "
+            f"d_vocab={d_vocab}."
+        )
 
 
 def check_batch_request(split: str, n: int, offset: int) -> Split:
