@@ -169,8 +169,9 @@ def run_bench(
         if target.type == "cuda":
             torch.cuda.reset_peak_memory_stats(target)
 
-        def sweep() -> None:
+        def sweep() -> None:  # what `run` does before the statistics: fit, match, evaluate
             protocol.fit(calibration)
+            protocol._fit_temperatures(calibration)
             protocol._evaluate(evaluation)
 
         def naive_sweep() -> None:

@@ -84,6 +84,28 @@ class TaskBatch:
     indices: Int[Tensor, " batch"]
     metadata: dict[str, Tensor] = field(default_factory=dict)
 
+    @classmethod
+    def next_token(
+        cls,
+        stream: Int[Tensor, "batch pos_plus_1"],
+        split: Split,
+        indices: Int[Tensor, " batch"],
+        metadata: dict[str, Tensor],
+    ) -> TaskBatch:
+        """Language modelling on windows of a token stream: every position predicts the next."""
+        tokens, targets = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+        return cls(
+            tokens=tokens,
+            targets=targets,
+            scored=torch.ones_like(tokens, dtype=torch.bool),
+            attention_mask=torch.ones_like(tokens, dtype=torch.bool),
+            answer_positions=torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1),
+            answers=targets.clone(),
+            split=split,
+            indices=indices,
+            metadata=metadata,
+        )
+
     def __len__(self) -> int:
         return self.tokens.shape[0]
 

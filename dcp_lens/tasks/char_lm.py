@@ -125,17 +125,8 @@ class CharLM(Task):
             dtype=torch.long,
         )
         window = self._data[starts[:, None] + torch.arange(self.n_ctx + 1)]
-        tokens, targets = window[:, :-1].contiguous(), window[:, 1:].contiguous()
-        return TaskBatch(
-            tokens=tokens,
-            targets=targets,
-            scored=torch.ones_like(tokens, dtype=torch.bool),
-            attention_mask=torch.ones_like(tokens, dtype=torch.bool),
-            answer_positions=torch.arange(self.n_ctx).repeat(n, 1),
-            answers=targets.clone(),
-            split=split,
-            indices=torch.arange(offset, offset + n),
-            metadata={"start": starts},
+        return TaskBatch.next_token(
+            window, split, torch.arange(offset, offset + n), metadata={"start": starts}
         )
 
     def describe(self) -> str:

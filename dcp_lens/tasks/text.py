@@ -171,17 +171,9 @@ class TextLM(Task):
         if self.prepend_bos:
             bos = torch.full((n, 1), self._require_tokenizer().bos_token_id, dtype=torch.long)
             stream = torch.cat((bos, stream), dim=1)
-        tokens, targets = stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
-        return TaskBatch(
-            tokens=tokens,
-            targets=targets,
-            scored=torch.ones_like(tokens, dtype=torch.bool),
-            attention_mask=torch.ones_like(tokens, dtype=torch.bool),
-            answer_positions=torch.arange(self.n_ctx).repeat(n, 1),
-            answers=targets.clone(),
-            split=split,
-            indices=torch.from_numpy(positions),
-            metadata={"window": torch.from_numpy(windows.astype(np.int64))},
+        window = torch.from_numpy(windows.astype(np.int64))
+        return TaskBatch.next_token(
+            stream, split, torch.from_numpy(positions), metadata={"window": window}
         )
 
     def describe(self) -> str:
