@@ -302,6 +302,11 @@ def _vocab(model: Any, task: str | None, seed: int) -> list[str] | None:
 
     if hasattr(model, "planted_task") and task is None:
         return None
+    tokenizer = getattr(model, "tokenizer", None)
+    if task is not None and task.startswith("text:"):  # in the model's own tokens
+        if tokenizer is None:
+            return None
+        return [tokenizer.decode([i]) for i in range(int(model.cfg.d_vocab))]
     if task is not None:
         name, _, path = task.partition(":")
         return list(get_task(name, seed=seed, **({"path": path} if path else {})).vocab)

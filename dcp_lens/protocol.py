@@ -343,8 +343,10 @@ class DepthControlProtocol:
         Label-free: only the readouts' own distributions are used. Scaling logits does not move
         the argmax, so accuracy and top-1 agreement are unchanged; the loss metrics then compare
         what the readouts rank, not how confident a shifted frame makes them."""
+        # A few thousand scored positions fix a mean entropy well; the cost is cells x steps x
+        # positions x vocabulary, so wide vocabularies get fewer positions.
         vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
-        budget = max(64, (1 << 24) // max(1, vocabulary))
+        budget = max(64, min(2048, (1 << 21) // max(1, vocabulary)))
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
         built = {k: self._sweep_at(k) for k in self.k_grid}
@@ -355,10 +357,11 @@ class DepthControlProtocol:
             targets = calibration.targets[rows].to(self._device())
             states, full_logits = self.states(calibration.tokens[rows])
             scored = targets != IGNORE_INDEX
-            full_kept.append(full_logits[scored].double())
+            room = budget - seen
+            full_kept.append(full_logits[scored][:room].float())
             for k in self.k_grid:
                 for name, logits in self._readouts(states, built[k], full_logits).items():
-                    kept.setdefault((name, k), []).append(logits[scored].double())
+                    kept.setdefault((name, k), []).append(logits[scored][:room].float())
             seen += int(scored.sum())
         reference = _mean_entropy(torch.cat(full_kept), 1.0)
         self.temperatures = {
@@ -1002,7 +1005,7 @@ def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) ->
     if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
         return 1.0
     low, high = math.log(1e-3), math.log(1e3)
-    for _ in range(50):  # entropy rises with T
+    for _ in range(30):  # entropy rises with T; 30 halvings of log T's range: T to 1e-7
         middle = (low + high) / 2
         if _mean_entropy(logits, math.exp(middle)) < entropy:
             low = middle

@@ -381,7 +381,12 @@ def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
     record = run.get("metrics", {}).get(metric, {})
     if record.get("validated") is False:
         flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
-    rows = [row for row in run["decomposition"] if row["metric"] == metric]
+    # At k = r every factor is 0 by construction: the flags speak of the k below r.
+    rows = [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and row["k"] < run["n_iterations"]
+    ]
     for key, words in (
         ("S_identified", "S is a lower bound (calibrated states still differ from full depth)"),
         ("B_identified", "B not identified"),

@@ -13,6 +13,7 @@ import torch
 from helpers import make_model
 
 from dcp_lens import DepthControlProtocol, EvaluationSet, load
+from dcp_lens.metrics import METRICS
 from dcp_lens.report import render_report, run_record, verdict
 from dcp_lens.results import ProtocolResults
 
@@ -31,9 +32,9 @@ def test_a_loaded_model_names_its_results(planted_results) -> None:
 def test_figures_draw_every_condition_and_factor(planted_results) -> None:
     figures = planted_results.figures()
     assert set(figures) == {
-        "quality_accuracy", "decomposition_accuracy", "quality_cross_entropy",
-        "decomposition_cross_entropy", "quality_kl_to_full", "decomposition_kl_to_full", "probe",
-    }  # fmt: skip
+        *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in METRICS),
+        "probe",
+    }
     assert all(isinstance(figure, go.Figure) for figure in figures.values())
     lines = {trace.name for trace in figures["quality_accuracy"].data if trace.showlegend}
     assert lines == {"full", "truncate", "replay", "calibrate_truncate", "calibrate_replay",

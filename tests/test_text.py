@@ -22,7 +22,12 @@ HUGINN, OURO = "huginn_tiny", "ouro_tiny"
 SHAKESPEARE = data_path("tinyshakespeare.txt")
 # |bf16 - fp32| of every decomposition cell on the fixtures (README). Measured maxima: accuracy
 # 2.0e-3 (4 of 1984 argmaxes flip), cross_entropy 7.9e-4, kl_to_full 2.1e-4.
-BF16_CELL_BOUND = {"accuracy": 5e-3, "cross_entropy": 2e-3, "kl_to_full": 1e-3}
+BF16_CELL_BOUND = {
+    "accuracy": 5e-3,
+    "top1_agreement": 1e-2,  # measured 7.1e-3: a flip of either top-1 (condition or full) counts
+    "cross_entropy": 2e-3,
+    "kl_to_full": 1e-3,
+}
 
 
 @pytest.fixture(autouse=True)
