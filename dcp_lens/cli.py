@@ -256,10 +256,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     _check_arguments(args)
     _check_device(args)  # imports torch: after every check that does not need it
-    if getattr(args, "threads", None) is not None:
-        import torch
+    if getattr(args, "threads", None) is None:
+        return _dispatch(args)
+    import torch
 
-        torch.set_num_threads(args.threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _dispatch(args)
+    finally:
+        torch.set_num_threads(previous)  # main called from Python leaves torch as it found it
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args, args.command_line)
     if args.command == "report":
