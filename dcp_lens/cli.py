@@ -236,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    bench.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    bench.add_argument(
+        "--threads", type=int,
+        help="CPU threads for torch (default: torch's own, so that figures compare with a plain "
+        "PyTorch run; --threads 1 is what run uses)",
+    )  # fmt: skip
     return parser
 
 

@@ -17,13 +17,16 @@ from dcp_lens.results import read_results_json
 @pytest.mark.parametrize(
     "name,factor", [("readout_shift", "S"), ("distinct_computation", "D"), ("block_count", "B")]
 )
-def test_run_on_planted_models_recovers_the_factor(tmp_path, name, factor):
+def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, factor):
     code = main(
         ["run", "--model", f"planted:{name}", "--seed", "3", "--n-eval", "256",
          "--n-calibration", "256", "--bootstrap", "200", "--probe", "none", "--quiet",
          "--out", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
+    printed = capsys.readouterr().out.strip().splitlines()  # ends: summary, then the report
+    assert printed[-1].endswith(str(tmp_path / "report.html"))
+    assert any(line.startswith("  null control") for line in printed[-4:])
     data = json.loads((tmp_path / "results.json").read_text())
     (run,) = data["runs"]
     assert run["model"] == f"planted:{name}" and run["architecture"] == "recurrent"
