@@ -91,6 +91,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one is refused (``Path("")`` would quietly be the cwd)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; pass a file or folder")
+    return Path(text)
+
+
 def _version() -> str:
     try:
         return metadata.version("dcp-lens")
@@ -169,11 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.add_argument("--out", required=True, type=Path, help="output folder (created if needed)")
+    run.add_argument("--out", required=True, type=_path, help="output folder (created if needed)")
 
     report = command("report", "re-render report.html of a finished run folder from its files")
-    report.add_argument("folder", type=Path, help="a folder written by dcp-lens run")
-    report.add_argument("--out", type=Path, help="where to write (default: FOLDER/report.html)")
+    report.add_argument("folder", type=_path, help="a folder written by dcp-lens run")
+    report.add_argument("--out", type=_path, help="where to write (default: FOLDER/report.html)")
 
     train = command("train", "train a model on a task preset")
     train.add_argument("--preset", default="default", help="training preset: tiny or default")
@@ -181,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="training seed")
     train.add_argument("--steps", type=int, help="override the preset's number of steps")
     train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
-    train.add_argument("--out", required=True, type=Path, help="run folder (resumed if present)")
+    train.add_argument("--out", required=True, type=_path, help="run folder (resumed if present)")
 
     experiment = command(
         "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
@@ -207,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{os.cpu_count() or 1} here)",
     )  # fmt: skip
     experiment.add_argument("--quiet", action="store_true", help="no progress bars")
-    experiment.add_argument("--out", required=True, type=Path, help="experiment folder (resumed)")
+    experiment.add_argument("--out", required=True, type=_path, help="experiment folder (resumed)")
 
     validate = command(
         "validate", "the protocol on every planted model of known answer, on every metric"
@@ -221,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     validate.add_argument("--quiet", action="store_true", help="no progress bars")
     validate.add_argument(
-        "--out", type=Path,
+        "--out", type=_path,
         help="write validation.json and validation.md here (default: print only)",
     )  # fmt: skip
 
@@ -321,10 +328,11 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{args.folder / 'results.json'} does not exist; pass a folder written by dcp-lens run."
         )
-    if args.command == "report" and args.out is not None and args.out.suffix:
-        check_output_folder(args.out.parent, "--out")  # a file name: its folder must be writable
-    else:
-        check_output_folder(getattr(args, "out", None) or ".", "--out")
+    out = getattr(args, "out", None)
+    if args.command == "report" and out is not None and out.suffix:
+        check_output_folder(out.parent, "--out")  # a file name: its folder must be writable
+    elif out is not None:
+        check_output_folder(out, "--out")
 
 
 def _check_device(args: argparse.Namespace) -> None:

@@ -84,6 +84,7 @@ cases = [
     ["bench", "--d-model", "0"],
     ["experiment", "training-intervention", "--seeds", "0,a", "--out", str(folder / "o")],
     ["run", "--out"],
+    ["run", "--out", ""],  # not the current folder
     ["run", "--version-typo", "--out", str(folder / "o")],
 ]
 codes = []
@@ -103,11 +104,11 @@ def test_argument_errors_exit_2_before_torch_is_imported():
         [sys.executable, "-c", ARGUMENT_ERRORS], capture_output=True, text=True, check=True
     )
     result = json.loads(done.stdout.splitlines()[-1])
-    assert result["codes"] == [2] * 12
+    assert result["codes"] == [2] * 13
     assert result["torch"] is False, "an argument error imported torch"
     assert result["written"] == ["file"]  # no work started: no output folder made
     errors = done.stderr.strip().splitlines()
-    assert len(errors) == 12 and all(": error: " in line for line in errors), errors
+    assert len(errors) == 13 and all(": error: " in line for line in errors), errors
 
 
 def test_help_is_plain_text_with_defaults_specs_and_an_example(capsys):
