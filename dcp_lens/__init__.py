@@ -1,10 +1,29 @@
-"""dcp-lens: the Depth Control Protocol for depth-recurrent transformers, on TransformerLens 4."""
+"""dcp-lens: the Depth Control Protocol for depth-recurrent transformers, on TransformerLens 4.
 
-from dcp_lens.config import RecurrentConfig
-from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.probe import ResidualOODProbe
-from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
-from dcp_lens.registry import load
+The names below are imported on first access, so that ``import dcp_lens.cli`` (the
+``dcp-lens`` command) parses its arguments without loading torch and TransformerLens.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dcp_lens.config import RecurrentConfig
+    from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+    from dcp_lens.probe import ResidualOODProbe
+    from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
+    from dcp_lens.registry import load
+
+_EXPORTS = {
+    "DepthControlProtocol": "dcp_lens.protocol",
+    "EvaluationSet": "dcp_lens.protocol",
+    "HookedRecurrentTransformer": "dcp_lens.hooked_recurrent_transformer",
+    "RecurrentConfig": "dcp_lens.config",
+    "ResidualOODProbe": "dcp_lens.probe",
+    "load": "dcp_lens.registry",
+}
 
 __all__ = [
     "DepthControlProtocol",
@@ -14,3 +33,22 @@ __all__ = [
     "ResidualOODProbe",
     "load",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name, or a submodule (``dcp_lens.hooks``), imported on first access."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,6 +1,5 @@
-"""The ``dcp-lens`` command line: ``run`` (diagnose models), ``report`` (re-render a finished
-run's report.html), ``train``, ``experiment`` (the controlled training intervention),
-``validate`` (the planted models) and ``bench`` (what it costs)."""
+"""The dcp-lens command line. It parses and checks its arguments before importing torch, so
+that help and argument errors are instant; each command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -10,26 +9,62 @@ import shlex
 import sys
 import warnings
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
-
-from dcp_lens.devices import check_device
 from dcp_lens.errors import ConfigError, DCPLensError
-from dcp_lens.incomplete import mark_complete, mark_incomplete
+from dcp_lens.incomplete import check_output_folder, mark_complete, mark_incomplete
 from dcp_lens.memory import limit_heap_fragmentation
-from dcp_lens.protocol import DepthControlProtocol, EvaluationSet, task_data
-from dcp_lens.registry import load
-from dcp_lens.report import format_summary
-from dcp_lens.results import ProtocolResults, write_results_json
-from dcp_lens.validation import check_output_folder
+
+if TYPE_CHECKING:
+    from dcp_lens.protocol import EvaluationSet
+    from dcp_lens.results import ProtocolResults
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 EXPERIMENTS = ("training-intervention",)
+PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge")  # model specs KIND:PATH of local files
+TASK_FILES = ("char_lm", "text")
 K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
+# Measured with `dcp-lens run --quiet` on this project's busy 2-core machine (README, Command
+# line): one thread was fastest; OpenMP threads spin-wait for a core another process holds.
+DEFAULT_THREADS = 1
+THREADS_HELP = "CPU threads for torch (1 was fastest here: see README)"
 
+DESCRIPTION = """\
+The Depth Control Protocol for depth-recurrent transformers: split the gap between full depth
+and truncated depth into readout shift (S), block applications (B) and distinct computation (D).
+Run dcp-lens COMMAND --help for a command's options, their defaults and an example."""
+
+# Kept in step with the registry by tests/test_cli.py (the names are listed here so that help
+# does not import the loaders).
+MODEL_SPECS = """\
+model specs (--model, --dense):
+  default, default-every-iteration, default-dense
+                    the bundled models (recurrent; trained every iteration; the dense control)
+  planted:NAME      a planted model whose answer is known; NAME is one of readout_shift,
+                    distinct_computation, block_count, readout_shift_by_token_type,
+                    readout_shift_by_position, mixture_shift_distinct, mixture_shift_blocks,
+                    readout_shift_soft, distinct_computation_soft, block_count_soft
+  huginn:PATH       a local Huginn-0125 checkpoint folder (config.json and safetensors)
+  ouro:PATH         a local Ouro checkpoint folder
+  llama2c:PATH      a llama2.c checkpoint (.bin, or a folder with it and its tokenizer); dense
+  bridge:PATH       a local Hugging Face folder through a TransformerLens TransformerBridge; dense
+  PATH              a folder written by save_pretrained (dcp-lens train writes RUN/model)"""
+
+EXAMPLES = {
+    "run": "example:\n  dcp-lens run --model planted:readout_shift --out out/planted\n"
+    "  dcp-lens run --out out/default   (the bundled default and default-dense)",
+    "report": "example:\n  dcp-lens report out/default",
+    "train": "example:\n  dcp-lens train --preset tiny --out runs/tiny && "
+    "dcp-lens run --model runs/tiny/model --out runs/tiny/dcp",
+    "experiment": "example:\n  dcp-lens experiment training-intervention --preset tiny "
+    "--seeds 0,1 --out runs/intervention",
+    "validate": "example:\n  dcp-lens validate --models readout_shift,block_count "
+    "--out out/validate",
+    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch 4 --seq 32 --json",
+}
 
 # Failures reported as one line with exit code 2: dcp-lens's own errors and the ones torch and the
 # OS raise on bad input (an unavailable file, a failed allocation).
@@ -43,63 +78,123 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="dcp-lens", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; an option's default appended to its help unless
+    the help already says it or there is none to show (None, a flag's False)."""
 
-    run = commands.add_parser("run", help="run the Depth Control Protocol on models")
-    run.add_argument("--model", help=f"model spec (default: {DEFAULT_MODEL!r})")
-    run.add_argument("--dense", help="a dense model spec to run as the negative control")
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        shown = "(default" in text or default is None or default is False
+        if shown or default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def _path(text: str) -> Path:
+    """A path argument; an empty one is refused (``Path("")`` would quietly be the cwd)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; pass a file or folder")
+    return Path(text)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dcp-lens")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dcp-lens`` argument parser; builds fast, imports nothing heavy."""
+    parser = _Parser(
+        prog="dcp-lens", description=DESCRIPTION, epilog=f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
+        formatter_class=_HelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"dcp-lens {_version()}")
+    commands = parser.add_subparsers(
+        title="commands", dest="command", required=True, parser_class=_Parser, metavar="COMMAND"
+    )
+
+    def command(name: str, summary: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = commands.add_parser(
+            name, help=summary, description=summary, formatter_class=_HelpFormatter,
+            epilog=epilog or EXAMPLES[name],
+        )  # fmt: skip
+        return sub
+
+    run = command(
+        "run", "run the Depth Control Protocol on a model and its dense control",
+        f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
+    )  # fmt: skip
+    run.add_argument(
+        "--model", metavar="SPEC",
+        help=f"model spec, see below (default: {DEFAULT_MODEL}, with {DEFAULT_DENSE} as --dense)",
+    )  # fmt: skip
+    run.add_argument(
+        "--dense", metavar="SPEC",
+        help=f"a dense model spec run as the negative control (default: {DEFAULT_DENSE} when "
+        "--model is not given, else none)",
+    )  # fmt: skip
     run.add_argument(
         "--task", help="task name, char_lm:PATH or text:PATH (default: the model's own task)"
     )
     run.add_argument("--k", help=K_HELP)
     run.add_argument("--metrics", help="comma-separated metrics (default: all the task defines)")
     run.add_argument(
-        "--n-eval", type=int, help="evaluation sequences (default 512; text: every window left)"
+        "--n-eval", type=int, help="evaluation sequences (default: 512; text: every window left)"
     )
     run.add_argument(
-        "--n-calibration", type=int, help="calibration sequences (default 512; text: see README)"
+        "--n-calibration", type=int, help="calibration sequences (default: 512; text: see README)"
     )
-    run.add_argument("--max-tokens", type=int, help="text: use at most this many corpus tokens")
-    run.add_argument("--seq-len", type=int, help="text: tokens per window (default: n_ctx, <= 128)")
+    run.add_argument(
+        "--max-tokens", type=int, help="text: use at most this many corpus tokens (default: all)"
+    )
+    run.add_argument(
+        "--seq-len", type=int, help="text: tokens per window (default: n_ctx, at most 128)"
+    )
     run.add_argument("--text-field", default="text", help="text: the field of a .jsonl record")
-    run.add_argument("--token-dtype", choices=("uint16", "uint32"), help="text: ids of a .bin")
-    run.add_argument("--batch-size", type=int, default=64)
+    run.add_argument(
+        "--token-dtype", choices=("uint16", "uint32"),
+        help="text: ids of a pre-tokenized .bin (default: from the vocabulary size)",
+    )  # fmt: skip
+    run.add_argument("--batch-size", type=int, default=64, help="sequences per forward pass")
     run.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap draws")
     run.add_argument(
-        "--calibration-mode", default="full", choices=("mean", "diag", "full", "mixture")
-    )
-    run.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--device", default="cpu")
+        "--calibration-mode", default="full", choices=("mean", "diag", "full", "mixture"),
+        help="the affine map fitted by calibrate",
+    )  # fmt: skip
     run.add_argument(
-        "--dtype",
-        choices=tuple(DTYPES),
+        "--probe", default="trajectory", choices=("trajectory", "none"),
+        help="the residual OOD probe over iterations, or none",
+    )  # fmt: skip
+    run.add_argument("--seed", type=int, default=0, help="seed of splits, noise and bootstrap")
+    run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    run.add_argument(
+        "--dtype", choices=DTYPES,
         help="compute in this dtype (default: the model's); statistics stay float64",
-    )
+    )  # fmt: skip
+    run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.add_argument("--out", required=True, type=Path, help="output folder")
+    run.add_argument("--out", required=True, type=_path, help="output folder (created if needed)")
 
-    report = commands.add_parser(
-        "report", help="re-render report.html of a finished run folder from its results.json"
-    )
-    report.add_argument("folder", type=Path, help="a folder written by dcp-lens run")
-    report.add_argument("--out", type=Path, help="where to write (default: FOLDER/report.html)")
+    report = command("report", "re-render report.html of a finished run folder from its files")
+    report.add_argument("folder", type=_path, help="a folder written by dcp-lens run")
+    report.add_argument("--out", type=_path, help="where to write (default: FOLDER/report.html)")
 
-    train = commands.add_parser("train", help="train a model on a task preset")
-    train.add_argument("--preset", default="default", help="training preset (tiny, default)")
-    train.add_argument("--regime", default="fixed", help="fixed, sampled, every-iteration, dense")
-    train.add_argument("--seed", type=int, default=0)
+    train = command("train", "train a model on a task preset")
+    train.add_argument("--preset", default="default", help="training preset: tiny or default")
+    train.add_argument("--regime", default="fixed", help="fixed, sampled, every-iteration or dense")
+    train.add_argument("--seed", type=int, default=0, help="training seed")
     train.add_argument("--steps", type=int, help="override the preset's number of steps")
     train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
-    train.add_argument("--out", required=True, type=Path, help="run folder (resumed if present)")
+    train.add_argument("--out", required=True, type=_path, help="run folder (resumed if present)")
 
-    experiment = commands.add_parser(
-        "experiment", help="run an experiment: training-intervention (docs/design.md §6)"
+    experiment = command(
+        "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
     )
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
-    experiment.add_argument("--preset", default="default", help="training preset (tiny, default)")
+    experiment.add_argument("--preset", default="default", help="training preset: tiny or default")
     experiment.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
     experiment.add_argument(
         "--dense-seeds", help="seeds of the dense control (default: the first of --seeds)"
@@ -108,19 +203,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     experiment.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     experiment.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
     experiment.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
-    experiment.add_argument("--probe", default="trajectory", choices=("trajectory", "none"))
-    experiment.add_argument("--device", default="cpu")
     experiment.add_argument(
-        "--jobs",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="trainings at once, one process and thread each (default: the CPU count)",
-    )
+        "--probe", default="trajectory", choices=("trajectory", "none"),
+        help="the residual OOD probe over iterations, or none",
+    )  # fmt: skip
+    experiment.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    experiment.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1,
+        help="trainings at once, one process and one thread each (default: the CPU count, "
+        f"{os.cpu_count() or 1} here)",
+    )  # fmt: skip
     experiment.add_argument("--quiet", action="store_true", help="no progress bars")
-    experiment.add_argument("--out", required=True, type=Path, help="experiment folder (resumed)")
+    experiment.add_argument("--out", required=True, type=_path, help="experiment folder (resumed)")
 
-    validate = commands.add_parser(
-        "validate", help="DCP on every planted model of known ground truth, on every metric"
+    validate = command(
+        "validate", "the protocol on every planted model of known answer, on every metric"
     )
     validate.add_argument("--models", help="comma-separated planted models (default: all)")
     validate.add_argument("--metrics", help="comma-separated metrics (default: all)")
@@ -128,22 +225,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     validate.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
     validate.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
     validate.add_argument("--seed", type=int, default=0, help="seed of the models and splits")
+    validate.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     validate.add_argument("--quiet", action="store_true", help="no progress bars")
-    validate.add_argument("--out", type=Path, help="write validation.json and validation.md here")
+    validate.add_argument(
+        "--out", type=_path,
+        help="write validation.json and validation.md here (default: print only)",
+    )  # fmt: skip
 
-    bench = commands.add_parser("bench", help="cost of the sweep, naive sweep, hooks-off forward")
+    bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--d-model", type=int, default=256)
-    bench.add_argument("--n-core", type=int, default=2)
-    bench.add_argument("--iterations", type=int, default=16)
-    bench.add_argument("--batch", type=int, default=16)
-    bench.add_argument("--seq", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--d-model", type=int, default=256, help="width of the benchmark model")
+    bench.add_argument("--n-core", type=int, default=2, help="blocks in the recurrent core")
+    bench.add_argument("--iterations", type=int, default=16, help="iterations r of the core")
+    bench.add_argument("--batch", type=int, default=16, help="sequences per batch")
+    bench.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    bench.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
-    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
+    bench.add_argument(
+        "--threads", type=int,
+        help="CPU threads for torch (default: torch's own, so that figures compare with a plain "
+        "PyTorch run; --threads 1 is what run uses)",
+    )  # fmt: skip
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     limit_heap_fragmentation()
     with warnings.catch_warnings():  # restores how warnings are shown when main returns
         warnings.showwarning = _show_warning
@@ -157,6 +266,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace) -> int:
     _check_arguments(args)
+    _check_device(args)  # imports torch: after every check that does not need it
+    if getattr(args, "threads", None) is None:
+        return _dispatch(args)
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _dispatch(args)
+    finally:
+        torch.set_num_threads(previous)  # main called from Python leaves torch as it found it
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return _run(args, args.command_line)
     if args.command == "report":
@@ -179,8 +302,8 @@ def _command(args: argparse.Namespace) -> int:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    """Everything that can be checked before any work: empty specs and lists, counts, the
-    output folder and the device."""
+    """Everything that can be checked before torch is imported and any work starts: empty specs
+    and lists, counts, integer lists and the output folder."""
     for flag in ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes"):
         value = getattr(args, flag, None)
         if value is not None and not value.strip():
@@ -189,6 +312,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     minimums = {
         "n_eval": 1, "n_calibration": 1, "batch_size": 1, "bootstrap": 0, "jobs": 1, "steps": 1,
         "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1,
+        "threads": 1, "max_tokens": 1, "seq_len": 1,
     }  # fmt: skip
     for name, minimum in minimums.items():
         value = getattr(args, name, None)
@@ -196,9 +320,28 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {minimum}.")
     for name in ("k", "seeds", "dense_seeds"):
         _ints(getattr(args, name, None), f"--{name.replace('_', '-')}")
-    check_output_folder(getattr(args, "out", None) or ".", "--out")
-    if getattr(args, "device", None) is not None:
-        check_device(args.device)
+    for flag, kinds in (("model", PATH_KINDS), ("dense", PATH_KINDS), ("task", TASK_FILES)):
+        kind, _, path = (getattr(args, flag, None) or "").partition(":")
+        if kind in kinds and path and not Path(path).exists():
+            raise ConfigError(f"--{flag} {kind}:{path}: {path} does not exist; pass a local path.")
+    if args.command == "report" and not (args.folder / "results.json").is_file():
+        raise ConfigError(
+            f"{args.folder / 'results.json'} does not exist; pass a folder written by dcp-lens run."
+        )
+    out = getattr(args, "out", None)
+    if args.command == "report" and out is not None and out.suffix:
+        check_output_folder(out.parent, "--out")  # a file name: its folder must be writable
+    elif out is not None:
+        check_output_folder(out, "--out")
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    """An unavailable ``--device`` is refused before any model is loaded."""
+    device = getattr(args, "device", None)
+    if device is not None and device.strip() != "cpu":
+        from dcp_lens.devices import check_device
+
+        check_device(device)
 
 
 def _one_line(error: BaseException) -> str:
@@ -215,13 +358,18 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 
 def _run(args: argparse.Namespace, command: str) -> int:
-    from dcp_lens.report import write_report
+    import torch
+
+    from dcp_lens.protocol import DepthControlProtocol, task_data
+    from dcp_lens.registry import load
+    from dcp_lens.report import format_summary, write_report
     from dcp_lens.report_data import (
         REPORT_DATA,
         collect_report_data,
         environment,
         write_report_data,
     )
+    from dcp_lens.results import write_results_json
 
     specs = [(args.model or DEFAULT_MODEL, False)]
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
@@ -241,7 +389,8 @@ def _run(args: argparse.Namespace, command: str) -> int:
         token_dtype=args.token_dtype,
     ) if is_text else {}  # fmt: skip
     for spec, is_negative_control in specs:
-        model = load(spec).to(device=args.device, dtype=DTYPES.get(args.dtype)).eval()
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        model = load(spec).to(device=args.device, dtype=dtype).eval()
         if is_negative_control and not model.is_dense:
             raise ValueError(
                 f"--dense {spec!r} is not a dense model (it has a weight-shared core)."
@@ -267,12 +416,13 @@ def _run(args: argparse.Namespace, command: str) -> int:
         mark_incomplete(args.out, "dcp-lens run")
         folder = results.save(args.out / _folder_name(spec))
         write_report_data([extra], folder / REPORT_DATA, command=command, environment=environment())
-        print(format_summary(results))
     write_results_json(runs, args.out / "results.json")
     write_report_data(extras, args.out / REPORT_DATA, command=command, environment=environment())
     report = write_report(runs, args.out, _report_data(args.out))
     mark_complete(args.out)
-    print(f"wrote {args.out / 'results.json'}; open {report}")
+    for results in runs:  # the console ends with the shares, their flags and where to look
+        print(format_summary(results))
+    print(f"\nwrote {args.out / 'results.json'}; open {report}")
     return 0
 
 
@@ -280,12 +430,10 @@ def _report(args: argparse.Namespace) -> int:
     from dcp_lens.report import write_report
     from dcp_lens.results import read_results_json
 
-    source = args.folder / "results.json"
-    if not source.is_file():
-        raise FileNotFoundError(f"{source} does not exist; pass a folder written by dcp-lens run.")
     report = write_report(
-        read_results_json(source), args.out or args.folder, _report_data(args.folder)
-    )
+        read_results_json(args.folder / "results.json"), args.out or args.folder,
+        _report_data(args.folder),
+    )  # fmt: skip
     print(f"wrote {report}")
     return 0
 

@@ -1,4 +1,5 @@
-"""An explicit marker on an output folder whose run has not finished.
+"""Output folders: checked before a run (`check_output_folder`), and an explicit marker on
+one whose run has not finished.
 
 ``dcp-lens run`` writes each model's results as it goes; a run killed after its first model
 would leave ``DIR/default/results.json`` valid while the rest is missing. So the folder carries
@@ -9,11 +10,32 @@ read results from a marked folder or from a folder inside one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from dcp_lens.errors import IncompleteRunError
+from dcp_lens.errors import ConfigError, IncompleteRunError
 
 MARKER = "INCOMPLETE"
+
+
+def check_output_folder(path: str | Path, flag: str = "out") -> Path:
+    """``path`` as an output folder, checked before any work: refused if it is a file, if a
+    folder above it is a file, or if the folder (or the nearest existing one above) is not
+    writable."""
+    path = Path(path)
+    if not str(path).strip():
+        raise ConfigError(f"{flag} is empty; pass an output folder.")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"{flag} {path} is an existing file, not a folder; pass a folder path (it is "
+            "created if needed)."
+        )
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file; no folder can be made below it.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {existing} is not writable; pass a writable folder.")
+    return path
 
 
 def mark_incomplete(folder: str | Path, command: str) -> Path:
@@ -45,4 +67,4 @@ def check_complete(folder: str | Path) -> None:
             )
 
 
-__all__ = ["MARKER", "check_complete", "mark_complete", "mark_incomplete"]
+__all__ = ["MARKER", "check_complete", "check_output_folder", "mark_complete", "mark_incomplete"]

@@ -57,6 +57,8 @@ def flag_lines(results: ProtocolResults) -> list[str]:
             "there, so B = I_BS = 0 by construction, not by measurement"
         )
     for metric, decomposition in results.decompositions.items():
+        if _overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
+            lines.append(f"{metric}: {OVERSHOOT}")
         if not decomposition.validated:
             lines.append(f"{metric} not validated: {decomposition.validation_reason}")
         if not decomposition.stable:
@@ -65,6 +67,17 @@ def flag_lines(results: ProtocolResults) -> list[str]:
                 "mean nothing"
             )
     return lines
+
+
+OVERSHOOT = (
+    "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
+    "make up for it (calibration also changes confidence; README: Shares below 0 or above 1)"
+)
+
+
+def _overshoots(metric: str, shares: Sequence[float]) -> bool:
+    """A share outside [0, 1] (beyond 0.05) on a loss metric, where `OVERSHOOT` explains it."""
+    return metric != "accuracy" and any(v < -0.05 or v > 1.05 for v in shares if math.isfinite(v))
 
 
 def _ks(ks: list[int]) -> str:
@@ -394,12 +407,8 @@ def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
         ks = [str(row["k"]) for row in rows if row.get(key) is False]
         if ks:
             flags.append(f"{words} at k = {', '.join(ks)}")
-    values = [share.get(factor, math.nan) for factor in FACTORS]
-    if metric != "accuracy" and any(v < -0.05 or v > 1.05 for v in values if math.isfinite(v)):
-        flags.append(
-            "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and "
-            "another make up for it (calibration also changes confidence)"
-        )
+    if _overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
+        flags.append(OVERSHOOT)
     if not run["replay_realizable"]:
         flags.append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
     null = run["null_control"].get("max_abs_logit_diff", math.nan)

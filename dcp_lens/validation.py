@@ -310,19 +310,6 @@ def check_inside(file: Path, folder: Path) -> None:
         )
 
 
-def check_output_folder(path: str | Path, flag: str = "out") -> Path:
-    """``path`` as an output folder: refused if it exists and is not a folder."""
-    path = Path(path)
-    if not str(path).strip():
-        raise ConfigError(f"{flag} is empty; pass an output folder.")
-    if path.exists() and not path.is_dir():
-        raise ConfigError(
-            f"{flag} {path} is an existing file, not a folder; pass a folder path (it is "
-            "created if needed)."
-        )
-    return path
-
-
 # ----------------------------------------------------------------------------- weights
 
 
@@ -370,7 +357,6 @@ __all__ = [
     "check_finite",
     "check_inside",
     "check_limit",
-    "check_output_folder",
     "check_source_fields",
     "describe_type",
     "naming_file",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from dcp_lens.cli import main
 from dcp_lens.results import read_results_json
@@ -13,13 +17,16 @@ from dcp_lens.results import read_results_json
 @pytest.mark.parametrize(
     "name,factor", [("readout_shift", "S"), ("distinct_computation", "D"), ("block_count", "B")]
 )
-def test_run_on_planted_models_recovers_the_factor(tmp_path, name, factor):
+def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, factor):
     code = main(
         ["run", "--model", f"planted:{name}", "--seed", "3", "--n-eval", "256",
          "--n-calibration", "256", "--bootstrap", "200", "--probe", "none", "--quiet",
          "--out", str(tmp_path)]
     )  # fmt: skip
     assert code == 0
+    printed = capsys.readouterr().out.strip().splitlines()  # ends: summary, then the report
+    assert printed[-1].endswith(str(tmp_path / "report.html"))
+    assert any(line.startswith("  null control") for line in printed[-4:])
     data = json.loads((tmp_path / "results.json").read_text())
     (run,) = data["runs"]
     assert run["model"] == f"planted:{name}" and run["architecture"] == "recurrent"
@@ -55,3 +62,124 @@ def test_bench_json_reports_the_design_keys(capsys):
         assert result[key] > 0, key
     assert result["model"]["n_layers"] == 1 + 2 * 3 + 1
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
+
+
+# ------------------------------------------------------------------ arguments before torch
+
+ARGUMENT_ERRORS = """
+import json, sys, tempfile
+from pathlib import Path
+from dcp_lens.cli import main
+folder = Path(tempfile.mkdtemp())
+(folder / "file").write_text("not a folder")
+cases = [
+    ["run", "--k", "x", "--out", str(folder / "o")],
+    ["run", "--out", str(folder / "file")],
+    ["run", "--out", str(folder / "file" / "below")],
+    ["run", "--threads", "0", "--out", str(folder / "o")],
+    ["run", "--model", "huginn:" + str(folder / "absent"), "--out", str(folder / "o")],
+    ["run", "--model", " ", "--out", str(folder / "o")],
+    ["run", "--task", "text:" + str(folder / "absent.txt"), "--out", str(folder / "o")],
+    ["report", str(folder)],
+    ["bench", "--d-model", "0"],
+    ["experiment", "training-intervention", "--seeds", "0,a", "--out", str(folder / "o")],
+    ["run", "--out"],
+    ["run", "--out", ""],  # not the current folder
+    ["run", "--version-typo", "--out", str(folder / "o")],
+]
+codes = []
+for argv in cases:
+    try:
+        codes.append(main(argv))
+    except SystemExit as exit:
+        codes.append(exit.code)
+print(json.dumps({"codes": codes, "torch": "torch" in sys.modules,
+                  "written": sorted(p.name for p in folder.iterdir())}))
+"""
+
+
+def test_argument_errors_exit_2_before_torch_is_imported():
+    """`dcp-lens --help` and argument errors are instant because nothing heavy is imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", ARGUMENT_ERRORS], capture_output=True, text=True, check=True
+    )
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["codes"] == [2] * 13
+    assert result["torch"] is False, "an argument error imported torch"
+    assert result["written"] == ["file"]  # no work started: no output folder made
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 13 and all(": error: " in line for line in errors), errors
+
+
+def test_help_is_plain_text_with_defaults_specs_and_an_example(capsys):
+    for command in ("", "run", "report", "train", "experiment", "validate", "bench"):
+        with pytest.raises(SystemExit) as exit:
+            main([*command.split(), "--help"])
+        assert exit.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text and "§" not in text, command
+        assert "example:\n  dcp-lens " in text, command
+        if command:
+            assert "(default: " in text, command
+        if command == "run":
+            assert "paired bootstrap draws (default: 1000)" in " ".join(text.split())
+
+
+def test_help_lists_every_registered_model_spec(capsys):
+    from dcp_lens import planted
+    from dcp_lens.registry import LOADERS, NAMED, _import_builtin_kinds
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    _import_builtin_kinds()
+    for kind in LOADERS:
+        assert f"{kind}:" in text, kind
+    for name in [*NAMED, *planted.PLANTED]:
+        assert name in text, name
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dcp-lens {metadata.version('dcp-lens')}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to any folder")
+def test_an_unwritable_out_folder_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["run", "--out", str(locked / "run")]) == 2
+    finally:
+        locked.chmod(0o700)
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_threads_applies_to_the_command_and_is_restored(capsys):
+    before = torch.get_num_threads()
+    code = main(
+        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2", "--batch",
+         "1", "--seq", "4", "--repeats", "1", "--no-naive"]
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["threads"] == 2
+    assert torch.get_num_threads() == before
+
+
+def test_the_package_imports_its_names_lazily():
+    code = (
+        "import sys, dcp_lens\n"
+        "assert 'torch' not in sys.modules\n"
+        "from dcp_lens import DepthControlProtocol, load\n"
+        "assert callable(load) and dcp_lens.DepthControlProtocol is DepthControlProtocol\n"
+        "assert dcp_lens.hooks.truncate is not None\n"
+        "assert set(dcp_lens.__all__) <= set(dir(dcp_lens))\n"
+        "try:\n    dcp_lens.no_such_name\nexcept AttributeError:\n    print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from dcp_lens.devices import check_device
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.incomplete import check_output_folder
 from dcp_lens.tasks import Task
 from dcp_lens.training.checkpoint import (
     RunState,
@@ -54,7 +55,6 @@ from dcp_lens.training.config import (
 )
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
 from dcp_lens.training.regimes import build_model, regime_loss
-from dcp_lens.validation import check_output_folder
 
 
 @dataclass
