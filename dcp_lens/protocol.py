@@ -346,12 +346,15 @@ class DepthControlProtocol:
         # A few thousand scored positions fix a mean entropy well; the cost is cells x steps x
         # positions x vocabulary, so wide vocabularies get fewer positions.
         vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
-        budget = max(64, min(2048, (1 << 21) // max(1, vocabulary)))
+        budget = max(64, min(256, (1 << 18) // max(1, vocabulary)))
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
         built = {k: self._sweep_at(k) for k in self.k_grid}
         seen = 0
-        for rows in calibration.batches(self.batch_size):
+        # Only as many sequences as the budget needs: the readouts are the cost.
+        per_sequence = max(1, int(calibration.scored.sum()) // len(calibration))
+        batch_size = min(self.batch_size, -(-budget // per_sequence))
+        for rows in calibration.batches(batch_size):
             if seen >= budget:
                 break
             targets = calibration.targets[rows].to(self._device())
@@ -1005,7 +1008,7 @@ def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) ->
     if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
         return 1.0
     low, high = math.log(1e-3), math.log(1e3)
-    for _ in range(30):  # entropy rises with T; 30 halvings of log T's range: T to 1e-7
+    for _ in range(20):  # entropy rises with T; 20 halvings of log T
         middle = (low + high) / 2
         if _mean_entropy(logits, math.exp(middle)) < entropy:
             low = middle

@@ -113,7 +113,7 @@ def test_confidence_matching_finds_the_temperature_of_the_reference_entropy():
     logits = torch.randn(200, 10, generator=generator, dtype=torch.float64)
     target = _mean_entropy(logits, 0.5)
     temperature = _matching_temperature(logits * 3.0, target)
-    assert temperature == pytest.approx(1.5, rel=1e-6)
+    assert temperature == pytest.approx(1.5, rel=1e-4)
     assert _matching_temperature(logits.fill_(math.nan), 1.0) == 1.0
 
 
