@@ -71,7 +71,10 @@ def test_a_registered_condition_joins_the_sweep_results_and_equivalence(
 ):
     model = make_model()
     evaluation, calibration = lm_sets(model)
-    protocol = DepthControlProtocol(model, n_bootstrap=20, probe="none", progress=False)
+    # Raw loss values (no confidence matching), so that halfway(r) is exactly full depth.
+    protocol = DepthControlProtocol(
+        model, n_bootstrap=20, probe="none", match_confidence=False, progress=False
+    )
     results = protocol.run(evaluation, calibration)
     curves = results.curves()
     halfway = curves[curves["condition"] == "halfway"]
