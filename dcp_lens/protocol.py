@@ -1007,6 +1007,8 @@ def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) ->
     on log T in [1e-3, 1e3]; the nearer end where it is out of reach; 1.0 if non-finite)."""
     if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
         return 1.0
+    if abs(_mean_entropy(logits, 1.0) - entropy) <= 1e-6 * max(1.0, entropy):
+        return 1.0  # already matched (full depth itself, replay(r) = truncate(r) = full)
     low, high = math.log(1e-3), math.log(1e3)
     for _ in range(20):  # entropy rises with T; 20 halvings of log T
         middle = (low + high) / 2
