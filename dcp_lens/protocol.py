@@ -591,7 +591,7 @@ class DepthControlProtocol:
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
             full_log_probs = reference_log_probs(full_logits)
-            self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
+            reference = self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
                 for name, logits in readouts.items():
@@ -609,7 +609,6 @@ class DepthControlProtocol:
                 halves = self.model.readout(self.calibration_null(states[self.r]))
                 halves_diff = _nan_max(halves_diff, _max_diff(halves, full_logits))
                 moved = per_example_metrics(halves, full_log_probs, targets, self.metrics)
-                reference = per_example_metrics(full_logits, full_log_probs, targets, self.metrics)
                 for metric in self.metrics:
                     change = (moved[metric] - reference[metric]).double().sum()
                     halves_change[metric] = halves_change.get(metric, 0.0) + float(change)
@@ -695,11 +694,12 @@ class DepthControlProtocol:
         logits: Tensor,
         full_log_probs: Tensor,
         targets: Tensor,
-    ) -> None:
-        for metric, value in per_example_metrics(
-            logits, full_log_probs, targets, self.metrics
-        ).items():
+    ) -> dict[str, Tensor]:
+        """Append each metric's per-example values for ``cell``; returns them."""
+        values = per_example_metrics(logits, full_log_probs, targets, self.metrics)
+        for metric, value in values.items():
             per_example.setdefault((metric, *cell), []).append(value)
+        return values
 
     def _probe(self, reference: Tensor | None, states: dict[str, Any]) -> dict[str, Any]:
         usable = [reference, states["held_out"]]
