@@ -234,9 +234,13 @@ def _run(args: argparse.Namespace, command: str) -> int:
     """``dcp-lens run``, on every rank of a torchrun process group (rank 0 writes)."""
     args.device = distributed.init_from_environment(args.device)
     try:
-        return _run_models(args, command)
-    finally:
-        distributed.finish()
+        code = _run_models(args, command)
+    except BaseException:
+        # No barrier: this rank exits non-zero and torchrun stops the others.
+        distributed.finish(wait=False)
+        raise
+    distributed.finish()
+    return code
 
 
 def _run_models(args: argparse.Namespace, command: str) -> int:
@@ -266,7 +270,8 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
         token_dtype=args.token_dtype,
     ) if is_text else {}  # fmt: skip
     main = distributed.is_main()
-    if not _prepare_folder(args, main):
+    # Rank 0 checks and prepares the folder; no rank starts before it has.
+    if not distributed.broadcast_from_main(_prepare_folder(args) if main else None):
         return 0
     for spec, is_negative_control in specs:
         folder = args.out / _folder_name(spec)
@@ -318,8 +323,8 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def _prepare_folder(args: argparse.Namespace, main: bool) -> bool:
-    """Check ``--out`` against ``--resume`` and ``--overwrite`` and mark it incomplete (rank 0).
+def _prepare_folder(args: argparse.Namespace) -> bool:
+    """Check ``--out`` against ``--resume`` and ``--overwrite`` and mark it incomplete.
     Returns False when there is nothing left to do (``--resume`` of a finished run).
 
     A finished folder (``results.json``, no ``INCOMPLETE``) is never replaced without
@@ -352,12 +357,11 @@ def _prepare_folder(args: argparse.Namespace, main: bool) -> bool:
                 f"--resume continues the same run, but {', '.join(changed)} differ from the "
                 f"interrupted command ({recorded}); rerun it as it was or pass --overwrite."
             )
-    if main:
-        if not args.resume:  # start again: snapshots of another run must not be resumed
-            shutil.rmtree(snapshots, ignore_errors=True)
-        mark_incomplete(out, "dcp-lens run")
-        snapshots.mkdir(parents=True, exist_ok=True)
-        _write_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    if not args.resume:  # start again: snapshots of another run must not be resumed
+        shutil.rmtree(snapshots, ignore_errors=True)
+    mark_incomplete(out, "dcp-lens run")
+    snapshots.mkdir(parents=True, exist_ok=True)
+    _write_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
     return True
 
 

@@ -107,10 +107,12 @@ def init_from_environment(device: str) -> str:
     return device
 
 
-def finish() -> None:
-    """Leave the process group `init_from_environment` joined (a no-op without one)."""
+def finish(wait: bool = True) -> None:
+    """Leave the process group `init_from_environment` joined, after every rank is done
+    (``wait``; pass False on an error, where the other ranks may never arrive)."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
 
 
