@@ -328,12 +328,11 @@ def _prepare_folder(args: argparse.Namespace) -> bool:
     Returns False when there is nothing left to do (``--resume`` of a finished run).
 
     A finished folder (``results.json``, no ``INCOMPLETE``) is never replaced without
-    ``--overwrite``; an interrupted one is continued with ``--resume`` (the same command) or
-    started again with ``--overwrite``."""
+    ``--overwrite``; an interrupted one is continued with ``--resume`` (the same command), or
+    started again without it."""
     out, snapshots = args.out, args.out / CHECKPOINTS
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one.")
-    interrupted = (out / MARKER).is_file()
     if _finished(out) and not args.overwrite:
         if args.resume:
             print(f"{out} holds a finished run; nothing to resume.")
@@ -341,11 +340,6 @@ def _prepare_folder(args: argparse.Namespace) -> bool:
         raise ConfigError(
             f"--out {out} holds a finished run (results.json); pass --overwrite to replace it "
             "or choose another folder."
-        )
-    if interrupted and not (args.resume or args.overwrite):
-        raise ConfigError(
-            f"--out {out} holds an interrupted run ({MARKER}); pass --resume to continue it or "
-            "--overwrite to start again."
         )
     settings = _run_settings(args)
     recorded = snapshots / "command.json"
