@@ -173,6 +173,26 @@ class StreamingMoments:
             own_part + new_part for own_part, new_part in zip(own, new, strict=True)
         )
 
+    def state(self) -> dict[str, Any]:
+        """The count and the float64 sums, all `from_state` needs (tensors and an int)."""
+        return {
+            "count": self._count,
+            "mean": self._mean,
+            "scatter": self._scatter,
+            "norm_weighted_sum": self._norm_weighted_sum,
+            "fourth_sum": self._fourth_sum,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StreamingMoments:
+        """The moments `state` recorded, exactly."""
+        moments = cls()
+        moments._count = int(state["count"])
+        moments._mean, moments._scatter = state["mean"], state["scatter"]
+        moments._norm_weighted_sum = state["norm_weighted_sum"]
+        moments._fourth_sum = state["fourth_sum"]
+        return moments
+
     def _require_samples(self) -> None:
         if self._count == 0:
             raise ValueError("no samples: call update(x) with at least one sample first.")

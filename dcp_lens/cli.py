@@ -4,8 +4,10 @@ that help and argument errors are instant; each command imports what it needs wh
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
+import shutil
 import sys
 import warnings
 from collections.abc import Sequence
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dcp_lens.errors import ConfigError, DCPLensError
-from dcp_lens.incomplete import check_output_folder, mark_complete, mark_incomplete
+from dcp_lens.incomplete import MARKER, check_output_folder, mark_complete, mark_incomplete
 from dcp_lens.memory import limit_heap_fragmentation
 
 if TYPE_CHECKING:
@@ -22,10 +24,11 @@ if TYPE_CHECKING:
     from dcp_lens.results import ProtocolResults
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float64", "float32", "bfloat16", "float16")
 EXPERIMENTS = ("training-intervention",)
 PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge")  # model specs KIND:PATH of local files
 TASK_FILES = ("char_lm", "text")
+CHECKPOINTS = ".checkpoints"  # the --resume snapshots, inside --out until the run finishes
 K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 # Measured with `dcp-lens run --quiet` on this project's busy 2-core machine (README, Command
 # line): one thread was fastest; OpenMP threads spin-wait for a core another process holds.
@@ -177,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=_path, help="output folder (created if needed)")
+    run.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run of the same command"
+    )
+    run.add_argument("--overwrite", action="store_true", help="replace a finished run's folder")
+    run.add_argument(
+        "--checkpoint-every", type=int, default=16, help="batches between --resume snapshots"
+    )
 
     report = command("report", "re-render report.html of a finished run folder from its files")
     report.add_argument("folder", type=_path, help="a folder written by dcp-lens run")
@@ -312,7 +322,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     minimums = {
         "n_eval": 1, "n_calibration": 1, "batch_size": 1, "bootstrap": 0, "jobs": 1, "steps": 1,
         "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1,
-        "threads": 1, "max_tokens": 1, "seq_len": 1,
+        "threads": 1, "max_tokens": 1, "seq_len": 1, "checkpoint_every": 1,
     }  # fmt: skip
     for name, minimum in minimums.items():
         value = getattr(args, name, None)
@@ -358,8 +368,25 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 
 def _run(args: argparse.Namespace, command: str) -> int:
+    """``dcp-lens run``, on every rank of a torchrun process group (rank 0 writes)."""
+    from dcp_lens import distributed
+
+    args.device = distributed.init_from_environment(args.device)
+    try:
+        code = _run_models(args, command)
+    except BaseException:
+        # No barrier: this rank exits non-zero and torchrun stops the others.
+        distributed.finish(wait=False)
+        raise
+    distributed.finish()
+    return code
+
+
+def _run_models(args: argparse.Namespace, command: str) -> int:
     import torch
 
+    from dcp_lens import distributed
+    from dcp_lens.checkpoint import Checkpoint, die_if_asked
     from dcp_lens.protocol import DepthControlProtocol, task_data
     from dcp_lens.registry import load
     from dcp_lens.report import format_summary, write_report
@@ -388,7 +415,17 @@ def _run(args: argparse.Namespace, command: str) -> int:
         seq_len=args.seq_len, max_tokens=args.max_tokens, text_field=args.text_field,
         token_dtype=args.token_dtype,
     ) if is_text else {}  # fmt: skip
+    main = distributed.is_main()
+    # Rank 0 checks and prepares the folder; no rank starts before it has.
+    if not distributed.broadcast_from_main(_prepare_folder(args) if main else None):
+        return 0
     for spec, is_negative_control in specs:
+        folder = args.out / _folder_name(spec)
+        finished = args.out / CHECKPOINTS / folder.name / "finished"
+        if args.resume and finished.is_file():  # this model finished before the interruption
+            runs.append(_read_finished(folder))
+            extras.append(_report_data(folder)["runs"][runs[-1].model])
+            continue
         dtype = getattr(torch, args.dtype) if args.dtype else None
         model = load(spec).to(device=args.device, dtype=dtype).eval()
         if is_negative_control and not model.is_dense:
@@ -403,27 +440,97 @@ def _run(args: argparse.Namespace, command: str) -> int:
             model, k_grid=_ints(args.k), metrics=_names(args.metrics),
             calibration_mode=args.calibration_mode, batch_size=args.batch_size,
             n_bootstrap=args.bootstrap, seed=args.seed, probe=args.probe, spec=spec,
-            progress=not args.quiet,
+            progress=not args.quiet and main,
+            checkpoint=Checkpoint(args.out / CHECKPOINTS / folder.name, args.checkpoint_every),
         )  # fmt: skip
         results = protocol.run(*data)
+        if not main:  # rank 0 writes
+            continue
         runs.append(results)
         extra = collect_report_data(
             protocol, data[0], vocab=_vocab(model, args.task, args.seed),
             n_bootstrap=min(args.bootstrap, 200),
         )  # fmt: skip
         extras.append(extra)
-        # Per-model results are written as each finishes; the folder says so until all are.
-        mark_incomplete(args.out, "dcp-lens run")
-        folder = results.save(args.out / _folder_name(spec))
+        # Per-model results are written as each finishes (results.json last: it says the model
+        # is finished); the folder is marked incomplete until all are.
+        results.save(folder)
         write_report_data([extra], folder / REPORT_DATA, command=command, environment=environment())
-    write_results_json(runs, args.out / "results.json")
+        finished.write_text(f"{spec}\n")
+        die_if_asked(f"model:{len(runs)}")
+    if not main:
+        return 0
     write_report_data(extras, args.out / REPORT_DATA, command=command, environment=environment())
     report = write_report(runs, args.out, _report_data(args.out))
+    write_results_json(runs, args.out / "results.json")  # last: results.json means finished
+    shutil.rmtree(args.out / CHECKPOINTS, ignore_errors=True)
     mark_complete(args.out)
     for results in runs:  # the console ends with the shares, their flags and where to look
         print(format_summary(results))
     print(f"\nwrote {args.out / 'results.json'}; open {report}")
     return 0
+
+
+def _prepare_folder(args: argparse.Namespace) -> bool:
+    """Check ``--out`` against ``--resume`` and ``--overwrite`` and mark it incomplete.
+    Returns False when there is nothing left to do (``--resume`` of a finished run).
+
+    A finished folder (``results.json``, no ``INCOMPLETE``) is never replaced without
+    ``--overwrite``; an interrupted one is continued with ``--resume`` (the same command), or
+    started again without it."""
+    out, snapshots = args.out, args.out / CHECKPOINTS
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other; pass one.")
+    if _finished(out) and not args.overwrite:
+        if args.resume:
+            print(f"{out} holds a finished run; nothing to resume.")
+            return False
+        raise ConfigError(
+            f"--out {out} holds a finished run (results.json); pass --overwrite to replace it "
+            "or choose another folder."
+        )
+    settings = _run_settings(args)
+    recorded = snapshots / "command.json"
+    if args.resume and recorded.is_file():
+        before = json.loads(recorded.read_text())
+        changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+        if changed:
+            raise ConfigError(
+                f"--resume continues the same run, but {', '.join(changed)} differ from the "
+                f"interrupted command ({recorded}); rerun it as it was or pass --overwrite."
+            )
+    if not args.resume:  # start again: snapshots of another run must not be resumed
+        shutil.rmtree(snapshots, ignore_errors=True)
+    mark_incomplete(out, "dcp-lens run")
+    snapshots.mkdir(parents=True, exist_ok=True)
+    _write_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    return True
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What makes a run's results: every ``run`` option but where and how it is shown."""
+    ignored = {"resume", "overwrite", "quiet", "out", "checkpoint_every", "command_line"}
+    ignored |= {"command", "device"}
+    return {key: str(value) for key, value in sorted(vars(args).items()) if key not in ignored}
+
+
+def _finished(folder: Path) -> bool:
+    """Does ``folder`` hold a finished run (results.json, not marked incomplete)?"""
+    return (folder / "results.json").is_file() and not (folder / MARKER).is_file()
+
+
+def _read_finished(folder: Path) -> ProtocolResults:
+    """A model's results saved by an interrupted run (its parent folder is still marked)."""
+    from dcp_lens.results import ProtocolResults
+
+    document = json.loads((folder / "results.json").read_text())
+    return ProtocolResults.from_results_json(document["runs"][0])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -45,7 +45,8 @@ def mark_incomplete(folder: str | Path, command: str) -> Path:
     marker = folder / MARKER
     marker.write_text(
         f"{command} is writing this folder, or was interrupted while writing it: the results "
-        "here may be partial. Rerun the command to finish; it removes this file when done.\n"
+        "here may be partial. Rerun the command to finish (with --resume: from where it stopped); "
+        "it removes this file when done.\n"
     )
     return marker
 

@@ -34,12 +34,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dcp_lens import distributed
 from dcp_lens.calibration import (
     AffineCalibration,
     MixtureCalibration,
     StreamingMoments,
     fit_calibration,
 )
+from dcp_lens.checkpoint import Checkpoint
 from dcp_lens.conditions import SWEEP, Condition, Full, ProtocolModel, Truncate
 from dcp_lens.decomposition import decompose
 from dcp_lens.metrics import (
@@ -196,6 +198,8 @@ class DepthControlProtocol:
         skip_first_position: leave position 0 out of the calibration statistics (attention sinks).
         spec: the model's name in the results (default: the spec it was loaded with,
             ``model.spec``, else ``"model"``).
+        checkpoint: where the calibration and evaluation loops snapshot what they have
+            accumulated, and resume from (`dcp_lens.checkpoint.Checkpoint`); None: no snapshots.
     """
 
     def __init__(
@@ -217,6 +221,7 @@ class DepthControlProtocol:
         skip_first_position: bool = False,
         spec: str | None = None,
         progress: bool = True,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.model = model
         self.r = int(model.n_iterations)
@@ -251,6 +256,7 @@ class DepthControlProtocol:
         self.skip_first_position = skip_first_position
         self.spec = spec if spec is not None else str(getattr(model, "spec", None) or "model")
         self.progress = progress
+        self.checkpoint = checkpoint
         # Fitted maps keyed by the label of the condition they were fitted from (at depth r:
         # ``"full"`` is calibrate(full)); None where that condition's states were non-finite.
         self.calibrations: dict[str, StateMapLike | None] | None = None
@@ -280,15 +286,18 @@ class DepthControlProtocol:
                 values, null_control, probe_states = self._evaluate(evaluation)
                 for draw in range(1, self._noise_draws()):
                     with _noise_seed(self.model, draw):
-                        more, _, _ = self._evaluate(evaluation)
+                        more, _, _ = self._evaluate(evaluation, f"evaluation.{draw}")
                     values = _accumulate(values, more)
                 if self._noise_draws() > 1:
                     values = _scale(values, 1.0 / self._noise_draws())
                 # The bootstrap resamples positions in this order: make it the examples' own.
                 values = _reorder(values, torch.argsort(evaluation.example_keys(), stable=True))
-                probe_summary = self._probe(probe_reference, probe_states)
+                if distributed.is_main():
+                    probe_summary = self._probe(probe_reference, probe_states)
         finally:
             self.model.train(was_training)
+        if not distributed.is_main():  # rank 0 decomposes; every rank returns its results
+            return distributed.broadcast_from_main(None)
         flags = self._identification(probe_summary)
         decompositions = {
             metric: dataclasses.replace(
@@ -310,7 +319,7 @@ class DepthControlProtocol:
         probe_summary["s_rank_correlation"] = _probe_s_rank_correlation(
             probe_summary, decompositions[self.metrics[0]]
         )
-        return ProtocolResults(
+        results = ProtocolResults(
             model=self.spec,
             architecture="dense" if self.model.is_dense else "recurrent",
             n_iterations=self.r,
@@ -334,6 +343,7 @@ class DepthControlProtocol:
                 "calibration_fallbacks": self._calibration_fallbacks(),
             },
         )
+        return distributed.broadcast_from_main(results)
 
     @torch.no_grad()
     def _fit_temperatures(self, calibration: EvaluationSet) -> None:
@@ -458,7 +468,19 @@ class DepthControlProtocol:
         }
         sample = _Subsample(self.probe_points, self.seed)
         calibration_keys = calibration.example_keys()
-        for rows in self._progress(calibration.batches(self.batch_size), "calibration"):
+        batches = distributed.assigned(calibration.batches(self.batch_size))
+        done, saved = self._restore("calibration")
+        if saved is not None:
+            streams = {
+                label: None if state is None else StreamingMoments.from_state(state)
+                for label, state in saved["streams"].items()
+            }
+            for label, state in saved["samples"].items():
+                samples[label].restore(state)
+            sample.restore(saved["sample"])
+        for batch_number, (_, rows) in enumerate(
+            self._progress(batches[done:], "calibration"), start=done
+        ):
             states, _ = self.states(calibration.tokens[rows])
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
@@ -474,6 +496,16 @@ class DepthControlProtocol:
                         samples[label].add(state, example, position)
                 else:
                     streams[label] = None
+            self._snapshot(
+                "calibration", batch_number + 1, len(batches),
+                lambda: {
+                    "streams": {n: None if m is None else m.state() for n, m in streams.items()},
+                    "samples": {label: s.state() for label, s in samples.items()},
+                    "sample": sample.state(),
+                },
+            )  # fmt: skip
+        if distributed.rank_and_world()[1] > 1:
+            streams, samples, sample = _merged_fit(streams, samples, sample, self._device())
         reference = streams["full"]
         self.calibrations = {
             label: None
@@ -576,7 +608,7 @@ class DepthControlProtocol:
     # ------------------------------------------------------------------------ internals
 
     def _evaluate(
-        self, evaluation: EvaluationSet
+        self, evaluation: EvaluationSet, stage: str = "evaluation.0"
     ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, Any]]:
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
         null: dict[str, float] = {name: 0.0 for name in SWEEP}
@@ -587,7 +619,31 @@ class DepthControlProtocol:
         evaluation_keys = evaluation.example_keys()
         built = {k: self._sweep_at(k) for k in {*self.k_grid, self.r}}
         halves_diff, halves_change = 0.0, dict[str, float]()
-        for rows in self._progress(evaluation.batches(self.batch_size), "evaluation"):
+        batches = distributed.assigned(evaluation.batches(self.batch_size))
+        done, saved = self._restore(stage)
+        if saved is not None:
+            per_example = {(m, c, int(k)): list(chunks) for m, c, k, chunks in saved["per_example"]}
+            null, halves_diff = dict(saved["null"]), float(saved["halves_diff"])
+            halves_change = dict(saved["halves_change"])
+            self._replay_difference = {int(k): v for k, v in saved["replay_difference"].items()}
+            sample.restore(saved["sample"])
+            for t, state in enumerate(saved["trajectory"]):
+                trajectory[t].restore(state)
+            for k, state in saved["calibrated"].items():
+                calibrated[int(k)].restore(state)
+
+        def snapshot() -> dict[str, Any]:
+            return {
+                "per_example": [[*key, chunks] for key, chunks in per_example.items()],
+                "null": null, "halves_diff": halves_diff, "halves_change": halves_change,
+                "replay_difference": dict(self._replay_difference),
+                "sample": sample.state(), "trajectory": [s.state() for s in trajectory],
+                "calibrated": {k: s.state() for k, s in calibrated.items()},
+            }  # fmt: skip
+
+        for batch_number, (_, rows) in enumerate(
+            self._progress(batches[done:], "evaluation"), start=done
+        ):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
             full_log_probs = reference_log_probs(full_logits)
@@ -629,6 +685,17 @@ class DepthControlProtocol:
                 for k in self.k_grid:
                     mapping = self.fitted(Truncate(k))
                     calibrated[k].add(_apply(mapping, probed[k]), probed_examples, probed_positions)
+            self._snapshot(stage, batch_number + 1, len(batches), snapshot)
+        if distributed.rank_and_world()[1] > 1:
+            gathered = distributed.gather_to_main(
+                ([i for i, _ in batches], per_example, null, halves_diff, halves_change,
+                 self._replay_difference, sample, trajectory, calibrated)
+            )  # fmt: skip
+            if gathered is None:  # not rank 0: rank 0 decomposes
+                return {}, {}, {}
+            per_example, null, halves_diff, halves_change, sample, trajectory, calibrated = (
+                self._merged_evaluation(gathered)
+            )
         values: dict[str, dict[str, Any]] = {}
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
@@ -663,6 +730,45 @@ class DepthControlProtocol:
             },
         }
         return values, null_control, probe_states
+
+    def _restore(self, stage: str) -> tuple[int, Any]:
+        """Batches done and state of ``stage``'s last snapshot; ``(0, None)`` without one."""
+        if self.checkpoint is None:
+            return 0, None
+        return self.checkpoint.restore(stage, self._device())
+
+    def _snapshot(self, stage: str, done: int, total: int, state: Any) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.save(stage, done, total, state)
+
+    def _merged_evaluation(self, gathered: list[Any]) -> tuple[Any, ...]:
+        """Every rank's `_evaluate` accumulators combined on rank 0, as one process would have
+        them: per-example chunks in batch order, maxima and sums over ranks, subsamples merged."""
+        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
+        ordered = sorted(
+            (index, key, chunks[position])
+            for part in gathered
+            for position, index in enumerate(part[0])
+            for key, chunks in part[1].items()
+        )
+        for _, key, chunk in ordered:
+            per_example.setdefault(key, []).append(chunk.to(self._device()))
+        null = {name: _nan_max_all(part[2][name] for part in gathered) for name in SWEEP}
+        halves_diff = _nan_max_all(part[3] for part in gathered)
+        halves_change: dict[str, float] = {}
+        for part in gathered:
+            for metric, change in part[4].items():
+                halves_change[metric] = halves_change.get(metric, 0.0) + change
+        for k in self.k_grid:
+            differences = [part[5][k] for part in gathered if k in part[5]]
+            if differences:
+                self._replay_difference[k] = _nan_max_all(differences)
+        sample = _Subsample.merged([part[6] for part in gathered])
+        trajectory = [
+            _Subsample.merged([part[7][t] for part in gathered]) for t in range(self.r + 1)
+        ]
+        calibrated = {k: _Subsample.merged([part[8][k] for part in gathered]) for k in self.k_grid}
+        return per_example, null, halves_diff, halves_change, sample, trajectory, calibrated
 
     def _sweep_at(self, k: int) -> dict[str, Condition | None]:
         """Every sweep condition at k (None where a map it needs could not be fitted)."""
@@ -887,7 +993,10 @@ class _Subsample:
         if rows.shape[0] == 0:
             return
         priority = _mix(keys.cpu().numpy(), positions.cpu().numpy(), self.seed)
-        rows, keys = rows.detach(), keys.cpu()
+        self._keep(priority, rows.detach(), keys.cpu())
+
+    def _keep(self, priority: np.ndarray, rows: Tensor, keys: Tensor) -> None:
+        """Keep the ``size`` rows of smallest priority among those kept and these."""
         if self.rows is not None and self.keys is not None:
             priority = np.concatenate([self.priority, priority])
             rows = torch.cat([self.rows, rows])
@@ -896,6 +1005,28 @@ class _Subsample:
         index = torch.from_numpy(order.astype(np.int64))
         self.rows, self.keys = rows[index.to(rows.device)], keys[index]
         self.priority = priority[order]
+
+    def state(self) -> dict[str, Any]:
+        """The kept rows, their example keys and priorities (tensors), for `restore`."""
+        priority = torch.from_numpy(self.priority.view(np.int64).copy())
+        return {"rows": self.rows, "keys": self.keys, "priority": priority}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Keep exactly what `state` recorded."""
+        self.rows, self.keys = state["rows"], state["keys"]
+        if self.keys is not None:
+            self.keys = self.keys.cpu()
+        self.priority = state["priority"].cpu().numpy().view(np.uint64).copy()
+
+    @classmethod
+    def merged(cls, parts: Sequence[_Subsample]) -> _Subsample:
+        """The subsample of the union of the rows the ``parts`` (same size and seed) saw."""
+        merged = cls(parts[0].size, 0)
+        merged.seed = parts[0].seed
+        for part in parts:
+            if part.rows is not None and part.keys is not None:
+                merged._keep(part.priority, part.rows, part.keys)
+        return merged
 
     def tensor(self) -> Tensor | None:
         return self.rows
@@ -924,6 +1055,41 @@ def _mix(keys: np.ndarray, positions: np.ndarray, seed: np.uint64) -> np.ndarray
         x *= np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(29)
     return x
+
+
+def _merged_fit(
+    streams: dict[str, StreamingMoments | None],
+    samples: dict[str, _Subsample],
+    sample: _Subsample,
+    device: torch.device,
+) -> tuple[dict[str, StreamingMoments | None], dict[str, _Subsample], _Subsample]:
+    """`DepthControlProtocol.fit`'s moments and subsamples merged over every rank, in rank
+    order on every rank (so every rank fits the same maps), on ``device``. A stream that turned
+    non-finite on any rank is dropped."""
+    parts = distributed.all_gather((streams, samples, sample))
+    merged: dict[str, StreamingMoments | None] = {}
+    for label in streams:
+        each = [part[0][label] for part in parts]
+        total: StreamingMoments | None = None
+        if all(moments is not None for moments in each):
+            total = StreamingMoments()
+            for moments in each:
+                total.merge(moments)
+        merged[label] = distributed.moved(total, device)
+    merged_samples = {
+        label: distributed.moved(_Subsample.merged([part[1][label] for part in parts]), device)
+        for label in samples
+    }
+    probe = distributed.moved(_Subsample.merged([part[2] for part in parts]), device)
+    return merged, merged_samples, probe
+
+
+def _nan_max_all(values: Any) -> float:
+    """The maximum of ``values``, NaN if any is NaN (see `_nan_max`)."""
+    result = -math.inf
+    for value in values:
+        result = _nan_max(result, value)
+    return result
 
 
 def _probe_s_rank_correlation(probe: dict[str, Any], decomposition: Any) -> float:

@@ -382,7 +382,9 @@ def write_report(
     if path.is_dir() or not path.suffix:
         path = path / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(runs, report_data), encoding="utf-8")
+    partial = path.with_name(path.name + ".tmp")  # never a half-written report
+    partial.write_text(render_report(runs, report_data), encoding="utf-8")
+    partial.replace(path)
     return path
 
 

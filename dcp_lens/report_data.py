@@ -189,7 +189,9 @@ def write_report_data(
         "runs": list(entries),
     }
     path = Path(path)
-    path.write_text(json.dumps(encode_json(document), allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(encode_json(document), allow_nan=False) + "\n")
+    partial.replace(path)
     return path
 
 
