@@ -7,7 +7,17 @@ Reported (medians over repeats):
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
   a plain PyTorch loop over the same weights (below, written without the library's modules);
-- ``peak_memory_mb``: the process's peak resident memory (CPU) or peak allocated memory (CUDA).
+- ``sweep_tokens_per_second`` / ``forward_tokens_per_second``: calibration + evaluation tokens
+  through the sweep, and evaluation tokens through one forward, per second (and the same as
+  ``*_seconds_per_million_tokens``);
+- ``peak_memory_mb``: the process's peak resident memory (CPU) or peak allocated memory (CUDA);
+  ``sweep_memory_per_batch_token_mb``: the sweep's peak above what was held before it (weights,
+  data), per token of one batch (what the batch size times the sequence length scales).
+
+Two model shapes (``preset``): ``small``, a 1 + n_core x r + 1 pre-norm LayerNorm GELU model
+(CPU-sized, with the plain-PyTorch baseline), and ``huginn``, Huginn-0125's shape
+(`dcp_lens.loading.huginn.HUGINN_0125`: d_model 5280, 2 + 4 x r + 2 sandwich RMSNorm SwiGLU
+blocks, vocabulary 65536, r = 32) with random weights, for GPU runs (no plain baseline).
 """
 
 from __future__ import annotations
@@ -32,6 +42,53 @@ from dcp_lens.devices import check_device
 from dcp_lens.errors import ResourceLimitError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
+
+PRESETS = ("small", "huginn")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Per preset: the defaults of the shape and batch arguments left as None.
+PRESET_DEFAULTS: dict[str, dict[str, int]] = {
+    "small": {"d_model": 256, "n_core": 2, "n_iterations": 16, "d_vocab": 512, "batch": 16,
+              "seq": 128},
+    "huginn": {"d_model": 5280, "n_core": 4, "n_iterations": 32, "d_vocab": 65536, "batch": 4,
+               "seq": 1024},
+}  # fmt: skip
+
+
+def bench_config(
+    preset: str = "small",
+    d_model: int | None = None,
+    n_core: int | None = None,
+    n_iterations: int | None = None,
+    d_vocab: int | None = None,
+    seq: int | None = None,
+    seed: int = 0,
+) -> RecurrentConfig:
+    """The benchmark model's config: ``preset``'s shape with each argument given replacing its
+    default (``huginn`` with a smaller ``d_model`` keeps heads of 96 and Huginn's MLP ratio)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is not one of {PRESETS}.")
+    given = {"d_model": d_model, "n_core": n_core, "n_iterations": n_iterations,
+             "d_vocab": d_vocab, "seq": seq}  # fmt: skip
+    size = {**PRESET_DEFAULTS[preset], **{k: v for k, v in given.items() if v is not None}}
+    d = size["d_model"]
+    if preset == "small":
+        return RecurrentConfig(
+            d_model=d, n_heads=d // 64 or 1, d_head=64 if d >= 64 else d, d_mlp=4 * d,
+            d_vocab=size["d_vocab"], n_ctx=size["seq"], n_prelude=1, n_core=size["n_core"],
+            n_coda=1, n_iterations=size["n_iterations"], seed=seed,
+        )  # fmt: skip
+    from dcp_lens.loading.huginn import HUGINN_0125, huginn_config
+
+    heads = max(1, d // HUGINN_0125["head_dim"])
+    ratio = HUGINN_0125["intermediate_size"] / HUGINN_0125["n_embd"]
+    raven = {
+        **HUGINN_0125, "n_embd": d, "n_heads": heads, "num_key_value_heads": heads,
+        "head_dim": d // heads, "intermediate_size": 64 * math.ceil(ratio * d / 64),
+        "vocab_size": size["d_vocab"], "padded_vocab_size": size["d_vocab"],
+        "n_layers_in_recurrent_block": size["n_core"], "mean_recurrence": size["n_iterations"],
+        "block_size": max(size["seq"], 16),
+    }  # fmt: skip
+    return huginn_config(raven, source="the huginn bench preset", seed=seed)
 
 
 def plain_forward(
@@ -102,72 +159,74 @@ def _synchronize(device: torch.device) -> None:
 
 
 def run_bench(
-    d_model: int = 256,
-    n_core: int = 2,
-    n_iterations: int = 16,
-    batch: int = 16,
-    seq: int = 128,
-    d_vocab: int = 512,
+    d_model: int | None = None,
+    n_core: int | None = None,
+    n_iterations: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    d_vocab: int | None = None,
     repeats: int = 5,
     sweep_repeats: int = 3,
     k_grid: list[int] | None = None,
     device: str = "cpu",
     naive: bool = True,
     seed: int = 0,
+    preset: str = "small",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Measure the figures above on a random 1 + n_core x n_iterations + 1 model.
+    """Measure the figures above on a random model of ``preset``'s shape (arguments left None
+    take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``.
 
     Raises:
         DeviceError: ``device`` is not available here.
-        ResourceLimitError: the largest tensors of the run would not fit in the device's memory
-            (checked before anything is allocated).
+        ResourceLimitError: the weights and the largest tensors of the run would not fit in the
+            device's memory (checked before anything is allocated).
     """
     target = check_device(device)
-    n_heads = d_model // 64 or 1
-    needed = bench_bytes(batch, seq, n_heads, d_model, 2 + n_core * n_iterations)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+    cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq, seed)
+    defaults = PRESET_DEFAULTS[preset]
+    batch = defaults["batch"] if batch is None else batch
+    seq = defaults["seq"] if seq is None else seq
+    r, n_blocks = cfg.n_iterations, cfg.layers_for(cfg.n_iterations)
+    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    n_weights = parameter_count(cfg)
+    needed = bench_bytes(
+        batch, seq, cfg.n_heads, cfg.d_model, n_blocks, element=element, d_vocab=cfg.d_vocab,
+        n_weights=n_weights,
+    )  # fmt: skip
     available = device_memory_bytes(target)
     if available is not None and needed > available:
         raise ResourceLimitError(
-            f"batch {batch} x seq {seq} (d_model {d_model}, {n_heads} heads, "
-            f"{2 + n_core * n_iterations} blocks) needs about {needed / 2**30:.1f} GiB for its "
-            f"attention scores and cached states, more than the {available / 2**30:.1f} GiB of "
-            f"{target}; lower the sequence length or the batch."
+            f"batch {batch} x seq {seq} ({preset} preset, d_model {cfg.d_model}, "
+            f"{cfg.n_heads} heads, {n_blocks} blocks, {dtype}) needs about "
+            f"{needed / 2**30:.1f} GiB for its weights, attention scores, cached states and "
+            f"logits, more than the {available / 2**30:.1f} GiB of {target}; lower the sequence "
+            "length, the batch or the model size."
         )
-    cfg = RecurrentConfig(
-        d_model=d_model, n_heads=n_heads, d_head=64 if d_model >= 64 else d_model,
-        d_mlp=4 * d_model, d_vocab=d_vocab, n_ctx=seq, n_prelude=1, n_core=n_core, n_coda=1,
-        n_iterations=n_iterations, seed=seed,
-    )  # fmt: skip
-    model = HookedRecurrentTransformer(cfg).to(target).eval()
+    model = HookedRecurrentTransformer(cfg).to(device=target, dtype=getattr(torch, dtype)).eval()
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, d_vocab, (2 * batch, seq), generator=generator).to(target)
+    tokens = torch.randint(0, cfg.d_vocab, (2 * batch, seq), generator=generator).to(target)
     evaluation = EvaluationSet.from_tokens(tokens[:batch])
     calibration = EvaluationSet.from_tokens(tokens[batch:])
     weights = {k: v.detach() for k, v in model.canonical_state_dict().items()}
     protocol = DepthControlProtocol(
         model, k_grid=k_grid, batch_size=batch, n_bootstrap=0, probe="none", progress=False
     )
+    has_plain = (cfg.norm_placement, cfg.act_fn, cfg.normalization_type) == ("pre", "gelu", "LN")
     with torch.no_grad():
         model(evaluation.tokens)  # warm up
-        check = (
-            (
-                plain_forward(weights, cfg, evaluation.tokens, n_iterations)
-                - model(evaluation.tokens)
-            )
-            .abs()
-            .max()
-        )
-        forwards = _median_seconds(
-            {
-                "forward": lambda: model(evaluation.tokens),
-                "plain": lambda: plain_forward(weights, cfg, evaluation.tokens, n_iterations),
-            },
-            repeats,
-            target,
-        )
-        forward, plain = forwards["forward"], forwards["plain"]
-        if target.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(target)
+        runs: dict[str, Callable[[], Any]] = {"forward": lambda: model(evaluation.tokens)}
+        check = math.nan
+        if has_plain:
+            plain_logits = plain_forward(weights, cfg, evaluation.tokens, r)
+            check = float((plain_logits - model(evaluation.tokens)).abs().max())
+            runs["plain"] = lambda: plain_forward(weights, cfg, evaluation.tokens, r)
+        forwards = _median_seconds(runs, repeats, target)
+        forward, plain = forwards["forward"], forwards.get("plain", math.nan)
+        before = _memory_now(target)
+        _reset_peak(target)
 
         def sweep() -> None:  # what `run` does before the statistics: fit, match, evaluate
             protocol.fit(calibration)
@@ -182,39 +241,105 @@ def run_bench(
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
         sweep_seconds = _median_seconds({"sweep": sweep}, sweep_repeats, target)["sweep"]
-        peak = (
-            torch.cuda.max_memory_allocated(target) / 2**20
-            if target.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        )
+        peak, sweep_peak = _peak_memory(target)
         naive_seconds = math.nan
         if naive:
             naive_seconds = _median_seconds({"naive": naive_sweep}, 1, target)["naive"]
+    batch_tokens = batch * seq
+    sweep_rate = 2 * batch_tokens / sweep_seconds  # calibration + evaluation tokens
+    forward_rate = batch_tokens / forward
     return {
+        "preset": preset,
         "model": {
-            "d_model": d_model, "n_prelude": 1, "n_core": n_core, "n_iterations": n_iterations,
-            "n_coda": 1, "n_layers": cfg.n_layers, "d_vocab": d_vocab,
+            "d_model": cfg.d_model, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
+            "n_iterations": r, "n_coda": cfg.n_coda, "n_layers": n_blocks,
+            "d_vocab": cfg.d_vocab, "parameters": n_weights,
         },
-        "batch": batch, "seq": seq, "k_grid": list(protocol.k_grid), "device": str(target),
-        "threads": torch.get_num_threads(),
+        "dtype": dtype, "batch": batch, "seq": seq, "k_grid": list(protocol.k_grid),
+        "device": str(target), "threads": torch.get_num_threads(),
         "forward_seconds": forward, "plain_seconds": plain, "sweep_seconds": sweep_seconds,
         "naive_seconds": naive_seconds,
         "sweep_over_forward": sweep_seconds / forward,
         "naive_over_sweep": naive_seconds / sweep_seconds,
         "hooks_off_over_plain": forward / plain,
-        "plain_max_abs_logit_diff": float(check),
+        "plain_max_abs_logit_diff": check,
+        "forward_tokens_per_second": forward_rate,
+        "sweep_tokens_per_second": sweep_rate,
+        "forward_seconds_per_million_tokens": 1e6 / forward_rate,
+        "sweep_seconds_per_million_tokens": 1e6 / sweep_rate,
         "peak_memory_mb": peak,
         "peak_memory_kind": "cuda max allocated" if target.type == "cuda" else "process max RSS",
+        "sweep_memory_per_batch_token_mb": (sweep_peak - before) / batch_tokens,
     }  # fmt: skip
 
 
-def bench_bytes(batch: int, seq: int, n_heads: int, d_model: int, n_blocks: int) -> int:
-    """A lower bound on the peak memory of `run_bench`, in bytes (float32): one attention score
-    tensor and its softmax [batch, heads, seq, seq] and the cached states of every block
-    [blocks + 1, batch, seq, d_model], for the evaluation and calibration halves."""
+def parameter_count(cfg: RecurrentConfig) -> int:
+    """Unique parameters of ``cfg``'s model, counted on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = HookedRecurrentTransformer(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _memory_now(device: torch.device) -> float:
+    """Memory held now, MB: CUDA allocated, or the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    return _proc_status_mb("VmRSS") or 0.0
+
+
+def _reset_peak(device: torch.device) -> None:
+    """Start a new peak: CUDA's counter, or the kernel's resident high-water mark."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _peak_memory(device: torch.device) -> tuple[float, float]:
+    """(the process's peak so far, the peak since `_reset_peak`), MB. Without a resettable
+    high-water mark both are the process's peak (an upper bound on the sweep's)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        return peak, peak
+    process = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return process, _proc_status_mb("VmHWM") or process
+
+
+def _proc_status_mb(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def bench_bytes(
+    batch: int,
+    seq: int,
+    n_heads: int,
+    d_model: int,
+    n_blocks: int,
+    *,
+    element: int = 4,
+    d_vocab: int = 0,
+    n_weights: int = 0,
+) -> int:
+    """A lower bound on the peak memory of `run_bench`, in bytes: the weights, one attention
+    score tensor and its softmax [batch, heads, seq, seq] and the cached states of every block
+    [blocks + 1, batch, seq, d_model] for the evaluation and calibration halves (all in the
+    compute dtype, ``element`` bytes each), and one readout's float32 logits and
+    log-probabilities [batch, seq, d_vocab]."""
     scores = 2 * batch * n_heads * seq * seq
     states = (n_blocks + 1) * batch * seq * d_model
-    return 4 * 2 * (scores + states)
+    logits = 2 * 4 * batch * seq * d_vocab
+    return element * (2 * (scores + states) + n_weights) + logits
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -236,15 +361,23 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
         return
     shape = result["model"]
     print(
-        f"model 1 + {shape['n_core']} x {shape['n_iterations']} + 1, d_model={shape['d_model']}, "
-        f"batch {result['batch']} x {result['seq']}, k grid {result['k_grid']}, "
-        f"{result['device']}, {result['threads']} threads"
+        f"{result['preset']} model {shape['n_prelude']} + {shape['n_core']} x "
+        f"{shape['n_iterations']} + {shape['n_coda']}, d_model={shape['d_model']}, vocabulary "
+        f"{shape['d_vocab']}, {shape['parameters']:,} parameters, {result['dtype']}; batch "
+        f"{result['batch']} x {result['seq']}, k grid {result['k_grid']}, {result['device']}, "
+        f"{result['threads']} threads"
     )
     for key in ("forward_seconds", "plain_seconds", "sweep_seconds", "naive_seconds"):
-        print(f"  {key:<22} {result[key]:.3f}")
+        print(f"  {key:<34} {result[key]:.3f}")
     for key, target in (
         ("sweep_over_forward", "<= 4.0"), ("naive_over_sweep", ">= 10"),
         ("hooks_off_over_plain", "<= 1.10"),
     ):  # fmt: skip
-        print(f"  {key:<22} {result[key]:.2f}   (target {target})")
-    print(f"  peak_memory_mb         {result['peak_memory_mb']:.0f} ({result['peak_memory_kind']})")
+        print(f"  {key:<34} {result[key]:.2f}   (target {target})")
+    for key in ("forward_tokens_per_second", "sweep_tokens_per_second"):
+        print(f"  {key:<34} {result[key]:,.0f}")
+    for key in ("forward_seconds_per_million_tokens", "sweep_seconds_per_million_tokens"):
+        print(f"  {key:<34} {result[key]:,.1f}")
+    print(f"  {'peak_memory_mb':<34} {result['peak_memory_mb']:.0f} ({result['peak_memory_kind']})")
+    per_token = result["sweep_memory_per_batch_token_mb"]
+    print(f"  {'sweep_memory_per_batch_token_mb':<34} {per_token:.4f}")

@@ -244,11 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--d-model", type=int, default=256, help="width of the benchmark model")
-    bench.add_argument("--n-core", type=int, default=2, help="blocks in the recurrent core")
-    bench.add_argument("--iterations", type=int, default=16, help="iterations r of the core")
-    bench.add_argument("--batch", type=int, default=16, help="sequences per batch")
-    bench.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    bench.add_argument(
+        "--preset", choices=("small", "huginn"), default="small",
+        help="model shape: small (1 + 2 x 16 + 1, d_model 256, vocabulary 512, batch 16 x 128) "
+        "or huginn (Huginn-0125: 2 + 4 x 32 + 2, d_model 5280, vocabulary 65536, batch 4 x 1024; "
+        "random weights, for a GPU); the flags below replace its values",
+    )  # fmt: skip
+    bench.add_argument("--d-model", type=int, help="width of the benchmark model")
+    bench.add_argument("--n-core", type=int, help="blocks in the recurrent core")
+    bench.add_argument("--iterations", type=int, help="iterations r of the core")
+    bench.add_argument("--vocab", type=int, help="vocabulary size")
+    bench.add_argument("--batch", type=int, help="sequences per batch")
+    bench.add_argument("--seq", type=int, help="tokens per sequence")
+    bench.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+        help="the model's compute dtype (statistics stay float64)",
+    )  # fmt: skip
     bench.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
@@ -304,8 +315,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
-        batch=args.batch, seq=args.seq, repeats=args.repeats, k_grid=_ints(args.k),
-        device=args.device, naive=not args.no_naive,
+        batch=args.batch, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,
+        k_grid=_ints(args.k), device=args.device, naive=not args.no_naive, preset=args.preset,
+        dtype=args.dtype,
     )  # fmt: skip
     print_bench(result, args.json)
     return 0
@@ -321,7 +333,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"{name} is empty; give a value or leave the flag out.")
     minimums = {
         "n_eval": 1, "n_calibration": 1, "batch_size": 1, "bootstrap": 0, "jobs": 1, "steps": 1,
-        "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1,
+        "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1, "vocab": 2,
         "threads": 1, "max_tokens": 1, "seq_len": 1, "checkpoint_every": 1,
     }  # fmt: skip
     for name, minimum in minimums.items():

@@ -114,18 +114,16 @@ def per_example_metrics(
     out: dict[str, Tensor] = {}
     if "cross_entropy" in metrics:
         out["cross_entropy"] = (token_cross_entropy(logits, targets) * scored).sum(-1) / count
-    if "accuracy" in metrics:
-        correct = (logits.argmax(-1) == targets).to(logits.dtype)
-        correct = torch.where(torch.isfinite(logits).all(-1), correct, torch.nan)
-        bad = (torch.isnan(correct) & scored).any(-1)
-        out["accuracy"] = (correct * scored).nansum(-1) / count
-        out["accuracy"] = torch.where(bad, torch.nan, out["accuracy"])
-    if "top1_agreement" in metrics:
-        agree = (logits.argmax(-1) == full_log_probs.argmax(-1)).to(logits.dtype)
-        agree = torch.where(torch.isfinite(logits).all(-1), agree, torch.nan)
-        bad = (torch.isnan(agree) & scored).any(-1)
-        out["top1_agreement"] = (agree * scored).nansum(-1) / count
-        out["top1_agreement"] = torch.where(bad, torch.nan, out["top1_agreement"])
+    if "accuracy" in metrics or "top1_agreement" in metrics:
+        # One argmax and one finiteness check serve both top-1 metrics.
+        predicted, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
+        references = {"accuracy": targets, "top1_agreement": full_log_probs.argmax(-1)}
+        for name, reference in references.items():
+            if name not in metrics:
+                continue
+            hit = torch.where(finite, (predicted == reference).to(logits.dtype), torch.nan)
+            bad = (torch.isnan(hit) & scored).any(-1)
+            out[name] = torch.where(bad, torch.nan, (hit * scored).nansum(-1) / count)
     if "kl_to_full" in metrics:
         log_probs = logits.log_softmax(-1)
         kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)

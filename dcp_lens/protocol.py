@@ -648,8 +648,11 @@ class DepthControlProtocol:
             states, full_logits = self.states(evaluation.tokens[rows])
             full_log_probs = reference_log_probs(full_logits)
             reference = self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
+            at_r: dict[str, Tensor] | None = None
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
+                if k == self.r:
+                    at_r = readouts
                 for name, logits in readouts.items():
                     tempered = logits / self.temperatures.get((name, k), 1.0)
                     self._record(per_example, (name, k), tempered, full_log_probs, targets)
@@ -658,7 +661,8 @@ class DepthControlProtocol:
                     self._replay_difference.get(k, 0.0), difference
                 )
             # The null control: at k = r every condition must reproduce full depth.
-            at_r = self._readouts(states, built[self.r], full_logits)
+            if at_r is None:
+                at_r = self._readouts(states, built[self.r], full_logits)
             for name, logits in at_r.items():
                 null[name] = _nan_max(null[name], _max_diff(logits, full_logits))
             if self.calibration_null is not None:

@@ -10,44 +10,15 @@ unrolled copies of Huginn's core and a tied unembedding count once).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
 
 from dcp_lens import HookedRecurrentTransformer, RecurrentConfig
-from dcp_lens.loading.huginn import huginn_config
+from dcp_lens.loading.huginn import HUGINN_0125, huginn_config
 from dcp_lens.loading.ouro import OuroRecurrentTransformer, ouro_config
 
-# tomg-group-umd/huginn-0125 config.json (RavenConfig): the architecture fields.
-HUGINN_0125: dict[str, Any] = {
-    "architecture_class_name": "RecurrentGPT",
-    "block_class_name": "SandwichBlock",
-    "norm_class_name": "RMSNorm_llama",
-    "mlp_class_name": "GatedMLP",
-    "nonlin_name": "SiLU",
-    "injection_type": "linear",
-    "bias": False,
-    "qk_bias": True,
-    "tie_embeddings": True,
-    "n_embd": 5280,
-    "n_heads": 55,
-    "num_key_value_heads": 55,
-    "head_dim": 96,
-    "intermediate_size": 17920,
-    "vocab_size": 65536,
-    "padded_vocab_size": 65536,
-    "block_size": 4096,
-    "n_layers_in_prelude": 2,
-    "n_layers_in_recurrent_block": 4,
-    "n_layers_in_coda": 2,
-    "mean_recurrence": 32,
-    "norm_eps": 1e-6,
-    "rope_base": 50000.0,
-    "test_time_noise": 0,
-    "init_values": {"std": math.sqrt(2 / (5 * 5280)), "embed_scale": math.sqrt(5280)},
-}
 # The count logged in Huginn's model registry (recpre/model_registry.py, "nebel-raven-3.5b").
 HUGINN_0125_PUBLISHED = 3_509_051_040
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +63,13 @@ def test_bench_json_reports_the_design_keys(capsys):
     for key in ("sweep_over_forward", "naive_over_sweep", "hooks_off_over_plain", "peak_memory_mb"):
         assert result[key] > 0, key
     assert result["model"]["n_layers"] == 1 + 2 * 3 + 1
+    # Throughput: tokens through the sweep (calibration + evaluation) and through one forward.
+    assert result["sweep_tokens_per_second"] == pytest.approx(2 * 2 * 8 / result["sweep_seconds"])
+    assert result["forward_tokens_per_second"] == pytest.approx(2 * 8 / result["forward_seconds"])
+    assert result["sweep_seconds_per_million_tokens"] == pytest.approx(
+        1e6 / result["sweep_tokens_per_second"]
+    )
+    assert math.isfinite(result["sweep_memory_per_batch_token_mb"])
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
 
 

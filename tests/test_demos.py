@@ -45,3 +45,28 @@ def test_every_demo_is_tested_and_has_its_executed_notebook() -> None:
     assert notebooks == set(FAST + SLOW)
     for name in notebooks:
         assert (REPO / "demos" / f"{name}.ipynb").is_file(), name
+
+
+def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
+    """demos/gpu_check.sh (the GPU measurement) end to end on the CPU at a toy Huginn size: the
+    bench JSON it writes holds the figures it prints, per million tokens and peak memory."""
+    import json
+
+    environment = {
+        **os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+        "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch 1 --seq 8 --repeats 1",
+    }  # fmt: skip
+    completed = subprocess.run(
+        ["bash", str(REPO / "demos" / "gpu_check.sh"), str(tmp_path)],
+        cwd=REPO, env=environment, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    bench = json.loads((tmp_path / "bench_huginn_bf16.json").read_text())
+    assert bench["preset"] == "huginn" and bench["dtype"] == "bfloat16"
+    assert (bench["model"]["n_prelude"], bench["model"]["n_core"], bench["model"]["n_coda"]) == (
+        2, 4, 2,
+    )  # fmt: skip
+    assert bench["model"]["n_layers"] == 2 + 4 * 2 + 2
+    per_million = bench["sweep_seconds_per_million_tokens"]
+    assert per_million == pytest.approx(1e6 / bench["sweep_tokens_per_second"])
+    assert f"{per_million:.1f} s per 1M tokens" in completed.stdout

@@ -90,6 +90,36 @@ POSITIVE_FIELDS = (
 )  # fmt: skip
 
 
+# tomg-group-umd/huginn-0125 config.json (RavenConfig): the architecture fields, for building
+# Huginn-shaped models without a download (`dcp-lens bench --preset huginn`, the real-scale demo).
+HUGINN_0125: dict[str, Any] = {
+    "architecture_class_name": "RecurrentGPT",
+    "block_class_name": "SandwichBlock",
+    "norm_class_name": "RMSNorm_llama",
+    "mlp_class_name": "GatedMLP",
+    "nonlin_name": "SiLU",
+    "injection_type": "linear",
+    "bias": False,
+    "qk_bias": True,
+    "tie_embeddings": True,
+    "n_embd": 5280,
+    "n_heads": 55,
+    "num_key_value_heads": 55,
+    "head_dim": 96,
+    "intermediate_size": 17920,
+    "vocab_size": 65536,
+    "padded_vocab_size": 65536,
+    "block_size": 4096,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "n_layers_in_coda": 2,
+    "mean_recurrence": 32,
+    "norm_eps": 1e-6,
+    "rope_base": 50000.0,
+    "test_time_noise": 0,
+    "init_values": {"std": math.sqrt(2 / (5 * 5280)), "embed_scale": math.sqrt(5280)},
+}
+
 def huginn_config(
     raven: Mapping[str, Any], source: str = "config", **overrides: Any
 ) -> RecurrentConfig:
