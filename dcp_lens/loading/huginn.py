@@ -120,6 +120,7 @@ HUGINN_0125: dict[str, Any] = {
     "init_values": {"std": math.sqrt(2 / (5 * 5280)), "embed_scale": math.sqrt(5280)},
 }
 
+
 def huginn_config(
     raven: Mapping[str, Any], source: str = "config", **overrides: Any
 ) -> RecurrentConfig:
