@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=_path, help="where to write (default: FOLDER/report.html)")
 
     train = command("train", "train a model on a task preset")
-    train.add_argument("--preset", default="default", help="training preset: tiny or default")
+    train.add_argument(
+        "--preset", default="default", help="training preset: tiny, default, lm-tiny or lm"
+    )
     train.add_argument("--regime", default="fixed", help="fixed, sampled, every-iteration or dense")
     train.add_argument("--seed", type=int, default=0, help="training seed")
     train.add_argument("--steps", type=int, help="override the preset's number of steps")
@@ -204,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
     )
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
-    experiment.add_argument("--preset", default="default", help="training preset: tiny or default")
+    experiment.add_argument(
+        "--preset", default="default", help="training preset: tiny, default, lm-tiny or lm"
+    )
     experiment.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
     experiment.add_argument(
         "--dense-seeds", help="seeds of the dense control (default: the first of --seeds)"
@@ -617,7 +621,8 @@ def _experiment(args: argparse.Namespace) -> int:
     for regime, checks in document["verdict"].items():
         labels = ", ".join(f"{name} {check['label']}" for name, check in checks.items())
         print(f"{regime}: {labels}")
-    print(f"wrote {args.out / 'intervention.json'} and {args.out / 'intervention.md'}")
+    written = ", ".join(str(args.out / name) for name in ("intervention.json", "intervention.md"))
+    print(f"wrote {written}; open {args.out / 'intervention.html'}")
     return 0
 
 

@@ -11,6 +11,8 @@ are set against the prediction (`PREDICTION`).
     out_dir/runs/{regime}-seed{seed}/dcp/  its `ProtocolResults` (``ProtocolResults.load`` reads it)
     out_dir/intervention.json              per-regime shares and slope over seeds, the verdict
     out_dir/intervention.md                the prediction, a table and the verdict, for people
+    out_dir/intervention.html              the regimes side by side (one seed each): truncation
+                                           curves, S/B/D per k, the probe trajectory
 
 A rerun on the same ``out_dir`` continues: finished trainings and DCP runs are read back, an
 interrupted training resumes from its checkpoint, so the result is the same as one uninterrupted
@@ -41,11 +43,12 @@ from dcp_lens.intervention import (
     aggregate,
     seed_numbers,
     shared_metric,
+    validated_metrics,
     verdict,
 )
 from dcp_lens.protocol import DepthControlProtocol, task_data
 from dcp_lens.registry import load
-from dcp_lens.report import explain_verdict, format_markdown
+from dcp_lens.report import explain_verdict, format_markdown, write_report
 from dcp_lens.results import ProtocolResults, encode_json
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
@@ -53,7 +56,7 @@ from dcp_lens.training.checkpoint import config_differences
 from dcp_lens.training.config import CONFIG_FILE, MODEL_DIR, TABLE_FILE
 
 RUNS_DIR, DCP_DIR = "runs", "dcp"
-JSON_FILE, MARKDOWN_FILE = "intervention.json", "intervention.md"
+JSON_FILE, MARKDOWN_FILE, HTML_FILE = "intervention.json", "intervention.md", "intervention.html"
 
 
 def run_training_intervention(
@@ -150,29 +153,55 @@ def run_training_intervention(
         runs[regime].append((seed, results))
 
     metric = shared_metric(runs)
+    validated = validated_metrics(runs)
+    by_metric = {
+        name: _regimes_and_verdict(runs, name) for name in dict.fromkeys([metric, *validated])
+    }
+    document = encode_json(
+        {
+            "preset": preset,
+            "metric": metric,
+            "settings": settings,
+            **by_metric[metric],
+            "prediction": PREDICTION,
+            # Every other metric validated on planted models, with its own table and verdict.
+            "validated_metrics": validated,
+            "other_metrics": {name: by_metric[name] for name in validated if name != metric},
+        }
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n")
+    _write_atomically(out / MARKDOWN_FILE, format_markdown(document))
+    # The regimes side by side (one seed each): curves, S/B/D per k, the probe per regime.
+    side_by_side = [
+        dataclasses.replace(per_regime[0][1], model=f"{regime} (seed {per_regime[0][0]})")
+        for regime, per_regime in runs.items()
+    ]
+    write_report(side_by_side, out / HTML_FILE)
+    return document
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _regimes_and_verdict(
+    runs: dict[str, list[tuple[int, ProtocolResults]]], metric: str
+) -> dict[str, Any]:
+    """``{"regimes": per-regime aggregate over seeds, "verdict": the explained verdict}`` of
+    ``metric``."""
     summary = {
         regime: aggregate([seed_numbers(seed, results, metric) for seed, results in per_regime])
         for regime, per_regime in runs.items()
     }
     for regime, per_regime in runs.items():
         summary[regime]["n_iterations"] = per_regime[0][1].n_iterations
-    document = encode_json(
-        {
-            "preset": preset,
-            "metric": metric,
-            "settings": settings,
-            "regimes": summary,
-            "prediction": PREDICTION,
-            "verdict": explain_verdict(verdict(summary), summary),
-        }
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / JSON_FILE).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
-    (out / MARKDOWN_FILE).write_text(format_markdown(document))
-    return document
+    return {"regimes": summary, "verdict": explain_verdict(verdict(summary), summary)}
 
 
-# ----------------------------------------------------------------------------- internals
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _check_arguments(

@@ -49,6 +49,21 @@ def shared_metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
     return metrics.pop()
 
 
+def validated_metrics(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> list[str]:
+    """The metrics every run decomposed and marked validated, in the first run's order."""
+    everyone = [results for per_regime in runs.values() for _, results in per_regime]
+    if not everyone:
+        return []
+    return [
+        metric
+        for metric in everyone[0].metrics
+        if all(
+            metric in results.decompositions and results.decompositions[metric].validated
+            for results in everyone
+        )
+    ]
+
+
 def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any]:
     """One run's shares and slope (with bootstrap intervals), its gap and factors in the metric's
     units (means over the share k grid), and its accuracy at k = r and k = 1: a row of
@@ -67,6 +82,19 @@ def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, 
         value = float(used[column].mean()) if len(used) else math.nan
         # No bootstrap interval for these: over seeds they get the t-interval.
         row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
+    # Where S is not identified (the calibrated states stay distinguishable from full depth),
+    # S(k) is a lower bound and D(k) an upper bound: the verdict must not read them as values.
+    identified = decomposition.s_identified
+    in_grid = [k in decomposition.share_k_grid for k in decomposition.k_grid]
+    row["S_unidentified_k"] = (
+        []
+        if identified is None
+        else [
+            int(k)
+            for k, ok, used_k in zip(decomposition.k_grid, identified, in_grid, strict=True)
+            if used_k and not ok
+        ]
+    )
     accuracy = results.decompositions.get("accuracy")
     if accuracy is None:
         row.update(full_accuracy=math.nan, k1_accuracy=math.nan)
@@ -90,8 +118,10 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Returns:
         ``{"S", "S_lo", "S_hi", ..., "slope_hi", "n_seeds", "seeds", "undefined_seeds",
-        "per_seed"}``: ``n_seeds`` maps each quantity to the number of seeds it is taken over,
-        ``undefined_seeds`` lists the seeds left out of any of them.
+        "S_bound_seeds", "per_seed"}``: ``n_seeds`` maps each quantity to the number of seeds it
+        is taken over, ``undefined_seeds`` lists the seeds left out of any of them,
+        ``S_bound_seeds`` the seeds whose S is not identified at some k of the share grid (there
+        S is a lower bound and D an upper bound).
     """
     if not per_seed:
         raise ValueError("per_seed is empty; aggregate needs at least one seed's run.")
@@ -113,6 +143,7 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         summary.update({name: mean, f"{name}_lo": low, f"{name}_hi": high})
     summary["n_seeds"] = counts
     summary["seeds"] = [int(row["seed"]) for row in per_seed]
+    summary["S_bound_seeds"] = [int(row["seed"]) for row in per_seed if row.get("S_unidentified_k")]
     summary["undefined_seeds"] = sorted(undefined)
     summary["per_seed"] = [dict(row) for row in per_seed]
     return summary
@@ -127,7 +158,10 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
 
     ``supported``: lower, and the intervals do not overlap (``S_abs_hi < fixed S_abs_lo``);
-    ``not resolved``: lower but the intervals overlap, or a value is NaN;
+    ``not resolved``: lower but the intervals overlap, or a value is NaN, or lower while the
+    tested regime's S is a lower bound (not identified in some seed), or not lower while
+    fixed's S is a lower bound (a measured S that is a bound is only compared where the bound
+    points the same way as the claim);
     ``not supported``: not lower.
 
     Returns:
@@ -136,7 +170,11 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     if not _finite(tested, fixed, "S_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
     if tested["S_abs"] >= fixed["S_abs"]:
+        if fixed.get("S_bound_seeds"):  # fixed's S may be larger than measured
+            return _check("not resolved", "not lower, but fixed's S is a lower bound")
         return _check("not supported", "not lower")
+    if tested.get("S_bound_seeds"):  # its S may be larger than measured
+        return _check("not resolved", "lower, but the tested regime's S is a lower bound")
     if tested["S_abs_hi"] < fixed["S_abs_lo"]:
         return _check("supported", "lower, the intervals do not overlap")
     return _check("not resolved", "lower, but the intervals overlap")
@@ -145,13 +183,16 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
 def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """Does D (in the metric's units, ``D_abs``) stay? ``supported`` when the intervals of
     ``tested`` and ``fixed`` overlap, ``not supported`` when they do not, ``not resolved`` when a
-    value is NaN.
+    value is NaN or either regime's S is not identified in some seed (its D is then an upper
+    bound, which neither claim can rest on).
 
     Returns:
         ``{"label", "why"}``.
     """
     if not _finite(tested, fixed, "D_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
+    if tested.get("S_bound_seeds") or fixed.get("S_bound_seeds"):
+        return _check("not resolved", "D is an upper bound where S is not identified")
     if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
         return _check("supported", "the intervals overlap")
     return _check("not supported", "the intervals do not overlap")

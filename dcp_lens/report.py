@@ -119,15 +119,37 @@ def explain_verdict(
 
 
 def format_markdown(document: dict[str, Any]) -> str:
-    """``intervention.md`` from the content of ``intervention.json``: the prediction, a table
-    of every regime and the verdict."""
+    """``intervention.md`` from the content of ``intervention.json``: the prediction, then per
+    validated metric a table of every regime and the verdict."""
     metric = document["metric"]
     lines = [
         f"# Training intervention: preset `{document['preset']}`, metric `{metric}`",
         "",
         f"**Prediction.** {document['prediction'][0].upper()}{document['prediction'][1:]}.",
         "",
-        *markdown_table(document["regimes"]),
+    ]
+    validated = document.get("validated_metrics")
+    if validated is not None:
+        lines += [
+            "Metrics validated on planted models (`dcp-lens validate`), each reported below: "
+            + (", ".join(f"`{name}`" for name in validated) or "none")
+            + ". A metric not validated is not reported.",
+            "",
+        ]
+        if metric not in validated:
+            lines += [f"**`{metric}` is not validated: read its numbers with care.**", ""]
+    lines += _metric_section(metric, document["regimes"], document["verdict"])
+    for name, section in (document.get("other_metrics") or {}).items():
+        lines += ["", f"# Metric `{name}`", ""]
+        lines += _metric_section(name, section["regimes"], section["verdict"])
+    return "\n".join(lines) + "\n"
+
+
+def _metric_section(
+    metric: str, regimes: dict[str, dict[str, Any]], verdict: dict[str, dict[str, Any]]
+) -> list[str]:
+    lines = [
+        *markdown_table(regimes),
         "",
         f"S, B, D: shares of the truncation gap's area over k ({metric}); slope: the classic "
         "truncation slope (quality against k / r); gap, S, B, D in units: their means over k "
@@ -135,24 +157,26 @@ def format_markdown(document: dict[str, Any]) -> str:
         "single-seed rows have no interval for these). Each is the mean over the seeds where it is "
         f"defined, with a {CONFIDENCE:.0%} t-interval over them (defined in one seed only: that "
         "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
-        "truncation gap has zero area (the same predictions at every depth).",
+        "truncation gap has zero area (the same predictions at every depth). Seeds marked "
+        '"S bound" have a k where S is not identified (the calibrated states stay '
+        "distinguishable from full depth): there S is a lower bound and D an upper bound.",
     ]
-    if NEGATIVE_CONTROL in document["regimes"]:
+    if NEGATIVE_CONTROL in regimes:
         lines.append(
             "The dense row is the negative control: a dense model of distinct layers, whose S is "
             "that of truncating its own layers."
         )
-    lines += ["", "## Verdict", ""]
+    lines += ["", f"## Verdict ({metric})", ""]
     names = {
         "S_lower": "S lower than fixed",
         "D_stays": "D stays",
         "slope_follows_S": "slope flattens by about the change in S",
     }
-    for regime, checks in document["verdict"].items():
+    for regime, checks in verdict.items():
         lines.append(f"- **{regime}**")
         for key, check in checks.items():
             lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
@@ -169,6 +193,8 @@ def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
         seeds = ",".join(str(seed) for seed in row["seeds"])
         if row["undefined_seeds"]:
             seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
+        if row.get("S_bound_seeds"):
+            seeds += f" (S bound: {','.join(str(seed) for seed in row['S_bound_seeds'])})"
         accuracy = [_number(mean_over_seeds(row, key)) for key in ("full_accuracy", "k1_accuracy")]
         cells.append(" / ".join(accuracy))
         lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")

@@ -316,3 +316,63 @@ def test_the_dense_control_defaults_to_the_first_seed(tmp_path):
     )
     assert document["regimes"]["dense"]["seeds"] == [3]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["dense-seed3"]
+
+
+# ------------------------------------------------------------------ language modelling
+
+
+def _lm_experiment(out: Path, preset_name: str, settings: list[str]) -> dict:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(
+            ["experiment", "training-intervention", "--preset", preset_name, "--seeds", "0,1,2"
+             if preset_name == "lm" else "0,1", "--jobs", "2", *settings, "--quiet",
+             "--out", str(out)]
+        )  # fmt: skip
+    assert code == 0
+    assert str(out / "intervention.html") in printed.getvalue()
+    return _document(out)
+
+
+def _check_lm_document(document: dict, out: Path, seeds: list[int]) -> None:
+    # Reported on validated metrics only: accuracy first, top-1 agreement beside it.
+    assert document["metric"] == "accuracy"
+    assert document["validated_metrics"] == ["accuracy", "top1_agreement"]
+    assert list(document["other_metrics"]) == ["top1_agreement"]
+    for section in (document, document["other_metrics"]["top1_agreement"]):
+        assert list(section["regimes"]) == list(REGIMES)
+        for regime, row in section["regimes"].items():
+            assert row["seeds"] == (seeds[:1] if regime == "dense" else seeds), regime
+            assert isinstance(row["S_bound_seeds"], list)
+        for regime in ("every-iteration", "sampled"):
+            checks = section["verdict"][regime]
+            assert set(checks) == {"S_lower", "D_stays", "slope_follows_S"}
+            assert all(check["label"] in LABELS[:3] for check in checks.values()), checks
+    markdown = (out / "intervention.md").read_text()
+    assert "# Metric `top1_agreement`" in markdown and "cross_entropy" not in markdown
+    # The regimes side by side in one self-contained page, one seed of each.
+    html = (out / "intervention.html").read_text()
+    for regime in REGIMES:
+        assert f"{regime} (seed {seeds[0]})" in html, regime
+    assert "figure-decomposition_accuracy" in html and "figure-probe" in html
+
+
+def test_the_lm_tiny_intervention_runs_end_to_end(tmp_path):
+    """`--preset lm-tiny`: character-level language modelling of the bundled tinyshakespeare in
+    every regime, two seeds, DCP on each, the verdict on both validated metrics."""
+    out = tmp_path / "lm-tiny"
+    settings = ["--n-eval", "64", "--n-calibration", "64", "--bootstrap", "50"]
+    document = _lm_experiment(out, "lm-tiny", settings)
+    assert document["preset"] == "lm-tiny"
+    _check_lm_document(document, out, [0, 1])
+
+
+@pytest.mark.slow
+def test_the_lm_intervention_finds_readout_shift_in_the_fixed_regime(tmp_path):
+    """The full `--preset lm` experiment (about half an hour with --jobs 2 on 2 cores): the fixed
+    model's S on accuracy has a 95% interval over its 3 seeds that excludes 0."""
+    out = tmp_path / "lm"
+    document = _lm_experiment(out, "lm", [])
+    _check_lm_document(document, out, [0, 1, 2])
+    fixed = document["regimes"]["fixed"]
+    assert fixed["S_lo"] > 0 and fixed["S_abs_lo"] > 0, fixed

@@ -16,12 +16,25 @@
   variables, the same budget stays on the plateau: a lookup then needs a two-layer composition
   that small models take thousands of steps to form, or the line tokens of 16 variables are
   each seen too rarely.
+- ``lm``: character-level language modelling of tinyshakespeare (`lm_text`: the bundled 1.1 MB
+  file; 65 symbols, windows of 64 characters, every position scored), trained from scratch: a
+  1 prelude + 1 core x 4 + 1 coda model, d_model 64, 4 heads; AdamW lr 3e-3, batch 32, 2000
+  steps, no curriculum. About 3 minutes on one CPU thread (fixed regime). From scratch rather
+  than a retrofit of stories260K, so that all four regimes, the dense control included, are
+  trained the same way from the same initialisation rule; character-level, so that the
+  vocabulary is small and a step cheap. Language modelling is where readout shift shows: the
+  fixed model's early states, read out through the final norm and unembedding it was never
+  trained to read them with, are off-distribution (S is about half its accuracy gap).
+- ``lm-tiny``: the same pipeline in seconds (d_model 32, r = 3, 60 steps, windows of 32); its
+  models barely learn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dcp_lens.config import RecurrentConfig
@@ -110,9 +123,76 @@ def _default(regime: RegimeConfig, seed: int) -> TrainConfig:
     )
 
 
+LM_TEXT_VARIABLE = "DCP_LENS_LM_TEXT"
+_BUNDLED_TEXT = Path(__file__).resolve().parents[2] / "demos" / "data" / "tinyshakespeare.txt"
+
+
+def lm_text() -> Path:
+    """The text the ``lm`` presets train on: ``$DCP_LENS_LM_TEXT`` if set, else the checkout's
+    ``demos/data/tinyshakespeare.txt`` (see its PROVENANCE.md)."""
+    path = Path(os.environ.get(LM_TEXT_VARIABLE) or _BUNDLED_TEXT)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the lm presets train on {path}, which does not exist. Run from a dcp-lens checkout "
+            f"(it ships demos/data/tinyshakespeare.txt) or set {LM_TEXT_VARIABLE} to a UTF-8 "
+            "text file."
+        )
+    return path
+
+
+def _lm_config(
+    regime: RegimeConfig,
+    seed: int,
+    *,
+    n_ctx: int,
+    d_model: int,
+    n_iterations: int,
+    **training: Any,
+) -> TrainConfig:
+    task = get_task("char_lm", path=str(lm_text()), n_ctx=n_ctx, seed=0)
+    model = model_config(
+        task,
+        d_model=d_model,
+        n_heads=4,
+        d_head=d_model // 4,
+        d_mlp=4 * d_model,
+        n_prelude=1,
+        n_core=1,
+        n_coda=1,
+        n_iterations=n_iterations,
+    )
+    return TrainConfig(
+        model=model,
+        task=task.to_dict(),
+        regime=regime,
+        curriculum="none",
+        table_extra_iterations=2,
+        seed=seed,
+        **training,
+    )
+
+
+def _lm(regime: RegimeConfig, seed: int) -> TrainConfig:
+    return _lm_config(
+        regime, seed, n_ctx=64, d_model=64, n_iterations=4, steps=2000, batch_size=32, lr=3e-3,
+        warmup_steps=100, eval_interval=500, eval_programs=64, table_programs=256,
+        checkpoint_interval=500,
+    )  # fmt: skip
+
+
+def _lm_tiny(regime: RegimeConfig, seed: int) -> TrainConfig:
+    return _lm_config(
+        regime, seed, n_ctx=32, d_model=32, n_iterations=3, steps=60, batch_size=16, lr=3e-3,
+        warmup_steps=10, eval_interval=30, eval_programs=16, table_programs=32,
+        checkpoint_interval=30,
+    )  # fmt: skip
+
+
 PRESETS: dict[str, Callable[[RegimeConfig, int], TrainConfig]] = {
     "tiny": _tiny,
     "default": _default,
+    "lm": _lm,
+    "lm-tiny": _lm_tiny,
 }
 
 
