@@ -101,13 +101,15 @@ def per_example_metrics(
     full_log_probs: Float[Tensor, "batch pos d_vocab"],
     targets: Int[Tensor, "batch pos"],
     metrics: Sequence[str],
+    full_top1: Int[Tensor, "batch pos"] | None = None,
 ) -> dict[str, Float[Tensor, " batch"]]:
     """Each metric averaged over an example's scored positions: [batch] per metric.
 
     ``full_log_probs`` are the full-depth log-probabilities (`reference_log_probs`), the reference
-    of ``kl_to_full``. Everything is computed in `metric_precision` (float32 at least, whatever the
-    model computes in). A non-finite readout has no prediction: its accuracy is NaN, never the
-    argmax of NaNs."""
+    of ``kl_to_full``; ``full_top1`` their argmax, the reference of ``top1_agreement`` (computed
+    here when None; a sweep passes it once for every condition). Everything is computed in
+    `metric_precision` (float32 at least, whatever the model computes in). A non-finite
+    readout has no prediction: its accuracy is NaN, never the argmax of NaNs."""
     logits, full_log_probs = metric_precision(logits), metric_precision(full_log_probs)
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).clamp(min=1).to(logits.dtype)
@@ -116,10 +118,15 @@ def per_example_metrics(
         out["cross_entropy"] = (token_cross_entropy(logits, targets) * scored).sum(-1) / count
     if "accuracy" in metrics or "top1_agreement" in metrics:
         # One argmax and one finiteness check serve both top-1 metrics.
-        predicted, finite = logits.argmax(-1), torch.isfinite(logits).all(-1)
-        references = {"accuracy": targets, "top1_agreement": full_log_probs.argmax(-1)}
+        # All finite exactly when the largest and the smallest are (max and min propagate NaN),
+        # two reductions instead of a mask the size of the logits.
+        predicted = logits.argmax(-1)
+        finite = torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+        if full_top1 is None and "top1_agreement" in metrics:
+            full_top1 = full_log_probs.argmax(-1)
+        references = {"accuracy": targets, "top1_agreement": full_top1}
         for name, reference in references.items():
-            if name not in metrics:
+            if name not in metrics or reference is None:
                 continue
             hit = torch.where(finite, (predicted == reference).to(logits.dtype), torch.nan)
             bad = (torch.isnan(hit) & scored).any(-1)

@@ -248,6 +248,9 @@ class DepthControlProtocol:
         # Per (sweep condition, k): the temperature that gives its readout full depth's mean
         # entropy on the calibration split (loss metrics only; 1.0 without matching).
         self.temperatures: dict[tuple[str, int], float] = {}
+        # Calibration batch index -> (states, full logits) of its leading sequences, kept by
+        # `fit` for confidence matching so that it needs no forward pass of its own.
+        self._temperature_states: dict[int, tuple[Tensor, Tensor]] = {}
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
         self.seed = seed
@@ -281,7 +284,7 @@ class DepthControlProtocol:
         try:
             with torch.no_grad():
                 probe_reference = self.fit(calibration)
-                if self.match_confidence and set(self.metrics) & set(LOSS_METRICS):
+                if self._matches_confidence():
                     self._fit_temperatures(calibration)
                 values, null_control, probe_states = self._evaluate(evaluation)
                 for draw in range(1, self._noise_draws()):
@@ -355,20 +358,23 @@ class DepthControlProtocol:
         what the readouts rank, not how confident a shifted frame makes them."""
         # A few thousand scored positions fix a mean entropy well; the cost is cells x steps x
         # positions x vocabulary, so wide vocabularies get fewer positions.
-        vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
-        budget = max(64, min(256, (1 << 18) // max(1, vocabulary)))
+        budget, sequences = self._temperature_budget(calibration)
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
         built = {k: self._sweep_at(k) for k in self.k_grid}
         seen = 0
-        # Only as many sequences as the budget needs: the readouts are the cost.
-        per_sequence = max(1, int(calibration.scored.sum()) // len(calibration))
-        batch_size = min(self.batch_size, -(-budget // per_sequence))
-        for rows in calibration.batches(batch_size):
-            if seen >= budget:
+        # The leading sequences of the fit's own batches: their states were kept by `fit` (or,
+        # after a resume or on another rank, recomputed in the same batches, so the same bytes).
+        for index, rows in enumerate(calibration.batches(self.batch_size)):
+            if seen >= budget or sequences <= 0:
                 break
-            targets = calibration.targets[rows].to(self._device())
-            states, full_logits = self.states(calibration.tokens[rows])
+            take = min(rows.stop - rows.start, sequences)
+            stashed = self._temperature_states.get(index)
+            if stashed is None:
+                states, full_logits = self.states(calibration.tokens[rows])
+                stashed = (states[:, :take], full_logits[:take])
+            states, full_logits = stashed
+            targets = calibration.targets[rows.start : rows.start + take].to(self._device())
             scored = targets != IGNORE_INDEX
             room = budget - seen
             full_kept.append(full_logits[scored][:room].float())
@@ -376,11 +382,26 @@ class DepthControlProtocol:
                 for name, logits in self._readouts(states, built[k], full_logits).items():
                     kept.setdefault((name, k), []).append(logits[scored][:room].float())
             seen += int(scored.sum())
+            sequences -= take
+        self._temperature_states = {}
         reference = _mean_entropy(torch.cat(full_kept), 1.0)
         self.temperatures = {
             cell: _matching_temperature(torch.cat(chunks), reference)
             for cell, chunks in kept.items()
         }
+
+    def _temperature_budget(self, calibration: EvaluationSet) -> tuple[int, int]:
+        """(scored positions, leading calibration sequences) confidence matching reads."""
+        # A few hundred scored positions fix a mean entropy well; the cost is cells x steps x
+        # positions x vocabulary, so wide vocabularies get fewer positions.
+        vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
+        budget = max(64, min(256, (1 << 18) // max(1, vocabulary)))
+        # Only as many sequences as the budget needs: the readouts are the cost.
+        per_sequence = max(1, int(calibration.scored.sum()) // len(calibration))
+        return budget, -(-budget // per_sequence)
+
+    def _matches_confidence(self) -> bool:
+        return self.match_confidence and bool(set(self.metrics) & set(LOSS_METRICS))
 
     def _noise_draws(self) -> int:
         noisy = getattr(getattr(self.model, "cfg", None), "state_init", "zeros") in (
@@ -478,10 +499,22 @@ class DepthControlProtocol:
             for label, state in saved["samples"].items():
                 samples[label].restore(state)
             sample.restore(saved["sample"])
-        for batch_number, (_, rows) in enumerate(
+        self._temperature_states = {}
+        stash_sequences = (
+            self._temperature_budget(calibration)[1] if self._matches_confidence() else 0
+        )
+        stash_batches = -(-stash_sequences // self.batch_size)
+        for batch_number, (index, rows) in enumerate(
             self._progress(batches[done:], "calibration"), start=done
         ):
-            states, _ = self.states(calibration.tokens[rows])
+            states, full_logits = self.states(calibration.tokens[rows])
+            if index < stash_batches:
+                take = min(rows.stop - rows.start, stash_sequences - index * self.batch_size)
+                if take > 0:  # copies: a view would keep the whole batch's states alive
+                    self._temperature_states[index] = (
+                        states[:, :take].clone(),
+                        full_logits[:take].clone(),
+                    )
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
             example, position = _row_ids(calibration_keys[rows], keep)
@@ -647,7 +680,10 @@ class DepthControlProtocol:
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
             full_log_probs = reference_log_probs(full_logits)
-            reference = self._record(per_example, ("full", 0), full_logits, full_log_probs, targets)
+            full_top1 = full_log_probs.argmax(-1)
+            reference = self._record(
+                per_example, ("full", 0), full_logits, full_log_probs, targets, full_top1
+            )
             at_r: dict[str, Tensor] | None = None
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
@@ -655,7 +691,9 @@ class DepthControlProtocol:
                     at_r = readouts
                 for name, logits in readouts.items():
                     tempered = logits / self.temperatures.get((name, k), 1.0)
-                    self._record(per_example, (name, k), tempered, full_log_probs, targets)
+                    self._record(
+                        per_example, (name, k), tempered, full_log_probs, targets, full_top1
+                    )
                 difference = _max_diff(readouts["replay"], readouts["truncate"])
                 self._replay_difference[k] = _nan_max(
                     self._replay_difference.get(k, 0.0), difference
@@ -789,8 +827,12 @@ class DepthControlProtocol:
         distinct = list(
             dict.fromkeys(c.at_depth(self.r) for c in conditions.values() if c is not None)
         )
-        inputs = torch.cat([condition.readout_input(states) for condition in distinct])
-        logits = dict(zip(distinct, self.model.readout(inputs).chunk(len(distinct)), strict=True))
+        # Full depth's logits are already known (truncate(r) = replay(r) = full).
+        logits: dict[Condition, Tensor] = {c: full_logits for c in distinct if isinstance(c, Full)}
+        to_read = [c for c in distinct if c not in logits]
+        if to_read:
+            inputs = torch.cat([condition.readout_input(states) for condition in to_read])
+            logits.update(zip(to_read, self.model.readout(inputs).chunk(len(to_read)), strict=True))
         missing = torch.full_like(full_logits, math.nan)
         return {
             name: missing if c is None else logits[c.at_depth(self.r)]
@@ -804,9 +846,10 @@ class DepthControlProtocol:
         logits: Tensor,
         full_log_probs: Tensor,
         targets: Tensor,
+        full_top1: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Append each metric's per-example values for ``cell``; returns them."""
-        values = per_example_metrics(logits, full_log_probs, targets, self.metrics)
+        values = per_example_metrics(logits, full_log_probs, targets, self.metrics, full_top1)
         for metric, value in values.items():
             per_example.setdefault((metric, *cell), []).append(value)
         return values
