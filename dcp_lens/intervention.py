@@ -170,14 +170,17 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     if not _finite(tested, fixed, "S_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
     if tested["S_abs"] >= fixed["S_abs"]:
+        measured = _check("not supported", "not lower")
         if fixed.get("S_bound_seeds"):  # fixed's S may be larger than measured
-            return _check("not resolved", "not lower, but fixed's S is a lower bound")
-        return _check("not supported", "not lower")
-    if tested.get("S_bound_seeds"):  # its S may be larger than measured
-        return _check("not resolved", "lower, but the tested regime's S is a lower bound")
+            return _on_bounds(measured, "fixed's S is a lower bound")
+        return measured
     if tested["S_abs_hi"] < fixed["S_abs_lo"]:
-        return _check("supported", "lower, the intervals do not overlap")
-    return _check("not resolved", "lower, but the intervals overlap")
+        measured = _check("supported", "lower, the intervals do not overlap")
+    else:
+        measured = _check("not resolved", "lower, but the intervals overlap")
+    if tested.get("S_bound_seeds"):  # its S may be larger than measured
+        return _on_bounds(measured, "the tested regime's S is a lower bound")
+    return measured
 
 
 def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
@@ -191,11 +194,13 @@ def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """
     if not _finite(tested, fixed, "D_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
-    if tested.get("S_bound_seeds") or fixed.get("S_bound_seeds"):
-        return _check("not resolved", "D is an upper bound where S is not identified")
     if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
-        return _check("supported", "the intervals overlap")
-    return _check("not supported", "the intervals do not overlap")
+        measured = _check("supported", "the intervals overlap")
+    else:
+        measured = _check("not supported", "the intervals do not overlap")
+    if tested.get("S_bound_seeds") or fixed.get("S_bound_seeds"):
+        return _on_bounds(measured, "D is an upper bound where S is not identified")
+    return measured
 
 
 def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
@@ -274,3 +279,13 @@ def _finite(tested: dict[str, Any], fixed: dict[str, Any], name: str) -> bool:
 
 def _check(label: str, why: str) -> dict[str, str]:
     return {"label": label, "why": why}
+
+
+def _on_bounds(measured: dict[str, str], bound: str) -> dict[str, str]:
+    """``not resolved`` where a compared value is a bound, keeping what the measured values
+    alone would say (``measured``) for the reader."""
+    return {
+        "label": "not resolved",
+        "why": f"{measured['why']} ({measured['label']} on the measured values), but {bound}",
+        "measured": measured["label"],
+    }

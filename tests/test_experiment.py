@@ -219,6 +219,25 @@ def test_d_verdict_labels(tested, label):
     assert d_verdict(tested, FIXED)["label"] == label
 
 
+def test_a_bound_is_not_read_as_a_value():
+    """Where S is not identified (a lower bound, D an upper bound), a comparison that the bound
+    could reverse is not resolved; what the measured values say is kept beside it."""
+    lower = _row(S_abs=(0.1, 0.05, 0.15), D_abs=(0.25, 0.15, 0.35))
+    bound = {**lower, "S_bound_seeds": [0]}
+    assert s_verdict(lower, FIXED)["label"] == "supported"
+    result = s_verdict(bound, FIXED)  # the tested S could be larger than measured
+    assert (result["label"], result["measured"]) == ("not resolved", "supported")
+    # Fixed's S a lower bound does not weaken "lower": its true S is at least what was measured.
+    assert s_verdict(lower, {**FIXED, "S_bound_seeds": [0, 1]})["label"] == "supported"
+    # ... but it does weaken "not lower".
+    higher = _row(S_abs=(0.9, 0.8, 1.0))
+    assert s_verdict(higher, FIXED)["label"] == "not supported"
+    assert s_verdict(higher, {**FIXED, "S_bound_seeds": [0]})["label"] == "not resolved"
+    for tested, fixed in ((bound, FIXED), (lower, {**FIXED, "S_bound_seeds": [2]})):
+        result = d_verdict(tested, fixed)
+        assert (result["label"], result["measured"]) == ("not resolved", "supported")
+
+
 @pytest.mark.parametrize(
     "tested,label",
     [
