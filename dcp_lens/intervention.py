@@ -286,6 +286,6 @@ def _on_bounds(measured: dict[str, str], bound: str) -> dict[str, str]:
     alone would say (``measured``) for the reader."""
     return {
         "label": "not resolved",
-        "why": f"{measured['why']} ({measured['label']} on the measured values), but {bound}",
+        "why": f"{measured['why']} ({measured['label']} on the measured values); {bound}",
         "measured": measured["label"],
     }
