@@ -360,12 +360,13 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
         sys.stdout.write("\n")
         return
     shape = result["model"]
+    allocator = result.get("allocator", "as the process has it")
     print(
         f"{result['preset']} model {shape['n_prelude']} + {shape['n_core']} x "
         f"{shape['n_iterations']} + {shape['n_coda']}, d_model={shape['d_model']}, vocabulary "
         f"{shape['d_vocab']}, {shape['parameters']:,} parameters, {result['dtype']}; batch "
         f"{result['batch']} x {result['seq']}, k grid {result['k_grid']}, {result['device']}, "
-        f"{result['threads']} threads"
+        f"{result['threads']} threads; allocator: {allocator}"
     )
     for key in ("forward_seconds", "plain_seconds", "sweep_seconds", "naive_seconds"):
         print(f"  {key:<34} {result[key]:.3f}")

@@ -196,3 +196,13 @@ def test_the_package_imports_its_names_lazily():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_allocator_setting_reads_its_variable(monkeypatch):
+    from dcp_lens import memory
+
+    monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "0")
+    assert memory.limit_heap_fragmentation() is False  # 0: glibc's dynamic default, untouched
+    monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "12kB")
+    with pytest.raises(ValueError, match="must be a number of bytes"):
+        memory.limit_heap_fragmentation()
