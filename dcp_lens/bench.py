@@ -1,6 +1,6 @@
 """`dcp-lens bench`: what the protocol costs, side by side on the same data in one process.
 
-Reported (medians over repeats):
+Reported (medians over repeats; the forward and the sweep are each timed after one warm-up call):
 - ``sweep_over_forward``: the whole fast sweep (calibration fit + every condition at every k on the
   evaluation batch) against one full-depth forward of the evaluation batch;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
@@ -240,6 +240,8 @@ def run_bench(
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
+        sweep()  # warm up, as the forward was: first-call allocations are not the sweep's cost
+        _reset_peak(target)
         sweep_seconds = _median_seconds({"sweep": sweep}, sweep_repeats, target)["sweep"]
         peak, sweep_peak = _peak_memory(target)
         naive_seconds = math.nan
