@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dcp_lens.errors import ConfigError, DCPLensError
-from dcp_lens.incomplete import MARKER, check_output_folder, mark_complete, mark_incomplete
+from dcp_lens.incomplete import (
+    MARKER,
+    check_output_folder,
+    mark_complete,
+    mark_incomplete,
+    write_text_atomically,
+)
 from dcp_lens.memory import limit_heap_fragmentation
 
 if TYPE_CHECKING:
@@ -530,7 +536,7 @@ def _prepare_folder(args: argparse.Namespace) -> bool:
         shutil.rmtree(snapshots, ignore_errors=True)
     mark_incomplete(out, "dcp-lens run")
     snapshots.mkdir(parents=True, exist_ok=True)
-    _write_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    write_text_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
     return True
 
 
@@ -552,12 +558,6 @@ def _read_finished(folder: Path) -> ProtocolResults:
 
     document = json.loads((folder / "results.json").read_text())
     return ProtocolResults.from_results_json(document["runs"][0])
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dcp_lens.devices import check_device
+from dcp_lens.incomplete import write_text_atomically
 from dcp_lens.intervention import (
     CONFIDENCE,
     NEGATIVE_CONTROL,
@@ -170,8 +171,8 @@ def run_training_intervention(
         }
     )
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomically(out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n")
-    _write_atomically(out / MARKDOWN_FILE, format_markdown(document))
+    write_text_atomically(out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n")
+    write_text_atomically(out / MARKDOWN_FILE, format_markdown(document))
     # The regimes side by side (one seed each): curves, S/B/D per k, the probe per regime.
     side_by_side = [
         dataclasses.replace(per_regime[0][1], model=f"{regime} (seed {per_regime[0][0]})")
@@ -196,12 +197,6 @@ def _regimes_and_verdict(
     for regime, per_regime in runs.items():
         summary[regime]["n_iterations"] = per_regime[0][1].n_iterations
     return {"regimes": summary, "verdict": explain_verdict(verdict(summary), summary)}
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def _check_arguments(

@@ -1,5 +1,5 @@
-"""Output folders: checked before a run (`check_output_folder`), and an explicit marker on
-one whose run has not finished.
+"""Output folders: checked before a run (`check_output_folder`), an explicit marker on one
+whose run has not finished, and files written whole or not at all (`write_text_atomically`).
 
 ``dcp-lens run`` writes each model's results as it goes; a run killed after its first model
 would leave ``DIR/default/results.json`` valid while the rest is missing. So the folder carries
@@ -38,6 +38,16 @@ def check_output_folder(path: str | Path, flag: str = "out") -> Path:
     return path
 
 
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp`` and a rename, so that a kill or a
+    full disk leaves the previous file or the new one, never half of one. Returns ``path``."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)
+    return path
+
+
 def mark_incomplete(folder: str | Path, command: str) -> Path:
     """Create ``folder`` if needed and mark it incomplete; returns the marker's path."""
     folder = Path(folder)
@@ -68,4 +78,11 @@ def check_complete(folder: str | Path) -> None:
             )
 
 
-__all__ = ["MARKER", "check_complete", "check_output_folder", "mark_complete", "mark_incomplete"]
+__all__ = [
+    "MARKER",
+    "check_complete",
+    "check_output_folder",
+    "mark_complete",
+    "mark_incomplete",
+    "write_text_atomically",
+]

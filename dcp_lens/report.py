@@ -11,6 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dcp_lens.incomplete import write_text_atomically
 from dcp_lens.intervention import (
     AGGREGATED,
     BASELINE,
@@ -408,10 +409,7 @@ def write_report(
     if path.is_dir() or not path.suffix:
         path = path / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")  # never a half-written report
-    partial.write_text(render_report(runs, report_data), encoding="utf-8")
-    partial.replace(path)
-    return path
+    return write_text_atomically(path, render_report(runs, report_data))
 
 
 def _flags(run: Mapping[str, Any], metric: str) -> list[str]:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dcp_lens.conditions import DECOMPOSED
 from dcp_lens.decomposition import decompose
+from dcp_lens.incomplete import write_text_atomically
 from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
 from dcp_lens.results import decode_json, encode_json
 from dcp_lens.states import capture_states
@@ -188,11 +189,7 @@ def write_report_data(
         "environment": environment or {},
         "runs": list(entries),
     }
-    path = Path(path)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(encode_json(document), allow_nan=False) + "\n")
-    partial.replace(path)
-    return path
+    return write_text_atomically(path, json.dumps(encode_json(document), allow_nan=False) + "\n")
 
 
 def read_report_data(path: str | Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from jaxtyping import Bool, Float
 
 from dcp_lens.conditions import DECOMPOSED
 from dcp_lens.errors import DamagedFileError
-from dcp_lens.incomplete import check_complete
+from dcp_lens.incomplete import check_complete, write_text_atomically
 from dcp_lens.validation import read_json_object
 
 FACTORS = ("S", "B", "D")
@@ -525,10 +525,9 @@ def write_results_json(
     ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")  # never a half-written results.json
-    partial.write_text(json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n")
-    partial.replace(path)
-    return path
+    return write_text_atomically(
+        path, json.dumps({"runs": encoded}, indent=2, allow_nan=False) + "\n"
+    )
 
 
 def read_results_json(path: str | Path) -> list[ProtocolResults]:

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from dcp_lens.errors import DamagedFileError
 from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.incomplete import write_text_atomically
 from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
 from dcp_lens.validation import read_json_object, read_safetensors_file
 
@@ -149,6 +150,4 @@ def load_checkpoint(
 
 
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n")
