@@ -1,6 +1,8 @@
 """`dcp-lens bench`: what the protocol costs, side by side on the same data in one process.
 
-Reported (medians over repeats; the forward and the sweep are each timed after one warm-up call):
+Reported (medians over repeats; each of the forward, the plain loop and the sweep is timed after
+one warm-up call, and the three alternate, round by round, so that a machine whose speed drifts
+or jitters slows them alike and their ratios compare like with like):
 - ``sweep_over_forward``: the whole fast sweep (calibration fit + every condition at every k on the
   evaluation batch) against one full-depth forward of the evaluation batch;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
@@ -139,12 +141,16 @@ def plain_forward(
 
 
 def _median_seconds(
-    runs: dict[str, Callable[[], Any]], repeats: int, device: torch.device
+    runs: dict[str, Callable[[], Any]], repeats: dict[str, int], device: torch.device
 ) -> dict[str, float]:
-    """Median wall time of each run; the runs alternate, so drifting machine load hits all alike."""
+    """Median wall time of each run over its ``repeats[name]`` timings. The runs alternate
+    (round i times every run with more than i repeats), so drifting machine load hits all alike
+    and a ratio of two medians compares timings taken under the same conditions."""
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
+    for round_number in range(max(repeats.values())):
         for name, fn in runs.items():
+            if round_number >= repeats[name]:
+                continue
             _synchronize(device)
             start = time.perf_counter()
             fn()
@@ -166,7 +172,7 @@ def run_bench(
     seq: int | None = None,
     d_vocab: int | None = None,
     repeats: int = 5,
-    sweep_repeats: int = 3,
+    sweep_repeats: int | None = None,
     k_grid: list[int] | None = None,
     device: str = "cpu",
     naive: bool = True,
@@ -175,7 +181,8 @@ def run_bench(
     dtype: str = "float32",
 ) -> dict[str, Any]:
     """Measure the figures above on a random model of ``preset``'s shape (arguments left None
-    take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``.
+    take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``. ``repeats`` rounds
+    each time the forward, the plain loop and the sweep (``sweep_repeats`` sweeps, if given).
 
     Raises:
         DeviceError: ``device`` is not available here.
@@ -216,17 +223,6 @@ def run_bench(
     )
     has_plain = (cfg.norm_placement, cfg.act_fn, cfg.normalization_type) == ("pre", "gelu", "LN")
     with torch.no_grad():
-        model(evaluation.tokens)  # warm up
-        runs: dict[str, Callable[[], Any]] = {"forward": lambda: model(evaluation.tokens)}
-        check = math.nan
-        if has_plain:
-            plain_logits = plain_forward(weights, cfg, evaluation.tokens, r)
-            check = float((plain_logits - model(evaluation.tokens)).abs().max())
-            runs["plain"] = lambda: plain_forward(weights, cfg, evaluation.tokens, r)
-        forwards = _median_seconds(runs, repeats, target)
-        forward, plain = forwards["forward"], forwards.get("plain", math.nan)
-        before = _memory_now(target)
-        _reset_peak(target)
 
         def sweep() -> None:  # what `run` does before the statistics: fit, match, evaluate
             protocol.fit(calibration)
@@ -240,13 +236,30 @@ def run_bench(
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
-        sweep()  # warm up, as the forward was: first-call allocations are not the sweep's cost
+        runs: dict[str, Callable[[], Any]] = {"forward": lambda: model(evaluation.tokens)}
+        check = math.nan
+        if has_plain:
+            plain_logits = plain_forward(weights, cfg, evaluation.tokens, r)
+            check = float((plain_logits - model(evaluation.tokens)).abs().max())
+            runs["plain"] = lambda: plain_forward(weights, cfg, evaluation.tokens, r)
+        runs["sweep"] = sweep
+        # One warm-up call each (first-call allocations are not what is measured); then the
+        # forward, the plain loop and the sweep alternate, timed under the same load. The memory
+        # held before the sweep's first call is the base of its per-token figure.
+        for name, fn in runs.items():
+            if name == "sweep":
+                before = _memory_now(target)
+            fn()
         _reset_peak(target)
-        sweep_seconds = _median_seconds({"sweep": sweep}, sweep_repeats, target)["sweep"]
+        sweeps = repeats if sweep_repeats is None else sweep_repeats
+        counts = {name: sweeps if name == "sweep" else repeats for name in runs}
+        seconds = _median_seconds(runs, counts, target)
         peak, sweep_peak = _peak_memory(target)
+        forward, plain = seconds["forward"], seconds.get("plain", math.nan)
+        sweep_seconds = seconds["sweep"]
         naive_seconds = math.nan
         if naive:
-            naive_seconds = _median_seconds({"naive": naive_sweep}, 1, target)["naive"]
+            naive_seconds = _median_seconds({"naive": naive_sweep}, {"naive": 1}, target)["naive"]
     batch_tokens = batch * seq
     sweep_rate = 2 * batch_tokens / sweep_seconds  # calibration + evaluation tokens
     forward_rate = batch_tokens / forward

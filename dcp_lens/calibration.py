@@ -78,6 +78,7 @@ class StreamingMoments:
         self._scatter: Tensor | None = None  # [d, d], sum of y y^T
         self._norm_weighted_sum: Tensor | None = None  # [d], sum of |y|^2 y
         self._fourth_sum: Tensor | None = None  # [], sum of |y|^4
+        self._powers: dict[float, Tensor] = {}  # shrunk covariance ** exponent, until an update
 
     @classmethod
     def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
@@ -148,6 +149,7 @@ class StreamingMoments:
     def _merge(
         self, count: int, mean: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
     ) -> None:
+        self._powers = {}
         if self._count == 0:
             self._count, self._mean, self._scatter = count, mean, scatter
             self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
@@ -225,6 +227,15 @@ class StreamingMoments:
         self._require_samples()
         assert self._scatter is not None
         return self._scatter / self._count
+
+    def shrunk_power(self, exponent: float, name: str = "covariance") -> Float[Tensor, "d d"]:
+        """The Ledoit-Wolf shrunk covariance to the power ``exponent`` (`symmetric_power`),
+        computed once per exponent until the next update: a sweep maps every source onto the
+        same full-depth reference, so its root is needed once, not once per source."""
+        if exponent not in self._powers:
+            covariance = ledoit_wolf_shrinkage(self).covariance
+            self._powers[exponent] = symmetric_power(covariance, exponent, name)
+        return self._powers[exponent]
 
     @property
     def fourth_moment_sum(self) -> float:
@@ -360,25 +371,22 @@ class AffineCalibration:
         reference_mean = reference.mean.to(source_mean.device)
         if mode == "mean":
             linear = torch.ones_like(source_mean)
+        elif mode == "diag":
+            source_var = torch.diagonal(ledoit_wolf_shrinkage(source).covariance)
+            reference_var = torch.diagonal(ledoit_wolf_shrinkage(reference).covariance)
+            for name, variances in (("source", source_var), ("reference", reference_var)):
+                if float(variances.min()) <= 0.0:
+                    raise ValueError(
+                        f"{name} covariance is singular (smallest variance "
+                        f"{float(variances.min()):.3e}); after Ledoit-Wolf shrinkage this "
+                        "happens only when a dimension is constant and the states are "
+                        "constant or fewer than 3."
+                    )
+            linear = (reference_var.to(source_var.device) / source_var).sqrt()
         else:
-            source_cov = ledoit_wolf_shrinkage(source).covariance
-            reference_cov = ledoit_wolf_shrinkage(reference).covariance.to(source_cov.device)
-            if mode == "diag":
-                source_var = torch.diagonal(source_cov)
-                reference_var = torch.diagonal(reference_cov)
-                for name, variances in (("source", source_var), ("reference", reference_var)):
-                    if float(variances.min()) <= 0.0:
-                        raise ValueError(
-                            f"{name} covariance is singular (smallest variance "
-                            f"{float(variances.min()):.3e}); after Ledoit-Wolf shrinkage this "
-                            "happens only when a dimension is constant and the states are "
-                            "constant or fewer than 3."
-                        )
-                linear = (reference_var / source_var).sqrt()
-            else:
-                linear = symmetric_power(reference_cov, 0.5, "reference covariance") @ (
-                    symmetric_power(source_cov, -0.5, "source covariance")
-                )
+            inverse_root = source.shrunk_power(-0.5, "source covariance")
+            root = reference.shrunk_power(0.5, "reference covariance")
+            linear = root.to(inverse_root.device) @ inverse_root
         return cls(mode=mode, source_mean=source_mean, reference_mean=reference_mean, linear=linear)
 
     @property

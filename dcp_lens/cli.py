@@ -23,7 +23,7 @@ from dcp_lens.incomplete import (
     mark_incomplete,
     write_text_atomically,
 )
-from dcp_lens.memory import limit_heap_fragmentation
+from dcp_lens.memory import fixed_threshold, limit_heap_fragmentation
 
 if TYPE_CHECKING:
     from dcp_lens.protocol import EvaluationSet
@@ -270,14 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
         help="the model's compute dtype (statistics stay float64)",
     )  # fmt: skip
-    bench.add_argument("--repeats", type=int, default=5, help="timed repeats (the median is kept)")
+    bench.add_argument(
+        "--repeats", type=int, default=5,
+        help="timed rounds of forward, plain loop and sweep, alternated (medians are kept)",
+    )  # fmt: skip
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
-    bench.add_argument(
-        "--run-allocator", action="store_true",
-        help="measure under run's allocator setting (a fixed 128 kB mmap threshold that bounds "
-        "peak memory and costs time; default: glibc's own)",
-    )  # fmt: skip
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument(
         "--threads", type=int,
@@ -293,10 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             args.command_line = _command_line(argv)
-            # Peak memory set by the batch, not the corpus (dcp_lens.memory); the bench measures
-            # compute with glibc's default unless asked for run's setting.
-            if args.command != "bench" or args.run_allocator:
-                limit_heap_fragmentation()
+            # The opt-in fixed mmap threshold ($DCP_LENS_MMAP_THRESHOLD; dcp_lens.memory).
+            limit_heap_fragmentation()
             return _command(args)
         except REPORTED as error:
             print(f"dcp-lens {args.command}: error: {_one_line(error)}", file=sys.stderr)
@@ -337,8 +333,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         k_grid=_ints(args.k), device=args.device, naive=not args.no_naive, preset=args.preset,
         dtype=args.dtype,
     )  # fmt: skip
+    threshold = fixed_threshold()
     result["allocator"] = (
-        "fixed mmap threshold (run's setting)" if args.run_allocator else "glibc default"
+        "glibc's, free heap pages returned after each batch (as in run)"
+        if threshold is None
+        else f"fixed {threshold}-byte mmap threshold ($DCP_LENS_MMAP_THRESHOLD)"
     )
     print_bench(result, args.json)
     return 0

@@ -49,10 +49,18 @@ VALIDATION: dict[str, tuple[bool, str]] = {
 
 
 def token_cross_entropy(
-    logits: Float[Tensor, "*batch pos d_vocab"], targets: Int[Tensor, "*batch pos"]
+    logits: Float[Tensor, "*batch pos d_vocab"],
+    targets: Int[Tensor, "*batch pos"],
+    *,
+    log_probs: bool = False,
 ) -> Float[Tensor, "*batch pos"]:
-    """Cross-entropy of every position's prediction; 0 where ``targets == IGNORE_INDEX``."""
-    losses = F.cross_entropy(
+    """Cross-entropy of every position's prediction; 0 where ``targets == IGNORE_INDEX``.
+
+    ``log_probs=True``: ``logits`` are already log-probabilities (``logits.log_softmax(-1)``),
+    for a caller that needs them anyway; the result is the same bits (PyTorch's cross-entropy is
+    the negative log-likelihood of the log-softmax)."""
+    loss = F.nll_loss if log_probs else F.cross_entropy
+    losses = loss(
         logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     return losses.view(targets.shape)
@@ -102,26 +110,33 @@ def per_example_metrics(
     targets: Int[Tensor, "batch pos"],
     metrics: Sequence[str],
     full_top1: Int[Tensor, "batch pos"] | None = None,
+    full_probs: Float[Tensor, "batch pos d_vocab"] | None = None,
 ) -> dict[str, Float[Tensor, " batch"]]:
     """Each metric averaged over an example's scored positions: [batch] per metric.
 
     ``full_log_probs`` are the full-depth log-probabilities (`reference_log_probs`), the reference
     of ``kl_to_full``; ``full_top1`` their argmax, the reference of ``top1_agreement`` (computed
-    here when None; a sweep passes it once for every condition). Everything is computed in
+    here when None; a sweep passes it once for every condition), and ``full_probs``
+    ``full_log_probs.exp()`` (likewise). Everything is computed in
     `metric_precision` (float32 at least, whatever the model computes in). A non-finite
     readout has no prediction: its accuracy is NaN, never the argmax of NaNs."""
     logits, full_log_probs = metric_precision(logits), metric_precision(full_log_probs)
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).clamp(min=1).to(logits.dtype)
     out: dict[str, Tensor] = {}
+    # One log-softmax serves cross-entropy and KL (the costliest pass over the logits).
+    log_probs = logits.log_softmax(-1) if {"cross_entropy", "kl_to_full"} & {*metrics} else None
     if "cross_entropy" in metrics:
-        out["cross_entropy"] = (token_cross_entropy(logits, targets) * scored).sum(-1) / count
+        assert log_probs is not None
+        losses = token_cross_entropy(log_probs, targets, log_probs=True)
+        out["cross_entropy"] = (losses * scored).sum(-1) / count
     if "accuracy" in metrics or "top1_agreement" in metrics:
         # One argmax and one finiteness check serve both top-1 metrics.
         # All finite exactly when the largest and the smallest are (max and min propagate NaN),
         # two reductions instead of a mask the size of the logits.
-        predicted = logits.argmax(-1)
-        finite = torch.isfinite(logits.amax(-1)) & torch.isfinite(logits.amin(-1))
+        # One max gives the prediction (its first index, as argmax) and the largest value.
+        largest, predicted = logits.max(-1)
+        finite = torch.isfinite(largest) & torch.isfinite(logits.amin(-1))
         if full_top1 is None and "top1_agreement" in metrics:
             full_top1 = full_log_probs.argmax(-1)
         references = {"accuracy": targets, "top1_agreement": full_top1}
@@ -132,8 +147,12 @@ def per_example_metrics(
             bad = (torch.isnan(hit) & scored).any(-1)
             out[name] = torch.where(bad, torch.nan, (hit * scored).nansum(-1) / count)
     if "kl_to_full" in metrics:
-        log_probs = logits.log_softmax(-1)
-        kl = F.kl_div(log_probs, full_log_probs, log_target=True, reduction="none").sum(-1)
+        assert log_probs is not None
+        # KL(full || readout) = sum p_full (log p_full - log p), as F.kl_div(log_target=True)
+        # computes it, with p_full = exp(log p_full) taken once per batch rather than per call.
+        if full_probs is None:
+            full_probs = full_log_probs.exp()
+        kl = (metric_precision(full_probs) * (full_log_probs - log_probs)).sum(-1)
         kl = kl.clamp_min(0.0)  # KL >= 0: a negative sum is rounding, not a value (NaN stays)
         out["kl_to_full"] = (kl * scored).sum(-1) / count
     return out

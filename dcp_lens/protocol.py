@@ -44,6 +44,7 @@ from dcp_lens.calibration import (
 from dcp_lens.checkpoint import Checkpoint
 from dcp_lens.conditions import SWEEP, Condition, Full, ProtocolModel, Truncate
 from dcp_lens.decomposition import decompose
+from dcp_lens.memory import release_free_memory
 from dcp_lens.metrics import (
     HIGHER_IS_BETTER,
     IGNORE_INDEX,
@@ -250,7 +251,7 @@ class DepthControlProtocol:
         self.temperatures: dict[tuple[str, int], float] = {}
         # Calibration batch index -> (states, full logits) of its leading sequences, kept by
         # `fit` for confidence matching so that it needs no forward pass of its own.
-        self._temperature_states: dict[int, tuple[Tensor, Tensor]] = {}
+        self._temperature_states: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
         self.seed = seed
@@ -358,31 +359,28 @@ class DepthControlProtocol:
         what the readouts rank, not how confident a shifted frame makes them."""
         # A few thousand scored positions fix a mean entropy well; the cost is cells x steps x
         # positions x vocabulary, so wide vocabularies get fewer positions.
-        budget, sequences = self._temperature_budget(calibration)
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
         built = {k: self._sweep_at(k) for k in self.k_grid}
-        seen = 0
-        # The leading sequences of the fit's own batches: their states were kept by `fit` (or,
-        # after a resume or on another rank, recomputed in the same batches, so the same bytes).
+        # The positions read: the first `_temperature_budget` scored positions of the leading
+        # calibration sequences, in order. Their states were kept by `fit` (or, after a resume or
+        # on another rank, are recomputed in the same batches, so the same bytes).
         for index, rows in enumerate(calibration.batches(self.batch_size)):
-            if seen >= budget or sequences <= 0:
+            pieces = self._temperature_pieces(calibration, index, rows)
+            if pieces is None:
                 break
-            take = min(rows.stop - rows.start, sequences)
             stashed = self._temperature_states.get(index)
             if stashed is None:
-                states, full_logits = self.states(calibration.tokens[rows])
-                stashed = (states[:, :take], full_logits[:take])
-            states, full_logits = stashed
-            targets = calibration.targets[rows.start : rows.start + take].to(self._device())
-            scored = targets != IGNORE_INDEX
-            room = budget - seen
-            full_kept.append(full_logits[scored][:room].float())
-            for k in self.k_grid:
-                for name, logits in self._readouts(states, built[k], full_logits).items():
-                    kept.setdefault((name, k), []).append(logits[scored][:room].float())
-            seen += int(scored.sum())
-            sequences -= take
+                tokens = calibration.tokens[rows].to(self._device())
+                states, _ = capture_states(self.model, tokens, stop_after_last=True)
+                stashed = self._stash(states, pieces, rows.start)
+            for (states, full_logits), (sequences, positions) in zip(stashed, pieces, strict=True):
+                targets = calibration.targets[sequences][:, :positions].to(self._device())
+                scored = targets != IGNORE_INDEX
+                full_kept.append(full_logits[scored].float())
+                for k in self.k_grid:
+                    for name, logits in self._readouts(states, built[k], full_logits).items():
+                        kept.setdefault((name, k), []).append(logits[scored].float())
         self._temperature_states = {}
         reference = _mean_entropy(torch.cat(full_kept), 1.0)
         self.temperatures = {
@@ -390,15 +388,49 @@ class DepthControlProtocol:
             for cell, chunks in kept.items()
         }
 
-    def _temperature_budget(self, calibration: EvaluationSet) -> tuple[int, int]:
-        """(scored positions, leading calibration sequences) confidence matching reads."""
+    def _temperature_pieces(
+        self, calibration: EvaluationSet, index: int, rows: slice
+    ) -> list[tuple[slice, int]] | None:
+        """What confidence matching reads of calibration batch ``index``: (sequences, leading
+        positions) pieces, the sequences read whole and then the one the budget ends in, cut
+        after its last position needed (a causal readout's logits at a position do not depend on
+        later ones); [] for a batch before the budget is reached; None once it is."""
+        scored = (calibration.targets[: rows.stop] != IGNORE_INDEX).sum(-1)
+        budget, before = self._temperature_budget(calibration), int(scored[: rows.start].sum())
+        if before >= budget or rows.start >= len(calibration):
+            return None
+        pieces: list[tuple[slice, int]] = []
+        room, length = budget - before, calibration.tokens.shape[1]
+        whole = rows.start
+        while whole < rows.stop and int(scored[whole]) < room:
+            room -= int(scored[whole])
+            whole += 1
+        if whole > rows.start:
+            pieces.append((slice(rows.start, whole), length))
+        if whole < rows.stop:  # the budget ends in this sequence
+            mask = calibration.targets[whole] != IGNORE_INDEX
+            positions = int(torch.nonzero(mask.cumsum(0) >= room)[0]) + 1
+            pieces.append((slice(whole, whole + 1), positions))
+        return pieces
+
+    def _stash(
+        self, states: Tensor, pieces: list[tuple[slice, int]], start: int = 0
+    ) -> list[tuple[Tensor, Tensor]]:
+        """Each piece's states (copies: a view would keep the whole batch alive) and full-depth
+        logits; ``states`` are a batch's whose first sequence is number ``start``."""
+        stashed = []
+        for sequences, positions in pieces:
+            local = slice(sequences.start - start, sequences.stop - start)
+            kept = states[:, local, :positions].clone()
+            stashed.append((kept, self.model.readout(kept[-1])))
+        return stashed
+
+    def _temperature_budget(self, calibration: EvaluationSet) -> int:
+        """Scored positions confidence matching reads."""
         # A few hundred scored positions fix a mean entropy well; the cost is cells x steps x
         # positions x vocabulary, so wide vocabularies get fewer positions.
         vocabulary = int(getattr(getattr(self.model, "cfg", None), "d_vocab", 1))
-        budget = max(64, min(256, (1 << 18) // max(1, vocabulary)))
-        # Only as many sequences as the budget needs: the readouts are the cost.
-        per_sequence = max(1, int(calibration.scored.sum()) // len(calibration))
-        return budget, -(-budget // per_sequence)
+        return max(64, min(256, (1 << 18) // max(1, vocabulary)))
 
     def _matches_confidence(self) -> bool:
         return self.match_confidence and bool(set(self.metrics) & set(LOSS_METRICS))
@@ -500,21 +532,17 @@ class DepthControlProtocol:
                 samples[label].restore(state)
             sample.restore(saved["sample"])
         self._temperature_states = {}
-        stash_sequences = (
-            self._temperature_budget(calibration)[1] if self._matches_confidence() else 0
-        )
-        stash_batches = -(-stash_sequences // self.batch_size)
+        matching = self._matches_confidence()
         for batch_number, (index, rows) in enumerate(
             self._progress(batches[done:], "calibration"), start=done
         ):
-            states, full_logits = self.states(calibration.tokens[rows])
-            if index < stash_batches:
-                take = min(rows.stop - rows.start, stash_sequences - index * self.batch_size)
-                if take > 0:  # copies: a view would keep the whole batch's states alive
-                    self._temperature_states[index] = (
-                        states[:, :take].clone(),
-                        full_logits[:take].clone(),
-                    )
+            # Only the states: the maps are fitted to readout inputs, not to logits.
+            states, _ = capture_states(
+                self.model, calibration.tokens[rows].to(self._device()), stop_after_last=True
+            )
+            pieces = self._temperature_pieces(calibration, index, rows) if matching else None
+            if pieces:
+                self._temperature_states[index] = self._stash(states, pieces, rows.start)
             keep = self._pooled_positions(calibration, rows)
             pooled = states[:, keep]  # [r + 1, n_tokens, d]
             example, position = _row_ids(calibration_keys[rows], keep)
@@ -679,21 +707,17 @@ class DepthControlProtocol:
         ):
             targets = evaluation.targets[rows].to(self._device())
             states, full_logits = self.states(evaluation.tokens[rows])
-            full_log_probs = reference_log_probs(full_logits)
-            full_top1 = full_log_probs.argmax(-1)
-            reference = self._record(
-                per_example, ("full", 0), full_logits, full_log_probs, targets, full_top1
-            )
+            scoring = _Reference.of(full_logits, targets)
+            reference = self._record(per_example, ("full", 0), full_logits, scoring)
             at_r: dict[str, Tensor] | None = None
             for k in self.k_grid:
                 readouts = self._readouts(states, built[k], full_logits)
                 if k == self.r:
                     at_r = readouts
                 for name, logits in readouts.items():
-                    tempered = logits / self.temperatures.get((name, k), 1.0)
-                    self._record(
-                        per_example, (name, k), tempered, full_log_probs, targets, full_top1
-                    )
+                    temperature = self.temperatures.get((name, k), 1.0)
+                    tempered = logits if temperature == 1.0 else logits / temperature
+                    self._record(per_example, (name, k), tempered, scoring)
                 difference = _max_diff(readouts["replay"], readouts["truncate"])
                 self._replay_difference[k] = _nan_max(
                     self._replay_difference.get(k, 0.0), difference
@@ -706,7 +730,7 @@ class DepthControlProtocol:
             if self.calibration_null is not None:
                 halves = self.model.readout(self.calibration_null(states[self.r]))
                 halves_diff = _nan_max(halves_diff, _max_diff(halves, full_logits))
-                moved = per_example_metrics(halves, full_log_probs, targets, self.metrics)
+                moved = scoring.score(halves, self.metrics)
                 for metric in self.metrics:
                     change = (moved[metric] - reference[metric]).double().sum()
                     halves_change[metric] = halves_change.get(metric, 0.0) + float(change)
@@ -822,17 +846,29 @@ class DepthControlProtocol:
         conditions: dict[str, Condition | None],
         full_logits: Float[Tensor, "batch pos d_vocab"],
     ) -> dict[str, Tensor]:
-        """The logits of every condition of one k from one readout call (a larger batch); a
-        condition equal to another at this depth (replay(r) = truncate(r)) is read out once."""
+        """The logits of every condition of one k; a condition equal to another at this depth
+        (replay(r) = truncate(r)) is read out once.
+
+        On an accelerator the conditions go through one readout call (a larger batch fills the
+        device). On the CPU they are grouped into calls of at most `CPU_READOUT_ROWS` positions
+        (one condition a call above it): past that a larger batch makes no matrix product faster,
+        only the temporaries larger (on the `dcp-lens bench` model five conditions of 2048
+        positions read out one at a time took 0.20 s against 0.24 s in one call)."""
         distinct = list(
             dict.fromkeys(c.at_depth(self.r) for c in conditions.values() if c is not None)
         )
         # Full depth's logits are already known (truncate(r) = replay(r) = full).
         logits: dict[Condition, Tensor] = {c: full_logits for c in distinct if isinstance(c, Full)}
         to_read = [c for c in distinct if c not in logits]
-        if to_read:
-            inputs = torch.cat([condition.readout_input(states) for condition in to_read])
-            logits.update(zip(to_read, self.model.readout(inputs).chunk(len(to_read)), strict=True))
+        positions = states[0].numel() // states.shape[-1]
+        group = len(to_read)
+        if states.device.type == "cpu":
+            group = max(1, CPU_READOUT_ROWS // max(1, positions))
+        for start in range(0, len(to_read), group):
+            chunk = to_read[start : start + group]
+            inputs = [condition.readout_input(states) for condition in chunk]
+            read = self.model.readout(inputs[0] if len(chunk) == 1 else torch.cat(inputs))
+            logits.update(zip(chunk, read.chunk(len(chunk)), strict=True))
         missing = torch.full_like(full_logits, math.nan)
         return {
             name: missing if c is None else logits[c.at_depth(self.r)]
@@ -844,12 +880,10 @@ class DepthControlProtocol:
         per_example: dict[tuple[str, str, int], list[Tensor]],
         cell: tuple[str, int],
         logits: Tensor,
-        full_log_probs: Tensor,
-        targets: Tensor,
-        full_top1: Tensor | None = None,
+        scoring: _Reference,
     ) -> dict[str, Tensor]:
         """Append each metric's per-example values for ``cell``; returns them."""
-        values = per_example_metrics(logits, full_log_probs, targets, self.metrics, full_top1)
+        values = scoring.score(logits, self.metrics)
         for metric, value in values.items():
             per_example.setdefault((metric, *cell), []).append(value)
         return values
@@ -970,8 +1004,12 @@ class DepthControlProtocol:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _progress(self, items: Sequence[Any], description: str) -> Any:
-        return tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False)
+    def _progress(self, items: Sequence[Any], description: str) -> Iterator[Any]:
+        """``items`` with a progress bar; the heap's free pages go back to the system after
+        each (`dcp_lens.memory.release_free_memory`)."""
+        for item in tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False):
+            yield item
+            release_free_memory()
 
 
 def task_data(
@@ -1211,25 +1249,73 @@ def _scale(values: Any, factor: float) -> Any:
 
 
 def _mean_entropy(logits: Float[Tensor, "n d_vocab"], temperature: float) -> float:
-    log_probs = (logits / temperature).log_softmax(-1)
-    return float(-(log_probs.exp() * log_probs).sum(-1).mean())
+    return _entropy_and_slope(logits, math.log(temperature))[0]
+
+
+def _entropy_and_slope(logits: Float[Tensor, "n d_vocab"], log_t: float) -> tuple[float, float]:
+    """Mean entropy H of softmax(logits / T) at T = exp(log_t), and dH/dlog T.
+
+    With p = softmax(z / T): dH/dlog T = Var_p(z / T) = Var_p(log p), the variance of the log-
+    probabilities under p (>= 0: entropy rises with T)."""
+    log_probs = (logits * math.exp(-log_t)).log_softmax(-1)
+    weighted = log_probs.exp() * log_probs  # p log p
+    entropy = -weighted.sum(-1)
+    variance = (weighted * log_probs).sum(-1) - entropy.square()
+    return float(entropy.mean()), float(variance.clamp_min(0.0).mean())
+
+
+TEMPERATURE_RANGE = (math.log(1e-3), math.log(1e3))
 
 
 def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) -> float:
-    """The temperature T at which softmax(logits / T) has mean entropy ``entropy`` (bisection
-    on log T in [1e-3, 1e3]; the nearer end where it is out of reach; 1.0 if non-finite)."""
+    """The temperature T at which softmax(logits / T) has mean entropy ``entropy`` (Newton on
+    log T, kept inside a shrinking bracket of [1e-3, 1e3] by bisection; the nearer end where it is
+    out of reach; 1.0 if non-finite). Solved to 1e-6 of ``entropy`` (or of max(1, entropy))."""
     if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
         return 1.0
-    if abs(_mean_entropy(logits, 1.0) - entropy) <= 1e-6 * max(1.0, entropy):
-        return 1.0  # already matched (full depth itself, replay(r) = truncate(r) = full)
-    low, high = math.log(1e-3), math.log(1e3)
-    for _ in range(20):  # entropy rises with T; 20 halvings of log T
-        middle = (low + high) / 2
-        if _mean_entropy(logits, math.exp(middle)) < entropy:
-            low = middle
+    tolerance = 1e-6 * max(1.0, entropy)
+    low, high = TEMPERATURE_RANGE
+    log_t = 0.0  # T = 1 first: full depth itself (and replay(r) = truncate(r)) is matched there
+    for _ in range(100):
+        value, slope = _entropy_and_slope(logits, log_t)
+        if not math.isfinite(value) or abs(value - entropy) <= tolerance:
+            break
+        if value < entropy:  # entropy rises with T
+            low = log_t
         else:
-            high = middle
-    return math.exp((low + high) / 2)
+            high = log_t
+        if high - low <= 1e-9:
+            break
+        step = log_t - (value - entropy) / slope if slope > 0.0 else math.nan
+        # Newton's step where it stays strictly inside the bracket, else halve the bracket.
+        log_t = step if low < step < high else (low + high) / 2
+    return math.exp(log_t)
+
+
+# The most positions one CPU readout call takes when it groups several conditions.
+CPU_READOUT_ROWS = 2048
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """Full depth's side of every metric of one evaluation batch, computed once for the
+    batch's conditions: log-probabilities, probabilities, top-1 and the targets."""
+
+    log_probs: Float[Tensor, "batch pos d_vocab"]
+    probs: Float[Tensor, "batch pos d_vocab"]
+    top1: Int[Tensor, "batch pos"]
+    targets: Int[Tensor, "batch pos"]
+
+    @classmethod
+    def of(cls, full_logits: Tensor, targets: Tensor) -> _Reference:
+        log_probs = reference_log_probs(full_logits)
+        return cls(log_probs, log_probs.exp(), log_probs.argmax(-1), targets)
+
+    def score(self, logits: Tensor, metrics: Sequence[str]) -> dict[str, Tensor]:
+        """`per_example_metrics` of ``logits`` against this reference: [batch] per metric."""
+        return per_example_metrics(
+            logits, self.log_probs, self.targets, metrics, self.top1, self.probs
+        )
 
 
 def _nan_max(a: float, b: float) -> float:

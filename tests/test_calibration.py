@@ -14,6 +14,7 @@ from dcp_lens.calibration import (
     StreamingMoments,
     fit_calibration,
     ledoit_wolf_shrinkage,
+    symmetric_power,
 )
 
 
@@ -82,6 +83,24 @@ def test_merge_equals_one_stream() -> None:
     torch.testing.assert_close(left.mean, whole.mean, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(left.covariance, whole.covariance, rtol=1e-12, atol=1e-13)
     assert left.fourth_moment_sum == pytest.approx(whole.fourth_moment_sum, rel=1e-12)
+
+
+def test_shrunk_power_is_computed_once_and_forgotten_on_update() -> None:
+    """A sweep maps every source onto one reference: its root is cached, until new samples."""
+    mean, mixing = random_frame(5, seed=8)
+    samples = gaussian(300, mean, mixing, seed=9)
+    moments = StreamingMoments.from_samples(samples[:100])
+    root = moments.shrunk_power(0.5)
+    expected = symmetric_power(ledoit_wolf_shrinkage(moments).covariance, 0.5)
+    assert torch.equal(root, expected) and moments.shrunk_power(0.5) is root
+    moments.update(samples[100:])
+    updated = symmetric_power(ledoit_wolf_shrinkage(moments).covariance, 0.5)
+    assert torch.equal(moments.shrunk_power(0.5), updated) and not torch.equal(updated, root)
+    merged = StreamingMoments.from_samples(samples[:100])
+    merged.shrunk_power(-0.5)
+    merged.merge(StreamingMoments.from_samples(samples[100:]))
+    inverse_root = symmetric_power(ledoit_wolf_shrinkage(merged).covariance, -0.5)
+    assert torch.equal(merged.shrunk_power(-0.5), inverse_root)
 
 
 def test_streaming_moments_reject_bad_input() -> None:

@@ -201,8 +201,34 @@ def test_the_package_imports_its_names_lazily():
 def test_the_allocator_setting_reads_its_variable(monkeypatch):
     from dcp_lens import memory
 
+    monkeypatch.delenv(memory.THRESHOLD_VARIABLE, raising=False)
+    assert memory.limit_heap_fragmentation() is False  # unset: glibc's dynamic default
+    assert memory.fixed_threshold() is None
     monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "0")
     assert memory.limit_heap_fragmentation() is False  # 0: glibc's dynamic default, untouched
     monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "12kB")
     with pytest.raises(ValueError, match="must be a number of bytes"):
         memory.limit_heap_fragmentation()
+    monkeypatch.setenv(memory.TRIM_VARIABLE, "0")
+    assert memory.release_free_memory() is False
+    monkeypatch.delenv(memory.TRIM_VARIABLE)
+    assert memory.release_free_memory() is (memory._glibc() is not None)
+
+
+def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
+    """Peak memory is set by one batch: the heap's free pages go back after each batch of the
+    calibration and evaluation loops (dcp_lens.memory), not only at the end."""
+    from dcp_lens import DepthControlProtocol, load
+    from dcp_lens import protocol as protocol_module
+    from dcp_lens.protocol import task_data
+
+    calls = []
+    monkeypatch.setattr(protocol_module, "release_free_memory", lambda: calls.append(1) or True)
+    model = load("planted:distinct_computation")
+    evaluation, calibration = task_data(model, None, 24, 16, 0)
+    protocol = DepthControlProtocol(
+        model, k_grid=[1, model.n_iterations], batch_size=8, n_bootstrap=0, probe="none",
+        progress=False,
+    )  # fmt: skip
+    protocol.run(evaluation, calibration)
+    assert len(calls) == 16 // 8 + 24 // 8

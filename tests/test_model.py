@@ -249,3 +249,20 @@ def test_two_models_from_one_config_do_not_affect_each_other():
         assert b.cfg.n_layers == config.n_layers == 1 + 2 * 4 + 1
         assert torch.equal(b(tokens), before)
     assert a.cfg is not config and b.cfg is not a.cfg
+
+
+def test_capture_states_can_stop_after_the_last_state_and_leaves_no_hook():
+    """stop_after_last ends the forward at the last state asked for: the same states, no
+    output, and every temporary hook removed (the readout of s_r is then full depth's logits)."""
+    from dcp_lens.states import capture_states
+
+    model = make_model()
+    tokens = tokens_for(model)
+    with torch.no_grad():
+        states, logits = capture_states(model, tokens)
+        stopped, output = capture_states(model, tokens, stop_after_last=True)
+        early, _ = capture_states(model, tokens, iterations=[2, 0], stop_after_last=True)
+        assert output is None and torch.equal(stopped, states)
+        assert torch.equal(early, states[[2, 0]])
+        torch.testing.assert_close(model.readout(stopped[-1]), logits, rtol=0, atol=1e-12)
+    assert all(not point.fwd_hooks for point in model.hook_dict.values())

@@ -13,7 +13,9 @@ from helpers import lm_sets, make_model
 
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.calibration import MixtureCalibration, fit_calibration
-from dcp_lens.metrics import per_example_metrics
+import torch.nn.functional as F
+
+from dcp_lens.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol import EvaluationSet, _matching_temperature, _mean_entropy
 
 NUMBERS = ["gap", "S", "B", "D", "I_BS", "shift_gap"]
@@ -114,7 +116,73 @@ def test_confidence_matching_finds_the_temperature_of_the_reference_entropy():
     target = _mean_entropy(logits, 0.5)
     temperature = _matching_temperature(logits * 3.0, target)
     assert temperature == pytest.approx(1.5, rel=1e-4)
+    # Out of reach: an entropy above log(vocabulary) is approached at the hot end of the range.
+    assert _matching_temperature(logits, math.log(10) + 0.5) == pytest.approx(1e3)
+    assert _matching_temperature(logits, 0.0) == pytest.approx(1e-3)
     assert _matching_temperature(logits.fill_(math.nan), 1.0) == 1.0
+
+
+def test_confidence_matching_reads_the_leading_scored_positions_whatever_the_batches():
+    """The temperatures are fitted on the first budget scored positions of the calibration
+    split in order (sequences read whole, the last one cut after the position needed), from
+    the states `fit` kept or recomputed: the same temperatures either way, at any batch size."""
+    model = make_model(d_vocab=40)
+    _, calibration = lm_sets(model, n=12, pos=10)
+    targets = calibration.targets.clone()
+    targets[1, 2:6] = IGNORE_INDEX  # unscored positions inside the budget
+    calibration = EvaluationSet(calibration.tokens, targets)
+    budget = 23
+    expected = (targets != IGNORE_INDEX).flatten().nonzero().flatten()[:budget]
+
+    def fitted(batch_size: int, keep_stash: bool) -> dict:
+        protocol = DepthControlProtocol(model, batch_size=batch_size, probe="none", progress=False)
+        protocol._temperature_budget = lambda calibration: budget  # type: ignore[method-assign]
+        read = []
+        for index, rows in enumerate(calibration.batches(batch_size)):
+            pieces = protocol._temperature_pieces(calibration, index, rows)
+            if pieces is None:
+                break
+            for sequences, positions in pieces:
+                mask = torch.zeros_like(targets, dtype=torch.bool)
+                mask[sequences, :positions] = True
+                read.append((mask & (targets != IGNORE_INDEX)).flatten().nonzero().flatten())
+        assert torch.equal(torch.cat(read), expected), batch_size
+        protocol.fit(calibration)
+        if not keep_stash:
+            protocol._temperature_states = {}
+        protocol._fit_temperatures(calibration)
+        return protocol.temperatures
+
+    reference = fitted(5, keep_stash=True)
+    assert any(abs(t - 1.0) > 1e-3 for t in reference.values())
+    for batch_size, keep_stash in ((5, False), (2, True), (12, True)):
+        temperatures = fitted(batch_size, keep_stash)
+        assert temperatures.keys() == reference.keys()
+        for cell, value in temperatures.items():
+            assert value == pytest.approx(reference[cell], rel=1e-9), (batch_size, cell)
+
+
+def test_loss_metrics_are_the_bits_of_pytorch_cross_entropy_and_kl_div():
+    """Cross-entropy from the shared log-softmax, KL from probabilities taken once per batch
+    and top-1 from one max are the same bits as F.cross_entropy, F.kl_div and argmax."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 9, 50, generator=generator) * 4
+    logits[0, 1, :7] = logits[0, 1].max() + 1  # a tie: the first index wins, as argmax
+    full = reference_log_probs(torch.randn(3, 9, 50, generator=generator) * 4)
+    targets = torch.randint(0, 50, (3, 9), generator=generator)
+    targets[2, 3:] = IGNORE_INDEX
+    scored = targets != IGNORE_INDEX
+    count = scored.sum(-1).float()
+    metrics = ("cross_entropy", "kl_to_full", "accuracy", "top1_agreement")
+    got = per_example_metrics(logits, full, targets, metrics)
+    given = per_example_metrics(logits, full, targets, metrics, full.argmax(-1), full.exp())
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    kl = F.kl_div(logits.log_softmax(-1), full, log_target=True, reduction="none").sum(-1)
+    hits = logits.argmax(-1) == targets
+    for values in (got, given):
+        assert torch.equal(values["cross_entropy"], (ce.view(3, 9) * scored).sum(-1) / count)
+        assert torch.equal(values["kl_to_full"], (kl.clamp_min(0) * scored).sum(-1) / count)
+        assert torch.equal(values["accuracy"], (hits * scored).sum(-1) / count)
 
 
 def test_noisy_initial_states_do_not_depend_on_batch_size_or_order():
