@@ -9,12 +9,11 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import lm_sets, make_model
 
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.calibration import MixtureCalibration, fit_calibration
-import torch.nn.functional as F
-
 from dcp_lens.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol import EvaluationSet, _matching_temperature, _mean_entropy
 
