@@ -61,6 +61,14 @@ def _check_mode(mode: str) -> None:
         )
 
 
+def all_finite(x: Tensor) -> bool:
+    """Whether every element of ``x`` is finite: its largest and smallest are (max and min
+    propagate NaN), two reductions rather than a mask the size of ``x``. True when empty."""
+    if x.numel() == 0:
+        return True
+    return bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))
+
+
 class StreamingMoments:
     """Streaming float64 mean and covariance of d-dimensional samples, in one pass.
 
@@ -110,15 +118,16 @@ class StreamingMoments:
                 f"samples are on {x.device} but the moments live on {self._mean.device}; "
                 "move the samples there."
             )
-        samples = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        samples = x.reshape(-1, x.shape[-1])
         if samples.shape[0] == 0:
             return
-        if not bool(torch.isfinite(samples).all()):
+        if not all_finite(samples):
             bad = int((~torch.isfinite(samples)).any(dim=1).sum())
             raise ValueError(
                 f"samples contain non-finite values (in {bad} of {samples.shape[0]} rows); "
                 "the stream has overflowed or is corrupt upstream."
             )
+        samples = samples.to(torch.float64)
         batch_mean = samples.mean(dim=0)
         centred = samples - batch_mean
         squared_norms = centred.pow(2).sum(dim=1)

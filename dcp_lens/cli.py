@@ -291,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             args.command_line = _command_line(argv)
-            # The opt-in fixed mmap threshold ($DCP_LENS_MMAP_THRESHOLD; dcp_lens.memory).
+            # Freed tensors reused within a batch, free pages returned after it; or the strict
+            # fixed mmap threshold of $DCP_LENS_MMAP_THRESHOLD (dcp_lens.memory).
             limit_heap_fragmentation()
             return _command(args)
         except REPORTED as error:
@@ -335,7 +336,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     )  # fmt: skip
     threshold = fixed_threshold()
     result["allocator"] = (
-        "glibc's, free heap pages returned after each batch (as in run)"
+        "as in run: glibc's, mmap threshold 32 MB, free pages returned after each batch"
         if threshold is None
         else f"fixed {threshold}-byte mmap threshold ($DCP_LENS_MMAP_THRESHOLD)"
     )

@@ -1,22 +1,25 @@
-"""Keep peak memory set by the batch, not by the number of batches.
+"""Keep peak memory set by the batch, not by the number of batches, at the speed of the heap.
 
 glibc's malloc serves a request of at least ``M_MMAP_THRESHOLD`` bytes with its own mmap, returned
-to the system on free. The threshold is dynamic by default: each large block freed raises it (up
-to 32 MB), so a sweep's per-batch tensors of a few hundred kB to a few MB come from the heap. The
-heap then fragments, and what it holds grows with the number of batches: 2.3 GB at 500k tokens
-of `dcp-lens run --model huginn:demos/data/fixtures/huginn_tiny --task text:...` (3.8 GB before
-the sweep's temporaries were trimmed), against 0.6 GB at 50k.
+to the system on free; smaller ones come from the heap. By default the threshold is dynamic (each
+large block freed raises it, up to 32 MB), and so is the trimming of the heap's top. Left so, a
+DCP sweep's per-batch tensors come from a heap that fragments, and what it holds grows with the
+number of batches: 2.3 GB at 500k tokens of `dcp-lens run --model
+huginn:demos/data/fixtures/huginn_tiny --task text:demos/data/tinyshakespeare.txt` (3.8 GB before
+this release trimmed the sweep's temporaries), against 0.6 GB at 50k; and tensors freed and
+allocated again are often unmapped and faulted in afresh (half a million page faults a
+`dcp-lens bench` sweep).
 
-`release_free_memory` (glibc's ``malloc_trim(0)``) returns the heap's free pages to the system;
-the protocol calls it after every batch, so what a fragmented heap holds but does not use is
-given back, and the next batch's tensors still come from the heap, without a fresh mapping each.
-The same run peaked at 607 MB at 50k tokens, 798 MB at 500k and 802 MB on the whole corpus
-(16647 windows), in 28 s, 223 s and 351 s.
+`dcp-lens` therefore, when it starts (`limit_heap_fragmentation`), fixes the mmap threshold at its
+largest (32 MB) and the heap's automatic trimming at 512 MB, so that within a batch freed tensors
+are reused, and the protocol calls `release_free_memory` (glibc's ``malloc_trim(0)``) after every
+batch, which returns the heap's free pages, fragmented or not. The run above peaked at 603 MB at
+50k tokens (25 s), 823 MB at 500k (158 s) and 774 MB on the whole corpus (16647 windows, 314 s).
 
 The older bound, a fixed 128 kB threshold (every tensor above it a fresh mapping whose pages the
-kernel zeroes on first touch), held the 500k run at 705 MB but took 1.6-2x the time (360 s). It
-stays available: ``DCP_LENS_MMAP_THRESHOLD=BYTES`` in the environment fixes the threshold when
-`dcp-lens` starts (`limit_heap_fragmentation`); ``DCP_LENS_TRIM=0`` turns the trimming off.
+kernel zeroes on first touch), held the 500k run at 705 MB but took 360 s. It stays available:
+``DCP_LENS_MMAP_THRESHOLD=BYTES`` fixes that threshold instead; ``DCP_LENS_TRIM=0`` turns the
+trimming after each batch off.
 """
 
 from __future__ import annotations
@@ -27,17 +30,23 @@ import os
 import sys
 from typing import Any
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
+M_TRIM_THRESHOLD = -1
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
+TRIM_THRESHOLD_BYTES = 512 * 1024 * 1024
 THRESHOLD_VARIABLE = "DCP_LENS_MMAP_THRESHOLD"
 TRIM_VARIABLE = "DCP_LENS_TRIM"
 
 
 def limit_heap_fragmentation(threshold: int | None = None) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes (no effect elsewhere); None: the value
-    of ``$DCP_LENS_MMAP_THRESHOLD`` if set, else nothing is changed; 0: glibc's default.
+    """Set glibc's allocator up for batch loops (no effect without glibc); returns whether a
+    setting was applied. What `dcp-lens` does when it starts; a notebook may call it too.
 
-    Returns:
-        True if a threshold was applied (Linux with glibc), False otherwise.
+    ``threshold``: a fixed mmap threshold in bytes (None: ``$DCP_LENS_MMAP_THRESHOLD``), the
+    strict, slower bound: every tensor above it a fresh mapping. Without one (unset or 0), the
+    mmap threshold is fixed at glibc's largest, 32 MB, and the automatic trimming of the heap's
+    top at `TRIM_THRESHOLD_BYTES`, so that within a batch freed tensors are reused rather than
+    unmapped and faulted in again; `release_free_memory` after each batch returns the free pages.
 
     Raises:
         ValueError: ``$DCP_LENS_MMAP_THRESHOLD`` is not a number of bytes >= 0.
@@ -47,16 +56,20 @@ def limit_heap_fragmentation(threshold: int | None = None) -> bool:
         if text and not (text.isdigit()):
             raise ValueError(
                 f"{THRESHOLD_VARIABLE}={text!r} must be a number of bytes (e.g. 131072; 0 or "
-                "unset: glibc's default)."
+                "unset: the default setting)."
             )
         threshold = int(text) if text else 0
     libc = _glibc()
-    if threshold == 0 or libc is None:
+    if libc is None:
         return False
     mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    if threshold > 0:
+        return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def fixed_threshold() -> int | None:

@@ -39,6 +39,7 @@ from dcp_lens.calibration import (
     AffineCalibration,
     MixtureCalibration,
     StreamingMoments,
+    all_finite,
     fit_calibration,
 )
 from dcp_lens.checkpoint import Checkpoint
@@ -551,7 +552,7 @@ class DepthControlProtocol:
                 if moments is None:
                     continue
                 state = sources[label].readout_input(pooled)
-                if bool(torch.isfinite(state).all()):
+                if all_finite(state):
                     moments.update(state)
                     if mixture:
                         samples[label].add(state, example, position)
@@ -1271,7 +1272,7 @@ def _matching_temperature(logits: Float[Tensor, "n d_vocab"], entropy: float) ->
     """The temperature T at which softmax(logits / T) has mean entropy ``entropy`` (Newton on
     log T, kept inside a shrinking bracket of [1e-3, 1e3] by bisection; the nearer end where it is
     out of reach; 1.0 if non-finite). Solved to 1e-6 of ``entropy`` (or of max(1, entropy))."""
-    if not bool(torch.isfinite(logits).all()) or not math.isfinite(entropy) or not len(logits):
+    if not all_finite(logits) or not math.isfinite(entropy) or not len(logits):
         return 1.0
     tolerance = 1e-6 * max(1.0, entropy)
     low, high = TEMPERATURE_RANGE

@@ -201,11 +201,14 @@ def test_the_package_imports_its_names_lazily():
 def test_the_allocator_setting_reads_its_variable(monkeypatch):
     from dcp_lens import memory
 
+    glibc = memory._glibc() is not None
     monkeypatch.delenv(memory.THRESHOLD_VARIABLE, raising=False)
-    assert memory.limit_heap_fragmentation() is False  # unset: glibc's dynamic default
+    assert memory.limit_heap_fragmentation() is glibc  # unset: the batch-loop setting
     assert memory.fixed_threshold() is None
     monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "0")
-    assert memory.limit_heap_fragmentation() is False  # 0: glibc's dynamic default, untouched
+    assert memory.limit_heap_fragmentation() is glibc and memory.fixed_threshold() is None
+    monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "131072")
+    assert memory.fixed_threshold() == 131072
     monkeypatch.setenv(memory.THRESHOLD_VARIABLE, "12kB")
     with pytest.raises(ValueError, match="must be a number of bytes"):
         memory.limit_heap_fragmentation()

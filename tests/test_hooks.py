@@ -33,7 +33,7 @@ def test_replay_hooks_repeat_the_kth_update():
 
 def test_calibrate_and_shift_map_the_readout_input():
     model = make_model()
-    tokens = tokens_for(model)
+    tokens = tokens_for(model, batch=4)  # 48 states: enough for a full map of width 32
     _, cache = model.run_with_cache(tokens)
     s2, s4 = cache[model.state_hook_name(2)], cache[model.state_hook_name(4)]
     calibration = fit_calibration(s2, s4)
