@@ -23,7 +23,7 @@ from dcp_lens.incomplete import (
     mark_incomplete,
     write_text_atomically,
 )
-from dcp_lens.memory import fixed_threshold, limit_heap_fragmentation
+from dcp_lens.memory import MMAP_THRESHOLD_MAX, fixed_threshold, limit_heap_fragmentation
 
 if TYPE_CHECKING:
     from dcp_lens.protocol import EvaluationSet
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--repeats", type=int, default=5,
-        help="timed rounds of forward, plain loop and sweep, alternated (medians are kept)",
+        help="timed rounds of forward, plain loop and sweep, alternated (the fastest is kept)",
     )  # fmt: skip
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
@@ -336,7 +336,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     )  # fmt: skip
     threshold = fixed_threshold()
     result["allocator"] = (
-        "as in run: glibc's, mmap threshold 32 MB, free pages returned after each batch"
+        f"as in run: glibc's, mmap threshold {MMAP_THRESHOLD_MAX >> 20} MB, free pages returned "
+        "after each batch"
         if threshold is None
         else f"fixed {threshold}-byte mmap threshold ($DCP_LENS_MMAP_THRESHOLD)"
     )

@@ -52,30 +52,30 @@ def limit_heap_fragmentation(threshold: int | None = None) -> bool:
         ValueError: ``$DCP_LENS_MMAP_THRESHOLD`` is not a number of bytes >= 0.
     """
     if threshold is None:
-        text = os.environ.get(THRESHOLD_VARIABLE, "").strip()
-        if text and not (text.isdigit()):
-            raise ValueError(
-                f"{THRESHOLD_VARIABLE}={text!r} must be a number of bytes (e.g. 131072; 0 or "
-                "unset: the default setting)."
-            )
-        threshold = int(text) if text else 0
+        threshold = fixed_threshold() or 0
     libc = _glibc()
     if libc is None:
         return False
-    mallopt = libc.mallopt
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
     if threshold > 0:
-        return bool(mallopt(M_MMAP_THRESHOLD, threshold))
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
 
 
 def fixed_threshold() -> int | None:
-    """The mmap threshold ``$DCP_LENS_MMAP_THRESHOLD`` fixes (None: glibc's dynamic default)."""
+    """The mmap threshold ``$DCP_LENS_MMAP_THRESHOLD`` fixes, in bytes (None: unset or 0).
+
+    Raises:
+        ValueError: the variable is not a number of bytes >= 0.
+    """
     text = os.environ.get(THRESHOLD_VARIABLE, "").strip()
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    if text and not text.isdigit():
+        raise ValueError(
+            f"{THRESHOLD_VARIABLE}={text!r} must be a number of bytes (e.g. 131072; 0 or unset: "
+            "the default setting)."
+        )
+    return int(text) if text and int(text) > 0 else None
 
 
 def release_free_memory() -> bool:
@@ -98,7 +98,8 @@ def _glibc() -> Any:
         if sys.platform.startswith("linux"):
             try:
                 library = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                library.mallopt, library.malloc_trim  # noqa: B018 (glibc has both; musl not)
+                library.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # musl has no mallopt
+                library.mallopt.restype = ctypes.c_int
                 library.malloc_trim.argtypes = (ctypes.c_size_t,)
                 library.malloc_trim.restype = ctypes.c_int
             except (OSError, AttributeError):

@@ -250,8 +250,8 @@ class DepthControlProtocol:
         # Per (sweep condition, k): the temperature that gives its readout full depth's mean
         # entropy on the calibration split (loss metrics only; 1.0 without matching).
         self.temperatures: dict[tuple[str, int], float] = {}
-        # Calibration batch index -> (states, full logits) of its leading sequences, kept by
-        # `fit` for confidence matching so that it needs no forward pass of its own.
+        # Calibration batch index -> (states, full logits) of each piece confidence matching
+        # reads of it (`_temperature_pieces`), kept by `fit` so that it needs no forward pass.
         self._temperature_states: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self.batch_size = batch_size
         self.n_bootstrap = n_bootstrap
@@ -358,8 +358,6 @@ class DepthControlProtocol:
         Label-free: only the readouts' own distributions are used. Scaling logits does not move
         the argmax, so accuracy and top-1 agreement are unchanged; the loss metrics then compare
         what the readouts rank, not how confident a shifted frame makes them."""
-        # A few thousand scored positions fix a mean entropy well; the cost is cells x steps x
-        # positions x vocabulary, so wide vocabularies get fewer positions.
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
         built = {k: self._sweep_at(k) for k in self.k_grid}
@@ -392,13 +390,13 @@ class DepthControlProtocol:
     def _temperature_pieces(
         self, calibration: EvaluationSet, index: int, rows: slice
     ) -> list[tuple[slice, int]] | None:
-        """What confidence matching reads of calibration batch ``index``: (sequences, leading
-        positions) pieces, the sequences read whole and then the one the budget ends in, cut
-        after its last position needed (a causal readout's logits at a position do not depend on
-        later ones); [] for a batch before the budget is reached; None once it is."""
+        """What confidence matching reads of calibration batch ``index`` (rows ``rows``):
+        (sequences, leading positions) pieces, the sequences read whole and then the one the
+        budget ends in, cut after its last position needed (a causal readout's logits at a
+        position do not depend on later ones); None once the budget is reached before it."""
         scored = (calibration.targets[: rows.stop] != IGNORE_INDEX).sum(-1)
         budget, before = self._temperature_budget(calibration), int(scored[: rows.start].sum())
-        if before >= budget or rows.start >= len(calibration):
+        if before >= budget:
             return None
         pieces: list[tuple[slice, int]] = []
         room, length = budget - before, calibration.tokens.shape[1]
@@ -542,6 +540,7 @@ class DepthControlProtocol:
                 self.model, calibration.tokens[rows].to(self._device()), stop_after_last=True
             )
             pieces = self._temperature_pieces(calibration, index, rows) if matching else None
+            matching = pieces is not None  # past the budget, later batches are not read
             if pieces:
                 self._temperature_states[index] = self._stash(states, pieces, rows.start)
             keep = self._pooled_positions(calibration, rows)
