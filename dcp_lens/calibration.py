@@ -86,7 +86,9 @@ class StreamingMoments:
         self._scatter: Tensor | None = None  # [d, d], sum of y y^T
         self._norm_weighted_sum: Tensor | None = None  # [d], sum of |y|^2 y
         self._fourth_sum: Tensor | None = None  # [], sum of |y|^4
-        self._powers: dict[float, Tensor] = {}  # shrunk covariance ** exponent, until an update
+        # Of the shrunk covariance, until an update: its eigendecomposition and its powers.
+        self._eigen: tuple[Tensor, Tensor] | None = None
+        self._powers: dict[float, Tensor] = {}
 
     @classmethod
     def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
@@ -158,7 +160,7 @@ class StreamingMoments:
     def _merge(
         self, count: int, mean: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
     ) -> None:
-        self._powers = {}
+        self._eigen, self._powers = None, {}
         if self._count == 0:
             self._count, self._mean, self._scatter = count, mean, scatter
             self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
@@ -238,12 +240,15 @@ class StreamingMoments:
         return self._scatter / self._count
 
     def shrunk_power(self, exponent: float, name: str = "covariance") -> Float[Tensor, "d d"]:
-        """The Ledoit-Wolf shrunk covariance to the power ``exponent`` (`symmetric_power`),
-        computed once per exponent until the next update: a sweep maps every source onto the
-        same full-depth reference, so its root is needed once, not once per source."""
+        """The Ledoit-Wolf shrunk covariance to the power ``exponent`` (`symmetric_power`). Its
+        eigendecomposition and each power are computed once until the next update: a sweep maps
+        every source onto the same full-depth reference, so the reference's root is needed once,
+        not once per source, and full depth's own stream needs its root and its inverse root
+        from one eigendecomposition."""
         if exponent not in self._powers:
-            covariance = ledoit_wolf_shrinkage(self).covariance
-            self._powers[exponent] = symmetric_power(covariance, exponent, name)
+            if self._eigen is None:
+                self._eigen = symmetric_eigh(ledoit_wolf_shrinkage(self).covariance, name)
+            self._powers[exponent] = _power_of(*self._eigen, exponent)
         return self._powers[exponent]
 
     @property
@@ -319,6 +324,16 @@ def symmetric_power(
     Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
     precision. Returns float64 ``[d, d]``.
     """
+    return _power_of(*symmetric_eigh(matrix, name), exponent)
+
+
+def symmetric_eigh(
+    matrix: Float[Tensor, "d d"], name: str = "covariance"
+) -> tuple[Float[Tensor, " d"], Float[Tensor, "d d"]]:
+    """Float64 eigenvalues (ascending) and eigenvectors of the symmetric part of ``matrix``.
+
+    Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
+    precision."""
     symmetric = (matrix.to(torch.float64) + matrix.to(torch.float64).T) / 2
     eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
     smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
@@ -328,6 +343,10 @@ def symmetric_power(
             "After Ledoit-Wolf shrinkage this happens only when the states are constant or "
             "there are fewer than 3 of them; check the states and the split."
         )
+    return eigenvalues, eigenvectors
+
+
+def _power_of(eigenvalues: Tensor, eigenvectors: Tensor, exponent: float) -> Tensor:
     return (eigenvectors * eigenvalues.pow(exponent)) @ eigenvectors.T
 
 

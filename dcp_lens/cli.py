@@ -23,7 +23,12 @@ from dcp_lens.incomplete import (
     mark_incomplete,
     write_text_atomically,
 )
-from dcp_lens.memory import MMAP_THRESHOLD_MAX, fixed_threshold, limit_heap_fragmentation
+from dcp_lens.memory import (
+    MMAP_THRESHOLD_MAX,
+    fixed_threshold,
+    limit_heap_fragmentation,
+    release_keep,
+)
 
 if TYPE_CHECKING:
     from dcp_lens.protocol import EvaluationSet
@@ -336,8 +341,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     )  # fmt: skip
     threshold = fixed_threshold()
     result["allocator"] = (
-        f"as in run: glibc's, mmap threshold {MMAP_THRESHOLD_MAX >> 20} MB, free pages returned "
-        "after each batch"
+        f"as in run: glibc's, mmap threshold {MMAP_THRESHOLD_MAX >> 20} MB, free heap past "
+        f"{release_keep() >> 20} MB returned after each batch"
         if threshold is None
         else f"fixed {threshold}-byte mmap threshold ($DCP_LENS_MMAP_THRESHOLD)"
     )

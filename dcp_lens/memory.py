@@ -12,14 +12,18 @@ allocated again are often unmapped and faulted in afresh (half a million page fa
 
 `dcp-lens` therefore, when it starts (`limit_heap_fragmentation`), fixes the mmap threshold at its
 largest (32 MB) and the heap's automatic trimming at 512 MB, so that within a batch freed tensors
-are reused, and the protocol calls `release_free_memory` (glibc's ``malloc_trim(0)``) after every
-batch, which returns the heap's free pages, fragmented or not. The run above peaked at 603 MB at
-50k tokens (25 s), 823 MB at 500k (158 s) and 774 MB on the whole corpus (16647 windows, 314 s).
+are reused, and the protocol calls `release_free_memory` after every batch: once the heap holds
+more than `TRIM_KEEP_BYTES` (256 MB) free, glibc's ``malloc_trim(0)`` returns its free pages,
+fragmented or not. Below that the pages stay for the next batch: trimming after every batch made
+the kernel fault and zero them again each time (about 62k page faults a `dcp-lens bench` round
+of a forward and a sweep, against 3k-9k with the pages kept). The run above peaked at 767 MB at
+50k tokens (32 s) and 852 MB at 500k (186 s); trimming after every batch
+(``DCP_LENS_TRIM_KEEP=0``), measured beside it on the same day: 612 MB (34 s) and 810 MB (222 s).
 
 The older bound, a fixed 128 kB threshold (every tensor above it a fresh mapping whose pages the
 kernel zeroes on first touch), held the 500k run at 705 MB but took 360 s. It stays available:
-``DCP_LENS_MMAP_THRESHOLD=BYTES`` fixes that threshold instead; ``DCP_LENS_TRIM=0`` turns the
-trimming after each batch off.
+``DCP_LENS_MMAP_THRESHOLD=BYTES`` fixes that threshold instead; ``DCP_LENS_TRIM_KEEP=BYTES`` sets
+the free heap kept (0: trim after every batch); ``DCP_LENS_TRIM=0`` turns the trimming off.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest on 64-bit (HEAP_MAX_SIZ
 TRIM_THRESHOLD_BYTES = 512 * 1024 * 1024
 THRESHOLD_VARIABLE = "DCP_LENS_MMAP_THRESHOLD"
 TRIM_VARIABLE = "DCP_LENS_TRIM"
+KEEP_VARIABLE = "DCP_LENS_TRIM_KEEP"
+# Free heap left untrimmed between batches: about two batches' temporaries of a `dcp-lens bench`
+# sweep (80-130 MB), so that a sweep's next batch reuses pages rather than faulting them in.
+TRIM_KEEP_BYTES = 256 * 1024 * 1024
 
 
 def limit_heap_fragmentation(threshold: int | None = None) -> bool:
@@ -69,24 +77,73 @@ def fixed_threshold() -> int | None:
     Raises:
         ValueError: the variable is not a number of bytes >= 0.
     """
-    text = os.environ.get(THRESHOLD_VARIABLE, "").strip()
-    if text and not text.isdigit():
-        raise ValueError(
-            f"{THRESHOLD_VARIABLE}={text!r} must be a number of bytes (e.g. 131072; 0 or unset: "
-            "the default setting)."
-        )
-    return int(text) if text and int(text) > 0 else None
+    threshold = _bytes_variable(
+        THRESHOLD_VARIABLE, 0, "(e.g. 131072; 0 or unset: the default setting)"
+    )
+    return threshold if threshold > 0 else None
 
 
-def release_free_memory() -> bool:
-    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``), so that a loop
-    over batches keeps peak memory set by one batch even when its heap fragments. No effect
-    where there is no glibc, or with ``$DCP_LENS_TRIM=0``. Returns whether it ran."""
+def release_free_memory(keep: int | None = None) -> bool:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim(0)``) once the heap
+    holds more than ``keep`` free bytes, so that a loop over batches keeps peak memory set by
+    one batch even when its heap fragments. Below ``keep`` the free pages stay for the next
+    batch's tensors: trimming them would only have the kernel map and zero them again.
+
+    ``keep``: None reads ``$DCP_LENS_TRIM_KEEP`` (bytes; default `TRIM_KEEP_BYTES`; 0 trims
+    after every batch). No effect where there is no glibc, or with ``$DCP_LENS_TRIM=0``; where
+    glibc cannot report its free bytes (before 2.33) it trims every time. Returns whether it
+    trimmed.
+
+    Raises:
+        ValueError: ``$DCP_LENS_TRIM_KEEP`` is not a number of bytes >= 0.
+    """
+    keep = release_keep() if keep is None else keep
     libc = None if os.environ.get(TRIM_VARIABLE, "1").strip() == "0" else _glibc()
     if libc is None:
         return False
+    free = free_heap_bytes()
+    if free is not None and free <= keep:
+        return False
     libc.malloc_trim(0)
     return True
+
+
+def release_keep() -> int:
+    """The free heap `release_free_memory` keeps by default, in bytes: ``$DCP_LENS_TRIM_KEEP``,
+    else `TRIM_KEEP_BYTES`.
+
+    Raises:
+        ValueError: the variable is not a number of bytes >= 0.
+    """
+    return _bytes_variable(KEEP_VARIABLE, TRIM_KEEP_BYTES, "(e.g. 0: trim after every batch)")
+
+
+def free_heap_bytes() -> int | None:
+    """Free bytes the heap holds (glibc's ``mallinfo2().fordblks``, over every arena); None
+    where glibc is missing or older than 2.33."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    return int(libc.mallinfo2().fordblks)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _bytes_variable(name: str, default: int, example: str) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{name}={text!r} must be a number of bytes {example}.")
+    return int(text)
 
 
 _LIBC: list[Any] = []  # [the C library] once looked up; [None] where it is not glibc
@@ -102,6 +159,8 @@ def _glibc() -> Any:
                 library.mallopt.restype = ctypes.c_int
                 library.malloc_trim.argtypes = (ctypes.c_size_t,)
                 library.malloc_trim.restype = ctypes.c_int
+                if hasattr(library, "mallinfo2"):  # glibc >= 2.33
+                    library.mallinfo2.restype = _MallInfo2
             except (OSError, AttributeError):
                 library = None
         _LIBC.append(library)

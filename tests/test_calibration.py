@@ -101,6 +101,22 @@ def test_shrunk_power_is_computed_once_and_forgotten_on_update() -> None:
     merged.merge(StreamingMoments.from_samples(samples[100:]))
     inverse_root = symmetric_power(ledoit_wolf_shrinkage(merged).covariance, -0.5)
     assert torch.equal(merged.shrunk_power(-0.5), inverse_root)
+    # Root and inverse root come from one eigendecomposition, the same bits as computed apart.
+    calls = []
+    eigh = torch.linalg.eigh
+
+    def counted(matrix):
+        calls.append(1)
+        return eigh(matrix)
+
+    fresh = StreamingMoments.from_samples(samples)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.linalg, "eigh", counted)
+        both = fresh.shrunk_power(0.5), fresh.shrunk_power(-0.5)
+    assert len(calls) == 1
+    covariance = ledoit_wolf_shrinkage(fresh).covariance
+    assert torch.equal(both[0], symmetric_power(covariance, 0.5))
+    assert torch.equal(both[1], symmetric_power(covariance, -0.5))
 
 
 def test_streaming_moments_reject_bad_input() -> None:

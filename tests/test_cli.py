@@ -213,9 +213,52 @@ def test_the_allocator_setting_reads_its_variable(monkeypatch):
     with pytest.raises(ValueError, match="must be a number of bytes"):
         memory.limit_heap_fragmentation()
     monkeypatch.setenv(memory.TRIM_VARIABLE, "0")
-    assert memory.release_free_memory() is False
+    assert memory.release_free_memory(keep=0) is False
     monkeypatch.delenv(memory.TRIM_VARIABLE)
-    assert memory.release_free_memory() is (memory._glibc() is not None)
+    assert memory.release_free_memory(keep=0) is glibc
+    monkeypatch.setenv(memory.KEEP_VARIABLE, "lots")
+    with pytest.raises(ValueError, match="DCP_LENS_TRIM_KEEP='lots' must be a number of bytes"):
+        memory.release_free_memory()
+
+
+def test_the_heap_is_trimmed_only_past_what_it_may_keep(monkeypatch):
+    """Free heap up to `keep` bytes stays for the next batch (trimming it would only have the
+    kernel fault and zero the pages again); past it, or where glibc cannot say, it is trimmed."""
+    from dcp_lens import memory
+
+    if memory._glibc() is None:
+        pytest.skip("no glibc")
+    trims = []
+
+    class Libc:
+        def malloc_trim(self, pad):
+            trims.append(pad)
+
+    monkeypatch.setattr(memory, "_glibc", lambda: Libc())
+    for free, keep, trimmed in [(100, 200, False), (200, 200, False), (201, 200, True),
+                                (None, 10**12, True), (1, 0, True)]:  # fmt: skip
+        monkeypatch.setattr(memory, "free_heap_bytes", lambda free=free: free)
+        assert memory.release_free_memory(keep) is trimmed
+    assert trims == [0, 0, 0]
+    monkeypatch.setattr(memory, "free_heap_bytes", lambda: memory.TRIM_KEEP_BYTES + 1)
+    monkeypatch.setenv(memory.KEEP_VARIABLE, str(memory.TRIM_KEEP_BYTES + 1))
+    assert memory.release_free_memory() is False  # the variable sets the default keep
+    monkeypatch.delenv(memory.KEEP_VARIABLE)
+    assert memory.release_free_memory() is True
+
+
+def test_glibc_reports_its_free_heap():
+    from dcp_lens import memory
+
+    libc = memory._glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        pytest.skip("no glibc >= 2.33")
+    memory.limit_heap_fragmentation()  # 8 MB then comes from the heap (threshold 32 MB)
+    block = torch.ones(8 * 2**20, dtype=torch.uint8)
+    held = memory.free_heap_bytes()
+    del block
+    freed = memory.free_heap_bytes()
+    assert held is not None and freed is not None and freed - held >= 8 * 2**20
 
 
 def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
