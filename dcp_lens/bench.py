@@ -1,12 +1,16 @@
 """`dcp-lens bench`: what the protocol costs, side by side on the same data in one process.
 
-Reported (the fastest of the repeats, as `timeit` advises: on a shared machine interference only
-slows a run down, so the fastest is the best estimate of what the code costs; the medians come
-too, as ``*_median``. Each of the forward, the plain loop and the sweep is timed after one warm-up
-call, and the three alternate, round by round, so that a machine whose speed drifts or jitters
-slows them alike and their ratios compare like with like):
+Reported (times: the fastest of the repeats, as `timeit` advises: on a shared machine
+interference only slows a run down, so the fastest is the best estimate of what the code costs;
+the medians come too, as ``*_median``. Each of the forward, the plain loop and the sweep is timed
+after one warm-up call, and the three alternate, round by round, so that a machine whose speed
+drifts or jitters slows them alike and their ratios compare like with like):
 - ``sweep_over_forward``: the whole fast sweep (calibration fit + every condition at every k on the
-  evaluation batch) against one full-depth forward of the evaluation batch;
+  evaluation batch) against one full-depth forward of the evaluation batch, as the median over
+  rounds of each sweep's time over the mean of the two forwards timed just before and just after
+  it (`paired_ratio`). The fastest sweep over the fastest forward
+  (``sweep_over_forward_fastest``) is biased upwards on a busy machine: a sweep lasts about four
+  forwards, so it is less often run through without interference than a forward is;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
@@ -14,6 +18,7 @@ slows them alike and their ratios compare like with like):
 - ``sweep_tokens_per_second`` / ``forward_tokens_per_second``: calibration + evaluation tokens
   through the sweep, and evaluation tokens through one forward, per second (and the same as
   ``*_seconds_per_million_tokens``);
+- ``rounds_seconds``: every timing, by run, in the order taken;
 - ``peak_memory_mb``: the process's peak resident memory (CPU) or peak allocated memory (CUDA);
   ``sweep_memory_per_batch_token_mb``: the sweep's peak above what was held before it (weights,
   data), per token of one batch (what the batch size times the sequence length scales).
@@ -160,6 +165,23 @@ def _timings(
     return times
 
 
+def paired_ratio(long: list[float], short: list[float]) -> float:
+    """Median over rounds of ``long[i]`` over the mean of ``short[i]`` and ``short[i + 1]``,
+    the short runs timed just before and just after each long one (`_timings`' order).
+
+    A ratio of two runs timed side by side cancels what the machine's speed does over a few
+    seconds; the median drops a round that a burst of interference hit. Needs
+    ``len(short) > len(long)``."""
+    if not long or len(short) <= len(long):
+        raise ValueError(
+            f"a paired ratio needs a short run before and after each long one: got {len(long)} "
+            f"long and {len(short)} short timings."
+        )
+    return statistics.median(
+        seconds / ((short[i] + short[i + 1]) / 2) for i, seconds in enumerate(long)
+    )
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -254,6 +276,8 @@ def run_bench(
         _reset_peak(target)
         sweeps = repeats if sweep_repeats is None else sweep_repeats
         counts = {name: sweeps if name == "sweep" else repeats for name in runs}
+        # One forward more than sweeps: each sweep is then timed between two forwards.
+        counts["forward"] = max(repeats, sweeps + 1)
         times = _timings(runs, counts, target)
         peak, sweep_peak = _peak_memory(target)
         seconds = {name: min(values) for name, values in times.items()}
@@ -280,9 +304,11 @@ def run_bench(
         "forward_seconds_median": medians["forward"],
         "plain_seconds_median": medians.get("plain", math.nan),
         "sweep_seconds_median": medians["sweep"],
-        "sweep_over_forward": sweep_seconds / forward,
+        "sweep_over_forward": paired_ratio(times["sweep"], times["forward"]),
+        "sweep_over_forward_fastest": sweep_seconds / forward,
         "sweep_over_forward_median": medians["sweep"] / medians["forward"],
         "repeats": {name: len(values) for name, values in times.items()},
+        "rounds_seconds": times,
         "naive_over_sweep": naive_seconds / sweep_seconds,
         "hooks_off_over_plain": forward / plain,
         "plain_max_abs_logit_diff": check,
@@ -396,11 +422,13 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
     for key in ("forward_seconds", "plain_seconds", "sweep_seconds"):
         print(f"  {key:<34} {result[key]:.3f}   ({result.get(key + '_median', math.nan):.3f})")
     print(f"  {'naive_seconds':<34} {result['naive_seconds']:.3f}")
+    fastest = result.get("sweep_over_forward_fastest", math.nan)
     median_ratio = result.get("sweep_over_forward_median", math.nan)
     print(
         f"  {'sweep_over_forward':<34} {result['sweep_over_forward']:.2f}   (target <= 4.0; "
-        f"medians: {median_ratio:.2f})"
+        "median of each round's sweep over the forwards around it)"
     )
+    print(f"  {'sweep_over_forward_fastest':<34} {fastest:.2f}   (medians: {median_ratio:.2f})")
     for key, target in (("naive_over_sweep", ">= 10"), ("hooks_off_over_plain", "<= 1.10")):
         print(f"  {key:<34} {result[key]:.2f}   (target {target})")
     for key in ("forward_tokens_per_second", "sweep_tokens_per_second"):

@@ -18,7 +18,7 @@ import functools
 import math
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -362,6 +362,11 @@ class AffineCalibration:
     source_mean: Float[Tensor, " d"]
     reference_mean: Float[Tensor, " d"]
     linear: Float[Tensor, " d"] | Float[Tensor, "d d"]
+    # The parameters in the precision and on the device they are applied in, by (dtype, device):
+    # a sweep applies one map to every batch, and casting [d, d] each time cost a sixth of a call.
+    _cast: dict[tuple[torch.dtype, torch.device], tuple[Tensor, ...]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         _check_mode(self.mode)
@@ -373,10 +378,10 @@ class AffineCalibration:
                 f"mode {self.mode!r} with source_mean of width {width} needs reference_mean of "
                 f"shape {(width,)} and linear of shape {expected}; got {shapes[0]}, {shapes[1]}."
             )
-        for field in ("source_mean", "reference_mean", "linear"):
-            value = getattr(self, field)
+        for name in ("source_mean", "reference_mean", "linear"):
+            value = getattr(self, name)
             if value.dtype != torch.float64:
-                object.__setattr__(self, field, value.to(torch.float64))
+                object.__setattr__(self, name, value.to(torch.float64))
 
     @classmethod
     def fit(
@@ -435,13 +440,16 @@ class AffineCalibration:
                 f"{self.width}."
             )
         dtype = torch.promote_types(h.dtype, torch.float32)
-        source_mean, reference_mean, linear = (
-            t.to(device=h.device, dtype=dtype)
-            for t in (self.source_mean, self.reference_mean, self.linear)
-        )
+        key = (dtype, h.device)
+        if key not in self._cast:
+            self._cast[key] = tuple(
+                t.to(device=h.device, dtype=dtype)
+                for t in (self.source_mean, self.reference_mean, self.linear)
+            )
+        source_mean, reference_mean, linear = self._cast[key]
         centred = h.to(dtype) - source_mean
         mapped = centred * linear if linear.ndim == 1 else centred @ linear.T
-        return (mapped + reference_mean).to(h.dtype)
+        return mapped.add_(reference_mean).to(h.dtype)
 
     def inverse(self) -> AffineCalibration:
         """The inverse map ``h -> source_mean + A^{-1} (h - reference_mean)`` (same mode)."""

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--repeats", type=int, default=5,
-        help="timed rounds of forward, plain loop and sweep, alternated (the fastest is kept)",
+        help="timed rounds of forward, plain loop and sweep, alternated (times: the fastest; "
+        "sweep / forward: the median of the rounds' paired ratios)",
     )  # fmt: skip
     bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")

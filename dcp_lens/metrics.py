@@ -131,19 +131,27 @@ def per_example_metrics(
         losses = token_cross_entropy(log_probs, targets, log_probs=True)
         out["cross_entropy"] = (losses * scored).sum(-1) / count
     if "accuracy" in metrics or "top1_agreement" in metrics:
-        # One argmax and one finiteness check serve both top-1 metrics.
-        # All finite exactly when the largest and the smallest are (max and min propagate NaN),
-        # two reductions instead of a mask the size of the logits.
-        # One max gives the prediction (its first index, as argmax) and the largest value.
-        largest, predicted = logits.max(-1)
+        # One finiteness check serves both top-1 metrics: all finite exactly when the largest
+        # and the smallest are (amax and amin propagate NaN), two reductions instead of a mask
+        # the size of the logits.
+        largest = logits.amax(-1)
         finite = torch.isfinite(largest) & torch.isfinite(logits.amin(-1))
         if full_top1 is None and "top1_agreement" in metrics:
             full_top1 = full_log_probs.argmax(-1)
+        # The prediction is the argmax (its first index among ties). Where the largest value is
+        # unique, index i is the argmax exactly when logits[i] is the largest, which a gather
+        # tells; argmax itself (a tenth as fast as amax on the CPU) runs only on tied rows.
+        tied = (logits == largest.unsqueeze(-1)).sum(-1) > 1
+        first = logits[tied].argmax(-1)
         references = {"accuracy": targets, "top1_agreement": full_top1}
         for name, reference in references.items():
             if name not in metrics or reference is None:
                 continue
-            hit = torch.where(finite, (predicted == reference).to(logits.dtype), torch.nan)
+            index = reference.clamp(0, logits.shape[-1] - 1)  # IGNORE_INDEX: no class, no hit
+            predicted = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1) == largest
+            predicted &= index == reference
+            predicted[tied] = first == reference[tied]
+            hit = torch.where(finite, predicted.to(logits.dtype), torch.nan)
             bad = (torch.isnan(hit) & scored).any(-1)
             out[name] = torch.where(bad, torch.nan, (hit * scored).nansum(-1) / count)
     if "kl_to_full" in metrics:

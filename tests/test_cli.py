@@ -71,6 +71,25 @@ def test_bench_json_reports_the_design_keys(capsys):
     )
     assert math.isfinite(result["sweep_memory_per_batch_token_mb"])
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
+    # One sweep, timed between two forwards.
+    assert result["repeats"] == {"forward": 2, "plain": 1, "sweep": 1}
+    assert result["sweep_over_forward_fastest"] == pytest.approx(
+        result["sweep_seconds"] / result["forward_seconds"]
+    )
+
+
+def test_the_paired_ratio_cancels_a_drifting_machine():
+    from dcp_lens.bench import paired_ratio
+
+    # A machine slowing down steadily: each sweep costs four of the forwards around it, while
+    # the fastest sweep over the fastest forward reads 6.
+    forwards, sweeps = [1.0, 2.0, 3.0, 4.0], [6.0, 10.0, 14.0]
+    assert paired_ratio(sweeps, forwards) == pytest.approx(4.0)
+    assert min(sweeps) / min(forwards) == pytest.approx(6.0)
+    # A burst of interference during one sweep moves the median by nothing.
+    assert paired_ratio([4.0, 40.0, 4.0], [1.0, 1.0, 1.0, 1.0]) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="before and after each long one"):
+        paired_ratio([4.0, 4.0], [1.0, 1.0])
 
 
 # ------------------------------------------------------------------ arguments before torch

@@ -167,8 +167,13 @@ def test_loss_metrics_are_the_bits_of_pytorch_cross_entropy_and_kl_div():
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 9, 50, generator=generator) * 4
     logits[0, 1, :7] = logits[0, 1].max() + 1  # a tie: the first index wins, as argmax
+    logits[1, 2, 3:5] = logits[1, 2].max() + 1
     full = reference_log_probs(torch.randn(3, 9, 50, generator=generator) * 4)
+    full[1, 4, 8:10] = full[1, 4].max() + 1
     targets = torch.randint(0, 50, (3, 9), generator=generator)
+    targets[0, 1], targets[1, 2] = 3, 4  # a tied maximum that is not the first: no hit
+    targets[1, 5], logits[1, 5, 11] = 11, logits[1, 5].max() + 1  # a unique maximum: a hit
+    logits[1, 4, 8:10] = logits[1, 4].max() + 1  # tied in both, same first index: agreement
     targets[2, 3:] = IGNORE_INDEX
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).float()
@@ -178,10 +183,13 @@ def test_loss_metrics_are_the_bits_of_pytorch_cross_entropy_and_kl_div():
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     kl = F.kl_div(logits.log_softmax(-1), full, log_target=True, reduction="none").sum(-1)
     hits = logits.argmax(-1) == targets
+    agree = logits.argmax(-1) == full.argmax(-1)
+    assert not hits[0, 1] and not hits[1, 2] and hits[1, 5] and agree[1, 4]
     for values in (got, given):
         assert torch.equal(values["cross_entropy"], (ce.view(3, 9) * scored).sum(-1) / count)
         assert torch.equal(values["kl_to_full"], (kl.clamp_min(0) * scored).sum(-1) / count)
         assert torch.equal(values["accuracy"], (hits * scored).sum(-1) / count)
+        assert torch.equal(values["top1_agreement"], (agree * scored).sum(-1) / count)
 
 
 def test_noisy_initial_states_do_not_depend_on_batch_size_or_order():
