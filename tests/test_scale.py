@@ -67,11 +67,20 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert not (tmp_path / "two" / MARKER).exists()
 
 
+RESUMED = [*RUN, "--n-eval", "32", "--bootstrap", "20", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run every resumed one must reproduce, byte for byte (one for the three kill points)."""
+    reference = tmp_path_factory.mktemp("uninterrupted")
+    assert main([*RESUMED, "--out", str(reference)]) == 0
+    return reference
+
+
 @pytest.mark.parametrize("kill_at", ["calibration:2", "evaluation.0:3", "model:1"])
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, kill_at):
-    args = [*RUN, "--n-eval", "32", "--bootstrap", "20", "--checkpoint-every", "1"]
-    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
-    assert main([*args, "--out", str(reference)]) == 0
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, kill_at, uninterrupted):
+    args, reference, resumed = RESUMED, uninterrupted, tmp_path / "resumed"
     killed = _dcp_lens([*args, "--out", str(resumed)], {KILL_VARIABLE: kill_at})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # killed: marked incomplete, no results.json or report at the top
