@@ -317,6 +317,31 @@ def test_reset_hooks_removes_hooks_left_on_blocks_of_another_view(permanent):
     assert fired == [name]
 
 
+def test_reset_hooks_clears_contexts_and_keeps_permanent_hooks_unless_told():
+    model = HookedRecurrentTransformer(tiny_config(n_iterations=4)).eval()
+    tokens = torch.randint(0, 20, (1, 6))
+    name = model.hook_name(3, 0, "hook_resid_post")
+    fired: list[str] = []
+
+    def remember(tensor: torch.Tensor, hook) -> None:
+        hook.ctx["seen"] = True
+        fired.append(hook.name)
+
+    model.add_hook(name, remember, is_permanent=True)
+    model(tokens)
+    point = model.hook_dict[name]
+    assert point.ctx == {"seen": True}
+    model.reset_hooks(clear_contexts=False)
+    assert point.ctx == {"seen": True}
+    model.reset_hooks()  # clears contexts; permanent hooks stay
+    assert point.ctx == {}
+    model(tokens)
+    assert fired == [name, name]
+    model.reset_hooks(including_permanent=True)
+    model(tokens)
+    assert fired == [name, name]
+
+
 # ------------------------------------------------------------------- huge declared sizes
 
 

@@ -161,9 +161,10 @@ def test_confidence_matching_reads_the_leading_scored_positions_whatever_the_bat
             assert value == pytest.approx(reference[cell], rel=1e-9), (batch_size, cell)
 
 
-def test_loss_metrics_are_the_bits_of_pytorch_cross_entropy_and_kl_div():
+def test_metrics_match_pytorch_cross_entropy_kl_div_and_argmax():
     """Cross-entropy from the shared log-softmax, KL from probabilities taken once per batch
-    and top-1 from one max are the same bits as F.cross_entropy, F.kl_div and argmax."""
+    and top-1 from one max are the same bits as F.cross_entropy, F.kl_div and argmax (ties
+    included); KL is exactly 0 where the readout is full depth's."""
     generator = torch.Generator().manual_seed(4)
     logits = torch.randn(3, 9, 50, generator=generator) * 4
     logits[0, 1, :7] = logits[0, 1].max() + 1  # a tie: the first index wins, as argmax
@@ -190,6 +191,17 @@ def test_loss_metrics_are_the_bits_of_pytorch_cross_entropy_and_kl_div():
         assert torch.equal(values["kl_to_full"], (kl.clamp_min(0) * scored).sum(-1) / count)
         assert torch.equal(values["accuracy"], (hits * scored).sum(-1) / count)
         assert torch.equal(values["top1_agreement"], (agree * scored).sum(-1) / count)
+    # Logits full of ties (five values over 50 classes): the prediction is still argmax's.
+    tied = torch.randint(0, 5, (4, 30, 50), generator=generator).float()
+    tied_targets = torch.randint(0, 50, (4, 30), generator=generator)
+    expected = (tied.argmax(-1) == tied_targets).float().mean(-1)
+    scores = per_example_metrics(tied, tied.log_softmax(-1), tied_targets, ("accuracy",))
+    assert torch.equal(scores["accuracy"], expected)
+    full_logits = torch.randn(3, 9, 50, generator=generator) * 4
+    at_full = per_example_metrics(
+        full_logits, reference_log_probs(full_logits), targets, ("kl_to_full",)
+    )
+    assert torch.equal(at_full["kl_to_full"], torch.zeros(3))
 
 
 def test_noisy_initial_states_do_not_depend_on_batch_size_or_order():
