@@ -236,18 +236,19 @@ class HookedRecurrentTransformer(HookedRootModule):
     def _every_hook_point(self) -> list[HookPoint]:
         """The hook points of the active view (``hook_dict``) and of every block and iteration
         object built for any view, once each; cached until the view or ``hook_dict`` changes."""
-        key = (self.hook_dict, len(self.hook_dict), len(self._core), len(self._iteration_hooks))
+        sizes = (len(self.hook_dict), len(self._core), len(self._iteration_hooks))
         cached = self.__dict__.get("_hook_point_cache")
-        if cached is not None and cached[0][0] is key[0] and cached[0][1:] == key[1:]:
-            return cached[1]
+        if cached is not None and cached[0] is self.hook_dict and cached[1] == sizes:
+            return cached[2]
         built = [*self._prelude, *(b for row in self._core for b in row), *self._coda]
         points = {id(point): point for point in self.hook_dict.values()}
         for module in [*built, *self._iteration_hooks]:
             for point in module.modules():
                 if isinstance(point, HookPoint):
                     points.setdefault(id(point), point)
-        self.__dict__["_hook_point_cache"] = (key, list(points.values()))
-        return self.__dict__["_hook_point_cache"][1]
+        every = list(points.values())
+        self.__dict__["_hook_point_cache"] = (self.hook_dict, sizes, every)
+        return every
 
     def tie_weights(self) -> None:
         """Make every copy of a shared layer hold its owner's parameters again (after loading)."""
