@@ -287,7 +287,10 @@ def row_flags(row: Mapping[str, Any]) -> list[str]:
     """The validity flags of one decomposition row, in words (absent keys: no flag)."""
     flags = []
     if row.get("S_identified") is False:
-        flags.append("S is a lower bound (the calibrated states stay distinguishable)")
+        flags.append(
+            "S is a lower bound, D an upper bound and B may hold the missed shift (the "
+            "calibrated states stay distinguishable)"
+        )
     if row.get("B_identified") is False:
         flags.append("B not identified")
     if row.get("nonfinite"):

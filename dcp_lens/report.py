@@ -50,7 +50,8 @@ def flag_lines(results: ProtocolResults) -> list[str]:
         lines.append(
             f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
             "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
-            "bound and D an upper bound there"
+            "bound and D an upper bound there, and B may hold the part of the shift the map "
+            "missed (where replaying the update repairs the frame)"
         )
     if b_open:
         lines.append(
@@ -160,7 +161,8 @@ def _metric_section(
         "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
         "truncation gap has zero area (the same predictions at every depth). Seeds marked "
         '"S bound" have a k where S is not identified (the calibrated states stay '
-        "distinguishable from full depth): there S is a lower bound and D an upper bound.",
+        "distinguishable from full depth): there S is a lower bound, D an upper bound, and B "
+        "may hold the shift the map missed.",
     ]
     if NEGATIVE_CONTROL in regimes:
         lines.append(
@@ -427,7 +429,11 @@ def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
         if row["metric"] == metric and row["k"] < run["n_iterations"]
     ]
     for key, words in (
-        ("S_identified", "S is a lower bound (calibrated states still differ from full depth)"),
+        (
+            "S_identified",
+            "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated "
+            "states still differ from full depth)",
+        ),
         ("B_identified", "B not identified"),
     ):
         ks = [str(row["k"]) for row in rows if row.get(key) is False]

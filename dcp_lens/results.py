@@ -48,7 +48,8 @@ class Decomposition:
             only where that interval excludes 0 (a share of a gap that may be 0 means nothing).
         s_identified: per k, whether S is identified: the calibrated truncated states are not
             told apart from full-depth ones beyond the probe's null (``residual_auroc`` against
-            ``residual_auroc_threshold``). Where False, S is a lower bound and D an upper bound.
+            ``residual_auroc_threshold``). Where False, S is a lower bound and D an upper bound,
+            and B may hold the part of the shift the map missed (where replay repairs the frame).
         b_identified: per k, whether B (and I_BS) is identified: replay(k) and truncate(k) read
             out differently on the evaluation set. Where False, B = I_BS = 0 by construction.
         validated: whether this metric attributes planted factors correctly (`dcp_lens.metrics`),

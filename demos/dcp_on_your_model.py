@@ -96,8 +96,9 @@ results = protocol.run(evaluation, calibration)
 # - The null control (every condition at k = r must equal full depth) and the probe (how far
 #   each s_t is from the full-depth readout inputs: relative Mahalanobis, noise floor 1; C2ST
 #   AUROC, 0.5 = indistinguishable).
-# - S from an affine calibration is a lower bound: a shift that differs between inputs is not
-#   repaired and is booked as D (D is the residual).
+# - S from an affine calibration is a lower bound: a shift that differs between inputs, or a
+#   frame that turns, is not repaired and is booked as D (D is the residual), or as B where
+#   replaying the update repairs it. `S_identified` says where (the probe's residual AUROC).
 
 # %%
 table = results.table()

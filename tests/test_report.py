@@ -62,9 +62,10 @@ def test_validity_flags_are_shown_when_results_carry_them(planted_results) -> No
     run["shares"]["accuracy"]["stable"] = False
     run["metrics"]["accuracy"].update(validated=False, reason="misses the planted B factor")
     _, flags = verdict(run, "accuracy")
-    assert "S is a lower bound (calibrated states still differ from full depth) at k = 1, 2" in (
-        flags
-    )
+    assert (
+        "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
+        "still differ from full depth) at k = 1, 2"
+    ) in flags
     assert "B not identified at k = 1, 2" in flags
     assert any(flag.startswith("unstable share") for flag in flags)
     assert "metric not validated: misses the planted B factor" in flags

@@ -15,7 +15,9 @@ from helpers import lm_sets, make_model
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.calibration import MixtureCalibration, fit_calibration
 from dcp_lens.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
+from dcp_lens.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
 from dcp_lens.protocol import EvaluationSet, _matching_temperature, _mean_entropy
+from dcp_lens.report import flag_lines
 
 NUMBERS = ["gap", "S", "B", "D", "I_BS", "shift_gap"]
 CELLS = NUMBERS + [f"{n}_{s}" for n in NUMBERS for s in ("lo", "hi")]
@@ -36,6 +38,46 @@ def test_a_shift_beyond_the_calibration_family_is_flagged_not_booked_as_d():
     assert len(wrongly_d) > 0, "the mean-only map should miss this shift"
     assert not wrongly_d["S_identified"].any(), wrongly_d[["D", "residual_auroc"]]
     assert (wrongly_d["residual_auroc"] > wrongly_d["residual_auroc_threshold"]).all()
+
+
+def _turning_frame(n_answers: int, n_iterations: int, turn: float) -> PlantedModel:
+    """S by construction, beyond moment matching: the state is the answer's one-hot, turned in
+    planes (answers 2i, 2i + 1) by ``turn`` per iteration and started r turns back, so that
+    s_r is the one-hot the readout reads. Nothing is computed; a pooled linear map (r - k turns)
+    repairs s_k, but CORAL does not find it, and replaying the update keeps turning the frame."""
+    cfg = _base_config(n_answers, n_answers, n_iterations, 2 * n_answers)
+    model = _blank(cfg)
+    step = torch.eye(n_answers)
+    plane = torch.tensor([[math.cos(turn), math.sin(turn)], [-math.sin(turn), math.cos(turn)]])
+    for i in range(0, n_answers, 2):
+        step[i : i + 2, i : i + 2] = plane  # row vectors: s_t = s_{t-1} @ step
+    with torch.no_grad():
+        model.embed.W_E.copy_(torch.linalg.matrix_power(step, n_iterations).inverse())
+        _set_linear_mlp(model, step - torch.eye(n_answers), math.sqrt(1.0 / n_answers))
+        model.unembedding.copy_(8.0 * torch.eye(n_answers))
+    model.planted_task = PlantedTask(torch.arange(n_answers), n_answers, 0)
+    return model
+
+
+@pytest.mark.parametrize("turn, booked_as", [(math.pi / 20, "B"), (2 * math.pi / 11, "D")])
+def test_a_turning_frame_that_moment_matching_misses_is_flagged_wherever_it_is_booked(
+    turn: float, booked_as: str
+) -> None:
+    # Where replay repairs the frame the missed S lands in B, where it does not in D: either way
+    # every k below r with a gap must say that S is a lower bound.
+    model = _turning_frame(8, 8, turn)
+    task = model.planted_task
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=50, progress=False, seed=0
+    )
+    results = protocol.run(task.evaluation(256), task.calibration(256))
+    table = results.table().set_index("k")
+    with_gap = table[(table.index < model.n_iterations) & (table["gap"] > 0.1)]
+    assert len(with_gap) >= 2
+    assert not with_gap["S_identified"].any(), with_gap[["S", "residual_auroc"]]
+    shares = results.shares().iloc[0]
+    assert shares["S"] < 0.5 and shares[booked_as] > 0.5, shares[["S", "B", "D"]]
+    assert any("B may hold the part of the shift" in line for line in flag_lines(results))
 
 
 def test_replay_equal_to_truncate_is_flagged_not_identified():
