@@ -59,7 +59,10 @@ def _turning_frame(n_answers: int, n_iterations: int, turn: float) -> PlantedMod
     return model
 
 
-@pytest.mark.parametrize("turn, booked_as", [(math.pi / 20, "B"), (2 * math.pi / 11, "D")])
+@pytest.mark.parametrize(
+    "turn, booked_as",
+    [(math.pi / 20, "B"), pytest.param(2 * math.pi / 11, "D", marks=pytest.mark.slow)],
+)
 def test_a_turning_frame_that_moment_matching_misses_is_flagged_wherever_it_is_booked(
     turn: float, booked_as: str
 ) -> None:
