@@ -252,6 +252,16 @@ def run_record(results: ProtocolResults | Mapping[str, Any]) -> dict[str, Any]:
     return decode_json(dict(results))
 
 
+def _below_r(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
+    """The decomposition rows of ``metric`` at k < r: at k = r every factor is 0 by construction,
+    so flags and verdicts speak of the k below r."""
+    return [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and row["k"] < run["n_iterations"]
+    ]
+
+
 def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     """A plain-language verdict on one metric of one run, and its flags (each a short sentence)."""
     shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
@@ -268,6 +278,12 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     factor = max(FACTORS, key=lambda name: values[name])
     if values[factor] >= 0.5:
         text = f"Most of the truncation gap ({values[factor]:.0%}) is {_FACTOR_WORDS[factor]}."
+        if factor != "S" and any(row.get("S_identified") is False for row in _below_r(run, metric)):
+            # S is then a lower bound: what the map missed sits in B or D, whichever repairs it.
+            text += (
+                f" But S is not identified at some k, so part of this {factor} may be readout "
+                "shift that the calibration missed."
+            )
     else:
         parts = ", ".join(f"{name} {values[name]:.0%}" for name in FACTORS)
         text = f"No single factor carries the gap ({parts})."
@@ -422,12 +438,7 @@ def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
     record = run.get("metrics", {}).get(metric, {})
     if record.get("validated") is False:
         flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
-    # At k = r every factor is 0 by construction: the flags speak of the k below r.
-    rows = [
-        row
-        for row in run["decomposition"]
-        if row["metric"] == metric and row["k"] < run["n_iterations"]
-    ]
+    rows = _below_r(run, metric)
     for key, words in (
         (
             "S_identified",

@@ -17,7 +17,7 @@ from dcp_lens.calibration import MixtureCalibration, fit_calibration
 from dcp_lens.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
 from dcp_lens.protocol import EvaluationSet, _matching_temperature, _mean_entropy
-from dcp_lens.report import flag_lines
+from dcp_lens.report import flag_lines, run_record, verdict
 
 NUMBERS = ["gap", "S", "B", "D", "I_BS", "shift_gap"]
 CELLS = NUMBERS + [f"{n}_{s}" for n in NUMBERS for s in ("lo", "hi")]
@@ -81,6 +81,9 @@ def test_a_turning_frame_that_moment_matching_misses_is_flagged_wherever_it_is_b
     shares = results.shares().iloc[0]
     assert shares["S"] < 0.5 and shares[booked_as] > 0.5, shares[["S", "B", "D"]]
     assert any("B may hold the part of the shift" in line for line in flag_lines(results))
+    text, _ = verdict(run_record(results), "accuracy")
+    assert f"is {'block applications' if booked_as == 'B' else 'distinct computation'}" in text
+    assert f"part of this {booked_as} may be readout shift" in text
 
 
 def test_replay_equal_to_truncate_is_flagged_not_identified():
