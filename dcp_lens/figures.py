@@ -16,6 +16,8 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dcp_lens.results import S_NOT_IDENTIFIED
+
 Run = Mapping[str, Any]
 
 CONDITION_COLOURS = {
@@ -287,10 +289,7 @@ def row_flags(row: Mapping[str, Any]) -> list[str]:
     """The validity flags of one decomposition row, in words (absent keys: no flag)."""
     flags = []
     if row.get("S_identified") is False:
-        flags.append(
-            "S is a lower bound, D an upper bound and B may hold the missed shift (the "
-            "calibrated states stay distinguishable)"
-        )
+        flags.append(S_NOT_IDENTIFIED)
     if row.get("B_identified") is False:
         flags.append("B not identified")
     if row.get("nonfinite"):

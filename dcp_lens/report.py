@@ -19,7 +19,13 @@ from dcp_lens.intervention import (
     NEGATIVE_CONTROL,
     mean_over_seeds,
 )
-from dcp_lens.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolResults, decode_json
+from dcp_lens.results import (
+    FACTORS,
+    REPLAY_NOT_REALIZABLE,
+    S_NOT_IDENTIFIED,
+    ProtocolResults,
+    decode_json,
+)
 
 if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
     from dcp_lens.training.evaluation import AccuracyTable
@@ -440,11 +446,7 @@ def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
         flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
     rows = _below_r(run, metric)
     for key, words in (
-        (
-            "S_identified",
-            "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated "
-            "states still differ from full depth)",
-        ),
+        ("S_identified", S_NOT_IDENTIFIED),
         ("B_identified", "B not identified"),
     ):
         ks = [str(row["k"]) for row in rows if row.get(key) is False]

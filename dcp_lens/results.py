@@ -25,6 +25,11 @@ FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
 ARCHITECTURES = ("recurrent", "dense")
 REPLAY_NOT_REALIZABLE = "not realizable as the same model"
+# The flag of a row whose S is not identified, in the report and on its figures' hover.
+S_NOT_IDENTIFIED = (
+    "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
+    "still differ from full depth)"
+)
 
 
 @dataclass(frozen=True, eq=False)
