@@ -9,20 +9,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from dcp_lens import _moved
+
+_moved.install()
+
 if TYPE_CHECKING:
-    from dcp_lens.config import RecurrentConfig
-    from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-    from dcp_lens.probe import ResidualOODProbe
-    from dcp_lens.protocol import DepthControlProtocol, EvaluationSet
-    from dcp_lens.registry import load
+    from dcp_lens.model.config import RecurrentConfig
+    from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+    from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
+    from dcp_lens.protocol.probe import ResidualOODProbe
+    from dcp_lens.zoo.registry import load
 
 _EXPORTS = {
-    "DepthControlProtocol": "dcp_lens.protocol",
-    "EvaluationSet": "dcp_lens.protocol",
-    "HookedRecurrentTransformer": "dcp_lens.hooked_recurrent_transformer",
-    "RecurrentConfig": "dcp_lens.config",
-    "ResidualOODProbe": "dcp_lens.probe",
-    "load": "dcp_lens.registry",
+    "DepthControlProtocol": "dcp_lens.protocol.dcp",
+    "EvaluationSet": "dcp_lens.protocol.dcp",
+    "HookedRecurrentTransformer": "dcp_lens.model.hooked_recurrent_transformer",
+    "RecurrentConfig": "dcp_lens.model.config",
+    "ResidualOODProbe": "dcp_lens.protocol.probe",
+    "load": "dcp_lens.zoo.registry",
 }
 
 __all__ = [

@@ -15,15 +15,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from dcp_lens.errors import ConfigError, DCPLensError
-from dcp_lens.incomplete import (
+from dcp_lens.utils.errors import ConfigError, DCPLensError
+from dcp_lens.utils.files import (
     MARKER,
     check_output_folder,
     mark_complete,
     mark_incomplete,
     write_text_atomically,
 )
-from dcp_lens.memory import (
+from dcp_lens.utils.memory import (
     MMAP_THRESHOLD_MAX,
     fixed_threshold,
     limit_heap_fragmentation,
@@ -31,8 +31,8 @@ from dcp_lens.memory import (
 )
 
 if TYPE_CHECKING:
-    from dcp_lens.protocol import EvaluationSet
-    from dcp_lens.results import ProtocolResults
+    from dcp_lens.protocol.dcp import EvaluationSet
+    from dcp_lens.protocol.results import ProtocolResults
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -51,7 +51,7 @@ The Depth Control Protocol for depth-recurrent transformers: split the gap betwe
 and truncated depth into readout shift (S), block applications (B) and distinct computation (D).
 Run dcp-lens COMMAND --help for a command's options, their defaults and an example."""
 
-# Kept in step with the registry by tests/test_cli.py (the names are listed here so that help
+# Kept in step with the registry by tests/acceptance/test_cli.py (the names are listed here so that help
 # does not import the loaders).
 MODEL_SPECS = """\
 model specs (--model, --dense):
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             args.command_line = _command_line(argv)
             # Freed tensors reused within a batch, free pages returned after it; or the strict
-            # fixed mmap threshold of $DCP_LENS_MMAP_THRESHOLD (dcp_lens.memory).
+            # fixed mmap threshold of $DCP_LENS_MMAP_THRESHOLD (dcp_lens.utils.memory).
             limit_heap_fragmentation()
             return _command(args)
         except REPORTED as error:
@@ -332,7 +332,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _experiment(args)
     if args.command == "validate":
         return _validate(args)
-    from dcp_lens.bench import print_bench, run_bench
+    from dcp_lens.studies.bench import print_bench, run_bench
 
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
@@ -389,7 +389,7 @@ def _check_device(args: argparse.Namespace) -> None:
     """An unavailable ``--device`` is refused before any model is loaded."""
     device = getattr(args, "device", None)
     if device is not None and device.strip() != "cpu":
-        from dcp_lens.devices import check_device
+        from dcp_lens.utils.devices import check_device
 
         check_device(device)
 
@@ -409,7 +409,7 @@ def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__
 
 def _run(args: argparse.Namespace, command: str) -> int:
     """``dcp-lens run``, on every rank of a torchrun process group (rank 0 writes)."""
-    from dcp_lens import distributed
+    from dcp_lens.utils import distributed
 
     args.device = distributed.init_from_environment(args.device)
     try:
@@ -425,18 +425,14 @@ def _run(args: argparse.Namespace, command: str) -> int:
 def _run_models(args: argparse.Namespace, command: str) -> int:
     import torch
 
-    from dcp_lens import distributed
-    from dcp_lens.checkpoint import Checkpoint, die_if_asked
-    from dcp_lens.protocol import DepthControlProtocol, task_data
-    from dcp_lens.registry import load
-    from dcp_lens.report import format_summary, write_report
-    from dcp_lens.report_data import (
-        REPORT_DATA,
-        collect_report_data,
-        environment,
-        write_report_data,
-    )
-    from dcp_lens.results import write_results_json
+    from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
+    from dcp_lens.protocol.results import write_results_json
+    from dcp_lens.report.html import format_summary, write_report
+    from dcp_lens.studies.report_extras import REPORT_DATA, collect_report_data, write_report_data
+    from dcp_lens.utils import distributed
+    from dcp_lens.utils.environment import environment
+    from dcp_lens.utils.snapshots import Checkpoint, die_if_asked
+    from dcp_lens.zoo.registry import load
 
     specs = [(args.model or DEFAULT_MODEL, False)]
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
@@ -561,15 +557,15 @@ def _finished(folder: Path) -> bool:
 
 def _read_finished(folder: Path) -> ProtocolResults:
     """A model's results saved by an interrupted run (its parent folder is still marked)."""
-    from dcp_lens.results import ProtocolResults
+    from dcp_lens.protocol.results import ProtocolResults
 
     document = json.loads((folder / "results.json").read_text())
     return ProtocolResults.from_results_json(document["runs"][0])
 
 
 def _report(args: argparse.Namespace) -> int:
-    from dcp_lens.report import write_report
-    from dcp_lens.results import read_results_json
+    from dcp_lens.protocol.results import read_results_json
+    from dcp_lens.report.html import write_report
 
     report = write_report(
         read_results_json(args.folder / "results.json"), args.out or args.folder,
@@ -580,7 +576,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _report_data(folder: Path) -> dict[str, Any]:
-    from dcp_lens.report_data import REPORT_DATA, read_report_data
+    from dcp_lens.studies.report_extras import REPORT_DATA, read_report_data
 
     return read_report_data(folder / REPORT_DATA)
 
@@ -608,7 +604,7 @@ def _command_line(argv: Sequence[str] | None) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dcp_lens.report import format_accuracy_table
+    from dcp_lens.report.html import format_accuracy_table
     from dcp_lens.training import preset, train
 
     overrides = {"steps": args.steps} if args.steps is not None else {}
@@ -622,8 +618,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from dcp_lens.experiment import run_training_intervention
-    from dcp_lens.report import markdown_table
+    from dcp_lens.report.html import markdown_table
+    from dcp_lens.studies.intervention import run_training_intervention
     from dcp_lens.training import REGIMES
 
     regimes = REGIMES if args.regimes is None else (_names(args.regimes) or ())
@@ -645,7 +641,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from dcp_lens import planted_validation as validation
+    from dcp_lens.studies import validate as validation
 
     rows = validation.validate(
         _names(args.models), _names(args.metrics), seed=args.seed, n_eval=args.n_eval,

@@ -7,7 +7,7 @@
 # On a GPU machine without dcp-lens's dependencies, prepare .whl/ first with demos/gpu_wheels.sh
 # (on a machine with pip access) and carry it along: it is installed into /tmp/site here.
 # DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch 1 --seq 8" runs the same
-# steps on a toy size without a GPU (tests/test_demos.py does, to keep this script working).
+# steps on a toy size without a GPU (tests/acceptance/test_demos.py does, to keep this script working).
 set -euo pipefail
 out=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$out"

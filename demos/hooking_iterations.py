@@ -22,7 +22,8 @@
 # 2 hops here) and shows:
 #
 # 1. the cache and the hook names of each iteration;
-# 2. the per-iteration lens (`dcp_lens.lens`): the model's own readout applied to every state s_t;
+# 2. the per-iteration lens (`dcp_lens.lenses.lens`): the model's own readout applied to every
+# state s_t;
 # 3. activation patching across iterations with `transformer_lens.patching`, reshaped to
 #    [iteration, layer, position].
 #
@@ -36,8 +37,8 @@ import torch
 from transformer_lens import patching
 
 import dcp_lens
-from dcp_lens.interop import split_by_iteration
-from dcp_lens.lens import logit_lens, prediction_trajectory
+from dcp_lens.lenses.interop import split_by_iteration
+from dcp_lens.lenses.lens import logit_lens, prediction_trajectory
 from dcp_lens.tasks import get_task
 
 QUICK = os.environ.get("DCP_DEMO_QUICK") == "1"

@@ -17,7 +17,7 @@
 # `load("huginn:PATH")` and `load("ouro:PATH")` read checkpoints in the Huginn-0125 and Ouro
 # layouts into a `HookedRecurrentTransformer` (Ouro: `OuroRecurrentTransformer`, with its early-exit
 # gate). The fixtures under `demos/data/fixtures/` are tiny random models in those layouts, checked
-# against the reference implementations' outputs (`tests/test_loaders.py`); a real checkpoint
+# against the reference implementations' outputs (`tests/integration/test_loaders.py`); a real checkpoint
 # folder loads the same way. Random weights know nothing, so read the numbers below as what the
 # tools compute, not as findings.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import dcp_lens
-from dcp_lens.lens import logit_lens, prediction_trajectory
+from dcp_lens.lenses.lens import logit_lens, prediction_trajectory
 
 torch.set_num_threads(1)
 # The repository root, whether run as `python demos/x.py` or as a notebook inside demos/.

@@ -21,12 +21,12 @@
 # - `ResidualOODProbe` scores states against full-depth readout inputs: relative Mahalanobis
 #   distance (noise floor 1) and a classifier two-sample test (held-out AUROC, 0.5 =
 #   indistinguishable);
-# - the calibration (`dcp_lens.lens.fit_lens_calibrations`, the protocol's `calibrate`) moves
+# - the calibration (`dcp_lens.lenses.lens.fit_lens_calibrations`, the protocol's `calibrate`) moves
 #   s_t's mean and covariance onto s_r's, label-free and affine; the *calibrated lens* reads the
 #   moved state out.
 #
 # On the bundled `default` model and on stories260K retrofitted into a recurrent model
-# (`dcp_lens.retrofit`, as `demos/retrofit_stories260k.py` does at full size).
+# (`dcp_lens.zoo.retrofit`, as `demos/retrofit_stories260k.py` does at full size).
 # `DCP_DEMO_QUICK=1` uses fewer examples and a shorter distillation (the test suite does).
 
 # %%
@@ -38,9 +38,9 @@ import torch
 
 import dcp_lens
 from dcp_lens import ResidualOODProbe
-from dcp_lens.lens import fit_lens_calibrations, iteration_states, logit_lens
-from dcp_lens.retrofit import distill, retrofit, sample_corpus
+from dcp_lens.lenses.lens import fit_lens_calibrations, iteration_states, logit_lens
 from dcp_lens.tasks import get_task
+from dcp_lens.zoo.retrofit import distill, retrofit, sample_corpus
 
 nan = float("nan")
 QUICK = os.environ.get("DCP_DEMO_QUICK") == "1"

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from dcp_lens import HookedRecurrentTransformer, RecurrentConfig
-from dcp_lens.loading.huginn import HUGINN_0125, huginn_config
-from dcp_lens.loading.ouro import OuroRecurrentTransformer, ouro_config
+from dcp_lens.zoo.loaders.huginn import HUGINN_0125, huginn_config
+from dcp_lens.zoo.loaders.ouro import OuroRecurrentTransformer, ouro_config
 
 # The count logged in Huginn's model registry (recpre/model_registry.py, "nebel-raven-3.5b").
 HUGINN_0125_PUBLISHED = 3_509_051_040

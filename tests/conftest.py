@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, settings
 
+# Test modules live in unit/, integration/ and acceptance/; the shared builders (helpers.py) and
+# the independent reference implementations (reference.py) beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Small tensors: one thread avoids oversubscription on a busy 2-core machine.

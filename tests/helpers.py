@@ -16,7 +16,7 @@ from dcp_lens import (
     HookedRecurrentTransformer,
     RecurrentConfig,
 )
-from dcp_lens.conditions import SWEEP
+from dcp_lens.protocol.conditions import SWEEP
 
 
 def make_model(dtype: torch.dtype = torch.float64, **overrides) -> HookedRecurrentTransformer:
@@ -102,7 +102,7 @@ FUZZ_TALLY: Counter[str] = Counter()
 def outcome(action: Callable[[], Any], name: str) -> str:
     """Run ``action``; "works" or "clean error" (a `DCPLensError`, with a message), counted under
     ``name``. Any other exception propagates: it is what the property tests exist to find."""
-    from dcp_lens.errors import DCPLensError
+    from dcp_lens.utils.errors import DCPLensError
 
     FUZZ_TALLY[f"{name}: tried"] += 1
     try:
@@ -117,7 +117,7 @@ def outcome(action: Callable[[], Any], name: str) -> str:
 
 def tiny_config(**fields: Any) -> RecurrentConfig:
     """A 1 + 1 x 2 + 1 model small enough to build in milliseconds."""
-    from dcp_lens.config import RecurrentConfig
+    from dcp_lens.model.config import RecurrentConfig
 
     base: dict[str, Any] = dict(
         d_model=16, n_heads=2, d_head=8, d_mlp=32, d_vocab=20, n_ctx=16,
@@ -128,7 +128,7 @@ def tiny_config(**fields: Any) -> RecurrentConfig:
 
 def save_tiny_model(folder: Path, **fields: Any) -> Path:
     """A `save_pretrained` folder of `tiny_config`."""
-    from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+    from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 
     return HookedRecurrentTransformer(tiny_config(**fields)).save_pretrained(folder)
 
@@ -146,8 +146,8 @@ def write_llama2c(
 ) -> Path:
     """A llama2.c version-0 checkpoint with random weights and correct RoPE tables (``tables``
     may alter them)."""
-    from dcp_lens.components.rotary import rotary_tables
-    from dcp_lens.loading.llama2c_format import Llama2cHeader
+    from dcp_lens.model.components.rotary import rotary_tables
+    from dcp_lens.zoo.loaders.llama2c_format import Llama2cHeader
 
     header = Llama2cHeader(dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)
     generator = torch.Generator().manual_seed(0)

@@ -14,14 +14,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_lens.errors import ConfigError, ConfigTypeError, DCPLensError
-from dcp_lens.metrics import IGNORE_INDEX
-from dcp_lens.registry import add_entry
+from dcp_lens.model.loss import IGNORE_INDEX
 from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch, check_task_tokens
 from dcp_lens.tasks.char_lm import CharLM
 from dcp_lens.tasks.text import TextLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
-from dcp_lens.validation import check_field_types
+from dcp_lens.utils.checks import check_field_types
+from dcp_lens.utils.errors import ConfigError, ConfigTypeError, DCPLensError
+from dcp_lens.utils.registry import add_entry
 
 TASKS: dict[str, type[Task]] = {
     VariableBinding.name: VariableBinding,
@@ -49,6 +49,28 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise
     except (ValueError, TypeError) as error:
         raise ConfigError(f"task {name!r}: {error}") from error
+
+
+def task_of(model: Any) -> Any:
+    """The task a model was trained on, built from its ``task_config`` (the ``task.json`` beside
+    its weights), or the task it was built with (``model.task_object``, planted models):
+    ``task_of(model).evaluation(256)`` feeds `DepthControlProtocol.run`.
+
+    Raises:
+        ConfigError: the model records no task (it was not trained by dcp-lens), or its task
+            config names an unknown task or a bad parameter.
+    """
+    built = getattr(model, "task_object", None)  # a model built with its task (planted models)
+    if built is not None:
+        return built
+    config = getattr(model, "task_config", None)
+    if not config:
+        raise ConfigError(
+            "this model records no task (no task.json beside its weights); build one with "
+            "dcp_lens.tasks.get_task(name, ...) or pass evaluation sets directly."
+        )
+    check_task_config(config, f"{getattr(model, 'spec', None) or 'the model'}'s task.json")
+    return get_task(**config)
 
 
 def check_task_config(config: Any, source: str) -> None:
@@ -94,4 +116,5 @@ __all__ = [
     "check_task_tokens",
     "get_task",
     "register_task",
+    "task_of",
 ]

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dcp_lens.model.tokenization import encode_text, tokenizer_fingerprint
 from dcp_lens.tasks.base import Split, Task, TaskBatch, check_batch_request
-from dcp_lens.tokenization import encode_text, tokenizer_fingerprint
 
 CACHE_ENV = "DCP_LENS_CACHE"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}

@@ -29,7 +29,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from dcp_lens.metrics import IGNORE_INDEX
+from dcp_lens.model.loss import IGNORE_INDEX
 from dcp_lens.tasks.base import (
     SPLITS,
     Split,

@@ -2,7 +2,7 @@
 
 >>> from dcp_lens.training import preset, train
 >>> result = train(preset("tiny", regime="sampled"), "runs/tiny-sampled")   # doctest: +SKIP
->>> from dcp_lens.report import format_accuracy_table
+>>> from dcp_lens.report.html import format_accuracy_table
 >>> print(format_accuracy_table(result.accuracy_table))                     # doctest: +SKIP
 """
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dcp_lens.config import RecurrentConfig
+from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.tasks import Task, get_task
+from dcp_lens.training.checks import check_train_dict, check_train_values
 from dcp_lens.training.regimes import RegimeConfig, check_known_keys
-from dcp_lens.training.validation import check_train_dict, check_train_values
-from dcp_lens.validation import naming_file, read_json_object
+from dcp_lens.utils.checks import naming_file, read_json_object
 
 CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.json"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import SPLITS, Split, Task
 from dcp_lens.training.regimes import readout_logits
 

@@ -32,18 +32,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from dcp_lens.devices import check_device
-from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.incomplete import check_output_folder
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import Task
-from dcp_lens.training.checkpoint import (
-    RunState,
-    latest_checkpoint,
-    load_checkpoint,
-    prepare_run_folder,
-    save_checkpoint,
-    write_json,
-)
 from dcp_lens.training.config import (
     CONFIG_FILE,
     DATA_STRIDE,
@@ -55,6 +45,16 @@ from dcp_lens.training.config import (
 )
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
 from dcp_lens.training.regimes import build_model, regime_loss
+from dcp_lens.training.state import (
+    RunState,
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_run_folder,
+    save_checkpoint,
+    write_json,
+)
+from dcp_lens.utils.devices import check_device
+from dcp_lens.utils.files import check_output_folder
 
 
 @dataclass

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dcp_lens.config import RecurrentConfig
+from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.tasks import Task, get_task
 from dcp_lens.training.config import TrainConfig
 from dcp_lens.training.regimes import REGIMES, RegimeConfig

@@ -28,12 +28,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from dcp_lens.config import RecurrentConfig
-from dcp_lens.errors import ConfigError
-from dcp_lens.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.metrics import scored_cross_entropy
-from dcp_lens.states import capture_states
-from dcp_lens.validation import check_field_types
+from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.model.loss import scored_cross_entropy
+from dcp_lens.protocol.states import capture_states
+from dcp_lens.utils.checks import check_field_types
+from dcp_lens.utils.errors import ConfigError
 
 REGIMES = ("fixed", "sampled", "every-iteration", "dense")
 SAMPLINGS = ("poisson_lognormal", "uniform")

@@ -1,0 +1,261 @@
+"""Per-iteration lenses: the model's own readout applied to the state after every iteration.
+
+The lens at iteration t reads ``model.readout(s_t)``: ``hook_readout_in``, the pre-coda norm, the
+coda blocks, ``ln_final`` and the unembedding, exactly what the model applies to s_r. So the lens at
+t = r is the model's logits and at t = k it is the truncated model's (``truncate(k)``).
+TransformerLens's ``cache.accumulated_resid(apply_ln=True)`` applies only ``ln_final`` to each
+block's input, skipping the pre-coda norm and the coda: on a model with either, it is not the
+logits the truncated model produces.
+
+- `iteration_states`: s_t for every t, from tokens (one forward pass) or from an `ActivationCache`.
+- `logit_lens`: the readout of every s_t; with ``calibration`` the *calibrated lens*, each s_t first
+  moved by a fitted map (`fit_lens_calibrations`, or the protocol's maps, `protocol_calibrations`).
+- `prediction_trajectory`: rank and probability of a target token at every iteration, with Ouro's
+  exit probabilities beside them when the model has an exit gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformer_lens.ActivationCache import ActivationCache
+
+from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
+from dcp_lens.protocol.conditions import ProtocolModel, truncate
+from dcp_lens.protocol.states import capture_states
+
+# A map applied to s_t before the readout (an `AffineCalibration`, or any callable on states).
+StateCalibration = Callable[[Tensor], Tensor]
+# Where states come from: tokens [batch, pos] (one forward pass) or a recorded cache.
+LensSource = Int[Tensor, "batch pos"] | ActivationCache | Mapping[str, Tensor]
+
+
+def iteration_states(
+    model: ProtocolModel,
+    source: LensSource,
+    iterations: Sequence[int] | None = None,
+) -> Float[Tensor, "iteration batch pos d_model"]:
+    """The states s_t for t in ``iterations`` (default 0..r of the active view), stacked.
+
+    Args:
+        model: a `HookedRecurrentTransformer` (dense models too: s_t is layer t's output).
+        source: tokens [batch, pos] (one forward pass), or an `ActivationCache` (or any mapping
+            of hook names to tensors) recorded in the model's active view.
+        iterations: the t to read, in order.
+    """
+    wanted = list(range(model.n_iterations + 1)) if iterations is None else list(iterations)
+    if not wanted:
+        raise ValueError("iterations is empty; name at least one iteration t.")
+    if isinstance(source, Tensor):
+        states, _ = capture_states(model, source, wanted, return_type=None)
+        return states
+    names = [model.state_hook_name(t) for t in wanted]
+    missing = [name for name in names if name not in source.keys()]
+    if missing:
+        raise KeyError(
+            f"the cache holds no {missing}; record it with model.run_with_cache(tokens) in the "
+            "same view (a cache of n_iterations=k is read inside `with model.iterations(k):`)."
+        )
+    return torch.stack([source[name] for name in names])
+
+
+def logit_lens(
+    model: ProtocolModel,
+    source: LensSource,
+    iterations: Sequence[int] | None = None,
+    calibration: Mapping[int, StateCalibration | None] | None = None,
+) -> Float[Tensor, "iteration batch pos d_vocab"]:
+    """``model.readout(s_t)`` for every t: the logits the model would give reading out s_t.
+
+    Args:
+        model, source: as `iteration_states`.
+        iterations: the t to read (default: 0..r, or the keys of ``calibration`` when given).
+        calibration: the calibrated lens: ``calibration[t]`` is applied to s_t first (from
+            `fit_lens_calibrations` or `protocol_calibrations`).
+
+    Returns:
+        Logits ``[len(iterations), batch, pos, d_vocab]``; entry i is iteration ``iterations[i]``.
+    """
+    if iterations is None and calibration is not None:
+        iterations = sorted(calibration)
+    wanted = list(range(model.n_iterations + 1)) if iterations is None else list(iterations)
+    states = iteration_states(model, source, wanted)
+    maps = [_calibration_at(calibration, t) for t in wanted]
+    return torch.stack(
+        [
+            model.readout(state if mapping is None else mapping(state))
+            for state, mapping in zip(states, maps, strict=True)
+        ]
+    )
+
+
+def fit_lens_calibrations(
+    model: ProtocolModel,
+    tokens: Int[Tensor, "n pos"],
+    iterations: Sequence[int] | None = None,
+    mode: str = "full",
+    *,
+    skip_first_position: bool = False,
+    batch_size: int = 32,
+) -> dict[int, AffineCalibration]:
+    """Fit, for each t, the affine map moving s_t's moments onto s_r's (the calibrated lens).
+
+    The maps are the protocol's ``calibrate(truncate(t))`` (`dcp_lens.protocol.calibration`),
+    fitted on
+    ``tokens``: use a split disjoint from the one the lens is read on.
+
+    Args:
+        tokens: the calibration split, read in batches of ``batch_size`` sequences.
+        iterations: the t to fit (default 1..r).
+        mode: ``"mean"``, ``"diag"`` or ``"full"``.
+        skip_first_position: leave position 0 out of the statistics (attention sinks).
+
+    Returns:
+        ``{t: AffineCalibration}``.
+    """
+    r = model.n_iterations
+    wanted = list(range(1, r + 1)) if iterations is None else list(iterations)
+    if not wanted:
+        raise ValueError("iterations is empty; name at least one iteration t.")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1.")
+    reference = StreamingMoments()
+    sources = {t: StreamingMoments() for t in wanted}
+    with torch.no_grad():
+        for start in range(0, tokens.shape[0], batch_size):
+            batch = tokens[start : start + batch_size]
+            states, _ = capture_states(model, batch, [*wanted, r], return_type=None)
+            if skip_first_position:
+                states = states[:, :, 1:]
+            reference.update(states[-1])
+            for i, t in enumerate(wanted):
+                sources[t].update(states[i])
+    return {t: AffineCalibration.fit(moments, reference, mode) for t, moments in sources.items()}
+
+
+def protocol_calibrations(
+    protocol: Any, iterations: Sequence[int] | None = None
+) -> dict[int, AffineCalibration | None]:
+    """The maps a fitted `DepthControlProtocol` uses for ``calibrate(truncate(t))``, per t.
+
+    ``protocol.fit(calibration)`` (or ``run``) must have been called; t defaults to 1..r. A t
+    whose states were non-finite on the calibration split maps to None."""
+    wanted = list(range(1, protocol.r + 1)) if iterations is None else list(iterations)
+    return {t: protocol.fitted(truncate(t)) for t in wanted}
+
+
+@dataclass
+class PredictionTrajectory:
+    """Where a prediction forms: the target token's rank and probability at every iteration.
+
+    Attributes:
+        iterations: the t of each row.
+        target: the token tracked at each position, [batch, pos].
+        probability: softmax probability of the target under the lens, [iteration, batch, pos].
+        rank: the target's rank among all tokens (0 = top), [iteration, batch, pos].
+        top_token: the lens's top token, [iteration, batch, pos].
+        exit_probability: for a model with Ouro's exit gate, the probability of exiting at
+            step t, [iteration, batch, pos] (NaN at t = 0, where no step has run); else None.
+    """
+
+    iterations: list[int]
+    target: Int[Tensor, "batch pos"]
+    probability: Float[Tensor, "iteration batch pos"]
+    rank: Int[Tensor, "iteration batch pos"]
+    top_token: Int[Tensor, "iteration batch pos"]
+    exit_probability: Float[Tensor, "iteration batch pos"] | None = None
+
+    def table(self, example: int = 0, position: int = -1) -> pd.DataFrame:
+        """One position's trajectory: a row per iteration (iteration, target, rank,
+        probability, top_token and, for Ouro, exit_probability)."""
+        columns: dict[str, Any] = {
+            "iteration": self.iterations,
+            "target": int(self.target[example, position]),
+            "rank": self.rank[:, example, position].tolist(),
+            "probability": self.probability[:, example, position].tolist(),
+            "top_token": self.top_token[:, example, position].tolist(),
+        }
+        if self.exit_probability is not None:
+            columns["exit_probability"] = self.exit_probability[:, example, position].tolist()
+        return pd.DataFrame(columns)
+
+
+def prediction_trajectory(
+    model: ProtocolModel,
+    source: LensSource,
+    targets: Int[Tensor, "batch pos"] | None = None,
+    iterations: Sequence[int] | None = None,
+    calibration: Mapping[int, StateCalibration | None] | None = None,
+) -> PredictionTrajectory:
+    """Rank and probability of ``targets`` under the (calibrated) lens at every iteration.
+
+    Args:
+        model, source, iterations, calibration: as `logit_lens`.
+        targets: the token to track at each position [batch, pos] (e.g. the next token,
+            ``tokens[:, 1:]`` against the lens at ``[:, :-1]``, or a task's answer); default: the
+            model's own full-depth prediction, so the trajectory shows when it forms.
+
+    Returns:
+        A `PredictionTrajectory`; ``exit_probability`` is filled when the model has an
+        ``exit_gate`` (Ouro), computed from the same states.
+    """
+    if iterations is None and calibration is not None:
+        iterations = sorted(calibration)
+    r = model.n_iterations
+    wanted = list(range(r + 1)) if iterations is None else list(iterations)
+    lens = logit_lens(model, source, wanted, calibration)
+    if targets is None:
+        final = iteration_states(model, source, [r])[0]
+        targets = model.readout(final).argmax(-1)
+    if targets.shape != lens.shape[1:3]:
+        raise ValueError(
+            f"targets must be [batch, pos] = {tuple(lens.shape[1:3])}, got {tuple(targets.shape)}."
+        )
+    targets = targets.to(lens.device)
+    lens = lens.detach()  # a record of where the prediction forms, not a graph
+    log_probs = lens.float().log_softmax(-1)
+    target_log_prob = log_probs.gather(-1, targets.expand(len(wanted), *targets.shape)[..., None])
+    rank = (log_probs > target_log_prob).sum(-1)
+    return PredictionTrajectory(
+        iterations=wanted,
+        target=targets,
+        probability=target_log_prob[..., 0].exp(),
+        rank=rank,
+        top_token=lens.argmax(-1),
+        exit_probability=_exit_probability(model, source, wanted),
+    )
+
+
+def _exit_probability(model: Any, source: LensSource, wanted: list[int]) -> Tensor | None:
+    """Ouro's exit distribution over steps 1..r, aligned with ``wanted`` (NaN at t = 0)."""
+    if getattr(model, "exit_gate", None) is None:
+        return None
+    from dcp_lens.zoo.loaders.ouro import exit_distribution
+
+    steps = iteration_states(model, source, range(1, model.n_iterations + 1))
+    with torch.no_grad():
+        pdf = exit_distribution(model.exit_gate(steps).movedim(0, -1)).movedim(-1, 0)
+    nan = torch.full_like(pdf[0], float("nan"))
+    return torch.stack([nan if t == 0 else pdf[t - 1] for t in wanted])
+
+
+def _calibration_at(
+    calibration: Mapping[int, StateCalibration | None] | None, t: int
+) -> StateCalibration | None:
+    if calibration is None:
+        return None
+    if t not in calibration:
+        raise KeyError(f"no calibration for iteration {t}; calibrated: {sorted(calibration)}.")
+    mapping = calibration[t]
+    if mapping is None:
+        raise ValueError(
+            f"the calibration of iteration {t} could not be fitted (its states were non-finite "
+            "on the calibration split); leave t out of iterations."
+        )
+    return mapping

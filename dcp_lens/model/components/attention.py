@@ -1,0 +1,138 @@
+"""Causal multi-head / grouped-query attention with TransformerLens hook points."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from dcp_lens.model.components.rotary import apply_rotary
+from dcp_lens.model.config import RecurrentConfig
+
+
+class KVCacheEntry:
+    """Keys and values (after rotary) of one block application, grown one chunk at a time."""
+
+    def __init__(self) -> None:
+        self.keys: Tensor | None = None  # [batch, pos, kv_head, d_head]
+        self.values: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[1])
+
+    def extend(
+        self,
+        keys: Float[Tensor, "batch new kv_head d_head"],
+        values: Float[Tensor, "batch new kv_head d_head"],
+    ) -> tuple[
+        Float[Tensor, "batch all kv_head d_head"], Float[Tensor, "batch all kv_head d_head"]
+    ]:
+        """Append this chunk and return every key and value so far."""
+        if self.keys is None or self.values is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat((self.keys, keys), dim=1)
+            self.values = torch.cat((self.values, values), dim=1)
+        return self.keys, self.values
+
+
+class KVCache:
+    """One `KVCacheEntry` per block application, so every iteration keeps its own keys."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.entries = [KVCacheEntry() for _ in range(n_layers)]
+
+    def __getitem__(self, index: int) -> KVCacheEntry:
+        return self.entries[index]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def length(self) -> int:
+        """Number of positions already cached."""
+        return self.entries[0].length if self.entries else 0
+
+
+class Attention(nn.Module):
+    """Causal self-attention.
+
+    Weights follow TransformerLens's layout: ``W_Q`` [head, d_model, d_head], ``W_K``/``W_V``
+    [kv_head, d_model, d_head], ``W_O`` [head, d_head, d_model]; ``b_Q``/``b_K`` exist only with
+    ``cfg.qk_bias`` and are added before the rotary embedding (as Huginn's qk_bias).
+    """
+
+    def __init__(self, cfg: RecurrentConfig):
+        super().__init__()
+        n_kv = cfg.n_key_value_heads
+        assert n_kv is not None
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, n_kv, cfg.d_head
+        self.rotary = cfg.positional_embedding_type != "learned"
+        self.interleaved = cfg.positional_embedding_type == "rotary_interleaved"
+        self.W_Q = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_model, cfg.d_head))
+        self.W_K = nn.Parameter(torch.empty(n_kv, cfg.d_model, cfg.d_head))
+        self.W_V = nn.Parameter(torch.empty(n_kv, cfg.d_model, cfg.d_head))
+        self.W_O = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_head, cfg.d_model))
+        self.b_Q: nn.Parameter | None
+        self.b_K: nn.Parameter | None
+        if cfg.qk_bias:
+            self.b_Q = nn.Parameter(torch.zeros(cfg.n_heads, cfg.d_head))
+            self.b_K = nn.Parameter(torch.zeros(n_kv, cfg.d_head))
+        else:
+            self.b_Q, self.b_K = None, None
+        self.hook_q = HookPoint()  # [batch, pos, head, d_head]
+        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_rot_q = HookPoint()
+        self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos]
+        self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
+        self.hook_z = HookPoint()  # [batch, pos, head, d_head]
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        rotary: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCacheEntry | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """``rotary``: cos and sin [pos, d_head/2] for these positions (rotary models only)."""
+        batch, n_pos, _ = x.shape
+        # One fused matmul for q, k and v (the weights keep TransformerLens's per-head layout).
+        fused = torch.cat([_flat(self.W_Q), _flat(self.W_K), _flat(self.W_V)], dim=1)
+        q, k, v = (x @ fused).split(
+            [w.shape[0] * self.d_head for w in (self.W_Q, self.W_K, self.W_V)], -1
+        )
+        q = q.view(batch, n_pos, self.n_heads, self.d_head)
+        k = k.view(batch, n_pos, self.n_kv_heads, self.d_head)
+        v = v.view(batch, n_pos, self.n_kv_heads, self.d_head)
+        q = self.hook_q(q if self.b_Q is None else q + self.b_Q)
+        k = self.hook_k(k if self.b_K is None else k + self.b_K)
+        v = self.hook_v(v)
+        if self.rotary:
+            assert rotary is not None, "rotary models must pass the cos/sin tables"
+            q = self.hook_rot_q(apply_rotary(q, *rotary, interleaved=self.interleaved))
+            k = self.hook_rot_k(apply_rotary(k, *rotary, interleaved=self.interleaved))
+        past = 0
+        if kv_cache is not None:
+            past = kv_cache.length
+            k, v = kv_cache.extend(k, v)
+        if self.n_kv_heads != self.n_heads:
+            group = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(group, dim=2)
+            v = v.repeat_interleave(group, dim=2)
+        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
+        n_query, n_key = scores.shape[-2], scores.shape[-1]
+        future = torch.ones(n_query, n_key, dtype=torch.bool, device=x.device).triu(past + 1)
+        scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
+        pattern = self.hook_pattern(scores.softmax(dim=-1))
+        z = self.hook_z((pattern @ v.transpose(1, 2)).transpose(1, 2))  # [batch, pos, head, d_head]
+        return z.reshape(batch, n_pos, -1) @ self.W_O.reshape(-1, self.W_O.shape[-1])
+
+
+def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_model head_d_head"]:
+    """[head, d_model, d_head] -> [d_model, head * d_head], heads major (as x @ W_Q[h])."""
+    return weight.permute(1, 0, 2).reshape(weight.shape[1], -1)

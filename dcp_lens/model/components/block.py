@@ -1,0 +1,61 @@
+"""One transformer block, in the three norm placements real recurrent models use."""
+
+from __future__ import annotations
+
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from dcp_lens.model.components.attention import Attention, KVCacheEntry
+from dcp_lens.model.components.mlp import make_mlp
+from dcp_lens.model.components.norms import make_norm
+from dcp_lens.model.config import RecurrentConfig
+
+
+class TransformerBlock(nn.Module):
+    """``pre``: x + Sub(ln(x)); ``sandwich`` (Ouro): x + ln_post(Sub(ln(x)));
+    ``sandwich_residual`` (Huginn): ln_post(x + Sub(ln(x))), for Sub = attention, then MLP.
+
+    ``hook_attn_out`` and ``hook_mlp_out`` hold what each sublayer adds to the sum (after the
+    sandwich norm for ``sandwich``; before the residual renormalisation for ``sandwich_residual``).
+    """
+
+    def __init__(self, cfg: RecurrentConfig):
+        super().__init__()
+        self.placement = cfg.norm_placement
+        self.ln1 = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.ln2 = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
+        if self.placement != "pre":
+            self.ln1_post = make_norm(cfg)
+            self.ln2_post = make_norm(cfg)
+        self.hook_resid_pre = HookPoint()
+        self.hook_attn_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    def forward(
+        self,
+        resid_pre: Float[Tensor, "batch pos d_model"],
+        rotary: tuple[Tensor, Tensor] | None = None,
+        kv_cache: KVCacheEntry | None = None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        x = self.hook_resid_pre(resid_pre)
+        attn_out = self.attn(self.ln1(x), rotary, kv_cache)
+        if self.placement == "sandwich":
+            attn_out = self.ln1_post(attn_out)
+        attn_out = self.hook_attn_out(attn_out)
+        mid = x + attn_out
+        if self.placement == "sandwich_residual":
+            mid = self.ln1_post(mid)
+        mid = self.hook_resid_mid(mid)
+        mlp_out = self.mlp(self.ln2(mid))
+        if self.placement == "sandwich":
+            mlp_out = self.ln2_post(mlp_out)
+        mlp_out = self.hook_mlp_out(mlp_out)
+        post = mid + mlp_out
+        if self.placement == "sandwich_residual":
+            post = self.ln2_post(post)
+        return self.hook_resid_post(post)

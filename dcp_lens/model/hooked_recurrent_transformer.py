@@ -1,0 +1,911 @@
+"""`HookedRecurrentTransformer`: a depth-recurrent transformer in which every iteration is hookable.
+
+The loop ``s_t = Core(Inject(s_{t-1}, e))`` is unrolled with tied weights: ``model.blocks`` holds
+one block object per application (``n_prelude + k * n_core + n_coda`` of them), and every copy of
+a core layer holds the *same* ``nn.Parameter`` objects. TransformerLens therefore names each
+application ``blocks.{i}.…``, ``run_with_cache`` keeps every iteration, and ``ActivationCache`` and
+``transformer_lens.patching`` work unchanged. A model with ``n_core == 0`` is a dense transformer
+through the same code path.
+
+Iteration-level hook points (see `state_hook_name`, `inject_hook_name`, `readout_hook_name`)::
+
+    loop.0.hook_state      s_0, the initial state
+    loop.{t}.hook_inject   u_t = Inject(s_{t-1}, e), the core's input at iteration t
+    loop.{t}.ln_iter       the per-iteration norm, when the config has one
+    loop.{t}.hook_state    s_t, the state after iteration t (after any per-iteration norm)
+    hook_readout_in        the stream entering the readout (PreCoda, coda, ln_final, unembed)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformer_lens.ActivationCache import ActivationCache
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+from dcp_lens.model.components.attention import KVCache
+from dcp_lens.model.components.block import TransformerBlock
+from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
+from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
+from dcp_lens.model.components.rotary import rotary_tables
+from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.tokenization import encode_text, padding_id
+from dcp_lens.utils.checks import check_limit
+
+ReturnType = Literal["logits", "loss", "both"] | None
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TASK_FILE = "task.json"
+
+
+class IterationHooks(nn.Module):
+    """Hook points of one loop iteration t (t = 0 holds only the initial state)."""
+
+    def __init__(self, cfg: RecurrentConfig, t: int):
+        super().__init__()
+        self.t = t
+        self.hook_inject = HookPoint()  # [batch, pos, d_model]
+        self.ln_iter = make_norm(cfg) if t > 0 and cfg.iteration_norm != "none" else None
+        self.hook_state = HookPoint()  # [batch, pos, d_model]
+
+
+class HookedRecurrentTransformer(HookedRootModule):
+    """A prelude, one weight-shared core applied k times, a coda and a readout, all hookable.
+
+    Args:
+        cfg: the architecture; ``cfg.n_iterations`` is the default number of iterations r.
+        tokenizer: optional; anything with ``encode(str) -> list[int]`` and ``decode(ids)``
+            enables `to_tokens`, `to_string` and string input to `generate`.
+    """
+
+    # The task a saved model was trained on (``task.json`` beside its weights), for `dcp-lens run`.
+    task_config: dict[str, Any] | None = None
+    rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
+    rotary_sin: Tensor
+
+    def __init__(self, cfg: RecurrentConfig, tokenizer: Any | None = None):
+        super().__init__()
+        if not isinstance(cfg, RecurrentConfig):
+            raise TypeError(f"cfg must be a RecurrentConfig, got {type(cfg).__name__}.")
+        self._cfg = copy.deepcopy(cfg)  # the model owns its config: views change n_layers
+        cfg = self._cfg
+        self.tokenizer = tokenizer
+        self.embed = Embed(cfg)
+        self.hook_embed = HookPoint()  # [batch, pos, d_model]
+        if cfg.positional_embedding_type == "learned":
+            self.pos_embed: PosEmbed | None = PosEmbed(cfg)
+            self.hook_pos_embed: HookPoint | None = HookPoint()
+        else:
+            self.pos_embed, self.hook_pos_embed = None, None
+            with torch.device("cpu"):  # real values even when the model is built on meta
+                cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
+        self.inject = Inject(cfg)
+        self.hook_readout_in = HookPoint()  # [batch, pos, d_model]
+        self.ln_pre_coda = make_norm(cfg) if cfg.pre_coda_norm != "none" else None
+        self.ln_final = make_norm(cfg) if cfg.final_norm else NoNorm(cfg)
+        self.W_U_untied = (
+            None if cfg.tie_unembed else nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        )
+        self.hook_logits = HookPoint()  # [batch, pos, d_vocab]
+
+        self._prelude = [TransformerBlock(cfg) for _ in range(cfg.n_prelude)]
+        self._coda = [TransformerBlock(cfg) for _ in range(cfg.n_coda)]
+        # _core[t][l]: layer l in iteration t + 1; _core[0] owns the parameters, later rows share.
+        self._core: list[list[TransformerBlock]] = [
+            [TransformerBlock(cfg) for _ in range(cfg.n_core)]
+        ]
+        self._iteration_hooks: list[IterationHooks] = [IterationHooks(cfg, 0)]
+        self._active = -1
+        self._set_view(cfg.n_iterations)
+        self._init_weights()
+
+    # ----------------------------------------------------------------- configuration and views
+
+    @property
+    def cfg(self) -> RecurrentConfig:
+        return self._cfg
+
+    @property
+    def task(self) -> Any:
+        """Deprecated: use ``dcp_lens.tasks.task_of(model)`` (the model stage does not import the
+        tasks stage; this property finds it at call time for one more release)."""
+        import importlib
+        import warnings
+
+        warnings.warn(
+            "model.task is deprecated; use dcp_lens.tasks.task_of(model).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("dcp_lens.tasks").task_of(self)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.cfg.is_dense
+
+    @property
+    def n_iterations(self) -> int:
+        """Iterations of the active view (the default ``cfg.n_iterations`` outside `iterations`).
+
+        On a dense model, the number of layers (its "iterations" for the protocol)."""
+        return self.cfg.n_layers if self.is_dense else self._active
+
+    def _set_view(self, k: int) -> None:
+        """Unroll the loop to k iterations: rebuild ``blocks`` and ``loop``, then re-name hooks."""
+        if k == self._active:
+            return
+        while len(self._core) < k:
+            self._core.append([self._tied_copy(block) for block in self._core[0]])
+        while len(self._iteration_hooks) <= k:
+            t = len(self._iteration_hooks)
+            hooks = IterationHooks(self.cfg, t)
+            self._iteration_hooks.append(hooks)
+            self._tie_iteration_norm(hooks)
+        core = [block for row in self._core[: k if not self.is_dense else 0] for block in row]
+        self.blocks = nn.ModuleList(self._prelude + core + self._coda)
+        self.loop = nn.ModuleList(self._iteration_hooks[: k + 1])
+        # New blocks and containers follow the model's mode (patching refuses a mixed model).
+        self.blocks.train(self.training)
+        self.loop.train(self.training)
+        self._active = k
+        self.cfg.n_layers = len(self.blocks)
+        # Before blocks[i]: the iteration that ends there (0: the loop is entered), as
+        # docs/design.md §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
+        P, L = self.cfg.n_prelude, self.cfg.n_core
+        self._iteration_ending_at = {} if self.is_dense else {P + t * L: t for t in range(k + 1)}
+        self.setup()
+
+    @contextlib.contextmanager
+    def iterations(self, k: int) -> Iterator[HookedRecurrentTransformer]:
+        """``with model.iterations(k):`` the same weights unrolled to k iterations (k > r allowed).
+
+        Inside the block ``cfg.n_layers`` and every hook name describe the k-iteration view."""
+        self._check_iterations(k)
+        previous = self._active
+        self._set_view(k)
+        try:
+            yield self
+        finally:
+            self._set_view(previous)
+
+    def _check_iterations(self, k: object) -> int:
+        if self.is_dense:
+            raise ValueError(
+                "a dense model (n_core = 0) has no loop to unroll; truncate it with "
+                "dcp_lens.hooks.truncate(k) or stop_at_layer instead."
+            )
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise TypeError(f"the number of iterations must be an int, got {k!r}.")
+        if k < 1:
+            raise ValueError(f"n_iterations={k}: a model with a core needs at least 1 iteration.")
+        check_limit("n_iterations", k, "iterations")
+        return k
+
+    def _tied_copy(self, block: TransformerBlock) -> TransformerBlock:
+        with torch.device("meta"):
+            twin = TransformerBlock(self.cfg)
+        _share_parameters(twin, block)
+        return twin
+
+    def _tie_iteration_norm(self, hooks: IterationHooks) -> None:
+        if hooks.ln_iter is None:
+            return
+        source = (
+            self.ln_final
+            if self.cfg.iteration_norm == "final"
+            else self._iteration_hooks[1].ln_iter
+        )
+        if source is not None and source is not hooks.ln_iter:
+            _share_parameters(hooks.ln_iter, source)
+
+    def reset_hooks(
+        self,
+        clear_contexts: bool = True,
+        direction: Literal["fwd", "bwd", "both"] = "both",
+        including_permanent: bool = False,
+        level: int | None = None,
+    ) -> None:
+        """As TransformerLens, but on every block and iteration object the model ever built: a
+        hook left on a block of a longer view (``n_iterations=8`` on r = 4) must not outlive it.
+
+        Hook points that hold no hook (and no context) are skipped: every hooked forward ends
+        here, and visiting each of a deep model's thousand-odd hook points took 25-35 ms of it."""
+        for hook_point in self._every_hook_point():
+            if clear_contexts and hook_point.ctx:
+                hook_point.clear_context()
+            if hook_point.fwd_hooks or hook_point.bwd_hooks:
+                hook_point.remove_hooks(direction, including_permanent, level)
+        self.is_caching = False
+
+    def _every_hook_point(self) -> list[HookPoint]:
+        """The hook points of the active view (``hook_dict``) and of every block and iteration
+        object built for any view, once each; cached until the view or ``hook_dict`` changes."""
+        sizes = (len(self.hook_dict), len(self._core), len(self._iteration_hooks))
+        cached = self.__dict__.get("_hook_point_cache")
+        if cached is not None and cached[0] is self.hook_dict and cached[1] == sizes:
+            return cached[2]
+        built = [*self._prelude, *(b for row in self._core for b in row), *self._coda]
+        points = {id(point): point for point in self.hook_dict.values()}
+        for module in [*built, *self._iteration_hooks]:
+            for point in module.modules():
+                if isinstance(point, HookPoint):
+                    points.setdefault(id(point), point)
+        every = list(points.values())
+        self.__dict__["_hook_point_cache"] = (self.hook_dict, sizes, every)
+        return every
+
+    def tie_weights(self) -> None:
+        """Make every copy of a shared layer hold its owner's parameters again (after loading)."""
+        for row in self._core[1:]:
+            for twin, owner in zip(row, self._core[0], strict=True):
+                _share_parameters(twin, owner)
+        for hooks in self._iteration_hooks[1:]:
+            self._tie_iteration_norm(hooks)
+        if self.ln_pre_coda is not None and self.cfg.pre_coda_norm == "final":
+            _share_parameters(self.ln_pre_coda, self.ln_final)
+
+    def _init_weights(self) -> None:
+        """Matrices ~ N(0, init_std^2) from ``cfg.seed``; norms start at 1, biases at 0."""
+        generator = torch.Generator().manual_seed(self.cfg.seed if self.cfg.seed is not None else 0)
+        for parameter in self.parameters():
+            if parameter.ndim >= 2 and parameter.device.type != "meta":
+                with torch.no_grad():
+                    noise = torch.randn(parameter.shape, generator=generator)
+                    parameter.copy_(noise * self.cfg.init_std)
+        if self.cfg.pre_coda_norm == "final" and self.ln_pre_coda is not None:
+            _share_parameters(self.ln_pre_coda, self.ln_final)
+
+    # ---------------------------------------------------------------------- index helpers
+
+    def block_index(self, iteration: int, layer: int = 0) -> int:
+        """Index into ``model.blocks`` of core layer ``layer`` (0..n_core-1) at iteration
+        ``iteration`` (1..k). On a dense model iteration t is block t - 1 (layer must be 0)."""
+        if self.is_dense:
+            if layer != 0 or not 1 <= iteration <= self.cfg.n_layers:
+                raise ValueError(
+                    f"dense model: iteration must be in 1..{self.cfg.n_layers} and layer 0, "
+                    f"got iteration={iteration}, layer={layer}."
+                )
+            return iteration - 1
+        if not 1 <= iteration <= self._active:
+            raise ValueError(
+                f"iteration={iteration} is outside 1..{self._active} (the active view); "
+                f"use `with model.iterations(k):` for more iterations."
+            )
+        if not 0 <= layer < self.cfg.n_core:
+            raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_core - 1} (core layers).")
+        return self.cfg.n_prelude + (iteration - 1) * self.cfg.n_core + layer
+
+    def hook_name(self, iteration: int, layer: int, name: str) -> str:
+        """Full hook name of ``name`` (e.g. ``"hook_resid_post"``, ``"attn.hook_pattern"``) in
+        core layer ``layer`` at iteration ``iteration``."""
+        return f"blocks.{self.block_index(iteration, layer)}.{name}"
+
+    def state_hook_name(self, t: int) -> str:
+        """Hook name of the state after t iterations (t = 0: the initial state).
+
+        On a dense model: ``blocks.{t-1}.hook_resid_post`` (t = 0: ``blocks.0.hook_resid_pre``)."""
+        top = self.n_iterations
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= top:
+            raise ValueError(f"t={t!r} must be an int in 0..{top} (the active view).")
+        if self.is_dense:
+            return "blocks.0.hook_resid_pre" if t == 0 else f"blocks.{t - 1}.hook_resid_post"
+        return f"loop.{t}.hook_state"
+
+    def inject_hook_name(self, t: int) -> str:
+        """Hook name of u_t, the core's input at iteration t (1..k)."""
+        if self.is_dense or not 1 <= t <= self._active:
+            raise ValueError(f"t={t!r} must be in 1..{self._active} on a recurrent model.")
+        return f"loop.{t}.hook_inject"
+
+    @property
+    def readout_hook_name(self) -> str:
+        """Hook name of the stream entering the readout (PreCoda, coda, ln_final, unembed)."""
+        return "hook_readout_in"
+
+    # -------------------------------------------------------------------------- weights
+
+    @property
+    def W_E(self) -> Tensor:
+        return self.embed.W_E
+
+    @property
+    def W_U(self) -> Tensor:
+        return self.embed.W_E.T if self.W_U_untied is None else self.W_U_untied
+
+    @property
+    def b_U(self) -> Tensor:
+        return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
+
+    @property
+    def W_pos(self) -> Tensor:
+        if self.pos_embed is None:
+            raise AttributeError("this model uses rotary positions and has no W_pos.")
+        return self.pos_embed.W_pos
+
+    # -------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        input: Tensor | str | list[str],
+        return_type: ReturnType = "logits",
+        loss_per_token: bool = False,
+        *,
+        n_iterations: int | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        tokens: Int[Tensor, "batch pos"] | None = None,
+        prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
+        past_kv_cache: KVCache | None = None,
+    ) -> Any:
+        """Run the model.
+
+        Args:
+            input: tokens [batch, pos] (or text, with a tokenizer); with ``start_at_layer`` the
+                residual stream [batch, pos, d_model] entering ``blocks[start_at_layer]``.
+            return_type: ``"logits"`` [batch, pos, d_vocab], ``"loss"`` (mean next-token cross-
+                entropy; [batch, pos - 1] with ``loss_per_token``), ``"both"``, or None.
+            n_iterations: run k iterations of the same weights instead of the active view's.
+            start_at_layer: resume from ``blocks[start_at_layer]``'s ``hook_resid_pre``. Resuming
+                inside the loop needs ``prelude_output`` (e) when the injection uses it.
+            stop_at_layer: return the stream entering ``blocks[stop_at_layer]`` instead.
+            tokens: the tokens, for the loss when ``input`` is a residual stream.
+            past_kv_cache: a `KVCache` to read and extend (generation).
+        """
+        if n_iterations is not None and (self.is_dense or n_iterations != self._active):
+            with self.iterations(n_iterations):
+                return self.forward(
+                    input,
+                    return_type,
+                    loss_per_token,
+                    start_at_layer=start_at_layer,
+                    stop_at_layer=stop_at_layer,
+                    tokens=tokens,
+                    prelude_output=prelude_output,
+                    past_kv_cache=past_kv_cache,
+                )
+        n_layers = self.cfg.n_layers
+        start = self._check_layer("start_at_layer", start_at_layer, 0)
+        stop = self._check_layer("stop_at_layer", stop_at_layer, n_layers)
+        if stop < start:
+            raise ValueError(f"stop_at_layer={stop} comes before start_at_layer={start}.")
+        offset = past_kv_cache.length if past_kv_cache is not None else 0
+        if start_at_layer is None:
+            tokens = self._as_tokens(input, offset)
+            x = self._embed(tokens, offset)
+        else:
+            if (
+                not isinstance(input, Tensor)
+                or input.ndim != 3
+                or input.shape[-1] != self.cfg.d_model
+            ):
+                raise ValueError(
+                    "with start_at_layer, input must be a residual stream [batch, pos, d_model="
+                    f"{self.cfg.d_model}], got {getattr(input, 'shape', type(input).__name__)}."
+                )
+            x = input
+        rotary = self._rotary(x.shape[1], offset)
+        P, L = self.cfg.n_prelude, self.cfg.n_core
+        embedding = prelude_output
+        if start_at_layer is not None and not self.is_dense:
+            # Resuming before the last iteration: later iterations inject e again.
+            needs_e = self.cfg.injection != "none" and P <= start < P + (self._active - 1) * L
+            if embedding is None and needs_e:
+                raise ValueError(
+                    f"start_at_layer={start} is inside the loop; pass prelude_output (e, the "
+                    "prelude's output) so later iterations can inject it."
+                )
+        state: Tensor | None = None
+        for i in range(start, stop + 1):
+            # A stream resumed at blocks[start] has already crossed the boundary before it.
+            if i > start or start_at_layer is None:
+                t = self._iteration_ending_at.get(i)
+                if t == 0:
+                    embedding = x
+                    x, state = self._enter_loop(embedding, tokens)
+                elif t is not None:
+                    x, state = self._finish_iteration(t, x, embedding)
+                elif self.is_dense and i == n_layers:
+                    x = self.hook_readout_in(x)
+            if i == stop:
+                break
+            cache = past_kv_cache[i] if past_kv_cache is not None else None
+            x = self.blocks[i](x, rotary, cache)
+        if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
+            return x
+        return self._finish(x, return_type, tokens, loss_per_token)
+
+    def readout(
+        self,
+        state: Float[Tensor, "batch pos d_model"],
+        return_type: ReturnType = "logits",
+        tokens: Int[Tensor, "batch pos"] | None = None,
+        loss_per_token: bool = False,
+    ) -> Any:
+        """Run only the readout on a state: ``hook_readout_in``, PreCoda, coda, ln_final, unembed.
+
+        This is how a truncated or calibrated condition is read out from a cached state."""
+        x = self._enter_readout(state)
+        rotary = self._rotary(x.shape[1], 0)
+        for block in [] if self.is_dense else self._coda:
+            x = block(x, rotary, None)
+        return self._finish(x, return_type, tokens, loss_per_token)
+
+    def _enter_loop(self, embedding: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
+        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding, tokens))
+        return self._next_input(0, state, embedding), state
+
+    def _finish_iteration(
+        self, t: int, x: Tensor, embedding: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """s_t = IterationNorm(core output); then u_{t+1} = Inject(s_t, e), or after the last
+        iteration the readout's input."""
+        hooks = self._iteration_hooks[t]
+        state = hooks.hook_state(x if hooks.ln_iter is None else hooks.ln_iter(x))
+        return self._next_input(t, state, embedding), state
+
+    def _next_input(self, t: int, state: Tensor, embedding: Tensor | None) -> Tensor:
+        if t == self._active:
+            return self._enter_readout(state)
+        assert embedding is not None
+        return self._iteration_hooks[t + 1].hook_inject(self.inject(state, embedding))
+
+    def _enter_readout(self, state: Tensor) -> Tensor:
+        state = self.hook_readout_in(state)
+        return state if self.ln_pre_coda is None else self.ln_pre_coda(state)
+
+    def _finish(
+        self, x: Tensor, return_type: ReturnType, tokens: Tensor | None, loss_per_token: bool
+    ) -> Any:
+        if return_type is None:
+            return None
+        logits = self.hook_logits(self.ln_final(x) @ self.W_U)
+        if return_type == "logits":
+            return logits
+        if tokens is None:
+            raise ValueError(
+                "return_type='loss' needs the tokens: pass tokens=... with a residual input."
+            )
+        loss = next_token_loss(logits, tokens, per_token=loss_per_token)
+        if return_type == "loss":
+            return loss
+        if return_type == "both":
+            return logits, loss
+        raise ValueError(
+            f"return_type={return_type!r} is not one of 'logits', 'loss', 'both', None."
+        )
+
+    def _initial_state(self, embedding: Tensor, tokens: Tensor | None = None) -> Tensor:
+        kind = self.cfg.state_init
+        if kind == "zeros":
+            return torch.zeros_like(embedding)
+        if kind == "embed":
+            return embedding
+        # Noise keyed by (seed, example): every condition of a paired comparison sees the same
+        # noise, and an example's noise does not depend on its batch, slot or order.
+        std = self.cfg.state_init_std
+        rows = []
+        for b in range(embedding.shape[0]):
+            key = None if tokens is None else tokens[b]
+            generator = torch.Generator().manual_seed(
+                example_noise_seed(self.cfg.state_init_seed, key)
+            )
+            row = torch.randn(embedding.shape[1:], generator=generator, dtype=torch.float32)
+            if kind == "huginn":
+                torch.nn.init.trunc_normal_(
+                    row, std=std, a=-3 * std, b=3 * std, generator=generator
+                )
+                row = row * self.cfg.embed_scale
+            else:
+                row = row * std
+            rows.append(row)
+        noise = torch.stack(rows)
+        return noise.to(device=embedding.device, dtype=embedding.dtype)
+
+    def _embed(self, tokens: Tensor, offset: int) -> Tensor:
+        x = self.hook_embed(self.embed(tokens))
+        if self.pos_embed is not None and self.hook_pos_embed is not None:
+            positions = self.pos_embed(tokens.shape[1], offset).expand_as(x)  # TL: [batch, pos, d]
+            x = x + self.hook_pos_embed(positions)
+        return x
+
+    def _rotary(self, n_positions: int, offset: int) -> tuple[Tensor, Tensor] | None:
+        if self.pos_embed is not None:
+            return None
+        dtype = self.embed.W_E.dtype
+        cos = self.rotary_cos[offset : offset + n_positions].to(dtype)
+        sin = self.rotary_sin[offset : offset + n_positions].to(dtype)
+        return cos, sin
+
+    def _check_layer(self, name: str, value: int | None, default: int) -> int:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+        if value < 0:
+            value += self.cfg.n_layers
+        if not 0 <= value <= self.cfg.n_layers:
+            raise ValueError(f"{name}={value} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
+        return value
+
+    def _as_tokens(self, input: Any, offset: int = 0) -> Tensor:
+        if isinstance(input, (str, list)) and not isinstance(input, Tensor):
+            return self.to_tokens(input)
+        if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"input must be integer tokens [batch, pos] (or text with a tokenizer), got "
+                f"{type(input).__name__} {getattr(input, 'dtype', '')}."
+            )
+        if input.ndim == 1:
+            input = input[None]
+        if input.ndim != 2:
+            raise ValueError(f"tokens must be [batch, pos], got shape {tuple(input.shape)}.")
+        if input.shape[1] + offset > self.cfg.n_ctx:
+            raise ValueError(
+                f"sequence length {input.shape[1] + offset} exceeds n_ctx={self.cfg.n_ctx}; "
+                "shorten the input or build the model with a larger n_ctx."
+            )
+        if input.numel() and (input.min() < 0 or input.max() >= self.cfg.d_vocab):
+            bad = input[(input < 0) | (input >= self.cfg.d_vocab)][0].item()
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary 0..{self.cfg.d_vocab - 1} (d_vocab)."
+            )
+        return input.long()
+
+    # ------------------------------------------------------------ TransformerLens surface
+
+    def run_with_cache(
+        self, *model_args: Any, **kwargs: Any
+    ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
+        """Like TransformerLens: returns (output, `ActivationCache`) with every iteration's
+        activations under its own ``blocks.{i}`` name. With ``n_iterations=k`` the cache is
+        recorded in the k-iteration view (use ``with model.iterations(k):`` to analyse it);
+        with ``return_cache_object=False`` the cache is a plain ``{hook name: tensor}`` dict."""
+        n_iterations = kwargs.pop("n_iterations", None)
+        if n_iterations is not None and not self.is_dense:
+            with self.iterations(n_iterations):
+                return self.run_with_cache(*model_args, **kwargs)
+        return_cache_object = kwargs.pop("return_cache_object", True)
+        output, cache_dict = super().run_with_cache(*model_args, **kwargs)
+        if not return_cache_object:  # as TransformerLens: the plain {hook name: tensor} dict
+            return output, cache_dict
+        has_batch_dim = not kwargs.get("remove_batch_dim", False)
+        return output, ActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
+
+    def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
+        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
+        n_iterations = kwargs.pop("n_iterations", None)
+        if n_iterations is not None and not self.is_dense:
+            with self.iterations(n_iterations):
+                return super().run_with_hooks(*model_args, **kwargs)
+        return super().run_with_hooks(*model_args, **kwargs)
+
+    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
+        """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
+        tokenizer's pad id (`padding_id`); `to_tokens_with_mask` also returns which are real."""
+        return self.to_tokens_with_mask(text, prepend_bos)[0]
+
+    def to_tokens_with_mask(
+        self, text: str | list[str], prepend_bos: bool | None = None
+    ) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+        """``(tokens, attention_mask)``: tokens [batch, pos] right-padded with the tokenizer's
+        pad id, and True on real tokens (TransformerLens convention). ``prepend_bos`` defaults to
+        ``cfg.default_prepend_bos`` (a loader sets it from the checkpoint's tokenizer)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer or pass token ids.")
+        texts = [text] if isinstance(text, str) else list(text)
+        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        rows = [encode_text(self.tokenizer, t, bos) for t in texts]
+        width = max(len(r) for r in rows)
+        pad = padding_id(self.tokenizer)
+        tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+        return self._as_tokens(tokens), mask.to(tokens.device)
+
+    def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
+        """Decode [pos] tokens to a string, or [batch, pos] to a list of strings."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        if ids and isinstance(ids[0], list):
+            return [self.tokenizer.decode(row) for row in ids]
+        return self.tokenizer.decode(ids)
+
+    def to_str_tokens(
+        self, input: str | list[str] | Tensor | Sequence[int], prepend_bos: bool | None = None
+    ) -> list[str] | list[list[str]]:
+        """Each token as its own string, as TransformerLens: text (tokenized first, with BOS as
+        ``prepend_bos`` or the config says), [pos] tokens, or [1, pos]; a list of texts or
+        [batch, pos] tokens give a list per row."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        if isinstance(input, str):
+            return self.to_str_tokens(self.to_tokens(input, prepend_bos=prepend_bos)[0])
+        if isinstance(input, list) and input and isinstance(input[0], str):
+            return [self.to_str_tokens(text, prepend_bos) for text in input]  # type: ignore
+        ids = torch.as_tensor(input)
+        if ids.ndim == 2 and ids.shape[0] != 1:
+            return [self._str_tokens(row) for row in ids]
+        if ids.ndim > 2:
+            raise ValueError(f"tokens must be [pos] or [batch, pos], got shape {tuple(ids.shape)}.")
+        return self._str_tokens(ids.reshape(-1))
+
+    def _str_tokens(self, ids: Tensor) -> list[str]:
+        # A piece as the vocabulary holds it where the tokenizer says (decode drops BOS / EOS).
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
+        piece = getattr(tokenizer, "id_to_piece", None)
+        if piece is not None:
+            return [piece(int(i)) for i in ids.tolist()]
+        return [tokenizer.decode([int(i)]) for i in ids.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of the one token that ``string`` is (no BOS); a ValueError if it is several."""
+        ids = self.to_tokens(string, prepend_bos=False)[0]
+        if ids.numel() != 1:
+            raise ValueError(
+                f"{string!r} is {ids.numel()} tokens ({self.to_str_tokens(ids)}), not one."
+            )
+        return int(ids.item())
+
+    def to_single_str_token(self, token: int) -> str:
+        """The string of token id ``token``."""
+        return self._str_tokens(torch.tensor([token]))[0]
+
+    def get_token_position(
+        self,
+        single_token: str | int | Tensor,
+        input: str | Tensor,
+        mode: Literal["first", "last"] = "first",
+        prepend_bos: bool | None = None,
+    ) -> int:
+        """Position of ``single_token`` (a string of one token, or an id) in text or in [pos] /
+        [1, pos] tokens: its first or last occurrence. A ValueError if it does not occur."""
+        tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, str) else input
+        if tokens.ndim == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError(f"tokens must be [pos] or [1, pos], got {tuple(tokens.shape)}.")
+            tokens = tokens[0]
+        if isinstance(single_token, str):
+            single_token = self.to_single_token(single_token)
+        token = int(single_token.item()) if isinstance(single_token, Tensor) else single_token
+        positions = (tokens == token).nonzero()[:, 0]
+        if positions.numel() == 0:
+            raise ValueError(f"token {token} does not occur in the input.")
+        if mode not in ("first", "last"):
+            raise ValueError(f"mode={mode!r} must be 'first' or 'last'.")
+        return int(positions[0 if mode == "first" else -1])
+
+    def tokens_to_residual_directions(
+        self, tokens: str | int | Tensor
+    ) -> Float[Tensor, "*tokens d_model"]:
+        """The direction in the stream entering ``ln_final`` that each token's logit reads:
+        ``ln_final.w * W_U[:, token]`` (the final norm's weight folded in, as TransformerLens's
+        folded models have it), shape ``tokens.shape + (d_model,)``.
+
+        So `ActivationCache.logit_attrs` of the final stream (scaled by the cached
+        ``ln_final.hook_scale``) is that token's logit less the constant ``ln_final.b @ W_U``."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        index = torch.as_tensor(tokens, device=self.W_U.device)
+        directions = self.W_U[:, index].movedim(0, -1)
+        weight = getattr(self.ln_final, "w", None)  # NoNorm has none
+        return directions if weight is None else directions * weight
+
+    def accumulated_bias(
+        self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
+    ) -> Float[Tensor, " d_model"]:
+        """Sum of the biases the blocks before ``layer`` add to the stream, as TransformerLens:
+        each MLP's ``b_out`` (attention has no output bias here). Exact for pre-norm blocks; a
+        sandwich norm rescales what a block adds."""
+        if not 0 <= layer <= self.cfg.n_layers:
+            raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
+        total = torch.zeros(self.cfg.d_model, device=self.W_E.device, dtype=self.W_E.dtype)
+        if not include_mlp_biases:
+            return total
+        for block in self.blocks[:layer]:
+            b_out = getattr(block.mlp, "b_out", None)  # gated MLPs have none
+            if b_out is not None:
+                total = total + b_out
+        return total
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input: Int[Tensor, "batch pos"] | str,
+        max_new_tokens: int = 10,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_past_kv_cache: bool = True,
+        n_iterations: int | None = None,
+        stop_at_eos: bool = False,
+        eos_token_id: int | None = None,
+        seed: int | None = None,
+        verbose: bool = False,
+    ) -> Any:
+        """Greedy (default) or sampled continuation: tokens [batch, pos + new], or a string
+        when ``input`` is a string. With ``use_past_kv_cache`` every block application (every
+        iteration of every core layer) keeps its own keys and values."""
+        if n_iterations is not None and not self.is_dense and n_iterations != self._active:
+            with self.iterations(n_iterations):
+                return self.generate(
+                    input,
+                    max_new_tokens,
+                    do_sample=do_sample,
+                    temperature=temperature,
+                    top_k=top_k,
+                    use_past_kv_cache=use_past_kv_cache,
+                    stop_at_eos=stop_at_eos,
+                    eos_token_id=eos_token_id,
+                    seed=seed,
+                    verbose=verbose,
+                )
+        was_string = isinstance(input, str)
+        tokens = self._as_tokens(input)
+        generator = (
+            torch.Generator(device=tokens.device).manual_seed(seed) if seed is not None else None
+        )
+        cache = KVCache(self.cfg.n_layers) if use_past_kv_cache else None
+        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        new_input = tokens
+        for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generate"):
+            logits = self.forward(new_input if cache is not None else tokens, past_kv_cache=cache)
+            last = logits[:, -1, :]
+            if do_sample:
+                last = last / temperature
+                if top_k is not None:
+                    threshold = last.topk(top_k, dim=-1).values[:, -1:]
+                    last = last.masked_fill(last < threshold, float("-inf"))
+                next_token = torch.multinomial(last.softmax(-1), 1, generator=generator)
+            else:
+                next_token = last.argmax(-1, keepdim=True)
+            if stop_at_eos and eos_token_id is not None:
+                next_token = next_token.masked_fill(finished[:, None], eos_token_id)
+                finished |= next_token[:, 0] == eos_token_id
+            tokens = torch.cat((tokens, next_token), dim=1)
+            new_input = next_token
+            if stop_at_eos and bool(finished.all()):
+                break
+        if was_string:
+            return self.to_string(tokens[0])
+        return tokens
+
+    # ------------------------------------------------------------------ save and load
+
+    def canonical_state_dict(self) -> dict[str, Tensor]:
+        """Each parameter once, under a name that does not depend on the unrolled view:
+        ``prelude.{i}.…``, ``core.{l}.…``, ``coda.{c}.…``, ``embed.W_E``, …"""
+        owners: list[tuple[str, nn.Module | None]] = [
+            ("embed", self.embed),
+            ("pos_embed", self.pos_embed),
+            ("inject", self.inject),
+            ("ln_final", self.ln_final),
+            ("ln_pre_coda", self.ln_pre_coda if self.cfg.pre_coda_norm == "own" else None),
+        ]
+        owners += [(f"prelude.{i}", b) for i, b in enumerate(self._prelude)]
+        owners += [(f"core.{i}", b) for i, b in enumerate(self._core[0])]
+        owners += [(f"coda.{i}", b) for i, b in enumerate(self._coda)]
+        if self.cfg.iteration_norm == "own" and not self.is_dense:
+            owners.append(
+                (
+                    "ln_iter",
+                    self._iteration_hooks[1].ln_iter if len(self._iteration_hooks) > 1 else None,
+                )
+            )
+        state: dict[str, Tensor] = {
+            f"{prefix}.{name}": p
+            for prefix, module in owners
+            if module is not None
+            for name, p in module.named_parameters()
+        }
+        if self.W_U_untied is not None:
+            state["unembed.W_U"] = self.W_U_untied
+        return state
+
+    def load_canonical_state_dict(
+        self, state: dict[str, Tensor], source: str = "state dict"
+    ) -> None:
+        """Copy a `canonical_state_dict` into the model (strict: names and shapes must match)."""
+        if len(self._iteration_hooks) < 2 and self.cfg.iteration_norm == "own":
+            self._set_view(max(self._active, 1))
+        expected = self.canonical_state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: missing keys {missing[:10]}{'…' if len(missing) > 10 else ''}, "
+                f"unexpected keys {unexpected[:10]}{'…' if len(unexpected) > 10 else ''}."
+            )
+        for name, parameter in expected.items():
+            value = state[name]
+            if tuple(value.shape) != tuple(parameter.shape):
+                raise ValueError(
+                    f"{source}: {name} has shape {tuple(value.shape)}, expected "
+                    f"{tuple(parameter.shape)}."
+                )
+            with torch.no_grad():
+                parameter.copy_(value)
+        self.tie_weights()
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (each shared tensor once) to a folder."""
+        from safetensors.torch import save_file
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.cfg.to_json(folder / CONFIG_FILE)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.canonical_state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "dcp-lens"})
+        return folder
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device | None = None, **overrides: Any
+    ) -> HookedRecurrentTransformer:
+        """Load a folder written by `save_pretrained` (safetensors only, never pickle);
+        ``overrides`` replace config fields (e.g. ``n_iterations=8``). The config and the
+        weights' shapes and dtypes are checked on the meta device before anything is allocated
+        (`dcp_lens.model.folder.load_pretrained_folder`)."""
+        from dcp_lens.model.folder import load_pretrained_folder
+
+        return load_pretrained_folder(cls, path, device=device, **overrides)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """`torch.nn.Module.load_state_dict`, then re-tie the shared weights."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.tie_weights()
+        return result
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        kind = (
+            "dense"
+            if self.is_dense
+            else f"{c.n_prelude} + {c.n_core} x {self._active} + {c.n_coda}"
+        )
+        return f"{kind} blocks, d_model={c.d_model}, n_heads={c.n_heads}, d_vocab={c.d_vocab}"
+
+
+def example_noise_seed(seed: int, tokens: Tensor | None) -> int:
+    """The seed of one example's initial-state noise: a hash of ``seed`` and the example's token
+    ids ([pos]), so the draw follows the example, not its batch or slot. Without tokens (a
+    forward resumed from a residual stream) it is ``seed`` itself."""
+    if tokens is None:
+        return int(seed)
+    digest = hashlib.sha256(
+        f"{int(seed)}:".encode() + tokens.detach().cpu().long().numpy().tobytes()
+    )
+    return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
+
+
+def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
+    """Point every parameter of ``twin`` at the same ``nn.Parameter`` object as ``owner``'s."""
+    for twin_module, owner_module in zip(twin.modules(), owner.modules(), strict=True):
+        for name, parameter in owner_module._parameters.items():
+            twin_module._parameters[name] = parameter
+
+
+__all__ = [
+    "HookedRecurrentTransformer",
+    "IterationHooks",
+    "LayerNorm",
+    "RMSNorm",
+    "next_token_loss",
+]

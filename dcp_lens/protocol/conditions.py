@@ -1,0 +1,431 @@
+"""The conditions of the Depth Control Protocol, one class each (public face: ``dcp_lens.hooks``).
+
+A condition has two faces, kept side by side in its class:
+
+- its **hook form**, `Condition.fwd_hooks(model)`: ``[(hook_name, fn), ...]`` on the
+  iteration-level hook points, for ``model.run_with_hooks(tokens, fwd_hooks=...)`` or
+  ``with model.hooks(fwd_hooks=...):``. The model runs its full depth r; the hooks change which
+  state reaches the readout, and nothing is stored on the model;
+- its **closed form**, `Condition.readout_input(states)`: the stream that reaches the readout,
+  built from the cached states s_0..s_r of one full-depth pass (the protocol's fast path).
+
+and its coordinates: block applications B and distinct iterations D (`Condition.coordinates`).
+
+=====================  =====================================================  ===  ===  =========
+condition              what reaches the readout                               B    D    S
+=====================  =====================================================  ===  ===  =========
+``full``               s_r                                                    r    r    0
+``truncate(k)``        s_k                                                    k    k    S_trunc
+``replay(k)``          s_k + (r - k) Delta_k, Delta_k = s_k - s_{k-1}          r    k    S_replay
+``calibrate(c, map)``  map(readout input of c), an affine moment-matching map  c    c    ~0
+``shift(k, map)``      map^-1(s_r), map = the calibration of truncate(k)      r    r    ~S_trunc
+=====================  =====================================================  ===  ===  =========
+
+The protocol's sweep measures every entry of `SWEEP` at every k: a name and a builder that makes
+the condition at k from the fitted calibration maps. `register_sweep_condition` adds one (a new
+calibration, a learned translator); the sweep, the results and the fast-path = hooks equivalence
+test then include it with no other change.
+
+On a dense model an iteration is a layer (the state after layer t is
+``blocks.{t-1}.hook_resid_post``) and the readout is the final norm and unembedding. `replay`
+still runs there, but a dense model repeating a layer's update is not the same model in another
+configuration: `Condition.realizable` says so and reports label it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from jaxtyping import Float
+from torch import Tensor
+
+from dcp_lens.utils.registry import add_entry
+
+HookList = list[tuple[str, Callable[..., Any]]]
+States = Float[Tensor, "r_plus_1 *batch d_model"]
+
+
+@runtime_checkable
+class StateMap(Protocol):
+    """An invertible map of readout inputs, such as
+    `dcp_lens.protocol.calibration.AffineCalibration`."""
+
+    def __call__(self, h: Tensor) -> Tensor: ...
+
+    def inverse(self) -> StateMap: ...
+
+
+@runtime_checkable
+class IterationModel(Protocol):
+    """What the conditions need of a model: the active depth and the iteration hook names."""
+
+    @property
+    def n_iterations(self) -> int: ...
+
+    @property
+    def is_dense(self) -> bool: ...
+
+    @property
+    def readout_hook_name(self) -> str: ...
+
+    def state_hook_name(self, t: int) -> str: ...
+
+
+@runtime_checkable
+class ProtocolModel(IterationModel, Protocol):
+    """What `DepthControlProtocol` needs besides: a readout of states and hooked forwards
+    (`HookedRecurrentTransformer`, `dcp_lens.zoo.loaders.bridge.BridgeIterationModel`)."""
+
+    def readout(self, state: Tensor) -> Tensor: ...
+
+    def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[Any]: ...
+
+    def eval(self) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+
+class Condition(ABC):
+    """One condition of the protocol: its hooks, its closed form and its (B, D) coordinates."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """A readable name with its depth, e.g. ``"replay(1)"`` or ``"calibrate(truncate(2))"``."""
+
+    @abstractmethod
+    def coordinates(self, r: int) -> tuple[int, int]:
+        """(B, D): block applications and distinct iterations on a model of depth r."""
+
+    @abstractmethod
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        """The ``(hook_name, hook_fn)`` pairs that realise this condition on ``model``."""
+
+    @abstractmethod
+    def readout_input(self, states: States) -> Float[Tensor, "*batch d_model"]:
+        """The stream that reaches the readout, from the states s_0..s_r of a full-depth pass
+        (``states[t]`` is s_t; r = ``len(states) - 1``)."""
+
+    def at_depth(self, r: int) -> Condition:
+        """The simplest condition equal to this one at depth r (e.g. ``replay(r)`` is ``full``);
+        the sweep reads out each distinct one once."""
+        return self
+
+    def realizable(self, model: IterationModel) -> bool:
+        """False where the condition is not the model in another configuration."""
+        return True
+
+    def _key(self) -> tuple[Any, ...]:
+        """What makes two conditions the same: class and label (and map, where there is one)."""
+        return type(self), self.label
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Condition) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label})"
+
+
+class Full(Condition):
+    """The unmodified model at its full depth r (no hooks)."""
+
+    name = "full"
+
+    @property
+    def label(self) -> str:
+        return "full"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return r, r
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        return []
+
+    def readout_input(self, states: States) -> Tensor:
+        return states[-1]
+
+
+class _AtDepth(Condition):
+    """A condition with a depth k (1 <= k <= r)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = _positive(k, self.name)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}({self.k})"
+
+    def _check(self, r: int) -> None:
+        if not 1 <= self.k <= r:
+            raise ValueError(
+                f"{self.name}(k={self.k}) needs 1 <= k <= r = {r} (the model's active depth); "
+                "use `with model.iterations(k):` to run beyond r."
+            )
+
+
+class Truncate(_AtDepth):
+    """Read out after k iterations: the readout sees s_k (B = D = k).
+
+    On a recurrent model this equals ``model.iterations(k)``; the hook form runs all r iterations
+    and swaps the readout input, so it composes with other hooks at full depth."""
+
+    name = "truncate"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return self.k, self.k
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        self._check(model.n_iterations)
+        captured: dict[str, Tensor] = {}
+
+        def keep(state: Tensor, hook: Any) -> None:
+            captured["state"] = state
+
+        def swap(readout_input: Tensor, hook: Any) -> Tensor:
+            return captured.pop("state")
+
+        return [(model.state_hook_name(self.k), keep), (model.readout_hook_name, swap)]
+
+    def readout_input(self, states: States) -> Tensor:
+        self._check(len(states) - 1)
+        return states[self.k]
+
+    def at_depth(self, r: int) -> Condition:
+        return Full() if self.k == r else self
+
+
+class Replay(_AtDepth):
+    """k distinct iterations, then the k-th update repeated: s_t = s_{t-1} + Delta_k for t > k.
+
+    The linchpin control: ``replay(1)`` spends the full budget of r block applications with a
+    single distinct iteration (B = r, D = k)."""
+
+    name = "replay"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return r, self.k
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        self._check(model.n_iterations)
+        k, captured = self.k, {}
+
+        def keep_previous(state: Tensor, hook: Any) -> None:
+            captured["previous"] = state
+
+        def keep_update(state: Tensor, hook: Any) -> None:
+            captured["state"], captured["update"] = state, state - captured.pop("previous")
+
+        def replayed(t: int) -> Callable[..., Tensor]:
+            def hook(state: Tensor, hook: Any) -> Tensor:
+                return captured["state"] + (t - k) * captured["update"]
+
+            return hook
+
+        hooks: HookList = [
+            (model.state_hook_name(k - 1), keep_previous),
+            (model.state_hook_name(k), keep_update),
+        ]
+        r = model.n_iterations
+        return hooks + [(model.state_hook_name(t), replayed(t)) for t in range(k + 1, r + 1)]
+
+    def readout_input(self, states: States) -> Tensor:
+        r = len(states) - 1
+        self._check(r)
+        return states[self.k] + (r - self.k) * (states[self.k] - states[self.k - 1])
+
+    def at_depth(self, r: int) -> Condition:
+        return Full() if self.k == r else self
+
+    def realizable(self, model: IterationModel) -> bool:
+        return not model.is_dense
+
+
+class Calibrate(Condition):
+    """``inner`` with its readout input mapped by ``state_map`` (fitted by the protocol on a
+    calibration split from ``inner``'s readout inputs to full depth's). Same B and D as inner."""
+
+    name = "calibrate"
+
+    def __init__(self, inner: Condition, state_map: StateMap) -> None:
+        if not isinstance(inner, Condition):
+            raise TypeError(f"calibrate wraps a Condition, got {type(inner).__name__}.")
+        if isinstance(inner, Calibrate | Shift):
+            raise ValueError(f"calibrate({inner.label}) would map the readout twice.")
+        self.inner, self.state_map = inner, _check_map(state_map)
+
+    @property
+    def label(self) -> str:
+        return f"calibrate({self.inner.label})"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return self.inner.coordinates(r)
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        return self.inner.fwd_hooks(model) + [(model.readout_hook_name, _map_hook(self.state_map))]
+
+    def readout_input(self, states: States) -> Tensor:
+        return self.state_map(self.inner.readout_input(states))
+
+    def at_depth(self, r: int) -> Condition:
+        inner = self.inner.at_depth(r)
+        return self if inner is self.inner else Calibrate(inner, self.state_map)
+
+    def realizable(self, model: IterationModel) -> bool:
+        return self.inner.realizable(model)
+
+    def _key(self) -> tuple[Any, ...]:
+        return type(self), self.label, id(self.state_map)
+
+
+class Shift(_AtDepth):
+    """Full depth with the readout input mapped by the *inverse* of calibrate(truncate(k)):
+    full information in a truncated-looking frame (the positive control for S)."""
+
+    name = "shift"
+
+    def __init__(self, k: int, truncate_calibration: StateMap) -> None:
+        super().__init__(k)
+        self.state_map = _check_map(truncate_calibration)
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return r, r
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        self._check(model.n_iterations)
+        return [(model.readout_hook_name, _map_hook(self.state_map.inverse()))]
+
+    def readout_input(self, states: States) -> Tensor:
+        self._check(len(states) - 1)
+        return self.state_map.inverse()(states[-1])
+
+    def _key(self) -> tuple[Any, ...]:
+        return type(self), self.label, id(self.state_map)
+
+
+# --------------------------------------------------------------------- the public factories
+
+
+def full() -> Full:
+    """The unmodified model at its full depth r (no hooks)."""
+    return Full()
+
+
+def truncate(k: int) -> Truncate:
+    """Read out after k iterations (B = D = k); see `Truncate`."""
+    return Truncate(k)
+
+
+def replay(k: int) -> Replay:
+    """k distinct iterations, then the k-th update repeated (B = r, D = k); see `Replay`."""
+    return Replay(k)
+
+
+def calibrate(condition: Condition, state_map: StateMap) -> Calibrate:
+    """``condition`` with its readout input mapped by ``state_map`` (e.g. from
+    `dcp_lens.protocol.calibration.fit_calibration(condition_states, full_states)`); see
+    `Calibrate`."""
+    return Calibrate(condition, state_map)
+
+
+def shift(k: int, truncate_calibration: StateMap) -> Shift:
+    """Full depth, readout input mapped by the inverse of calibrate(truncate(k)); see `Shift`."""
+    return Shift(k, truncate_calibration)
+
+
+# ------------------------------------------------------------------------------- the sweep
+
+# A builder's second argument: the fitted map from a source condition's readout inputs (on the
+# calibration split) to full depth's, or None where that stream was non-finite.
+MapLookup = Callable[[Condition], StateMap | None]
+
+
+@dataclass(frozen=True)
+class SweepCondition:
+    """An entry of the protocol's sweep: ``build(k, fitted)`` makes the condition at k, or
+    returns None where a map it needs could not be fitted (the cell is reported non-finite)."""
+
+    name: str
+    build: Callable[[int, MapLookup], Condition | None]
+
+
+def _calibrated(inner: Callable[[int], Condition]) -> Callable[[int, MapLookup], Condition | None]:
+    def build(k: int, fitted: MapLookup) -> Condition | None:
+        state_map = fitted(inner(k))
+        return None if state_map is None else Calibrate(inner(k), state_map)
+
+    return build
+
+
+def _shift(k: int, fitted: MapLookup) -> Condition | None:
+    state_map = fitted(Truncate(k))
+    return None if state_map is None else Shift(k, state_map)
+
+
+# The five conditions of the decomposition, in the column order used by results and tables.
+DECOMPOSED = ("truncate", "calibrate_truncate", "replay", "calibrate_replay", "shift")
+
+SWEEP: dict[str, SweepCondition] = {}
+
+
+def register_sweep_condition(entry: SweepCondition) -> SweepCondition:
+    """Add a condition to the protocol's sweep (measured at every k, reported as a curve).
+
+    Raises:
+        ValueError: the name is taken; the message names the existing entry.
+    """
+    if entry.name == "full":
+        raise ValueError("'full' is the reference of every sweep condition; pick another name.")
+    return add_entry(SWEEP, entry.name, entry, "sweep condition")
+
+
+def unregister_sweep_condition(name: str) -> None:
+    """Remove a condition added with `register_sweep_condition` (not one of `DECOMPOSED`)."""
+    if name in DECOMPOSED:
+        raise ValueError(f"{name!r} is one of the decomposition's conditions; it stays.")
+    if name not in SWEEP:
+        raise KeyError(f"no sweep condition named {name!r}; registered: {sorted(SWEEP)}.")
+    del SWEEP[name]
+
+
+for _entry in (
+    SweepCondition("truncate", lambda k, fitted: Truncate(k)),
+    SweepCondition("calibrate_truncate", _calibrated(Truncate)),
+    SweepCondition("replay", lambda k, fitted: Replay(k)),
+    SweepCondition("calibrate_replay", _calibrated(Replay)),
+    SweepCondition("shift", _shift),
+):
+    register_sweep_condition(_entry)
+
+
+def _map_hook(state_map: StateMap) -> Callable[..., Tensor]:
+    def hook(readout_input: Tensor, hook: Any) -> Tensor:
+        return state_map(readout_input)
+
+    return hook
+
+
+def _positive(k: object, name: str) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name}(k) needs an int number of iterations, got {k!r}.")
+    if k < 1:
+        raise ValueError(f"{name}(k={k}): k must be >= 1.")
+    return k
+
+
+def _check_map(state_map: object) -> StateMap:
+    if not callable(state_map) or not hasattr(state_map, "inverse"):
+        raise TypeError(
+            "a state map must be callable with an .inverse() method (an AffineCalibration), "
+            f"got {type(state_map).__name__}."
+        )
+    return state_map  # type: ignore[return-value]

@@ -1,0 +1,628 @@
+"""Every rendering of dcp-lens results: console summaries, markdown and report.html (plotly
+figures from `dcp_lens.report.figures`, imported only when drawing). Functions here read results
+objects and never recompute science."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dcp_lens.protocol.results import (
+    FACTORS,
+    REPLAY_NOT_REALIZABLE,
+    S_NOT_IDENTIFIED,
+    ProtocolResults,
+    decode_json,
+)
+from dcp_lens.training.outcomes import (
+    AGGREGATED,
+    BASELINE,
+    CONFIDENCE,
+    NEGATIVE_CONTROL,
+    mean_over_seeds,
+)
+from dcp_lens.utils.files import write_text_atomically
+
+if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
+    from dcp_lens.training.evaluation import AccuracyTable
+
+
+def format_summary(results: ProtocolResults) -> str:
+    """The console summary of one run: model, depth, shares with intervals, the null control."""
+    lines = [f"\n{results.model} ({results.architecture}, r = {results.n_iterations})"]
+    if not results.replay_realizable:
+        lines.append("  replay: not realizable as the same model (dense network)")
+    shares = results.shares()
+    lines.append(shares.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    lines.extend(f"  {flag}" for flag in flag_lines(results))
+    lines.append(
+        f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}"
+    )
+    return "\n".join(lines)
+
+
+def flag_lines(results: ProtocolResults) -> list[str]:
+    """What the numbers of a run cannot see, in words: one line per flag that is raised."""
+    lines = []
+    first = next(iter(results.decompositions.values()))
+    below_r = [i for i, k in enumerate(first.k_grid) if k < results.n_iterations]
+    s_open = [first.k_grid[i] for i in below_r if not first.s_identified[i]]  # type: ignore[index]
+    b_open = [first.k_grid[i] for i in below_r if not first.b_identified[i]]  # type: ignore[index]
+    if s_open:
+        lines.append(
+            f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
+            "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
+            "bound and D an upper bound there, and B may hold the part of the shift the map "
+            "missed (where replaying the update repairs the frame)"
+        )
+    if b_open:
+        lines.append(
+            f"B not identified at k = {_ks(b_open)}: replay and truncate give the same readout "
+            "there, so B = I_BS = 0 by construction, not by measurement"
+        )
+    for metric, decomposition in results.decompositions.items():
+        if _overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
+            lines.append(f"{metric}: {OVERSHOOT}")
+        if not decomposition.validated:
+            lines.append(f"{metric} not validated: {decomposition.validation_reason}")
+        if not decomposition.stable:
+            lines.append(
+                f"{metric} shares unstable: the gap's area interval includes 0, so its shares "
+                "mean nothing"
+            )
+    return lines
+
+
+OVERSHOOT = (
+    "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
+    "make up for it (calibration also changes confidence; README: Shares below 0 or above 1)"
+)
+
+
+def _overshoots(metric: str, shares: Sequence[float]) -> bool:
+    """A share outside [0, 1] (beyond 0.05) on a loss metric, where `OVERSHOOT` explains it."""
+    return metric != "accuracy" and any(v < -0.05 or v > 1.05 for v in shares if math.isfinite(v))
+
+
+def _ks(ks: list[int]) -> str:
+    return ", ".join(str(k) for k in ks)
+
+
+# ------------------------------------------------------------------ training
+
+
+def format_accuracy_table(table: AccuracyTable) -> str:
+    """A text table of a trained model's held-out accuracy: one row per h (and "all"), one
+    column per k."""
+    head = "h \\ k " + " ".join(f"{k:>5}" for k in table.k_values)
+    lines = [head]
+    for h, per_k in sorted(table.by_hops.items()):
+        cells = " ".join(f"{per_k[k]:5.2f}" for k in table.k_values)
+        lines.append(f"{h:>6} {cells}   ({table.queries_per_hop[h]} queries)")
+    lines.append(f"{'all':>6} " + " ".join(f"{table.overall[k]:5.2f}" for k in table.k_values))
+    return "\n".join(lines)
+
+
+def explain_verdict(
+    verdict: dict[str, dict[str, dict[str, Any]]], regimes: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The verdict as ``intervention.json`` stores it: each check of
+    `dcp_lens.training.outcomes.verdict`
+    with its ``why`` turned into a ``reason`` that states the numbers compared (``regimes``: the
+    `dcp_lens.training.outcomes.aggregate` of every regime)."""
+    explained: dict[str, dict[str, dict[str, Any]]] = {}
+    for regime, checks in verdict.items():
+        explained[regime] = {}
+        for name, check in checks.items():
+            reason = check["why"]
+            if check["label"] != "not tested":
+                numbers = _compared(name, check, regimes[regime], regimes[BASELINE])
+                reason = f"{numbers}: {reason}"
+            rest = {key: value for key, value in check.items() if key not in ("label", "why")}
+            explained[regime][name] = {"label": check["label"], "reason": reason, **rest}
+    return explained
+
+
+def format_markdown(document: dict[str, Any]) -> str:
+    """``intervention.md`` from the content of ``intervention.json``: the prediction, then per
+    validated metric a table of every regime and the verdict."""
+    metric = document["metric"]
+    lines = [
+        f"# Training intervention: preset `{document['preset']}`, metric `{metric}`",
+        "",
+        f"**Prediction.** {document['prediction'][0].upper()}{document['prediction'][1:]}.",
+        "",
+    ]
+    validated = document.get("validated_metrics")
+    if validated is not None:
+        lines += [
+            "Metrics validated on planted models (`dcp-lens validate`), each reported below: "
+            + (", ".join(f"`{name}`" for name in validated) or "none")
+            + ". A metric not validated is not reported.",
+            "",
+        ]
+        if metric not in validated:
+            lines += [f"**`{metric}` is not validated: read its numbers with care.**", ""]
+    lines += _metric_section(metric, document["regimes"], document["verdict"])
+    for name, section in (document.get("other_metrics") or {}).items():
+        lines += ["", f"# Metric `{name}`", ""]
+        lines += _metric_section(name, section["regimes"], section["verdict"])
+    return "\n".join(lines) + "\n"
+
+
+def _metric_section(
+    metric: str, regimes: dict[str, dict[str, Any]], verdict: dict[str, dict[str, Any]]
+) -> list[str]:
+    lines = [
+        *markdown_table(regimes),
+        "",
+        f"S, B, D: shares of the truncation gap's area over k ({metric}); slope: the classic "
+        "truncation slope (quality against k / r); gap, S, B, D in units: their means over k "
+        f"in {metric} itself, which the verdict reads (a share of a gap near zero is unstable; "
+        "single-seed rows have no interval for these). Each is the mean over the seeds where it is "
+        f"defined, with a {CONFIDENCE:.0%} t-interval over them (defined in one seed only: that "
+        "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
+        "truncation gap has zero area (the same predictions at every depth). Seeds marked "
+        '"S bound" have a k where S is not identified (the calibrated states stay '
+        "distinguishable from full depth): there S is a lower bound, D an upper bound, and B "
+        "may hold the shift the map missed.",
+    ]
+    if NEGATIVE_CONTROL in regimes:
+        lines.append(
+            "The dense row is the negative control: a dense model of distinct layers, whose S is "
+            "that of truncating its own layers."
+        )
+    lines += ["", f"## Verdict ({metric})", ""]
+    names = {
+        "S_lower": "S lower than fixed",
+        "D_stays": "D stays",
+        "slope_follows_S": "slope flattens by about the change in S",
+    }
+    for regime, checks in verdict.items():
+        lines.append(f"- **{regime}**")
+        for key, check in checks.items():
+            lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
+    return lines
+
+
+def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
+    """The lines of a markdown table: regime, seeds, then the shares S, B, D, the slope, the gap
+    and S, B, D in the metric's units (means over k), each with its interval, and the accuracy at
+    full depth and at k = 1 (means over seeds)."""
+    lines = [
+        "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
+        "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for regime, row in regimes.items():
+        cells = [_interval(row, name) for name in AGGREGATED]
+        seeds = ",".join(str(seed) for seed in row["seeds"])
+        if row["undefined_seeds"]:
+            seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
+        if row.get("S_bound_seeds"):
+            seeds += f" (S bound: {','.join(str(seed) for seed in row['S_bound_seeds'])})"
+        accuracy = [_number(mean_over_seeds(row, key)) for key in ("full_accuracy", "k1_accuracy")]
+        cells.append(" / ".join(accuracy))
+        lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _compared(
+    check_name: str, check: dict[str, Any], tested: dict[str, Any], fixed: dict[str, Any]
+) -> str:
+    """The numbers a check of the verdict compared, in words."""
+    if check_name == "slope_follows_S":
+        return (
+            f"slope {_interval(tested, 'slope')}, predicted {_number(check['predicted_slope'])} "
+            f"from fixed slope {_number(fixed['slope'])} and the change in S"
+        )
+    factor = {"S_lower": "S", "D_stays": "D"}[check_name]
+    name = f"{factor}_abs"
+    return f"{factor} {_interval(tested, name)} against fixed {_interval(fixed, name)}"
+
+
+def _number(value: float | None) -> str:
+    return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _interval(row: dict[str, Any], name: str) -> str:
+    return f"{_number(row[name])} [{_number(row[f'{name}_lo'])}, {_number(row[f'{name}_hi'])}]"
+
+
+# ------------------------------------------------------------------ report.html
+
+NULL_TOLERANCE = 1e-4  # max |logit diff| the exact null controls must stay within (float error)
+SMALL_GAP = 1e-3  # a mean gap below this (quality units) leaves shares unstable
+REPORT_FILE = "report.html"
+_FACTOR_WORDS = {
+    "S": (
+        "readout shift: the truncated states carry what full depth knows, in a frame the readout "
+        "was not trained on; the label-free calibration recovers it"
+    ),
+    "B": (
+        "block applications: applying the block more often helps even without new distinct "
+        "iterations (replaying one update recovers it)"
+    ),
+    "D": "distinct computation: later iterations compute something the first k do not",
+}
+
+
+def run_record(results: ProtocolResults | Mapping[str, Any]) -> dict[str, Any]:
+    """One run in its ``results.json`` form with NaN as NaN: what every renderer reads, so that
+    keys added to results (validity flags) reach the report without a change here."""
+    if isinstance(results, ProtocolResults):
+        results = results.to_results_json()
+    return decode_json(dict(results))
+
+
+def _below_r(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
+    """The decomposition rows of ``metric`` at k < r: at k = r every factor is 0 by construction,
+    so flags and verdicts speak of the k below r."""
+    return [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and row["k"] < run["n_iterations"]
+    ]
+
+
+def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
+    """A plain-language verdict on one metric of one run, and its flags (each a short sentence)."""
+    shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
+    flags = _flags(run, metric)
+    values = {factor: shares.get(factor, math.nan) for factor in FACTORS}
+    gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
+    mean_gap = _mean(gaps)
+    if any(math.isnan(v) for v in values.values()) or abs(mean_gap) < SMALL_GAP:
+        return (
+            f"No truncation gap to split (mean gap {_number(mean_gap)}): the readout is about "
+            "as good at every k tested, so the shares say nothing.",
+            flags,
+        )
+    factor = max(FACTORS, key=lambda name: values[name])
+    if values[factor] >= 0.5:
+        text = f"Most of the truncation gap ({values[factor]:.0%}) is {_FACTOR_WORDS[factor]}."
+        if factor != "S" and any(row.get("S_identified") is False for row in _below_r(run, metric)):
+            # S is then a lower bound: what the map missed sits in B or D, whichever repairs it.
+            text += (
+                f" But S is not identified at some k, so part of this {factor} may be readout "
+                "shift that the calibration missed."
+            )
+    else:
+        parts = ", ".join(f"{name} {values[name]:.0%}" for name in FACTORS)
+        text = f"No single factor carries the gap ({parts})."
+    if factor != "D" and values["D"] < 0.2:
+        text += " Reading the truncation slope as 'the model uses its depth' would overstate it."
+    return text, flags
+
+
+def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
+    """The headline of one run as HTML (no scripts): shares with intervals, the classic slope,
+    the gap in the metric's units, then the verdict and its flags, per metric."""
+    run = run_record(results)
+    rows, verdicts = [], []
+    for metric in run["shares"]:
+        shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
+        record = run.get("metrics", {}).get(metric, {})
+        cells = [escape(metric), *(_interval_text(shares, factor) for factor in FACTORS)]
+        cells += [_interval_text(record, "truncation_slope"), _gap_text(run, metric)]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+        text, flags = verdict(run, metric)
+        flag_items = "".join(f"<li class='flag'>{escape(flag)}</li>" for flag in flags)
+        verdicts.append(
+            f"<li><b>{escape(metric)}</b>: {escape(text)}"
+            + (f"<ul>{flag_items}</ul>" if flags else "")
+            + "</li>"
+        )
+    head = "".join(
+        f"<th>{name}</th>"
+        for name in ("metric", "S share", "B share", "D share", "truncation slope",
+                     "gap (metric's units)")
+    )  # fmt: skip
+    return (
+        f"<div class='headline'><h3>{escape(_run_title(run))}</h3>"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        f"<ul class='verdicts'>{''.join(verdicts)}</ul>"
+        "<p class='note'>Shares: S, B, D as shares of the truncation gap's area over k, with "
+        "95% paired bootstrap intervals; slope: quality against k / r, the classic reading; gap: "
+        "its mean over k (a loss gap is the rise in loss).</p></div>"
+    )
+
+
+def report_figures(
+    runs: Sequence[ProtocolResults | Mapping[str, Any]],
+    report_data: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every figure of report.html as plotly figures, keyed ``quality_<metric>``,
+    ``decomposition_<metric>``, ``probe``, ``by_hops``, ``lens_<i>``, ``attention_<i>`` (i: the
+    run's index; the last three only with ``report_data`` holding them)."""
+    from dcp_lens.report import figures
+
+    records = [run_record(run) for run in runs]
+    extras = _extras(records, report_data)
+    drawn: dict[str, Any] = {}
+    for metric in dict.fromkeys(m for run in records for m in run["shares"]):
+        drawn[f"quality_{metric}"] = figures.quality_figure(records, metric)
+        drawn[f"decomposition_{metric}"] = figures.decomposition_figure(records, metric)
+    if any(run.get("probe", {}).get("trajectory") for run in records):
+        drawn["probe"] = figures.probe_figure(records)
+    by_hops = [extra.get("by_hops") for extra in extras]
+    if any(by_hops):
+        drawn["by_hops"] = figures.hops_figure(records, by_hops)
+    for index, (run, extra) in enumerate(zip(records, extras, strict=True)):
+        if extra.get("lens"):
+            drawn[f"lens_{index}"] = figures.lens_figure(run, extra["lens"])
+        if extra.get("attention"):
+            drawn[f"attention_{index}"] = figures.attention_figure(run, extra["attention"])
+    return drawn
+
+
+def render_report(
+    runs: Sequence[ProtocolResults | Mapping[str, Any]],
+    report_data: Mapping[str, Any] | None = None,
+) -> str:
+    """report.html for one or several runs (side by side) as one self-contained HTML page:
+    plotly.js inlined once, no network access. ``report_data``: a `read_report_data` document
+    (lens, attention, hop counts, command, environment), optional."""
+    import plotly.offline
+
+    records = [run_record(run) for run in runs]
+    if not records:
+        raise ValueError("no runs to report; pass at least one ProtocolResults.")
+    report_data = report_data or {}
+    drawn = report_figures(records, report_data)
+    extras = _extras(records, report_data)
+
+    def figure(name: str) -> str:
+        html = drawn[name].to_html(
+            full_html=False, include_plotlyjs=False, div_id=f"figure-{name}",
+            config={"displaylogo": False, "responsive": True},
+        )  # fmt: skip
+        return f"<div class='figure' data-figure='{escape(name)}'>{html}</div>"
+
+    metrics = list(dict.fromkeys(m for run in records for m in run["shares"]))
+    body = ["<h1>Depth Control Protocol report</h1>", _command_html(report_data)]
+    body.append("<h2 id='headline'>Headline</h2><div class='runs'>")
+    body += [headline_html(run) for run in records]
+    body.append("</div>")
+    body.append("<h2 id='quality'>Quality against k, every condition</h2>")
+    body += [figure(f"quality_{metric}") for metric in metrics]
+    body.append("<h2 id='decomposition'>The gap split into S, B and D, per k</h2>")
+    body += [figure(f"decomposition_{metric}") for metric in metrics]
+    body.append("<h2 id='probe'>The residual-stream probe</h2>")
+    body.append(
+        figure("probe")
+        if "probe" in drawn
+        else "<p>No probe in these results (run with --probe trajectory).</p>"
+    )
+    body.append("<h2 id='lens'>Logit lens over iterations (one example)</h2>")
+    body += _per_run(drawn, "lens", records, figure, "no lens data (needs the model: dcp-lens run)")
+    body.append("<h2 id='attention'>Attention across iterations (one example)</h2>")
+    body += _per_run(
+        drawn, "attention", records, figure, "no attention data (needs the model: dcp-lens run)"
+    )
+    body.append("<h2 id='hops'>By hop count</h2>")
+    if "by_hops" in drawn:
+        body.append(figure("by_hops"))
+        body.append(_hops_table(records, extras))
+    else:
+        body.append("<p>These results record no hop counts (the task has none).</p>")
+    body.append("<h2 id='null-controls'>Null controls</h2>")
+    body.append(_null_control_table(records))
+    body.append("<h2 id='configuration'>Configuration, seed, versions</h2>")
+    body.append(_configuration_html(records, report_data))
+    title = " vs ".join(run["model"] for run in records)
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>DCP report: {escape(title)}</title><style>{_STYLE}</style>"
+        f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script></head>"
+        f"<body>{''.join(body)}</body></html>\n"
+    )
+
+
+def write_report(
+    runs: Sequence[ProtocolResults | Mapping[str, Any]],
+    path: str | Path,
+    report_data: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write `render_report` to ``path`` (a file, or a folder to hold ``report.html``).
+    Returns the file's path."""
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path = path / REPORT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomically(path, render_report(runs, report_data))
+
+
+def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
+    flags = []
+    share = run["shares"][metric]
+    if share.get("stable") is False:
+        flags.append("unstable share: the gap is too small or too noisy to split reliably")
+    record = run.get("metrics", {}).get(metric, {})
+    if record.get("validated") is False:
+        flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
+    rows = _below_r(run, metric)
+    for key, words in (
+        ("S_identified", S_NOT_IDENTIFIED),
+        ("B_identified", "B not identified"),
+    ):
+        ks = [str(row["k"]) for row in rows if row.get(key) is False]
+        if ks:
+            flags.append(f"{words} at k = {', '.join(ks)}")
+    if _overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
+        flags.append(OVERSHOOT)
+    if not run["replay_realizable"]:
+        flags.append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
+    null = run["null_control"].get("max_abs_logit_diff", math.nan)
+    if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
+        flags.append(f"null control failed: max |logit diff| {null:.2e} at k = r")
+    nonfinite = [row for row in run.get("nonfinite", []) if row["metric"] == metric]
+    if nonfinite:
+        flags.append(f"{len(nonfinite)} non-finite cells (NaN in the curves)")
+    failures = run.get("metadata", {}).get("calibration_failures") or []
+    if failures:
+        flags.append(f"calibration could not be fitted from {', '.join(failures)}")
+    return flags
+
+
+def _extras(
+    records: Sequence[Mapping[str, Any]], report_data: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    by_model = (report_data or {}).get("runs", {})
+    entries = [by_model.get(run["model"]) or {} for run in records]
+    # Only parts that are there: a null in report_data.json reads back as NaN.
+    return [{key: value for key, value in e.items() if isinstance(value, dict)} for e in entries]
+
+
+def _per_run(
+    drawn: Mapping[str, Any],
+    kind: str,
+    records: Sequence[Mapping[str, Any]],
+    figure: Any,
+    missing: str,
+) -> list[str]:
+    """One figure per run, one under the other (they are too wide to sit side by side)."""
+    parts = []
+    for index, run in enumerate(records):
+        name = f"{kind}_{index}"
+        if name in drawn:
+            parts.append(figure(name))
+        else:
+            parts.append(f"<p>{escape(_run_title(run))}: {missing}.</p>")
+    return parts
+
+
+def _hops_table(records: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, Any]]) -> str:
+    rows = []
+    for run, extra in zip(records, extras, strict=True):
+        for group in (extra.get("by_hops") or {}).get("groups", []):
+            cells = [run["model"], str(group["hops"]), str(group["n_answers"])]
+            cells += [_interval_text(group["shares"], factor) for factor in FACTORS]
+            cells.append(_number(group["full"]))
+            rows.append("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    head = "".join(
+        f"<th>{name}</th>"
+        for name in ("model", "hops", "answers", "S share", "B share", "D share", "full accuracy")
+    )
+    return (
+        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        "<p class='note'>DCP on the answers of each hop count alone (accuracy; intervals "
+        "resample answers, so answers of one example count as independent).</p>"
+    )
+
+
+def _null_control_table(records: Sequence[Mapping[str, Any]]) -> str:
+    keys = list(dict.fromkeys(key for run in records for key in run["null_control"]))
+    head = "<th>check at k = r</th>" + "".join(
+        f"<th>{escape(run['model'])}</th>" for run in records
+    )
+    rows = []
+    for key in keys:
+        cells = []
+        for run in records:
+            value = run["null_control"].get(key)
+            mark = ""
+            if key == "max_abs_logit_diff" and isinstance(value, float | int):
+                mark = " ✓" if value <= NULL_TOLERANCE else " ✗"
+            cells.append(f"<td>{_value_text(value)}{mark}</td>")
+        rows.append(f"<tr><td>{escape(key)}</td>{''.join(cells)}</tr>")
+    return (
+        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        "<p class='note'>At k = r every intervention must reproduce full depth: truncate and "
+        f"replay exactly (within {NULL_TOLERANCE:g}), calibrate(full) close to the identity.</p>"
+    )
+
+
+def _configuration_html(
+    records: Sequence[Mapping[str, Any]], report_data: Mapping[str, Any]
+) -> str:
+    parts = ["<div class='runs'>"]
+    for run in records:
+        settings = {**run.get("metadata", {})}
+        for metric, record in run.get("metrics", {}).items():
+            settings[f"{metric}: n_bootstrap, confidence"] = (
+                f"{record.get('n_bootstrap')}, {record.get('confidence')}"
+            )
+        parts.append(f"<div class='run'><h3>{escape(_run_title(run))}</h3>{_dl(settings)}</div>")
+    parts.append("</div>")
+    environment = report_data.get("environment") or _current_environment()
+    parts.append(f"<h3>Versions</h3>{_dl(environment)}")
+    return "".join(parts)
+
+
+def _command_html(report_data: Mapping[str, Any]) -> str:
+    command = report_data.get("command")
+    if not isinstance(command, str) or not command:
+        return "<p class='note'>Written from Python (no command line recorded).</p>"
+    return f"<p>Reproduce with: <code>{escape(command)}</code></p>"
+
+
+def _current_environment() -> dict[str, Any]:
+    from dcp_lens.utils.environment import environment
+
+    return environment()
+
+
+def _dl(items: Mapping[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><th>{escape(str(key))}</th><td>{escape(str(value))}</td></tr>"
+        for key, value in items.items()
+    )
+    return f"<table class='settings'>{rows}</table>"
+
+
+def _value_text(value: Any) -> str:
+    """A null-control entry: a number in scientific notation, anything else as JSON."""
+    if isinstance(value, bool) or value is None:
+        return escape(str(value))
+    if isinstance(value, float | int):
+        return f"{value:.2e}"
+    return escape(json.dumps(value, default=str))
+
+
+def _run_title(run: Mapping[str, Any]) -> str:
+    return f"{run['model']} ({run['architecture']}, r = {run['n_iterations']})"
+
+
+def _interval_text(values: Mapping[str, Any], name: str) -> str:
+    value = values.get(name, math.nan)
+    low, high = values.get(f"{name}_lo", math.nan), values.get(f"{name}_hi", math.nan)
+    return f"{_number(value)} [{_number(low)}, {_number(high)}]"
+
+
+def _gap_text(run: Mapping[str, Any], metric: str) -> str:
+    """The mean gap over k in the metric's units and the metric at full depth and at the
+    smallest k (a loss gap is the rise in loss)."""
+    gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
+    curves = [row for row in run["curves"] if row["metric"] == metric]
+    full = next((row["value"] for row in curves if row["condition"] == "full"), math.nan)
+    truncated = sorted(
+        (row for row in curves if row["condition"] == "truncate"), key=lambda row: row["k"]
+    )
+    first = f"; k = {truncated[0]['k']}: {_number(truncated[0]['value'])}" if truncated else ""
+    return f"{_number(_mean(gaps))} (full: {_number(full)}{first})"
+
+
+def _mean(values: Sequence[float]) -> float:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; padding: 0 1em; max-width: 1400px;
+  color: #222; box-sizing: border-box; }
+.figure { max-width: 100%; overflow-x: auto; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-top: 0.6em; }
+table { border-collapse: collapse; margin: 0.5em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+thead th { background: #f3f3f3; }
+.runs { display: flex; flex-wrap: wrap; gap: 1.5em; }
+.runs > div { flex: 1 1 520px; min-width: 0; }
+.verdicts { padding-left: 1.2em; font-size: 0.92em; }
+.flag { color: #a33; } .note { color: #666; font-size: 0.85em; }
+code { background: #f3f3f3; padding: 0.1em 0.3em; }
+"""

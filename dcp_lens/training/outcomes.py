@@ -1,0 +1,293 @@
+"""Derived results of the controlled training intervention (docs/design.md §6): each run's numbers,
+their aggregate over seeds, and the verdict on the prediction (`PREDICTION`). Pure functions over
+numbers; `dcp_lens.studies.intervention` runs the trainings and writes the files,
+`dcp_lens.report.html` renders.
+
+Per regime, ``S``, ``B``, ``D`` are the means over seeds of each run's share of the gap's area and
+``slope`` the mean of each run's classic truncation slope (`Decomposition.truncation_slope`); their
+``_lo`` / ``_hi`` are a t-interval over seeds (mean +- t_{0.975, n-1} sd / sqrt(n)), or with a
+single seed that run's own bootstrap interval over evaluation examples. A run whose truncation gap
+has zero area (it predicts the same at every depth) has no shares; it is left out of them and
+listed in ``undefined_seeds``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dcp_lens.protocol.results import FACTORS, ProtocolResults
+from dcp_lens.protocol.statistics import t_interval
+
+BASELINE, NEGATIVE_CONTROL = "fixed", "dense"
+# The regimes the prediction is about: both put every depth's readout in distribution in training.
+TESTED_REGIMES = ("every-iteration", "sampled")
+CONFIDENCE = 0.95
+LABELS = ("supported", "not resolved", "not supported", "not tested")
+PREDICTION = (
+    "regimes that put every depth's readout in distribution (every-iteration, sampled) shrink S "
+    "relative to fixed and flatten the truncation slope by about S, while D, set by the task's "
+    "hop counts, stays"
+)
+# Per-run numbers averaged over seeds; each run also carries its bootstrap interval for them.
+# Shares of the gap's area (S, B, D; what intervention.json promises), the truncation slope, and
+# the same factors in the metric's own units: the mean over the k grid of gap(k), S(k), B(k), D(k).
+# The verdict reads the absolute ones: a share of a gap near zero (a model that needs no depth)
+# is unstable, while its absolute S is simply near zero.
+ABSOLUTE = ("gap_abs", "S_abs", "B_abs", "D_abs")
+AGGREGATED = (*FACTORS, "slope", *ABSOLUTE)
+
+
+def shared_metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
+    """The protocol's first metric (its default: accuracy on tasks with answers), which every
+    run must share."""
+    metrics = {results.metrics[0] for per_regime in runs.values() for _, results in per_regime}
+    if len(metrics) != 1:
+        raise ValueError(f"the runs decomposed different first metrics {sorted(metrics)}.")
+    return metrics.pop()
+
+
+def validated_metrics(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> list[str]:
+    """The metrics every run decomposed and marked validated, in the first run's order."""
+    everyone = [results for per_regime in runs.values() for _, results in per_regime]
+    if not everyone:
+        return []
+    return [
+        metric
+        for metric in everyone[0].metrics
+        if all(
+            metric in results.decompositions and results.decompositions[metric].validated
+            for results in everyone
+        )
+    ]
+
+
+def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any]:
+    """One run's shares and slope (with bootstrap intervals), its gap and factors in the metric's
+    units (means over the share k grid), and its accuracy at k = r and k = 1: a row of
+    `aggregate`'s ``per_seed``."""
+    decomposition = results.decompositions[metric]
+    row: dict[str, Any] = {"seed": seed, **decomposition.shares}
+    row.update(
+        slope=decomposition.truncation_slope,
+        slope_lo=decomposition.truncation_slope_lo,
+        slope_hi=decomposition.truncation_slope_hi,
+    )
+    table = decomposition.table()
+    used = table[table["k"].isin(decomposition.share_k_grid)]
+    for name in ABSOLUTE:
+        column = name.removesuffix("_abs")
+        value = float(used[column].mean()) if len(used) else math.nan
+        # No bootstrap interval for these: over seeds they get the t-interval.
+        row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
+    # Where S is not identified (the calibrated states stay distinguishable from full depth),
+    # S(k) is a lower bound and D(k) an upper bound: the verdict must not read them as values.
+    identified = decomposition.s_identified
+    in_grid = [k in decomposition.share_k_grid for k in decomposition.k_grid]
+    row["S_unidentified_k"] = (
+        []
+        if identified is None
+        else [
+            int(k)
+            for k, ok, used_k in zip(decomposition.k_grid, identified, in_grid, strict=True)
+            if used_k and not ok
+        ]
+    )
+    accuracy = results.decompositions.get("accuracy")
+    if accuracy is None:
+        row.update(full_accuracy=math.nan, k1_accuracy=math.nan)
+    else:
+        truncated = dict(zip(accuracy.k_grid, accuracy.curves["truncate"], strict=True))
+        row.update(full_accuracy=accuracy.full, k1_accuracy=float(truncated.get(1, math.nan)))
+    return row
+
+
+def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One regime over seeds: the mean of ``S, B, D, slope`` and a 95% interval for each.
+
+    Each quantity is taken over the seeds where it is defined (the shares are NaN in a run whose
+    truncation gap has zero area, e.g. a model that predicts the same at every depth): with two
+    or more such seeds, the t-interval over them; with one, that run's own bootstrap interval over
+    evaluation examples; with none, NaN.
+
+    Args:
+        per_seed: one dict per seed with ``seed`` and, for each name of ``S, B, D, slope``, the
+            run's value and its bootstrap interval (``S_lo``, ``S_hi``, ...).
+
+    Returns:
+        ``{"S", "S_lo", "S_hi", ..., "slope_hi", "n_seeds", "seeds", "undefined_seeds",
+        "S_bound_seeds", "per_seed"}``: ``n_seeds`` maps each quantity to the number of seeds it
+        is taken over, ``undefined_seeds`` lists the seeds left out of any of them,
+        ``S_bound_seeds`` the seeds whose S is not identified at some k of the share grid (there
+        S is a lower bound and D an upper bound).
+    """
+    if not per_seed:
+        raise ValueError("per_seed is empty; aggregate needs at least one seed's run.")
+    summary: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    undefined: set[int] = set()
+    for name in AGGREGATED:
+        defined = [row for row in per_seed if math.isfinite(float(row[name]))]
+        undefined |= {int(row["seed"]) for row in per_seed if not math.isfinite(float(row[name]))}
+        values = np.array([float(row[name]) for row in defined])
+        counts[name] = len(defined)
+        if not defined:
+            low = high = mean = math.nan
+        elif len(defined) == 1:
+            mean, low, high = (float(defined[0][name + s]) for s in ("", "_lo", "_hi"))
+        else:
+            mean = float(values.mean())
+            low, high = t_interval(values, CONFIDENCE)
+        summary.update({name: mean, f"{name}_lo": low, f"{name}_hi": high})
+    summary["n_seeds"] = counts
+    summary["seeds"] = [int(row["seed"]) for row in per_seed]
+    summary["S_bound_seeds"] = [int(row["seed"]) for row in per_seed if row.get("S_unidentified_k")]
+    summary["undefined_seeds"] = sorted(undefined)
+    summary["per_seed"] = [dict(row) for row in per_seed]
+    return summary
+
+
+# ------------------------------------------------------------------------------ the verdict
+# Each check returns its ``label`` and ``why`` (the reason in words); `dcp_lens.report.html` adds
+# the
+# numbers it compared.
+
+
+def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+    """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
+
+    ``supported``: lower, and the intervals do not overlap (``S_abs_hi < fixed S_abs_lo``);
+    ``not resolved``: lower but the intervals overlap, or a value is NaN, or lower while the
+    tested regime's S is a lower bound (not identified in some seed), or not lower while
+    fixed's S is a lower bound (a measured S that is a bound is only compared where the bound
+    points the same way as the claim);
+    ``not supported``: not lower.
+
+    Returns:
+        ``{"label", "why"}``.
+    """
+    if not _finite(tested, fixed, "S_abs"):
+        return _check("not resolved", "a value is undefined (NaN)")
+    if tested["S_abs"] >= fixed["S_abs"]:
+        measured = _check("not supported", "not lower")
+        if fixed.get("S_bound_seeds"):  # fixed's S may be larger than measured
+            return _on_bounds(measured, "fixed's S is a lower bound")
+        return measured
+    if tested["S_abs_hi"] < fixed["S_abs_lo"]:
+        measured = _check("supported", "lower, the intervals do not overlap")
+    else:
+        measured = _check("not resolved", "lower, but the intervals overlap")
+    if tested.get("S_bound_seeds"):  # its S may be larger than measured
+        return _on_bounds(measured, "the tested regime's S is a lower bound")
+    return measured
+
+
+def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+    """Does D (in the metric's units, ``D_abs``) stay? ``supported`` when the intervals of
+    ``tested`` and ``fixed`` overlap, ``not supported`` when they do not, ``not resolved`` when a
+    value is NaN or either regime's S is not identified in some seed (its D is then an upper
+    bound, which neither claim can rest on).
+
+    Returns:
+        ``{"label", "why"}``.
+    """
+    if not _finite(tested, fixed, "D_abs"):
+        return _check("not resolved", "a value is undefined (NaN)")
+    if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
+        measured = _check("supported", "the intervals overlap")
+    else:
+        measured = _check("not supported", "the intervals do not overlap")
+    if tested.get("S_bound_seeds") or fixed.get("S_bound_seeds"):
+        return _on_bounds(measured, "D is an upper bound where S is not identified")
+    return measured
+
+
+def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    """Does the slope flatten by about the change in S?
+
+    If the regime removes ``fixed S_abs - tested S_abs`` from fixed's gap (``gap_abs``, both
+    means over k), the slope (linear in the gap) scales by ``1 - that / fixed gap_abs``:
+    predicted slope = fixed slope x that factor.
+    ``supported``: the predicted slope lies in the tested slope's interval and the fixed slope
+    does not; ``not resolved``: both lie in it (the change cannot be told from no change), or a
+    value is NaN; ``not supported``: the predicted slope lies outside it.
+
+    Returns:
+        ``{"label", "why", "predicted_slope"}``.
+    """
+    removed = (
+        (fixed["S_abs"] - tested["S_abs"]) / fixed["gap_abs"] if fixed["gap_abs"] else math.nan
+    )
+    predicted = fixed["slope"] * (1.0 - removed)
+    result = {"predicted_slope": predicted}
+    values = [predicted, tested["slope_lo"], tested["slope_hi"], fixed["slope"]]
+    if not all(math.isfinite(float(v)) for v in values):
+        return {**_check("not resolved", "a value is undefined (NaN)"), **result}
+    inside = tested["slope_lo"] <= predicted <= tested["slope_hi"]
+    fixed_inside = tested["slope_lo"] <= fixed["slope"] <= tested["slope_hi"]
+    if not inside:
+        label, why = "not supported", "the prediction lies outside the interval"
+    elif fixed_inside:
+        label, why = "not resolved", "the interval also holds the fixed slope"
+    else:
+        label, why = "supported", "the prediction lies in the interval, the fixed slope does not"
+    return {**_check(label, why), **result}
+
+
+def verdict(regimes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each of `TESTED_REGIMES`: ``{"S_lower", "D_stays", "slope_follows_S"}``, each a
+    ``{"label", "why"}`` (labels in `LABELS`; ``not tested`` when the regime or ``fixed``
+    was not run). ``regimes`` maps a regime name to its `aggregate` (None read as NaN)."""
+    checks: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+        "S_lower": s_verdict,
+        "D_stays": d_verdict,
+        "slope_follows_S": slope_verdict,
+    }
+    result: dict[str, dict[str, dict[str, Any]]] = {}
+    for regime in TESTED_REGIMES:
+        missing = [name for name in (regime, BASELINE) if name not in regimes]
+        if missing:
+            why = f"no {' or '.join(missing)} runs"
+            result[regime] = {name: _check("not tested", why) for name in checks}
+            continue
+        tested, fixed = _decoded(regimes[regime]), _decoded(regimes[BASELINE])
+        result[regime] = {name: check(tested, fixed) for name, check in checks.items()}
+    return result
+
+
+def mean_over_seeds(row: dict[str, Any], name: str) -> float:
+    """The mean of the per-seed number ``name`` of an `aggregate` over the seeds where it is
+    defined (NaN when none is)."""
+    values = (entry[name] for entry in row["per_seed"])
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _decoded(row: dict[str, Any]) -> dict[str, Any]:
+    """An aggregate with JSON's None read back as NaN (numbers only)."""
+    return {key: math.nan if value is None else value for key, value in row.items()}
+
+
+def _finite(tested: dict[str, Any], fixed: dict[str, Any], name: str) -> bool:
+    keys = (name, f"{name}_lo", f"{name}_hi")
+    return all(math.isfinite(float(row[key])) for row in (tested, fixed) for key in keys)
+
+
+def _check(label: str, why: str) -> dict[str, str]:
+    return {"label": label, "why": why}
+
+
+def _on_bounds(measured: dict[str, str], bound: str) -> dict[str, str]:
+    """``not resolved`` where a compared value is a bound, keeping what the measured values
+    alone would say (``measured``) for the reader."""
+    return {
+        "label": "not resolved",
+        "why": f"{measured['why']} ({measured['label']} on the measured values); {bound}",
+        "measured": measured["label"],
+    }

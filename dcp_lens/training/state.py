@@ -1,0 +1,153 @@
+"""Resumable checkpoints of a training run: the run folder's preparation, the safetensors
+checkpoint (model, optimizer, RNG) with the trainer's plain state, and atomic JSON writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
+from dcp_lens.utils.checks import read_json_object, read_safetensors_file
+from dcp_lens.utils.errors import DamagedFileError
+from dcp_lens.utils.files import write_text_atomically
+
+CHECKPOINT_TENSORS = "state.safetensors"
+CHECKPOINT_STATE = "trainer_state.json"
+CHECKPOINT_FORMAT = "dcp-lens-checkpoint/1"
+
+
+@dataclass
+class RunState:
+    """The trainer's plain (JSON) state besides tensors, as a checkpoint restores it."""
+
+    step: int
+    max_hops: int | None
+    history: dict[str, Any]
+
+
+def config_differences(saved_path: Path, config: TrainConfig) -> list[str]:
+    """The fields, other than `RUN_FIELDS`, in which the config saved at ``saved_path``
+    differs from ``config`` (sorted; empty when the run is a run of ``config``)."""
+    saved = TrainConfig.from_json(saved_path).to_dict()
+    current = config.to_dict()
+    return sorted(k for k in current if k not in RUN_FIELDS and saved.get(k) != current[k])
+
+
+def prepare_run_folder(config: TrainConfig, out: Path, resume: bool) -> None:
+    """Check a previous run in ``out`` matches (resume) or clear it (no resume)."""
+    saved_path = out / CONFIG_FILE
+    if not resume:
+        for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old", CHECKPOINT_DIR + ".tmp"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        return
+    if latest_checkpoint(out) is None or not saved_path.is_file():
+        return
+    differ = config_differences(saved_path, config)
+    if differ:
+        raise ValueError(
+            f"{out} holds a run with a different config (fields {differ} differ); resume it "
+            "with the same config, pick another out_dir, or pass resume=False to replace it."
+        )
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The latest complete checkpoint folder in ``out``, if any."""
+    for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old"):
+        folder = out / name
+        if (folder / CHECKPOINT_TENSORS).is_file() and (folder / CHECKPOINT_STATE).is_file():
+            return folder
+    return None
+
+
+def save_checkpoint(
+    out: Path,
+    model: HookedRecurrentTransformer,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    sampler: torch.Generator,
+    state: RunState,
+    config: TrainConfig,
+) -> None:
+    """Write the checkpoint to a temporary folder, then swap it in (never a half-written one)."""
+    tensors = {
+        f"model.{k}": v.detach().cpu().contiguous() for k, v in model.canonical_state_dict().items()
+    }
+    optimizer_state = optimizer.state_dict()
+    for index, per_parameter in optimizer_state["state"].items():
+        for key, value in per_parameter.items():
+            tensors[f"optimizer.{names[index]}.{key}"] = value.detach().cpu().contiguous()
+    tensors["rng.sampler"] = sampler.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = cuda_state
+    plain = {
+        "format": CHECKPOINT_FORMAT,
+        "step": state.step,
+        "max_hops": state.max_hops,
+        "history": state.history,
+        "parameter_names": names,
+        "param_groups": optimizer_state["param_groups"],
+        "config": config.to_dict(),
+    }
+    tmp, final, old = (out / (CHECKPOINT_DIR + s) for s in (".tmp", "", ".old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(tensors, str(tmp / CHECKPOINT_TENSORS), metadata={"format": CHECKPOINT_FORMAT})
+    write_json(tmp / CHECKPOINT_STATE, plain)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(
+    folder: Path,
+    model: HookedRecurrentTransformer,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    sampler: torch.Generator,
+) -> RunState:
+    """Restore model, optimizer and RNG from ``folder``; return the trainer state."""
+    recovery = (
+        f"Delete {folder} to resume from the previous checkpoint (if {CHECKPOINT_DIR}.old "
+        "exists) or from scratch, or pass resume=False (--no-resume) to start over."
+    )
+    plain = read_json_object(folder / CHECKPOINT_STATE, error=DamagedFileError, recovery=recovery)
+    if plain.get("format") != CHECKPOINT_FORMAT or plain["parameter_names"] != names:
+        raise ValueError(
+            f"{folder} is not a checkpoint of this model (format {plain.get('format')!r}); "
+            "pass resume=False to start over."
+        )
+    tensors = read_safetensors_file(folder / CHECKPOINT_TENSORS, recovery=recovery)
+    model.load_canonical_state_dict(
+        {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
+        source=str(folder),
+    )
+    per_parameter: dict[int, dict[str, torch.Tensor]] = {}
+    for index, name in enumerate(names):
+        prefix = f"optimizer.{name}."
+        entries = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        if entries:
+            per_parameter[index] = entries
+    groups = [{**g, "betas": tuple(g["betas"])} for g in plain["param_groups"]]
+    optimizer.load_state_dict({"state": per_parameter, "param_groups": groups})
+    sampler.set_state(tensors["rng.sampler"])
+    torch.set_rng_state(tensors["rng.torch"])
+    if torch.cuda.is_available():
+        cuda_keys = [f"rng.cuda.{i}" for i in range(torch.cuda.device_count())]
+        if all(key in tensors for key in cuda_keys):
+            torch.cuda.set_rng_state_all([tensors[key] for key in cuda_keys])
+    return RunState(step=plain["step"], max_hops=plain["max_hops"], history=plain["history"])
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text_atomically(path, json.dumps(data, indent=1) + "\n")

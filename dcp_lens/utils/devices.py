@@ -1,0 +1,80 @@
+"""Devices and dtypes, checked once where they enter (a loader, `train`, the CLI), so that an
+unavailable device is one line naming it and what this machine has, not a torch traceback."""
+
+from __future__ import annotations
+
+import torch
+
+from dcp_lens.utils.checks import WEIGHT_DTYPES
+from dcp_lens.utils.errors import DeviceError
+
+
+def available_devices() -> list[str]:
+    """The devices this machine can compute on: ``cpu``, then ``cuda:i`` / ``mps`` / ... ."""
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    for kind in ("xpu",):
+        backend = getattr(torch, kind, None)
+        if backend is not None and getattr(backend, "is_available", lambda: False)():
+            found += [f"{kind}:{i}" for i in range(backend.device_count())]
+    return found
+
+
+def check_device(device: object) -> torch.device:
+    """``device`` (a name such as ``"cuda:0"`` or a ``torch.device``) if it exists here.
+
+    Raises:
+        DeviceError: the name is not a device, or this machine does not have it (the message
+            lists the devices it has).
+    """
+    if isinstance(device, torch.device):
+        parsed = device
+    elif isinstance(device, str) and device.strip():
+        try:
+            parsed = torch.device(device.strip())
+        except (RuntimeError, ValueError) as error:
+            raise DeviceError(
+                f"device {device!r} is not a device name; available here: {_listing()}."
+            ) from error
+    else:
+        raise DeviceError(
+            f"device must be a device name such as 'cpu' or 'cuda:0', got {device!r}; available "
+            f"here: {_listing()}."
+        )
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type == "meta":
+        raise DeviceError(
+            "device 'meta' holds shapes but no values, so nothing can run on it; available "
+            f"here: {_listing()}."
+        )
+    have = available_devices()
+    wanted = str(parsed) if parsed.index is not None else parsed.type
+    if not any(name == wanted or name.split(":")[0] == wanted for name in have):
+        raise DeviceError(f"device {str(device)!r} is not available; available here: {_listing()}.")
+    return parsed
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    """A floating dtype dcp-lens computes in, from a ``torch.dtype`` or a name (``"bfloat16"``)."""
+    if isinstance(dtype, str) and dtype in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in WEIGHT_DTYPES.values():
+        return dtype
+    raise DeviceError(
+        f"dtype={dtype!r} is not one of {sorted(WEIGHT_DTYPES)}; dcp-lens computes in floating "
+        "point only (integer, complex and float8 dtypes are refused)."
+    )
+
+
+def _listing() -> str:
+    names = available_devices()
+    note = "" if torch.cuda.is_available() else " (no CUDA device: torch sees none)"
+    return ", ".join(names) + note
+
+
+__all__ = ["available_devices", "check_device", "check_dtype"]

@@ -1,0 +1,41 @@
+"""Loaders of real checkpoints from local files (never pickle, never code from a checkpoint).
+
+``dcp_lens.load("huginn:PATH")``, ``load("ouro:PATH")``, ``load("llama2c:PATH")`` and
+``load("bridge:PATH")`` dispatch here:
+
+- `huginn`: Huginn-0125 (config.json + safetensors, original key names).
+- `ouro`: Ouro LoopLM, as an `OuroRecurrentTransformer` with its early-exit gate.
+- `llama2c`: llama2.c version-0 ``.bin`` checkpoints with their tokenizer (stories260K).
+- `bridge`: any dense TransformerLens 4 `TransformerBridge` (a local Hugging Face folder) as a
+  `BridgeModel`, the negative control through the bridge's own hooks.
+- `checkpoint_files`: safetensors reading (single or sharded), key/shape checks, meta-device build.
+"""
+
+from __future__ import annotations
+
+from dcp_lens.model.folder import SafetensorsCheckpoint
+from dcp_lens.zoo.loaders.bridge import BridgeModel, load_bridge
+from dcp_lens.zoo.loaders.huginn import huginn_config, load_huginn
+from dcp_lens.zoo.loaders.llama2c import llama2c_config, load_llama2c
+from dcp_lens.zoo.loaders.ouro import (
+    ExitOutputs,
+    OuroRecurrentTransformer,
+    exit_distribution,
+    load_ouro,
+    ouro_config,
+)
+
+__all__ = [
+    "BridgeModel",
+    "ExitOutputs",
+    "OuroRecurrentTransformer",
+    "SafetensorsCheckpoint",
+    "exit_distribution",
+    "huginn_config",
+    "llama2c_config",
+    "load_bridge",
+    "load_huginn",
+    "load_llama2c",
+    "load_ouro",
+    "ouro_config",
+]

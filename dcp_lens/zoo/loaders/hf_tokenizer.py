@@ -1,0 +1,180 @@
+"""`HFTokenizer`: a checkpoint's own Hugging Face tokenizer, read from its local files.
+
+A Hugging Face checkpoint folder ships ``tokenizer.json`` (the `tokenizers` library's format: the
+vocabulary, merges, pre-tokenizer, decoder) and ``tokenizer_config.json`` (the special tokens and
+whether a BOS token is added). `load_checkpoint_tokenizer` reads both with the `tokenizers` library
+alone (no network, no code from the checkpoint). The vocabulary size and the special tokens come
+from the files; none is assumed.
+
+The wrapper has the surface `HookedRecurrentTransformer` and the text task use (as
+`Llama2cTokenizer`): ``encode(text, bos=...)``, ``decode(ids)``, ``bos_token_id``,
+``eos_token_id``, ``pad_token_id``, ``vocab_size``, ``fingerprint()``, and an HF-style call that
+pads a batch with the pad id and returns the attention mask.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from dcp_lens.model.tokenization import padding_id
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` with the special tokens of its ``tokenizer_config.json``.
+
+    Args:
+        tokenizer: the loaded `tokenizers.Tokenizer`.
+        bos_token, eos_token, pad_token: the special tokens' strings (None: the tokenizer has none).
+        add_bos_token: whether the checkpoint prepends BOS by default (``prepends_bos``).
+        source: where it was read from, for messages.
+
+    Special tokens are added by ``encode`` itself (``bos``), never by the file's post-processor,
+    so ``prepend_bos`` means the same for every checkpoint.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos_token: bool | None = None,
+        source: str = "tokenizer",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.source = source
+        self.bos_token_id = self._special_id(bos_token, "bos_token")
+        self.eos_token_id = self._special_id(eos_token, "eos_token")
+        self.pad_token_id = self._special_id(pad_token, "pad_token")
+        # A checkpoint with a BOS token prepends it unless its config says otherwise.
+        wants_bos = add_bos_token if add_bos_token is not None else bos_token is not None
+        self.prepends_bos = bool(wants_bos) and self.bos_token_id is not None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> HFTokenizer:
+        """Read ``tokenizer.json`` and (if present) ``tokenizer_config.json`` from ``folder``.
+
+        Raises:
+            FileNotFoundError: the folder has no ``tokenizer.json``.
+            ValueError: a file is unreadable, or a special token is not in the vocabulary.
+        """
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; a tokenizer folder needs it.")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # the Rust library raises its own exception type
+            raise ValueError(f"{path} is not a readable tokenizers file: {error}") from error
+        config: dict[str, Any] = {}
+        config_path = folder / TOKENIZER_CONFIG_FILE
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+        add_bos = config.get("add_bos_token")
+        return cls(
+            tokenizer,
+            bos_token=_token_string(config.get("bos_token")),
+            eos_token=_token_string(config.get("eos_token")),
+            pad_token=_token_string(config.get("pad_token")),
+            add_bos_token=None if add_bos is None else bool(add_bos),
+            source=str(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of ``text``: ``[BOS] + ids + [EOS]`` as requested.
+
+        Raises:
+            ValueError: ``bos`` or ``eos`` is asked for but the tokenizer has no such token.
+        """
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if bos:
+            ids.insert(0, self._require(self.bos_token_id, "BOS", "prepend_bos=False"))
+        if eos:
+            ids.append(self._require(self.eos_token_id, "EOS", "eos=False"))
+        return ids
+
+    def decode(self, ids: list[int] | Int[Tensor, " seq"]) -> str:
+        """Text of ``ids`` (special tokens kept)."""
+        values = [int(i) for i in ids.tolist()] if isinstance(ids, Tensor) else list(ids)
+        return str(self.tokenizer.decode(values, skip_special_tokens=False))
+
+    def __call__(
+        self, text: str | list[str], bos: bool | None = None
+    ) -> dict[str, Int[Tensor, "batch seq"]]:
+        """HF-style: ``{"input_ids", "attention_mask"}``, ``[batch, seq]`` tensors, right-padded
+        with `padding_id` (mask 0 on padding); ``bos`` defaults to ``prepends_bos``."""
+        texts = [text] if isinstance(text, str) else list(text)
+        rows = [self.encode(t, bos=self.prepends_bos if bos is None else bos) for t in texts]
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), padding_id(self), dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, : len(row)] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the ids of a text (cache keys of token files)."""
+        payload = json.dumps(
+            [self.tokenizer.to_str(), self.bos_token_id, self.eos_token_id], sort_keys=True
+        )
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.source!r}, vocab_size={self.vocab_size})"
+
+    def _special_id(self, token: str | None, name: str) -> int | None:
+        if token is None:
+            return None
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(
+                f"{self.source}: {name}={token!r} is not in the vocabulary; fix "
+                f"{TOKENIZER_CONFIG_FILE} or add the token to {TOKENIZER_FILE}."
+            )
+        return int(token_id)
+
+    def _require(self, token_id: int | None, name: str, fix: str) -> int:
+        if token_id is None:
+            raise ValueError(
+                f"{self.source} has no {name} token ({TOKENIZER_CONFIG_FILE} sets none); pass "
+                f"{fix}."
+            )
+        return token_id
+
+
+def load_checkpoint_tokenizer(folder: str | Path) -> HFTokenizer | None:
+    """The tokenizer a checkpoint folder ships (``tokenizer.json``), or None if it has none."""
+    folder = Path(folder)
+    return HFTokenizer.from_folder(folder) if (folder / TOKENIZER_FILE).is_file() else None
+
+
+def _token_string(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None

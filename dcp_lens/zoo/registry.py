@@ -1,0 +1,105 @@
+"""`load(spec)`: one entry point for every model dcp-lens can diagnose (every registry of dcp-lens,
+this one included, adds entries with `dcp_lens.utils.registry.add_entry`). Imports no model code
+until a model is loaded.
+
+A spec is ``"KIND:ARGUMENT"`` for a registered kind (``planted:readout_shift``, ``huginn:PATH``, …),
+a bundled name (``default``, ``default-dense``, …), or the path of a `save_pretrained` folder.
+Keyword arguments override fields of the model's `RecurrentConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dcp_lens.utils.errors import ConfigError, ConfigTypeError
+from dcp_lens.utils.registry import add_entry
+
+Loader = Callable[..., Any]
+LOADERS: dict[str, Loader] = {}
+NAMED: dict[str, Loader] = {}
+
+
+def register_loader(kind: str) -> Callable[[Loader], Loader]:
+    """Register ``loader(argument, **overrides)`` for specs ``"kind:argument"``."""
+
+    def decorator(loader: Loader) -> Loader:
+        _import_builtin_kinds()  # a built-in kind's name is taken before it is first loaded
+        return add_entry(LOADERS, kind, loader, "loader kind")
+
+    return decorator
+
+
+def register_named(name: str) -> Callable[[Loader], Loader]:
+    """Register ``loader(**overrides)`` for the bare spec ``name``."""
+
+    def decorator(loader: Loader) -> Loader:
+        _import_builtin_kinds()
+        return add_entry(NAMED, name, loader, "named model")
+
+    return decorator
+
+
+def load(spec: str, **overrides: Any) -> Any:
+    """Load the model a spec names; ``overrides`` replace `RecurrentConfig` fields.
+
+    >>> model = load("planted:readout_shift")            # doctest: +SKIP
+    >>> model = load("huginn:/models/huginn-0125", state_init="zeros")  # doctest: +SKIP
+    """
+    if not isinstance(spec, str):
+        raise ConfigTypeError(f"a model spec must be a non-empty string, got {spec!r}.")
+    if not spec.strip():
+        raise ConfigError(f"a model spec must be a non-empty string, got {spec!r}.")
+    _import_builtin_kinds()
+    kind, _, argument = spec.partition(":")
+    if argument and kind in LOADERS:
+        return _named(LOADERS[kind](argument, **overrides), spec)
+    if spec in NAMED:
+        return _named(NAMED[spec](**overrides), spec)
+    if Path(spec).is_dir():
+        from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+        from dcp_lens.tasks import check_task_config
+
+        model = HookedRecurrentTransformer.from_pretrained(spec, **overrides)
+        if model.task_config is not None:  # the model stage checks its form, the tasks its fields
+            check_task_config(model.task_config, str(Path(spec) / "task.json"))
+        return _named(model, spec)
+    raise ConfigError(
+        f"unknown model spec {spec!r}: expected one of the kinds "
+        f"{sorted(k + ':…' for k in LOADERS)}, a bundled name {sorted(NAMED)}, or a folder "
+        "written by save_pretrained."
+    )
+
+
+def _named(model: Any, spec: str) -> Any:
+    """``model`` with ``model.spec = spec``: results name it by default (`DepthControlProtocol`)."""
+    model.spec = spec
+    return model
+
+
+def _import_builtin_kinds() -> None:
+    """Modules that register kinds on import (kept lazy so `import dcp_lens` stays light)."""
+    import importlib
+
+    global _builtins_imported
+    if _builtins_imported:
+        return
+    _builtins_imported = True  # set before importing: those modules register in turn
+    for module in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module:
+                raise
+
+
+_builtins_imported = False
+_BUILTIN_MODULES: list[str] = [
+    "dcp_lens.zoo.planted",
+    "dcp_lens.zoo.bundled",
+    "dcp_lens.zoo.loaders.huginn",
+    "dcp_lens.zoo.loaders.ouro",
+    "dcp_lens.zoo.loaders.llama2c",
+    "dcp_lens.zoo.loaders.bridge",
+]

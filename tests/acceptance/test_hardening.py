@@ -1,0 +1,501 @@
+"""Every case of issue 15's fuzz pass that did not get a clear error, now refused cleanly.
+
+Each test names the case it covers; the error must be a `DCPLensError` whose message names the
+file, field or tensor and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import data_path, save_tiny_model, tiny_config, write_llama2c
+from safetensors.torch import load_file, save_file
+
+from dcp_lens import HookedRecurrentTransformer, load
+from dcp_lens.cli import main
+from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.protocol.calibration import CalibrationFallbackWarning
+from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol.results import ProtocolResults
+from dcp_lens.utils.devices import check_device
+from dcp_lens.utils.errors import (
+    ConfigError,
+    ConfigTypeError,
+    DamagedFileError,
+    DCPLensError,
+    DeviceError,
+    IncompleteRunError,
+    ResourceLimitError,
+    WeightsError,
+)
+
+# A device this machine surely lacks (on a CUDA machine, a CUDA index past its last GPU).
+ABSENT_DEVICE = "cuda:99" if torch.cuda.is_available() else "cuda"
+
+
+def rewrite_json(path: Path, **changes: object) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run the CLI, which must fail with exit code 2 and exactly one line on stderr."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------------- configs validated by type
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '"a string"', "7"])
+def test_config_json_that_is_not_an_object_names_the_file(tmp_path, content):
+    save_tiny_model(tmp_path)
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=r"config\.json must hold a JSON object"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["huginn", "ouro"])
+def test_loader_config_json_that_is_a_list_names_the_file(tmp_path, kind):
+    folder = shutil.copytree(data_path("fixtures", f"{kind}_tiny"), tmp_path / kind)
+    (folder / "config.json").chmod(0o644)
+    (folder / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"config\.json must hold a JSON object"):
+        load(f"{kind}:{folder}")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("seed", "1", "seed='1' .* is not an integer"),
+        ("seed", 1.5, "seed=1.5 .* is not an integer"),
+        ("state_init_seed", "3", "state_init_seed='3' .* is not an integer"),
+        ("final_norm", "false", "final_norm='false' .* is not a boolean"),
+        ("tie_unembed", 0, "tie_unembed=0 .* is not a boolean"),
+        ("eps", "1e-5", "eps='1e-5' .* is not a finite number"),
+    ],
+)
+def test_config_fields_are_checked_by_type_naming_file_field_and_value(
+    tmp_path, field, value, expected
+):
+    with pytest.raises(ConfigTypeError, match=expected):
+        RecurrentConfig.from_dict({**tiny_config().to_dict(), field: value})
+    save_tiny_model(tmp_path)
+    rewrite_json(tmp_path / "config.json", **{field: value})
+    with pytest.raises(ConfigTypeError, match=rf"config\.json: .*{expected}"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+def test_huginn_init_values_as_a_string_is_refused(tmp_path):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "config.json").chmod(0o644)
+    rewrite_json(folder / "config.json", init_values="std=0.02")
+    with pytest.raises(ConfigTypeError, match=r"config\.json: field init_values='std=0.02'"):
+        load(f"huginn:{folder}")
+    rewrite_json(folder / "config.json", init_values={"std": 0.02}, qk_bias="false")
+    with pytest.raises(ConfigTypeError, match="qk_bias='false'.*boolean"):
+        load(f"huginn:{folder}")
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "expected"),
+    [
+        ({"rope_parameters": "default"}, ConfigTypeError, "rope_parameters='default'"),
+        ({"num_attention_heads": 0}, ConfigError, "num_attention_heads=0 must be > 0"),
+        ({"max_position_embeddings": 10**10}, ResourceLimitError, "n_ctx=10000000000 exceeds"),
+        ({"rms_norm_eps": "tiny"}, ConfigTypeError, "rms_norm_eps='tiny'"),
+    ],
+)
+def test_ouro_source_config_is_checked_before_use(tmp_path, changes, error, expected):
+    folder = shutil.copytree(data_path("fixtures", "ouro_tiny"), tmp_path / "ouro")
+    (folder / "config.json").chmod(0o644)
+    rewrite_json(folder / "config.json", **changes)
+    with pytest.raises(error, match=expected):
+        load(f"ouro:{folder}")
+
+
+@pytest.mark.parametrize("name", ["config.json", "task.json"])
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(b'{"d_model": 16,', "is not valid JSON"), (b"\x89PNG\r\n\x1a\n\xff\xfe", "is not UTF-8")],
+)
+def test_invalid_or_binary_json_names_the_file(tmp_path, name, content, expected):
+    save_tiny_model(tmp_path)
+    (tmp_path / "task.json").write_text(json.dumps({"name": "variable_binding"}))
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"{name} {expected}"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("task", "expected"),
+    [
+        ([{"name": "variable_binding"}], "must hold a JSON object"),
+        ({"name": "variable_binding", "seed": "0"}, "seed='0' .* is not an integer"),
+        ({"name": "variable_binding", "show_answers": "false"}, "show_answers='false'"),
+        ({"name": "nope"}, "unknown task 'nope'"),
+    ],
+)
+def test_task_json_is_validated_on_load(tmp_path, task, expected):
+    """`load(folder)` checks task.json whole; the model stage checks its form at from_pretrained
+    (a JSON object), the tasks stage its fields when the task is built (`task_of`)."""
+    from dcp_lens.tasks import task_of
+
+    save_tiny_model(tmp_path)
+    (tmp_path / "task.json").write_text(json.dumps(task))
+    with pytest.raises(ConfigError, match=expected):
+        load(str(tmp_path))
+    if isinstance(task, dict):
+        with pytest.raises(ConfigError, match=expected):
+            task_of(HookedRecurrentTransformer.from_pretrained(tmp_path))
+    else:
+        with pytest.raises(ConfigError, match=expected):
+            HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+def test_training_config_fields_are_checked_by_type(tmp_path):
+    from dcp_lens.training import TrainConfig, preset
+
+    saved = preset("tiny").to_dict()
+    for field, value in (("seed", "0"), ("seed", 0.5), ("lr", "fast"), ("grad_clip", math.nan)):
+        with pytest.raises(ConfigTypeError, match=f"field {field}="):
+            TrainConfig.from_dict({**saved, field: value})
+    (tmp_path / "train_config.json").write_text(json.dumps({**saved, "regime": "fixed"}))
+    with pytest.raises(ConfigTypeError, match=r"train_config\.json: .*field regime='fixed'"):
+        TrainConfig.from_json(tmp_path / "train_config.json")
+
+
+# ------------------------------------------------------------------- weights of the wrong kind
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn, torch.int32])
+def test_weights_of_an_unsupported_dtype_are_refused_naming_the_tensor(tmp_path, dtype):
+    save_tiny_model(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["embed.W_E"] = state["embed.W_E"].to(dtype)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"tensor 'embed\.W_E' has dtype"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+def test_huginn_weights_of_complex_dtype_are_refused(tmp_path):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "model.safetensors").chmod(0o644)
+    state = load_file(folder / "model.safetensors")
+    state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].to(torch.complex64)
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"'transformer\.ln_f\.weight' has dtype C64"):
+        load(f"huginn:{folder}")
+
+
+def test_nan_in_llama2c_rope_tables_is_refused_naming_the_table(tmp_path):
+    def poison(table: torch.Tensor) -> torch.Tensor:
+        table[1, 0] = math.nan
+        return table
+
+    good = write_llama2c(tmp_path / "good.bin")
+    assert load(f"llama2c:{good}").cfg.d_model == 8
+    bad = write_llama2c(tmp_path / "bad.bin", tables=poison)
+    with pytest.raises(WeightsError, match="'freq_cis_real' holds 1 non-finite"):
+        load(f"llama2c:{bad}")
+
+
+# ------------------------------------------------------------------- devices and dtypes
+
+
+def test_an_unavailable_device_is_one_clear_error_in_every_loader(tmp_path):
+    save_tiny_model(tmp_path / "model")
+    attempts = [
+        lambda: HookedRecurrentTransformer.from_pretrained(
+            tmp_path / "model", device=ABSENT_DEVICE
+        ),
+        lambda: load(str(tmp_path / "model"), device=ABSENT_DEVICE),
+        lambda: load(f"huginn:{data_path('fixtures', 'huginn_tiny')}", device=ABSENT_DEVICE),
+        lambda: load(f"ouro:{data_path('fixtures', 'ouro_tiny')}", device=ABSENT_DEVICE),
+        lambda: load(f"llama2c:{data_path('stories260K')}", device=ABSENT_DEVICE),
+    ]
+    for attempt in attempts:
+        with pytest.raises(DeviceError, match=rf"device '{ABSENT_DEVICE}' is not available; "):
+            attempt()
+    with pytest.raises(DeviceError, match="'tpu9' is not a device name; available here: cpu"):
+        check_device("tpu9")
+    with pytest.raises(DeviceError, match="dtype=torch.int32 is not one of"):
+        load(f"huginn:{data_path('fixtures', 'huginn_tiny')}", dtype=torch.int32)
+
+
+def test_an_unavailable_device_fails_train_experiment_and_bench_before_work(tmp_path):
+    from dcp_lens.studies.bench import run_bench
+    from dcp_lens.studies.intervention import run_training_intervention
+    from dcp_lens.training import preset, train
+
+    with pytest.raises(DeviceError, match="is not available"):
+        train(preset("tiny", device=ABSENT_DEVICE), tmp_path / "train", progress=False)
+    assert not (tmp_path / "train" / "checkpoint").exists()
+    with pytest.raises(DeviceError, match="is not available"):
+        run_training_intervention(tmp_path / "experiment", preset="tiny", device=ABSENT_DEVICE)
+    with pytest.raises(DeviceError, match="is not available"):
+        run_bench(device=ABSENT_DEVICE)
+
+
+@pytest.mark.parametrize("command", ["run", "experiment training-intervention", "bench"])
+def test_cli_refuses_an_unavailable_device_in_one_line(capsys, tmp_path, command):
+    argv = [*command.split(), "--device", ABSENT_DEVICE]
+    argv += [] if command == "bench" else ["--out", str(tmp_path / "out")]
+    assert "is not available; available here: cpu" in one_line_error(capsys, argv)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------- late failures, now early
+
+
+def test_train_out_on_an_existing_file_is_refused_up_front(capsys, tmp_path):
+    existing = tmp_path / "taken"
+    existing.write_text("not a folder")
+    err = one_line_error(capsys, ["train", "--preset", "tiny", "--out", str(existing)])
+    assert "is an existing file, not a folder" in err
+
+
+def test_bench_with_a_sequence_that_cannot_fit_fails_before_allocating(capsys, monkeypatch):
+    import dcp_lens.studies.bench
+
+    real = dcp_lens.studies.bench.HookedRecurrentTransformer
+
+    def no_model(*args, **kwargs):
+        # Counting parameters on the meta device allocates nothing; a real model would.
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("the bench built its model before checking the sizes")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_lens.studies.bench, "HookedRecurrentTransformer", no_model)
+    err = one_line_error(capsys, ["bench", "--seq", "100000"])
+    assert "lower the sequence length, the batch or the model size" in err
+
+
+def test_resume_over_a_truncated_checkpoint_names_it_and_how_to_recover(tmp_path):
+    from dcp_lens.training import preset, train
+
+    config = preset("tiny", steps=4, checkpoint_interval=2, eval_interval=2)
+    train(config, tmp_path, stop_at_step=2, progress=False)
+    tensors = tmp_path / "checkpoint" / "state.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:100])
+    with pytest.raises(
+        DamagedFileError, match=r"state\.safetensors is not a readable .*--no-resume"
+    ):
+        train(config, tmp_path, progress=False)
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text('{"step": ')
+    with pytest.raises(DamagedFileError, match=r"trainer_state\.json is not valid JSON"):
+        train(config, tmp_path, progress=False)
+
+
+def test_results_json_truncated_names_the_file_and_how_to_recover(tmp_path):
+    (tmp_path / "results.json").write_text('{"runs": [{"model": "default", ')
+    with pytest.raises(DamagedFileError, match=r"results\.json is not valid JSON .*Delete it"):
+        ProtocolResults.load(tmp_path)
+
+
+# ------------------------------------------------------------------- hooks across views
+
+
+@pytest.mark.parametrize("permanent", [False, True])
+def test_reset_hooks_removes_hooks_left_on_blocks_of_another_view(permanent):
+    model = HookedRecurrentTransformer(tiny_config(n_iterations=4)).eval()
+    tokens = torch.randint(0, 20, (1, 6))
+    fired: list[str] = []
+
+    def record(tensor: torch.Tensor, hook) -> None:
+        fired.append(hook.name)
+
+    with model.iterations(8):
+        name = model.hook_name(7, 0, "hook_resid_post")  # a block that exists only at k = 8
+        model.add_hook(name, record, is_permanent=permanent)
+    model.reset_hooks(including_permanent=permanent)
+    model(tokens, n_iterations=8)
+    assert fired == []
+    model.run_with_hooks(tokens, n_iterations=8, fwd_hooks=[(name, record)], reset_hooks_end=False)
+    assert fired == [name]
+    model.reset_hooks()
+    model(tokens, n_iterations=8)
+    assert fired == [name]
+
+
+def test_reset_hooks_clears_contexts_and_keeps_permanent_hooks_unless_told():
+    model = HookedRecurrentTransformer(tiny_config(n_iterations=4)).eval()
+    tokens = torch.randint(0, 20, (1, 6))
+    name = model.hook_name(3, 0, "hook_resid_post")
+    fired: list[str] = []
+
+    def remember(tensor: torch.Tensor, hook) -> None:
+        hook.ctx["seen"] = True
+        fired.append(hook.name)
+
+    model.add_hook(name, remember, is_permanent=True)
+    model(tokens)
+    point = model.hook_dict[name]
+    assert point.ctx == {"seen": True}
+    model.reset_hooks(clear_contexts=False)
+    assert point.ctx == {"seen": True}
+    model.reset_hooks()  # clears contexts; permanent hooks stay
+    assert point.ctx == {}
+    model(tokens)
+    assert fired == [name, name]
+    model.reset_hooks(including_permanent=True)
+    model(tokens)
+    assert fired == [name, name]
+
+
+# ------------------------------------------------------------------- huge declared sizes
+
+
+def test_save_pretrained_folder_checks_shapes_before_building_the_model(tmp_path, monkeypatch):
+    save_tiny_model(tmp_path)
+    rewrite_json(tmp_path / "config.json", d_vocab=2_000_000)
+    initialise = HookedRecurrentTransformer._init_weights
+
+    def only_on_meta(model: HookedRecurrentTransformer) -> None:
+        # Building it first took 18 s and 3.4 GB: nothing may be materialised before the check.
+        assert all(p.device.type == "meta" for p in model.parameters()), "materialised first"
+        initialise(model)
+
+    monkeypatch.setattr(HookedRecurrentTransformer, "_init_weights", only_on_meta)
+    with pytest.raises(WeightsError, match=r"'embed\.W_E' has shape \(20, 16\), expected"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+    monkeypatch.setattr(HookedRecurrentTransformer, "_init_weights", initialise)
+    rewrite_json(tmp_path / "config.json", d_vocab=10**10)
+    with pytest.raises(ResourceLimitError, match="d_vocab=10000000000 exceeds"):
+        HookedRecurrentTransformer.from_pretrained(tmp_path)
+
+
+def test_block_size_and_iteration_counts_are_bounded_before_allocation(tmp_path):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "config.json").chmod(0o644)
+    rewrite_json(folder / "config.json", block_size=10**10)
+    with pytest.raises(ResourceLimitError, match="n_ctx=10000000000 exceeds"):
+        load(f"huginn:{folder}")
+    save_tiny_model(tmp_path / "model")
+    model = load(str(tmp_path / "model"))
+    copies = len(model._core)
+    with pytest.raises(ResourceLimitError, match="n_iterations=10000 exceeds"):
+        load(str(tmp_path / "model"), n_iterations=10_000)
+    with pytest.raises(ResourceLimitError, match="n_iterations=10000 exceeds"):
+        model(torch.zeros(1, 3, dtype=torch.long), n_iterations=10_000)
+    assert len(model._core) == copies  # refused before a single block was unrolled
+
+
+# ------------------------------------------------------------------- pickle and links
+
+
+def test_bridge_refuses_pickle_weights_without_torchs_unsafe_advice(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")  # a pickle of 1
+    with pytest.raises(WeightsError, match="pickle-based checkpoint") as caught:
+        load(f"bridge:{tmp_path}")
+    assert "weights_only" not in str(caught.value)
+    (tmp_path / "config.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"config\.json must hold a JSON object"):
+        load(f"bridge:{tmp_path}")
+
+
+def test_weight_files_linked_from_outside_the_folder_are_refused(tmp_path):
+    outside = save_tiny_model(tmp_path / "outside")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(outside / "config.json", folder / "config.json")
+    (folder / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(WeightsError, match="links to .* outside"):
+        HookedRecurrentTransformer.from_pretrained(folder)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(data_path("fixtures", "huginn_tiny") / "config.json", sharded / "config.json")
+    huginn = data_path("fixtures", "huginn_tiny") / "model.safetensors"
+    (sharded / "shard-1.safetensors").symlink_to(huginn)
+    keys = list(load_file(huginn))
+    index = {"weight_map": dict.fromkeys(keys, "shard-1.safetensors")}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match=r"shard-1\.safetensors links to .* outside"):
+        load(f"huginn:{sharded}")
+    linked = tmp_path / "llama"
+    linked.mkdir()
+    (linked / "model.bin").symlink_to(write_llama2c(tmp_path / "elsewhere.bin"))
+    with pytest.raises(WeightsError, match="links to .* outside"):
+        load(f"llama2c:{linked}")
+
+
+# ------------------------------------------------------------------- silent oddities
+
+
+@pytest.mark.parametrize("flag", ["--model", "--k", "--dense", "--metrics"])
+def test_empty_cli_values_are_errors_not_defaults(capsys, tmp_path, flag):
+    err = one_line_error(capsys, ["run", flag, "", "--out", str(tmp_path / "out")])
+    assert f"{flag} is empty" in err
+
+
+def tiny_protocol_sets(model, n_eval: int, n_calibration: int) -> tuple[EvaluationSet, ...]:
+    task = model.planted_task
+    return task.evaluation(n_eval), task.calibration(n_calibration)
+
+
+def test_one_calibration_sequence_falls_back_with_a_warning_the_results_record():
+    model = load("planted:readout_shift")
+    evaluation, calibration = tiny_protocol_sets(model, 32, 1)
+    protocol = DepthControlProtocol(model, n_bootstrap=10, probe="none", progress=False)
+    with pytest.warns(CalibrationFallbackWarning, match="mode 'full' needs at least"):
+        results = protocol.run(evaluation, calibration)
+    assert results.metadata["calibration_fallbacks"]
+    assert all(
+        note.endswith(("diag", "mean")) for note in results.metadata["calibration_fallbacks"]
+    )
+    enough = protocol.run(*tiny_protocol_sets(model, 32, 256))
+    assert enough.metadata["calibration_fallbacks"] == []
+
+
+def test_nan_weights_never_read_as_a_passing_null_control():
+    model = HookedRecurrentTransformer(tiny_config()).eval()
+    with torch.no_grad():
+        model.W_U_untied.fill_(math.nan)
+    tokens = torch.randint(0, 20, (16, 8), generator=torch.Generator().manual_seed(0))
+    evaluation = EvaluationSet.from_tokens(tokens[:8])
+    calibration = EvaluationSet.from_tokens(tokens[8:])
+    protocol = DepthControlProtocol(model, n_bootstrap=5, probe="none", progress=False)
+    results = protocol.run(evaluation, calibration)
+    assert math.isnan(results.null_control["max_abs_logit_diff"])
+
+
+# ------------------------------------------------------------------- partial output
+
+
+def test_a_run_killed_after_its_first_model_is_marked_incomplete(capsys, tmp_path):
+    out = tmp_path / "out"
+    argv = [
+        "run",
+        "--model",
+        "planted:readout_shift",
+        "--dense",
+        "no-such-model",
+        "--out",
+        str(out),
+    ]
+    argv += ["--n-eval", "32", "--n-calibration", "64", "--bootstrap", "5", "--probe", "none"]
+    assert main([*argv, "--quiet"]) == 2
+    assert "unknown model spec 'no-such-model'" in capsys.readouterr().err
+    assert (out / "planted_readout_shift" / "results.json").is_file()
+    with pytest.raises(IncompleteRunError, match="marked incomplete .*Rerun the command"):
+        ProtocolResults.load(out / "planted_readout_shift")
+    argv[argv.index("no-such-model") - 1 : argv.index("no-such-model") + 1] = []
+    assert main([*argv, "--quiet"]) == 0
+    assert ProtocolResults.load(out / "planted_readout_shift").model == "planted:readout_shift"
+
+
+def test_every_library_error_is_a_value_error():
+    for error in (ConfigError, ConfigTypeError, DamagedFileError, DeviceError, WeightsError):
+        assert issubclass(error, DCPLensError) and issubclass(error, ValueError)
+    assert issubclass(ConfigTypeError, TypeError)

@@ -1,0 +1,103 @@
+"""report.html and the notebook face of results: figures, the headline, validity flags, a
+self-contained page, task batches and a loaded model's task and spec."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import plotly.graph_objects as go
+import plotly.offline
+import pytest
+import torch
+from helpers import make_model
+
+from dcp_lens import DepthControlProtocol, EvaluationSet, load
+from dcp_lens.protocol.metrics import METRICS
+from dcp_lens.protocol.results import ProtocolResults
+from dcp_lens.report.html import render_report, run_record, verdict
+from dcp_lens.tasks import task_of
+
+
+@pytest.fixture(scope="module")
+def planted_results() -> ProtocolResults:
+    model = load("planted:readout_shift")
+    protocol = DepthControlProtocol(model, n_bootstrap=50, progress=False)
+    return protocol.run(task_of(model).evaluation(64), task_of(model).calibration(64))
+
+
+def test_a_loaded_model_names_its_results(planted_results) -> None:
+    assert planted_results.model == "planted:readout_shift"
+
+
+def test_figures_draw_every_condition_and_factor(planted_results) -> None:
+    figures = planted_results.figures()
+    assert set(figures) == {
+        *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in METRICS),
+        "probe",
+    }
+    assert all(isinstance(figure, go.Figure) for figure in figures.values())
+    lines = {trace.name for trace in figures["quality_accuracy"].data if trace.showlegend}
+    assert lines == {"full", "truncate", "replay", "calibrate_truncate", "calibrate_replay",
+                     "shift"}  # fmt: skip
+    bars = [trace for trace in figures["decomposition_accuracy"].data if trace.type == "bar"]
+    table = planted_results.table()
+    accuracy = table[table["metric"] == "accuracy"]
+    for bar, factor in zip(bars, ("S", "B", "D"), strict=True):
+        assert list(bar.y) == pytest.approx(list(accuracy[factor]))
+
+
+def test_the_headline_reads_the_planted_factor(planted_results) -> None:
+    html = planted_results._repr_html_()
+    assert "<script" not in html and "S share" in html
+    text, flags = verdict(run_record(planted_results), "accuracy")
+    assert text.startswith("Most of the truncation gap") and "readout shift" in text
+    assert not any("lower bound" in flag or "not validated" in flag for flag in flags)
+
+
+def test_validity_flags_are_shown_when_results_carry_them(planted_results) -> None:
+    run = copy.deepcopy(run_record(planted_results))
+    for row in run["decomposition"]:
+        if row["metric"] == "accuracy" and row["k"] in (1, 2):
+            row.update(S_identified=False, B_identified=False, residual_auroc=0.9)
+    run["shares"]["accuracy"]["stable"] = False
+    run["metrics"]["accuracy"].update(validated=False, reason="misses the planted B factor")
+    _, flags = verdict(run, "accuracy")
+    assert (
+        "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
+        "still differ from full depth) at k = 1, 2"
+    ) in flags
+    assert "B not identified at k = 1, 2" in flags
+    assert any(flag.startswith("unstable share") for flag in flags)
+    assert "metric not validated: misses the planted B factor" in flags
+    html = render_report([run])
+    assert "metric not validated: misses the planted B factor" in html
+
+
+def test_the_report_is_self_contained(planted_results, tmp_path) -> None:
+    path = planted_results.report(tmp_path)
+    html = path.read_text()
+    assert path.name == "report.html"
+    assert re.findall(r"<script[^>]*\bsrc=", html) == []  # nothing loaded from elsewhere
+    assert html.count(plotly.offline.get_plotlyjs()[:2000]) == 1  # plotly.js inlined once
+    for name in planted_results.figures():
+        assert f'id="figure-{name}"' in html
+    assert "no lens data" in html and "record no hop counts" in html
+
+
+def test_the_protocol_takes_task_batches_and_a_bundled_models_task() -> None:
+    model = load("default")
+    protocol = DepthControlProtocol(model, k_grid=[1, 4], n_bootstrap=0, probe="none",
+                                    progress=False)  # fmt: skip
+    results = protocol.run(task_of(model).evaluation(16), task_of(model).calibration(16))
+    assert results.model == "default" and results.metrics[0] == "accuracy"
+    with pytest.raises(TypeError, match="EvaluationSet.from_task_batch"):
+        protocol.run(torch.zeros(2, 3), task_of(model).calibration(16))  # type: ignore[arg-type]
+    assert isinstance(EvaluationSet.from_task_batch(task_of(model).evaluation(2)), EvaluationSet)
+
+
+def test_a_model_without_a_task_says_how_to_get_one() -> None:
+    with pytest.raises(ValueError, match="records no task"):
+        task_of(make_model())
+    with pytest.warns(DeprecationWarning, match="task_of"), pytest.raises(ValueError):
+        _ = make_model().task  # the old property, for one release

@@ -1,0 +1,270 @@
+"""Streaming moments, Ledoit-Wolf shrinkage and the affine calibration (docs/design.md §3)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dcp_lens.protocol.calibration import (
+    AffineCalibration,
+    CalibrationFallbackWarning,
+    StreamingMoments,
+    fit_calibration,
+    ledoit_wolf_shrinkage,
+    symmetric_power,
+)
+
+
+def gaussian(n: int, mean: torch.Tensor, mixing: torch.Tensor, seed: int) -> torch.Tensor:
+    """n float64 samples of N(mean, mixing mixing^T)."""
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.randn(n, mixing.shape[1], generator=generator, dtype=torch.float64)
+    return noise @ mixing.T + mean
+
+
+def random_frame(d: int, seed: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random mean and a well-conditioned random mixing matrix of width d."""
+    generator = torch.Generator().manual_seed(seed)
+    mean = torch.randn(d, generator=generator, dtype=torch.float64) * 3
+    mixing = torch.eye(d, dtype=torch.float64) + torch.randn(
+        d, d, generator=generator, dtype=torch.float64
+    ) / (2 * d**0.5)
+    return mean, scale * mixing
+
+
+def reference_ledoit_wolf(samples: np.ndarray) -> tuple[np.ndarray, float]:
+    """Ledoit & Wolf (2004), Lemma 3.2-3.4, written out directly from the samples."""
+    n, p = samples.shape
+    centred = samples - samples.mean(axis=0)
+    sample_cov = centred.T @ centred / n
+    mu = np.trace(sample_cov) / p
+    delta_sq = np.sum((sample_cov - mu * np.eye(p)) ** 2) / p
+    beta_bar_sq = sum(np.sum((np.outer(row, row) - sample_cov) ** 2) / p for row in centred) / n**2
+    beta_sq = min(beta_bar_sq, delta_sq)
+    alpha_sq = delta_sq - beta_sq
+    shrunk = beta_sq / delta_sq * mu * np.eye(p) + alpha_sq / delta_sq * sample_cov
+    return shrunk, beta_sq / delta_sq
+
+
+def test_streaming_moments_match_one_shot_float64() -> None:
+    mean, mixing = random_frame(12, seed=0)
+    samples = gaussian(5000, mean + 1e4, mixing, seed=1)  # a large offset, as massive activations
+    generator = torch.Generator().manual_seed(2)
+    sizes = torch.randint(0, 20, (400,), generator=generator).tolist()  # empty and 1-row chunks too
+    assert sum(sizes) < 4900
+    moments = StreamingMoments()
+    start = 0
+    for size in sizes:
+        moments.update(samples[start : start + size])
+        start += size
+    moments.update(samples[start:4900])
+    moments.update(samples[4900:].reshape(50, 2, 12))  # leading dimensions are pooled
+    assert moments.count == 5000
+
+    reference = samples.numpy()
+    centred = reference - reference.mean(axis=0)
+    np.testing.assert_allclose(moments.mean.numpy(), reference.mean(axis=0), rtol=1e-12, atol=0)
+    np.testing.assert_allclose(
+        moments.covariance.numpy(), np.cov(reference.T, bias=True), rtol=1e-12, atol=1e-12
+    )
+    fourth = np.sum(np.sum(centred**2, axis=1) ** 2)
+    assert moments.fourth_moment_sum == pytest.approx(fourth, rel=1e-12)
+
+
+def test_merge_equals_one_stream() -> None:
+    mean, mixing = random_frame(6, seed=3)
+    samples = gaussian(900, mean, mixing, seed=4)
+    whole = StreamingMoments.from_samples(samples)
+    left = StreamingMoments.from_samples(samples[:200])
+    left.merge(StreamingMoments.from_samples(samples[200:].split(77)))
+    torch.testing.assert_close(left.mean, whole.mean, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(left.covariance, whole.covariance, rtol=1e-12, atol=1e-13)
+    assert left.fourth_moment_sum == pytest.approx(whole.fourth_moment_sum, rel=1e-12)
+
+
+def test_shrunk_power_is_computed_once_and_forgotten_on_update() -> None:
+    """A sweep maps every source onto one reference: its root is cached, until new samples."""
+    mean, mixing = random_frame(5, seed=8)
+    samples = gaussian(300, mean, mixing, seed=9)
+    moments = StreamingMoments.from_samples(samples[:100])
+    root = moments.shrunk_power(0.5)
+    expected = symmetric_power(ledoit_wolf_shrinkage(moments).covariance, 0.5)
+    assert torch.equal(root, expected) and moments.shrunk_power(0.5) is root
+    moments.update(samples[100:])
+    updated = symmetric_power(ledoit_wolf_shrinkage(moments).covariance, 0.5)
+    assert torch.equal(moments.shrunk_power(0.5), updated) and not torch.equal(updated, root)
+    merged = StreamingMoments.from_samples(samples[:100])
+    merged.shrunk_power(-0.5)
+    merged.merge(StreamingMoments.from_samples(samples[100:]))
+    inverse_root = symmetric_power(ledoit_wolf_shrinkage(merged).covariance, -0.5)
+    assert torch.equal(merged.shrunk_power(-0.5), inverse_root)
+    # Root and inverse root come from one eigendecomposition, the same bits as computed apart.
+    calls = []
+    eigh = torch.linalg.eigh
+
+    def counted(matrix):
+        calls.append(1)
+        return eigh(matrix)
+
+    fresh = StreamingMoments.from_samples(samples)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.linalg, "eigh", counted)
+        both = fresh.shrunk_power(0.5), fresh.shrunk_power(-0.5)
+    assert len(calls) == 1
+    covariance = ledoit_wolf_shrinkage(fresh).covariance
+    assert torch.equal(both[0], symmetric_power(covariance, 0.5))
+    assert torch.equal(both[1], symmetric_power(covariance, -0.5))
+
+
+def test_streaming_moments_reject_bad_input() -> None:
+    moments = StreamingMoments()
+    with pytest.raises(ValueError, match="no samples"):
+        _ = moments.mean
+    moments.update(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="width 5 but earlier samples had width 4"):
+        moments.update(torch.zeros(2, 5))
+    bad = torch.zeros(3, 4)
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="non-finite values \\(in 1 of 3 rows\\)"):
+        moments.update(bad)
+    with pytest.raises(ValueError, match="shape \\(4,\\)"):
+        moments.update(torch.zeros(4))
+
+
+@pytest.mark.parametrize(
+    ("n", "d", "expect_clipped"),
+    [(400, 10, False), (60, 40, False), (100, 5, True)],
+)
+def test_ledoit_wolf_matches_direct_formula(n: int, d: int, expect_clipped: bool) -> None:
+    mean, mixing = random_frame(d, seed=n + d)
+    if expect_clipped:  # an isotropic population: the sample spread is all noise
+        mixing = torch.eye(d, dtype=torch.float64)
+    samples = gaussian(n, mean, mixing, seed=5)
+    moments = StreamingMoments.from_samples(samples.split(7))
+    shrunk = ledoit_wolf_shrinkage(moments)
+    expected_cov, expected_intensity = reference_ledoit_wolf(samples.numpy())
+    assert shrunk.intensity == pytest.approx(expected_intensity, rel=1e-10, abs=1e-14)
+    np.testing.assert_allclose(shrunk.covariance.numpy(), expected_cov, rtol=1e-10, atol=1e-12)
+    assert (shrunk.intensity == 1.0) == expect_clipped
+    assert shrunk.scale == pytest.approx(float(np.trace(np.cov(samples.numpy().T, bias=True))) / d)
+
+
+def test_calibrating_reference_onto_itself_is_identity() -> None:
+    mean, mixing = random_frame(16, seed=6)
+    samples = gaussian(4000, mean, mixing, seed=7)
+    moments = StreamingMoments.from_samples(samples)
+    for mode in ("mean", "diag", "full"):
+        calibration = AffineCalibration.fit(moments, moments, mode)
+        deviation = calibration.identity_deviation()
+        # Measured: |A - I| <= 1.6e-15, |b| <= 1.5e-14 (|mean| <= 5.7): shrinkage acts alike on
+        # both sides, so what is left is float64 rounding of the eigendecompositions.
+        assert deviation["linear"] < 1e-12 and deviation["offset"] < 1e-12, (mode, deviation)
+        assert calibration.is_identity_within(1e-12)
+        torch.testing.assert_close(calibration(samples), samples, rtol=0, atol=1e-11)
+    # Two independent reference samples: the map differs from I by sampling noise only.
+    # Measured for n = 4000 per side, d = 16: max |A - I| = 0.028, max |b| = 0.20 (|mean| <= 5.7).
+    other = StreamingMoments.from_samples(gaussian(4000, mean, mixing, seed=8))
+    deviation = AffineCalibration.fit(other, moments, "full").identity_deviation()
+    assert deviation["linear"] < 0.1 and deviation["offset"] < 0.4, deviation
+
+
+@pytest.mark.parametrize("mode", ["diag", "full"])
+def test_calibrated_source_matches_reference_moments(mode: str) -> None:
+    d = 8
+    source_mean, source_mixing = random_frame(d, seed=9, scale=3.0)
+    reference_mean, reference_mixing = random_frame(d, seed=10, scale=0.5)
+    fit_source = gaussian(20000, source_mean, source_mixing, seed=11)
+    reference = gaussian(20000, reference_mean, reference_mixing, seed=12)
+    calibration = fit_calibration(fit_source.split(1000), reference.split(1000), mode=mode)
+
+    output = calibration(gaussian(20000, source_mean, source_mixing, seed=13))
+    target = StreamingMoments.from_samples(gaussian(20000, reference_mean, reference_mixing, 14))
+    got = StreamingMoments.from_samples(output)
+    # Mean error in reference standard deviations, covariance error relative to its norm; the
+    # sampling error of 20000 points is ~0.01 for both.
+    std = target.covariance.diagonal().sqrt()
+    assert float(((got.mean - target.mean) / std).abs().max()) < 0.05
+    if mode == "full":
+        error = (got.covariance - target.covariance).norm() / target.covariance.norm()
+        assert float(error) < 0.05
+    else:
+        variance_ratio = got.covariance.diagonal() / target.covariance.diagonal()
+        assert float((variance_ratio - 1).abs().max()) < 0.05
+
+
+@pytest.mark.parametrize("mode", ["mean", "diag", "full"])
+def test_inverse_undoes_calibration(mode: str) -> None:
+    mean, mixing = random_frame(10, seed=15, scale=2.0)
+    other_mean, other_mixing = random_frame(10, seed=16)
+    calibration = fit_calibration(
+        gaussian(3000, mean, mixing, seed=17), gaussian(3000, other_mean, other_mixing, 18), mode
+    )
+    states = gaussian(500, mean, mixing, seed=19).reshape(5, 100, 10)
+    inverse = calibration.inverse()
+    torch.testing.assert_close(inverse(calibration(states)), states, rtol=0, atol=1e-10)
+    torch.testing.assert_close(calibration(inverse(states)), states, rtol=0, atol=1e-10)
+    torch.testing.assert_close(inverse.inverse().linear, calibration.linear, rtol=1e-12, atol=1e-12)
+
+
+def test_mean_mode_only_shifts() -> None:
+    mean, mixing = random_frame(6, seed=20)
+    source = gaussian(2000, mean, mixing, seed=21)
+    reference = gaussian(2000, -mean, 3 * mixing, seed=22)
+    calibration = fit_calibration(source, reference, mode="mean")
+    assert torch.equal(calibration.linear, torch.ones(6, dtype=torch.float64))
+    shift = reference.mean(dim=0) - source.mean(dim=0)
+    torch.testing.assert_close(calibration(source) - source, shift.expand(2000, 6))
+
+
+def test_call_keeps_shape_and_dtype() -> None:
+    mean, mixing = random_frame(8, seed=23)
+    calibration = fit_calibration(gaussian(500, mean, mixing, 24), gaussian(500, mean, mixing, 25))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        states = torch.randn(2, 3, 8).to(dtype)
+        output = calibration(states)
+        assert output.dtype == dtype and output.shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("mode", ["mean", "diag", "full"])
+def test_to_dict_round_trips_exactly(mode: str) -> None:
+    mean, mixing = random_frame(7, seed=26)
+    calibration = fit_calibration(
+        gaussian(800, mean, mixing, 27), gaussian(800, -mean, mixing.T, 28), mode
+    )
+    restored = AffineCalibration.from_dict(json.loads(json.dumps(calibration.to_dict())))
+    assert restored.mode == mode
+    for field in ("source_mean", "reference_mean", "linear"):
+        assert torch.equal(getattr(restored, field), getattr(calibration, field)), field
+    states = gaussian(50, mean, mixing, 29)
+    assert torch.equal(restored(states), calibration(states))
+
+
+def test_bad_calibration_inputs_raise_with_the_value() -> None:
+    samples = torch.randn(100, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mode='whiten' is not one of"):
+        fit_calibration(samples, samples, mode="whiten")
+    with pytest.raises(ValueError, match="width 4 but reference states have width 5"):
+        fit_calibration(samples, torch.randn(100, 5))
+    constant = torch.ones(50, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="source covariance is singular .*states are constant"):
+        fit_calibration(constant, samples, mode="full")
+    with pytest.raises(ValueError, match="source covariance is singular"):
+        fit_calibration(constant, samples, mode="diag")
+    # Two reference states cannot fit a covariance: the map falls back to a mean shift, loudly.
+    with pytest.warns(CalibrationFallbackWarning, match="needs at least 5 calibration states"):
+        assert fit_calibration(samples, samples[:2], mode="full").mode == "mean"
+    calibration = fit_calibration(samples, samples)
+    with pytest.raises(ValueError, match="states have width 3 but the calibration was fitted on"):
+        calibration(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="lacks keys \\['linear'\\]"):
+        AffineCalibration.from_dict({"mode": "full", "source_mean": [0.0], "reference_mean": [0.0]})
+    with pytest.raises(ValueError, match="linear of shape \\(2, 2\\)"):
+        AffineCalibration(
+            mode="full",
+            source_mean=torch.zeros(2, dtype=torch.float64),
+            reference_mean=torch.zeros(2, dtype=torch.float64),
+            linear=torch.ones(2, dtype=torch.float64),
+        )
