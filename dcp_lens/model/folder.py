@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
-from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.utils.checks import (
     as_declared_floats,
     check_field_types,
@@ -44,7 +43,8 @@ CONFIG_FILE = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TASK_FILE = "task.json"
 
-ModelT = TypeVar("ModelT", bound=HookedRecurrentTransformer)
+# The model class hands itself in (`from_pretrained`): this module never imports it back.
+ModelT = TypeVar("ModelT", bound=nn.Module)
 Shape = tuple[int, ...]
 
 
@@ -289,7 +289,8 @@ def build_model(
     """
     if model is None:  # a meta model already built for an earlier shape check is reused
         model = meta_model(model_class, cfg, tokenizer)
-    placeholders = model.canonical_state_dict()
+    built: Any = model  # a HookedRecurrentTransformer (or subclass) handed in by its class
+    placeholders = built.canonical_state_dict()
     check_tensor_shapes(
         {key: tuple(value.shape) for key, value in state.items()},
         {key: tuple(p.shape) for key, p in placeholders.items()},
@@ -307,7 +308,7 @@ def build_model(
         loaded = nn.Parameter(value, requires_grad=placeholder.requires_grad)
         for module, name in holders[id(placeholder)]:
             module._parameters[name] = loaded
-    model.tie_weights()
+    built.tie_weights()
     _materialise_rotary_tables(model, device)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     left_on_meta += [name for name, b in model.named_buffers() if b.is_meta]
@@ -326,7 +327,7 @@ def _shares_storage(tensor: Tensor) -> bool:
     return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
 
 
-def _materialise_rotary_tables(model: HookedRecurrentTransformer, device: Any) -> None:
+def _materialise_rotary_tables(model: Any, device: Any) -> None:
     """The rotary cos/sin buffers are built from the config; on meta they hold no values."""
     cfg = model.cfg
     if cfg.positional_embedding_type == "learned":
@@ -382,11 +383,12 @@ def load_pretrained_folder(
         task_config = read_json_object(folder / TASK_FILE)
     checkpoint = SafetensorsCheckpoint(weights_path)
     model = meta_model(model_class, cfg)
-    expected = {key: tuple(p.shape) for key, p in model.canonical_state_dict().items()}
+    meta: Any = model  # a HookedRecurrentTransformer (or subclass) handed in by its class
+    expected = {key: tuple(p.shape) for key, p in meta.canonical_state_dict().items()}
     check_tensor_shapes(checkpoint.shapes, expected, str(weights_path))
     state = checkpoint.read()
     loaded = build_model(model_class, cfg, state, str(weights_path), device=target, model=model)
-    loaded.task_config = task_config
+    loaded.task_config = task_config  # type: ignore[assignment]
     return loaded
 
 

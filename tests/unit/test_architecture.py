@@ -1,0 +1,126 @@
+"""The layout's rule, checked: stages import only the stages below them (the layers contract in
+pyproject.toml, run by `lint-imports`), the report never reaches the model or the sweep, and no
+module imports itself back through others (function-level imports included)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT_IMPORTS = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+
+
+def _lint_imports(cwd: Path, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)} if pythonpath else dict(os.environ)
+    return subprocess.run(
+        [LINT_IMPORTS, "--config", str(cwd / "pyproject.toml"), "--no-cache"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_stage_contracts_hold() -> None:
+    result = _lint_imports(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("importer", "statement", "message"),
+    [
+        ("model/config.py", "from dcp_lens.zoo import registry", "dcp_lens.model is not allowed"),
+        ("utils/errors.py", "from dcp_lens.tasks import get_task", "dcp_lens.utils is not allowed"),
+        (
+            "report/figures.py",
+            "    from dcp_lens.protocol.dcp import DepthControlProtocol",
+            "dcp_lens.report",
+        ),
+    ],
+)
+def test_an_upward_import_breaks_the_contract(tmp_path, importer, statement, message) -> None:
+    """A copy of the package with one import that points up (a function-level one for the report)
+    fails `lint-imports` and names the broken rule."""
+    shutil.copytree(
+        ROOT / "dcp_lens",
+        tmp_path / "dcp_lens",
+        ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"),
+    )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "dcp_lens" / importer
+    if statement.startswith(" "):
+        body = f"\n\ndef _upward() -> None:\n{statement}\n"
+    else:
+        body = f"\n{statement}  # an upward import\n"
+    target.write_text(target.read_text() + body)
+    result = _lint_imports(tmp_path, pythonpath=tmp_path)
+    assert result.returncode != 0, result.stdout
+    assert message in result.stdout, result.stdout
+
+
+def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[set[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[set[str]] = []
+    counter = 0
+    for start in sorted(modules):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start) & modules)))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            advanced = False
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    imported = graph.find_modules_directly_imported_by(child) & modules
+                    work.append((child, iter(sorted(imported))))
+                    advanced = True
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import cycle among dcp_lens's modules, function-level imports included. The package
+    root (a lazy facade whose names load on first access) and the old-path aliases are left out:
+    they import nothing at module level but `_moved`."""
+    graph = grimp.build_graph("dcp_lens", exclude_type_checking_imports=True)
+    modules = {m for m in graph.modules if m not in ("dcp_lens", "dcp_lens._moved")}
+    cycles = _cycles(graph, modules)
+    assert not cycles, cycles
