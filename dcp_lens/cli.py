@@ -51,7 +51,8 @@ The Depth Control Protocol for depth-recurrent transformers: split the gap betwe
 and truncated depth into readout shift (S), block applications (B) and distinct computation (D).
 Run dcp-lens COMMAND --help for a command's options, their defaults and an example."""
 
-# Kept in step with the registry by tests/acceptance/test_cli.py (the names are listed here so that help
+# Kept in step with the registry by tests/acceptance/test_cli.py (the names are listed here so that
+# help
 # does not import the loaders).
 MODEL_SPECS = """\
 model specs (--model, --dense):
@@ -86,10 +87,38 @@ REPORTED = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its usage errors on one line (``dcp-lens run: error: ...``), exit code 2."""
+    """argparse with its usage errors on one line (``dcp-lens run: error: ...``), exit code 2;
+    its help ends with the registered names of ``lists`` ("metrics", "tasks")."""
+
+    lists: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def format_help(self) -> str:
+        text = super().format_help()
+        return f"{text}\n{registered_names(self.lists)}\n" if self.lists else text
+
+
+def registered_names(kinds: Sequence[str]) -> str:
+    """Lines of help naming what the metric and task registries hold (``kinds``: "metrics",
+    "tasks"). Imports them, and torch, only when help is shown: argument errors stay instant."""
+    from dcp_lens.protocol.metrics import METRICS
+    from dcp_lens.tasks import TASKS
+
+    tasks = [f"{name}:PATH" if name in TASK_FILES else name for name in TASKS]
+    lines = {
+        "metrics": f"metrics (--metrics): {', '.join(METRICS)}",
+        "tasks": f"tasks (--task): {', '.join(tasks)} (PATH: a local corpus file)",
+    }
+    return "\n".join(lines[kind] for kind in kinds)
+
+
+def diagnose_command(run_folder: Path) -> str:
+    """The ``dcp-lens run`` command that diagnoses the model ``dcp-lens train`` wrote in
+    ``run_folder`` (its results in ``run_folder/dcp``)."""
+    model, out = str(run_folder / "model"), str(run_folder / "dcp")
+    return shlex.join(["dcp-lens", "run", "--model", model, "--out", out])
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -125,13 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dcp-lens", description=DESCRIPTION, epilog=f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
         formatter_class=_HelpFormatter,
     )  # fmt: skip
+    parser.lists = ("metrics", "tasks")
     parser.add_argument("--version", action="version", version=f"dcp-lens {_version()}")
     commands = parser.add_subparsers(
         title="commands", dest="command", required=True, parser_class=_Parser, metavar="COMMAND"
     )
 
-    def command(name: str, summary: str, epilog: str | None = None) -> argparse.ArgumentParser:
-        sub: argparse.ArgumentParser = commands.add_parser(
+    def command(name: str, summary: str, epilog: str | None = None) -> _Parser:
+        sub: _Parser = commands.add_parser(
             name, help=summary, description=summary, formatter_class=_HelpFormatter,
             epilog=epilog or EXAMPLES[name],
         )  # fmt: skip
@@ -141,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", "run the Depth Control Protocol on a model and its dense control",
         f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
     )  # fmt: skip
+    run.lists = ("metrics", "tasks")
     run.add_argument(
         "--model", metavar="SPEC",
         help=f"model spec, see below (default: {DEFAULT_MODEL}, with {DEFAULT_DENSE} as --dense)",
@@ -244,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate = command(
         "validate", "the protocol on every planted model of known answer, on every metric"
     )
+    validate.lists = ("metrics",)
     validate.add_argument("--models", help="comma-separated planted models (default: all)")
     validate.add_argument("--metrics", help="comma-separated metrics (default: all)")
     validate.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
@@ -612,8 +644,7 @@ def _train(args: argparse.Namespace) -> int:
     result = train(config, args.out, resume=not args.no_resume)
     if result.accuracy_table is not None:
         print(format_accuracy_table(result.accuracy_table))
-    model_dir = args.out / "model"
-    print(f"model in {model_dir}; diagnose it with: dcp-lens run --model {model_dir}")
+    print(f"model in {args.out / 'model'}; diagnose it with: {diagnose_command(args.out)}")
     return 0
 
 

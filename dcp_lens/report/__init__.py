@@ -1,7 +1,7 @@
 """The report stage: renders what a run saved (results.json, report_data.json) as HTML, figures
 and console text. It never runs a model or recomputes the science.
 
-``from dcp_lens.report import write_report`` (imported on first access).
+``from dcp_lens.report.html import write_report`` (imported on first access).
 """
 
 from __future__ import annotations

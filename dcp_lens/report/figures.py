@@ -55,7 +55,10 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
         if not rows:
             continue
         ks = sorted({int(row["k"]) for row in rows if row["condition"] != "full"})
-        conditions = list(dict.fromkeys(row["condition"] for row in rows))
+        # Full depth last, so that its dashed line is drawn over the curves that meet it at r.
+        conditions = sorted(
+            dict.fromkeys(row["condition"] for row in rows), key=lambda name: name == "full"
+        )
         for index, condition in enumerate(conditions):
             colour = CONDITION_COLOURS.get(condition, _EXTRA_COLOURS[index % len(_EXTRA_COLOURS)])
             points = sorted(
@@ -65,11 +68,11 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
                 (full,) = points
                 x = [min(ks or [full["k"]]), int(full["k"])]
                 value, low, high = ([full[key]] * 2 for key in ("value", "value_lo", "value_hi"))
-                dash = "dash"
+                dash, width = "dash", 3
             else:
                 x = [int(row["k"]) for row in points]
                 value, low, high = ([row[key] for row in points] for key in _VALUE_KEYS)
-                dash = "solid"
+                dash, width = "solid", 2
             label = condition
             if condition in ("replay", "calibrate_replay") and not run["replay_realizable"]:
                 label = f"{condition} (dense: not realizable as the same model)"
@@ -77,7 +80,8 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             figure.add_trace(
                 go.Scatter(
                     x=x, y=value, mode="lines+markers", name=label, legendgroup=condition,
-                    showlegend=condition not in shown, line={"color": colour, "dash": dash},
+                    showlegend=condition not in shown, legendrank=1 if condition == "full" else 2,
+                    line={"color": colour, "dash": dash, "width": width},
                     hovertemplate=f"{condition}<br>k=%{{x}}<br>%{{y:.4g}}<extra></extra>",
                 ),
                 row=1, col=column,

@@ -4,7 +4,6 @@ objects and never recompute science."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from html import escape
@@ -18,6 +17,7 @@ from dcp_lens.protocol.results import (
     ProtocolResults,
     decode_json,
 )
+from dcp_lens.report.assets import PLOTLY_JS, plotly_script, write_plotly_js
 from dcp_lens.training.outcomes import (
     AGGREGATED,
     BASELINE,
@@ -284,7 +284,7 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
         )
     factor = max(FACTORS, key=lambda name: values[name])
     if values[factor] >= 0.5:
-        text = f"Most of the truncation gap ({values[factor]:.0%}) is {_FACTOR_WORDS[factor]}."
+        text = f"{_share_of_gap(values[factor])} is {_FACTOR_WORDS[factor]}."
         if factor != "S" and any(row.get("S_identified") is False for row in _below_r(run, metric)):
             # S is then a lower bound: what the map missed sits in B or D, whichever repairs it.
             text += (
@@ -297,6 +297,19 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     if factor != "D" and values["D"] < 0.2:
         text += " Reading the truncation slope as 'the model uses its depth' would overstate it."
     return text, flags
+
+
+def _share_of_gap(share: float) -> str:
+    """How much of the gap a share of at least 0.5 is, in words: "most" only within [0, 1]; a
+    share above 1 overshoots the gap and the other factors' shares sum below 0."""
+    if share >= 1.005:  # shown as more than 100%
+        return (
+            f"More than the whole truncation gap ({share:.0%}; the other factors sum to "
+            f"{1 - share:.0%})"
+        )
+    if share >= 0.995:
+        return f"All of the truncation gap ({share:.0%})"
+    return f"Most of the truncation gap ({share:.0%})"
 
 
 def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
@@ -363,12 +376,13 @@ def report_figures(
 def render_report(
     runs: Sequence[ProtocolResults | Mapping[str, Any]],
     report_data: Mapping[str, Any] | None = None,
+    plotly_src: str | None = None,
 ) -> str:
-    """report.html for one or several runs (side by side) as one self-contained HTML page:
-    plotly.js inlined once, no network access. ``report_data``: a `read_report_data` document
-    (lens, attention, hop counts, command, environment), optional."""
-    import plotly.offline
-
+    """report.html for one or several runs (side by side) as one HTML page that needs no network
+    access. ``report_data``: a `read_report_data` document (lens, attention, hop counts, command,
+    environment), optional. ``plotly_src``: where the page loads plotly.js from, relative to it
+    (`write_report` passes the folder's shared copy); None inlines it, for a page that must
+    stand alone."""
     records = [run_record(run) for run in runs]
     if not records:
         raise ValueError("no runs to report; pass at least one ProtocolResults.")
@@ -418,7 +432,7 @@ def render_report(
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>DCP report: {escape(title)}</title><style>{_STYLE}</style>"
-        f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script></head>"
+        f"{plotly_script(plotly_src)}</head>"
         f"<body>{''.join(body)}</body></html>\n"
     )
 
@@ -428,13 +442,15 @@ def write_report(
     path: str | Path,
     report_data: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write `render_report` to ``path`` (a file, or a folder to hold ``report.html``).
-    Returns the file's path."""
+    """Write `render_report` to ``path`` (a file, or a folder to hold ``report.html``), with the
+    folder's one copy of plotly.js beside it (`dcp_lens.report.assets`), written first.
+    Returns the report's path."""
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path = path / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomically(path, render_report(runs, report_data))
+    write_plotly_js(path.parent)
+    return write_text_atomically(path, render_report(runs, report_data, PLOTLY_JS))
 
 
 def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
@@ -516,25 +532,121 @@ def _hops_table(records: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[s
 
 
 def _null_control_table(records: Sequence[Mapping[str, Any]]) -> str:
-    keys = list(dict.fromkeys(key for run in records for key in run["null_control"]))
-    head = "<th>check at k = r</th>" + "".join(
+    """The null controls at k = r as a table: one check per row, what it must satisfy, and per
+    run the measured value with a pass or fail mark."""
+    checks = list(dict.fromkeys(check for run in records for check in _null_checks(run)))
+    head = "<th>check at k = r</th><th>passes when</th>" + "".join(
         f"<th>{escape(run['model'])}</th>" for run in records
     )
+    cells = [_null_checks(run) for run in records]
     rows = []
-    for key in keys:
-        cells = []
-        for run in records:
-            value = run["null_control"].get(key)
-            mark = ""
-            if key == "max_abs_logit_diff" and isinstance(value, float | int):
-                mark = " ✓" if value <= NULL_TOLERANCE else " ✗"
-            cells.append(f"<td>{_value_text(value)}{mark}</td>")
-        rows.append(f"<tr><td>{escape(key)}</td>{''.join(cells)}</tr>")
-    return (
-        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-        "<p class='note'>At k = r every intervention must reproduce full depth: truncate and "
-        f"replay exactly (within {NULL_TOLERANCE:g}), calibrate(full) close to the identity.</p>"
+    for check in checks:
+        row = "".join(
+            f"<td>{per_run[check] if check in per_run else 'not recorded'}</td>"
+            for per_run in cells
+        )
+        rows.append(f"<tr><td>{escape(check[0])}</td><td>{escape(check[1])}</td>{row}</tr>")
+    spread = ", ".join(
+        f"{_readable(run['null_control'].get(_HALVES_LOGITS, math.nan))} ({escape(run['model'])})"
+        for run in records
     )
+    return (
+        f"<table class='null-controls'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>"
+        "<p class='note'>At k = r every intervention must reproduce full depth: truncate and "
+        "replay exactly, maps fitted from full depth onto itself up to float error. The "
+        "calibration null fits the same kind of map between two disjoint halves of the "
+        "calibration split: it must leave full depth's quality about where it is (its largest "
+        f"change of a single logit, {spread}, is not a check: one map fitted on half the data "
+        "moves individual logits).</p>"
+    )
+
+
+NullCheck = tuple[str, str]  # (what is checked, when it passes)
+APPROXIMATE_TOLERANCE = 1e-3  # max |logit diff| of a map that is the identity up to float error
+IDENTITY_TOLERANCE = 1e-4  # max |A - I| and max |b| of calibrate(full), fitted onto itself
+HALVES_SHARE = 0.1  # the calibration null may move quality by this share of the largest gap
+_HALVES_LOGITS = "calibrate_full_halves_max_abs_logit_diff"
+
+
+def _null_checks(run: Mapping[str, Any]) -> dict[NullCheck, str]:
+    """Each null control of one run: its check, and the measured value with its mark (HTML)."""
+    null = run["null_control"]
+    exact = f"max |logit diff| ≤ {NULL_TOLERANCE:g} (exact but for float error)"
+    approximate = f"max |logit diff| ≤ {APPROXIMATE_TOLERANCE:g} (a fitted map's float error)"
+    checks: dict[NullCheck, str] = {}
+    for key, value in null.items():
+        if key == "max_abs_logit_diff":
+            check = ("truncate(r) and replay(r) reproduce full depth", exact)
+            checks[check] = _within(value, NULL_TOLERANCE)
+        elif key == "calibrate_full_identity_deviation" and isinstance(value, Mapping):
+            check = (
+                "calibrate(full), fitted onto itself, is the identity map",
+                f"max |A - I| and max |b| ≤ {IDENTITY_TOLERANCE:g}",
+            )
+            parts = ", ".join(f"{name} {_readable(v)}" for name, v in value.items())
+            checks[check] = _marked_text(
+                parts, _all_finite(value.values()), max(value.values()) <= IDENTITY_TOLERANCE
+            )
+        elif key == "calibrate_full_halves_metric_change" and isinstance(value, Mapping):
+            for metric, change in value.items():
+                largest = max(
+                    (abs(row["gap"]) for row in _below_r(run, metric) if math.isfinite(row["gap"])),
+                    default=math.nan,
+                )
+                check = (
+                    f"calibration null ({metric}): change of full depth's quality under a map "
+                    "fitted between two halves of the calibration split",
+                    f"|change| ≤ {HALVES_SHARE:g} × the largest |gap| over k < r",
+                )
+                bound = HALVES_SHARE * largest
+                text = f"{_readable(change)} (bound {_readable(bound)})"
+                passed = _all_finite([change, bound]) and bound > 0 and abs(change) <= bound
+                checks[check] = _marked_text(text, _all_finite([change, bound]), passed)
+        elif key.endswith("max_abs_logit_diff") and key != _HALVES_LOGITS:
+            name = {"calibrate_full_max_abs_logit_diff": "calibrate(full)"}.get(
+                key, key.removesuffix("_at_r_max_abs_logit_diff") + "(r)"
+            )
+            check = (f"{name} reproduces full depth", approximate)
+            checks[check] = _within(value, APPROXIMATE_TOLERANCE)
+        elif key != _HALVES_LOGITS:
+            text = _readable(value) if isinstance(value, float | int) else escape(str(value))
+            checks[(key, "no criterion")] = f"{text} <span class='mark'>-</span>"
+    return checks
+
+
+def _within(value: Any, tolerance: float) -> str:
+    """``value`` with a pass mark when it is at most ``tolerance``."""
+    finite = _all_finite([value])
+    return _marked_text(_readable(value), finite, finite and value <= tolerance)
+
+
+def _marked_text(text: str, measured: bool, passed: bool) -> str:
+    """``text`` (HTML) with its mark: pass, fail, or not measured (NaN: not run)."""
+    if not measured:
+        return f"{text} <span class='mark'>not measured</span>"
+    if passed:
+        return f"{text} <span class='mark pass'>&#10003; pass</span>"
+    return f"{text} <span class='mark fail'>&#10007; fail</span>"
+
+
+def _all_finite(values: Any) -> bool:
+    return all(
+        isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    )
+
+
+def _readable(value: Any) -> str:
+    """A number as a reader reads it (HTML): three significant digits, a small one as
+    m x 10^e; NaN and non-numbers as n/a."""
+    if isinstance(value, bool) or not isinstance(value, float | int) or not math.isfinite(value):
+        return "n/a"
+    if value == 0:
+        return "0"
+    if abs(value) >= 1e-3:
+        return f"{value:.3g}"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa} &times; 10<sup>{int(exponent)}</sup>"
 
 
 def _configuration_html(
@@ -573,15 +685,6 @@ def _dl(items: Mapping[str, Any]) -> str:
         for key, value in items.items()
     )
     return f"<table class='settings'>{rows}</table>"
-
-
-def _value_text(value: Any) -> str:
-    """A null-control entry: a number in scientific notation, anything else as JSON."""
-    if isinstance(value, bool) or value is None:
-        return escape(str(value))
-    if isinstance(value, float | int):
-        return f"{value:.2e}"
-    return escape(json.dumps(value, default=str))
 
 
 def _run_title(run: Mapping[str, Any]) -> str:
@@ -624,5 +727,7 @@ thead th { background: #f3f3f3; }
 .runs > div { flex: 1 1 520px; min-width: 0; }
 .verdicts { padding-left: 1.2em; font-size: 0.92em; }
 .flag { color: #a33; } .note { color: #666; font-size: 0.85em; }
+.mark { color: #666; white-space: nowrap; } .mark.pass { color: #2a7a2a; }
+.mark.fail { color: #a33; font-weight: bold; }
 code { background: #f3f3f3; padding: 0.1em 0.3em; }
 """

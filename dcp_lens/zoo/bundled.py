@@ -10,7 +10,8 @@ in ``dcp_lens/zoo/bundled_models/NAME/``: the model as `HookedRecurrentTransform
 writes it (``config.json``, ``model.safetensors``, ``task.json``), the run's
 ``train_config.json`` (every setting and the seed), its held-out ``accuracy_table.json`` (per hop
 count h and iteration count k), and ``provenance.json`` (the command, the library and torch
-versions). `bundle` copies a finished run there; ``tests/acceptance/test_bundled.py`` checks that each loaded
+versions). `bundle` copies a finished run there; ``tests/acceptance/test_bundled.py`` checks that
+each loaded
 checkpoint reproduces its table.
 
 >>> import dcp_lens

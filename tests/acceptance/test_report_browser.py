@@ -1,6 +1,7 @@
 """Acceptance: `dcp-lens run` writes report.html beside results.json and the CSVs, `dcp-lens
 report` re-renders it from the folder alone, and headless Chromium with the network cut off draws
-every figure (a screenshot is saved in the test's tmp folder)."""
+every figure from the folder's one plotly.min.js with no console message (a screenshot is saved in
+the test's tmp folder)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from dcp_lens.cli import main
 from dcp_lens.protocol.metrics import METRICS
+from dcp_lens.report.assets import PLOTLY_JS, plotly_js
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists()
                                         else None)  # fmt: skip
@@ -56,6 +58,23 @@ def test_report_rerenders_a_finished_run_without_the_model(default_run, tmp_path
     again = tmp_path / "again.html"
     assert main(["report", str(default_run), "--out", str(again)]) == 0
     assert again.read_text() == (default_run / "report.html").read_text()
+    assert (tmp_path / PLOTLY_JS).read_text() == plotly_js()  # its own folder's copy
+
+
+def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp_path) -> None:
+    report = default_run / "report.html"
+    assert report.stat().st_size < 1_000_000, report.stat().st_size  # inlined: about 5 MB
+    assert (default_run / PLOTLY_JS).read_text() == plotly_js()
+    assert [p.name for p in default_run.glob("*.js")] == [PLOTLY_JS]
+    folder = tmp_path / "copy"
+    shutil.copytree(default_run, folder)
+    written = (folder / PLOTLY_JS).stat().st_mtime_ns
+    assert main(["report", str(folder)]) == 0  # an identical copy is reused, not rewritten
+    assert (folder / PLOTLY_JS).stat().st_mtime_ns == written
+    (folder / PLOTLY_JS).write_text("// another plotly version")
+    assert main(["report", str(folder), "--out", str(folder / "second.html")]) == 0
+    assert (folder / PLOTLY_JS).read_text() == plotly_js()  # replaced by the installed one
+    assert sorted(p.name for p in folder.glob("*.js")) == [PLOTLY_JS]
 
 
 def test_run_on_a_planted_model_writes_a_report_without_hop_counts(tmp_path) -> None:
@@ -80,7 +99,27 @@ def test_report_of_a_folder_without_results_fails_with_a_message(tmp_path, capsy
     assert "results.json does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def chromium(report: Path, profiles: Path, *flags: str) -> tuple[str, list[str]]:
+    """Open ``report`` from disk (file://) in headless Chromium with the network cut off.
+    Returns what it printed (``--dump-dom``: the page) and the page's console messages."""
+    assert CHROMIUM is not None
+    profile = profiles / f"profile{len(list(profiles.iterdir()))}"
+    done = subprocess.run(
+        [CHROMIUM, *OFFLINE_FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr",
+         "--v=0", *flags, report.as_uri()],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    # Chromium logs each console message as `...:CONSOLE:LINE] "message", source: URL (LINE)`.
+    console = [line for line in done.stderr.splitlines() if re.search(r":CONSOLE[:(]", line)]
+    return done.stdout, console
+
+
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)"
+)
+
+
+@needs_chromium
 def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     report = default_run / "report.html"
     html = report.read_text()
@@ -91,20 +130,28 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
         "probe", "by_hops", "lens_0", "lens_1", "attention_0", "attention_1",
     }  # fmt: skip
 
-    def chromium(*flags: str) -> str:
-        profile = tmp_path / f"profile{len(list(tmp_path.iterdir()))}"
-        done = subprocess.run(
-            [CHROMIUM, *OFFLINE_FLAGS, f"--user-data-dir={profile}", *flags, report.as_uri()],
-            capture_output=True, text=True, timeout=300, check=True,
-        )  # fmt: skip
-        return done.stdout
-
-    dom = chromium("--virtual-time-budget=5000", "--dump-dom")
+    dom, console = chromium(report, tmp_path, "--virtual-time-budget=5000", "--dump-dom")
+    assert console == [], console
+    assert '<p class="flag">The figures need' not in dom  # plotly.min.js loaded
     starts = [(m.start(), m.group(1)) for m in re.finditer(r'id="figure-([\w-]+)"', dom)]
     assert sorted(name for _, name in starts) == sorted(expected)
     for (start, name), (end, _) in zip(starts, [*starts[1:], (len(dom), "")], strict=True):
         assert 'class="main-svg"' in dom[start:end], f"figure {name} was not drawn"
     screenshot = tmp_path / "report.png"
-    chromium(f"--screenshot={screenshot}", "--window-size=1200,1600",
+    chromium(report, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1600",
              "--virtual-time-budget=5000")  # fmt: skip
     assert screenshot.stat().st_size > 10_000
+
+
+@needs_chromium
+def test_chromium_reports_a_missing_plotly_js(default_run, tmp_path) -> None:
+    """The check above can fail: without plotly.min.js beside it the same report draws nothing,
+    logs console errors and tells the reader which file is missing."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(default_run / "report.html", alone / "report.html")
+    dom, console = chromium(alone / "report.html", tmp_path, "--virtual-time-budget=5000",
+                            "--dump-dom")  # fmt: skip
+    assert console and all("Plotly is not defined" in line for line in console), console
+    assert 'class="main-svg"' not in dom
+    assert f'<p class="flag">The figures need {PLOTLY_JS}, which did not load' in dom
