@@ -20,6 +20,7 @@ from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import DamagedFileError
 from dcp_lens.utils.files import check_complete, write_text_atomically
+from dcp_lens.utils.registry import renderer
 
 FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
@@ -463,24 +464,18 @@ class ProtocolResults:
     def figures(self) -> dict[str, Any]:
         """The figures of report.html for this run as plotly figures (`dcp_lens.report.html.
         report_figures`): ``quality_<metric>``, ``decomposition_<metric>``, ``probe``."""
-        from dcp_lens.report.html import report_figures
-
-        return report_figures([self])
+        return renderer().report_figures([self])
 
     def report(self, path: str | Path, report_data: Mapping[str, Any] | None = None) -> Path:
         """Write report.html for this run to ``path`` (a file, or a folder to hold
         ``report.html``); ``report_data``: a `dcp_lens.studies.report_extras.read_report_data`
         document.
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
-        from dcp_lens.report.html import write_report
-
-        return write_report([self], path, report_data)
+        return renderer().write_report([self], path, report_data)
 
     def _repr_html_(self) -> str:
         """The headline (shares, slope, gap, verdict and flags) for Jupyter."""
-        from dcp_lens.report.html import headline_html
-
-        return headline_html(self)
+        return str(renderer().headline_html(self))
 
     def save(self, directory: str | Path) -> Path:
         """Write ``results.json`` (this run only) and ``decomposition.csv``, ``curves.csv``,

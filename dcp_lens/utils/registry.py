@@ -3,7 +3,8 @@ metrics) adds an entry, refusing a second entry under a taken name."""
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from types import ModuleType
 from typing import TypeVar
 
 Entry = TypeVar("Entry")
@@ -31,3 +32,30 @@ def _describe(entry: object) -> str:
     module = getattr(entry, "__module__", None)
     name = getattr(entry, "__qualname__", None) or repr(entry)
     return f"{module}.{name}" if module else name
+
+
+# The renderer of results (``dcp_lens.report.html``). The report stage sits above the protocol
+# whose results it draws, so `ProtocolResults.report`, ``.figures`` and ``._repr_html_`` cannot
+# import it; the package root (``dcp_lens/__init__.py``, the one place that wires stages together)
+# hands in a loader here instead. Nothing below the report names the report.
+_renderer_loader: Callable[[], ModuleType] | None = None
+
+
+def set_renderer(loader: Callable[[], ModuleType]) -> None:
+    """Install the loader of the report stage's renderer (called by ``dcp_lens/__init__.py``)."""
+    global _renderer_loader
+    _renderer_loader = loader
+
+
+def renderer() -> ModuleType:
+    """The report stage's renderer module, as the package root installed it.
+
+    Raises:
+        RuntimeError: no renderer installed (``dcp_lens`` was not imported as a package).
+    """
+    if _renderer_loader is None:
+        raise RuntimeError(
+            "no report renderer is installed: import dcp_lens (its __init__ installs "
+            "dcp_lens.report.html) or call dcp_lens.report.html.write_report directly."
+        )
+    return _renderer_loader()

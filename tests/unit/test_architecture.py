@@ -43,7 +43,7 @@ def test_the_stage_contracts_hold() -> None:
         (
             "report/figures.py",
             "    from dcp_lens.protocol.dcp import DepthControlProtocol",
-            "dcp_lens.report.html",
+            "dcp_lens.report.figures -> dcp_lens.protocol.dcp",
         ),
     ],
 )
