@@ -117,7 +117,7 @@ def test_registries_refuse_a_taken_name_naming_the_existing_entry():
         register_sweep_condition(SweepCondition("replay", lambda k, fitted: Halfway(k)))
     with pytest.raises(ValueError, match="'full' is the reference"):
         register_sweep_condition(SweepCondition("full", lambda k, fitted: Halfway(k)))
-    with pytest.raises(ValueError, match=r"loader kind named 'planted'.*dcp_lens\.planted"):
+    with pytest.raises(ValueError, match=r"loader kind named 'planted'.*dcp_lens\.zoo\.planted"):
         register_loader("planted")(lambda argument, **overrides: None)
     with pytest.raises(ValueError, match=r"named model named 'default'.*already registered"):
         register_named("default")(lambda **overrides: None)
