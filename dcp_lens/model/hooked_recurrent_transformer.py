@@ -33,6 +33,7 @@ from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
+from dcp_lens.model.cache import RecurrentActivationCache
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.components.block import TransformerBlock
 from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
@@ -584,7 +585,7 @@ class HookedRecurrentTransformer(HookedRootModule):
         if not return_cache_object:  # as TransformerLens: the plain {hook name: tensor} dict
             return output, cache_dict
         has_batch_dim = not kwargs.get("remove_batch_dim", False)
-        return output, ActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
+        return output, RecurrentActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
 
     def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
         """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
