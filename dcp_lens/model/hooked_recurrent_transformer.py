@@ -42,6 +42,7 @@ from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.tokenization import encode_text, padding_id
+from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
 from dcp_lens.utils.errors import DCPLensError
 
@@ -55,6 +56,10 @@ class ResumeError(DCPLensError):
     """A forward resumed with ``start_at_layer`` lacks something the rest of the loop needs."""
 
 
+class UnsupportedToolError(DCPLensError):
+    """A TransformerLens feature this model does not build, with what to use instead."""
+
+
 class IterationHooks(nn.Module):
     """Hook points of one loop iteration t (t = 0 holds only the initial state)."""
 
@@ -66,7 +71,7 @@ class IterationHooks(nn.Module):
         self.hook_state = HookPoint()  # [batch, pos, d_model]
 
 
-class HookedRecurrentTransformer(HookedRootModule):
+class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     """A prelude, one weight-shared core applied k times, a coda and a readout, all hookable.
 
     Args:
@@ -598,6 +603,25 @@ class HookedRecurrentTransformer(HookedRootModule):
         has_batch_dim = not kwargs.get("remove_batch_dim", False)
         return output, RecurrentActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
 
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Refused when turned on: this model builds no per-head Q/K/V input forks, which
+        TransformerLens's direct-path patching needs."""
+        if use_split_qkv_input:
+            raise UnsupportedToolError(
+                "set_use_split_qkv_input(True): this model builds no per-head copies of the "
+                "stream entering Q, K and V, so transformer_lens.patching.get_act_patch_direct_path"
+                " cannot run; patch a head's q, k or v (get_act_patch_attn_head_q_by_pos, …) or "
+                "write the edge patch with model.run_with_hooks."
+            )
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Refused when turned on: this model builds no per-head attention input forks."""
+        if use_attn_in:
+            raise UnsupportedToolError(
+                "set_use_attn_in(True): this model builds no per-head attention inputs; hook "
+                "blocks.{i}.ln1.hook_normalized (every head's shared input) instead."
+            )
+
     def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
         """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
         n_iterations = kwargs.pop("n_iterations", None)
@@ -629,10 +653,12 @@ class HookedRecurrentTransformer(HookedRootModule):
         return self._as_tokens(tokens), mask.to(tokens.device)
 
     def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
-        """Decode [pos] tokens to a string, or [batch, pos] to a list of strings."""
+        """Decode [pos] tokens (or one 0-d token) to a string, or [batch, pos] to a list."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; set model.tokenizer first.")
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        if isinstance(ids, int):  # a 0-d tensor: one token (TransformerLens's test_prompt)
+            ids = [ids]
         if ids and isinstance(ids[0], list):
             return [self.tokenizer.decode(row) for row in ids]
         return self.tokenizer.decode(ids)
