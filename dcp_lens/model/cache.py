@@ -144,6 +144,10 @@ class RecurrentActivationCache(ActivationCache):
                 continue
             keep.append((source.label, value))
         pos_slice = self._slice(pos_slice)
+        if not keep:  # e.g. mode="attn" before any block: an empty stack, not an error
+            stream = pos_slice.apply(walk.stream(point), dim=-2)
+            empty = stream.new_zeros((0, *stream.shape))
+            return (empty, []) if return_labels else empty
         stack = torch.stack([pos_slice.apply(value, dim=-2) for _, value in keep])
         if apply_ln:
             stack = self.apply_ln_to_stack(

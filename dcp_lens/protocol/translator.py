@@ -102,7 +102,7 @@ class AffineTranslator:
                 history.append(float(value.detach()))
                 value.backward()
                 optimizer.step()
-            history.append(float(loss()))
+            history.append(float(loss().detach()))
         self.weight, self.bias = weight.detach().cpu(), bias.detach().cpu()
         return history
 
