@@ -843,6 +843,18 @@ def test_a_dropped_component_fails_the_check(model: str, monkeypatch: pytest.Mon
         CHECKS["ActivationCache.decompose_resid"](context(model))
 
 
+@pytest.mark.parametrize("spec", ["default", "planted:readout_shift", "huginn"])
+def test_every_load_takes_a_dtype_and_carries_a_tokenizer(spec: str) -> None:
+    if spec == "huginn":
+        spec = f"huginn:{data_path('fixtures', 'huginn_tiny')}"
+    model = load(spec, dtype=torch.float64)
+    assert model.W_E.dtype == torch.float64
+    ids = torch.arange(3, 9)
+    text = model.to_string(ids)
+    assert model.to_tokens(text, prepend_bos=False)[0].tolist() == ids.tolist()
+    assert len(model.to_str_tokens(ids)) == len(ids)
+
+
 @pytest.mark.slow
 def test_the_committed_table_is_generated() -> None:
     assert TABLE.read_text() == conformance_table(), (
