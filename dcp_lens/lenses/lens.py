@@ -28,6 +28,7 @@ from transformer_lens.ActivationCache import ActivationCache
 
 from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.protocol.conditions import ProtocolModel, truncate
+from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 
 # A map applied to s_t before the readout (an `AffineCalibration`, or any callable on states).
@@ -197,7 +198,8 @@ def prediction_trajectory(
 
     Args:
         model, source, iterations, calibration: as `logit_lens`.
-        targets: the token to track at each position [batch, pos] (e.g. the next token,
+        targets: the token to track at each position [batch, pos], -100 where nothing is
+            scored (probability NaN and rank -1 there) (e.g. the next token,
             ``tokens[:, 1:]`` against the lens at ``[:, :-1]``, or a task's answer); default: the
             model's own full-depth prediction, so the trajectory shows when it forms.
 
@@ -218,14 +220,17 @@ def prediction_trajectory(
             f"targets must be [batch, pos] = {tuple(lens.shape[1:3])}, got {tuple(targets.shape)}."
         )
     targets = targets.to(lens.device)
+    scored = targets != IGNORE_INDEX  # a task's -100 marks positions it does not score
     lens = lens.detach()  # a record of where the prediction forms, not a graph
     log_probs = lens.float().log_softmax(-1)
-    target_log_prob = log_probs.gather(-1, targets.expand(len(wanted), *targets.shape)[..., None])
-    rank = (log_probs > target_log_prob).sum(-1)
+    index = targets.where(scored, 0).expand(len(wanted), *targets.shape)[..., None]
+    target_log_prob = log_probs.gather(-1, index)
+    rank = (log_probs > target_log_prob).sum(-1).masked_fill(~scored, -1)
+    probability = target_log_prob[..., 0].exp().masked_fill(~scored, float("nan"))
     return PredictionTrajectory(
         iterations=wanted,
         target=targets,
-        probability=target_log_prob[..., 0].exp(),
+        probability=probability,
         rank=rank,
         top_token=lens.argmax(-1),
         exit_probability=_exit_probability(model, source, wanted),

@@ -33,6 +33,7 @@ from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
+from dcp_lens.model.cache import RecurrentActivationCache
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.components.block import TransformerBlock
 from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
@@ -41,12 +42,22 @@ from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.tokenization import encode_text, padding_id
+from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
+from dcp_lens.utils.errors import DCPLensError
 
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TASK_FILE = "task.json"
+
+
+class ResumeError(DCPLensError):
+    """A forward resumed with ``start_at_layer`` lacks something the rest of the loop needs."""
+
+
+class UnsupportedToolError(DCPLensError):
+    """A TransformerLens feature this model does not build, with what to use instead."""
 
 
 class IterationHooks(nn.Module):
@@ -60,7 +71,7 @@ class IterationHooks(nn.Module):
         self.hook_state = HookPoint()  # [batch, pos, d_model]
 
 
-class HookedRecurrentTransformer(HookedRootModule):
+class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     """A prelude, one weight-shared core applied k times, a coda and a readout, all hookable.
 
     Args:
@@ -404,7 +415,7 @@ class HookedRecurrentTransformer(HookedRootModule):
             # Resuming before the last iteration: later iterations inject e again.
             needs_e = self.cfg.injection != "none" and P <= start < P + (self._active - 1) * L
             if embedding is None and needs_e:
-                raise ValueError(
+                raise ResumeError(
                     f"start_at_layer={start} is inside the loop; pass prelude_output (e, the "
                     "prelude's output) so later iterations can inject it."
                 )
@@ -461,7 +472,13 @@ class HookedRecurrentTransformer(HookedRootModule):
     def _next_input(self, t: int, state: Tensor, embedding: Tensor | None) -> Tensor:
         if t == self._active:
             return self._enter_readout(state)
-        assert embedding is not None
+        if embedding is None:  # resumed inside the loop: only an injection-free loop goes on
+            if self.cfg.injection != "none":
+                raise ResumeError(
+                    f"iteration {t + 1} injects e, which a stream resumed with start_at_layer "
+                    "does not carry; pass prelude_output=e."
+                )
+            return self._iteration_hooks[t + 1].hook_inject(state)
         return self._iteration_hooks[t + 1].hook_inject(self.inject(state, embedding))
 
     def _enter_readout(self, state: Tensor) -> Tensor:
@@ -584,7 +601,26 @@ class HookedRecurrentTransformer(HookedRootModule):
         if not return_cache_object:  # as TransformerLens: the plain {hook name: tensor} dict
             return output, cache_dict
         has_batch_dim = not kwargs.get("remove_batch_dim", False)
-        return output, ActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
+        return output, RecurrentActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
+
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """Refused when turned on: this model builds no per-head Q/K/V input forks, which
+        TransformerLens's direct-path patching needs."""
+        if use_split_qkv_input:
+            raise UnsupportedToolError(
+                "set_use_split_qkv_input(True): this model builds no per-head copies of the "
+                "stream entering Q, K and V, so transformer_lens.patching.get_act_patch_direct_path"
+                " cannot run; patch a head's q, k or v (get_act_patch_attn_head_q_by_pos, …) or "
+                "write the edge patch with model.run_with_hooks."
+            )
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """Refused when turned on: this model builds no per-head attention input forks."""
+        if use_attn_in:
+            raise UnsupportedToolError(
+                "set_use_attn_in(True): this model builds no per-head attention inputs; hook "
+                "blocks.{i}.ln1.hook_normalized (every head's shared input) instead."
+            )
 
     def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
         """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
@@ -617,10 +653,12 @@ class HookedRecurrentTransformer(HookedRootModule):
         return self._as_tokens(tokens), mask.to(tokens.device)
 
     def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
-        """Decode [pos] tokens to a string, or [batch, pos] to a list of strings."""
+        """Decode [pos] tokens (or one 0-d token) to a string, or [batch, pos] to a list."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; set model.tokenizer first.")
         ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
+        if isinstance(ids, int):  # a 0-d tensor: one token (TransformerLens's test_prompt)
+            ids = [ids]
         if ids and isinstance(ids[0], list):
             return [self.tokenizer.decode(row) for row in ids]
         return self.tokenizer.decode(ids)
@@ -733,6 +771,8 @@ class HookedRecurrentTransformer(HookedRootModule):
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
+        freq_penalty: float = 0.0,
         use_past_kv_cache: bool = True,
         n_iterations: int | None = None,
         stop_at_eos: bool = False,
@@ -742,7 +782,15 @@ class HookedRecurrentTransformer(HookedRootModule):
     ) -> Any:
         """Greedy (default) or sampled continuation: tokens [batch, pos + new], or a string
         when ``input`` is a string. With ``use_past_kv_cache`` every block application (every
-        iteration of every core layer) keeps its own keys and values."""
+        iteration of every core layer) keeps its own keys and values.
+
+        Sampling as TransformerLens: ``temperature``, then ``freq_penalty`` times each token's
+        count so far subtracted from its logit, then ``top_k`` and ``top_p`` (nucleus: the
+        smallest set of tokens whose probability reaches ``top_p``)."""
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise SamplingError(f"top_p={top_p} must be in (0, 1].")
+        if top_k is not None and top_k < 1:
+            raise SamplingError(f"top_k={top_k} must be >= 1.")
         if n_iterations is not None and not self.is_dense and n_iterations != self._active:
             with self.iterations(n_iterations):
                 return self.generate(
@@ -751,6 +799,8 @@ class HookedRecurrentTransformer(HookedRootModule):
                     do_sample=do_sample,
                     temperature=temperature,
                     top_k=top_k,
+                    top_p=top_p,
+                    freq_penalty=freq_penalty,
                     use_past_kv_cache=use_past_kv_cache,
                     stop_at_eos=stop_at_eos,
                     eos_token_id=eos_token_id,
@@ -769,10 +819,7 @@ class HookedRecurrentTransformer(HookedRootModule):
             logits = self.forward(new_input if cache is not None else tokens, past_kv_cache=cache)
             last = logits[:, -1, :]
             if do_sample:
-                last = last / temperature
-                if top_k is not None:
-                    threshold = last.topk(top_k, dim=-1).values[:, -1:]
-                    last = last.masked_fill(last < threshold, float("-inf"))
+                last = sampling_logits(last, tokens, temperature, freq_penalty, top_k, top_p)
                 next_token = torch.multinomial(last.softmax(-1), 1, generator=generator)
             else:
                 next_token = last.argmax(-1, keepdim=True)
@@ -881,6 +928,39 @@ class HookedRecurrentTransformer(HookedRootModule):
             else f"{c.n_prelude} + {c.n_core} x {self._active} + {c.n_coda}"
         )
         return f"{kind} blocks, d_model={c.d_model}, n_heads={c.n_heads}, d_vocab={c.d_vocab}"
+
+
+class SamplingError(DCPLensError):
+    """A sampling setting of `HookedRecurrentTransformer.generate` outside its range."""
+
+
+def sampling_logits(
+    logits: Float[Tensor, "batch d_vocab"],
+    tokens: Int[Tensor, "batch pos"],
+    temperature: float = 1.0,
+    freq_penalty: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Float[Tensor, "batch d_vocab"]:
+    """The logits generate samples from: divided by ``temperature``, less ``freq_penalty``
+    times each token's count in ``tokens``, with tokens outside the top k and outside the
+    nucleus of mass ``top_p`` set to -inf (the most likely token always stays)."""
+    logits = logits / temperature
+    if freq_penalty:
+        counts = torch.zeros_like(logits).scatter_add_(
+            -1, tokens, torch.ones_like(tokens, dtype=logits.dtype)
+        )
+        logits = logits - freq_penalty * counts
+    if top_k is not None:
+        threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probabilities = ordered.softmax(-1)
+        outside = probabilities.cumsum(-1) - probabilities >= top_p  # mass before reaches top_p
+        drop = torch.zeros_like(outside).scatter(-1, order, outside)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
 
 
 def example_noise_seed(seed: int, tokens: Tensor | None) -> int:

@@ -39,3 +39,67 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         f"cannot fingerprint tokenizer {type(tokenizer).__name__} for the token-file cache; give "
         "it a fingerprint() method returning a hash of its vocabulary and rules."
     )
+
+
+class VocabularyTokenizer:
+    """A tokenizer for a model whose vocabulary is a list of symbols (a task's own vocabulary,
+    or a planted model's ``<0>``, ``<1>``, …): token id i is ``symbols[i]``.
+
+    ``encode`` matches the longest symbol at each place and skips whitespace no symbol starts
+    with; ``decode`` joins the symbols (with ``separator``). No BOS, EOS or pad token: a batch is
+    right-padded with id 0 and masked (`padding_id`).
+    """
+
+    padding_side = "right"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __init__(self, symbols: list[str], separator: str = "") -> None:
+        if not symbols or len(set(symbols)) != len(symbols) or "" in symbols:
+            raise ValueError(
+                "symbols must be a non-empty list of distinct, non-empty strings; got "
+                f"{len(symbols)} symbols with {len(symbols) - len(set(symbols))} repeated."
+            )
+        self.symbols = list(symbols)
+        self.separator = separator
+        self._ids = {symbol: i for i, symbol in enumerate(self.symbols)}
+        self._longest = max(len(symbol) for symbol in self.symbols)
+        self.pad_token_id = 0
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        """Token ids of ``text`` (``bos`` is accepted and ignored: there is no BOS token)."""
+        ids: list[int] = []
+        at = 0
+        while at < len(text):
+            for width in range(min(self._longest, len(text) - at), 0, -1):
+                found = self._ids.get(text[at : at + width])
+                if found is not None:
+                    ids.append(found)
+                    at += width
+                    break
+            else:
+                if text[at].isspace():
+                    at += 1
+                    continue
+                raise ValueError(
+                    f"{text[at : at + 10]!r} (at character {at}) starts with no symbol of this "
+                    f"vocabulary ({len(self.symbols)} symbols, e.g. {self.symbols[:8]})."
+                )
+        return ids
+
+    def decode(self, ids: Any) -> str:
+        """The symbols of ``ids`` joined by the separator."""
+        return self.separator.join(self.symbols[int(i)] for i in ids)
+
+    def id_to_piece(self, token: int) -> str:
+        return self.symbols[int(token)]
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256("\x00".join(self.symbols).encode("utf-8")).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"VocabularyTokenizer({len(self.symbols)} symbols, e.g. {self.symbols[:5]})"

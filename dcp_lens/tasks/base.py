@@ -195,7 +195,9 @@ def check_task_tokens(task: Task, model: Any) -> None:
             vocabulary.
     """
     tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is not None and not task.uses_model_tokenizer:
+    # A tokenizer of the task's own symbols (a bundled model's) numbers them as the task does.
+    same_symbols = getattr(tokenizer, "symbols", None) == list(task.vocab)
+    if tokenizer is not None and not task.uses_model_tokenizer and not same_symbols:
         raise ValueError(
             f"task {task.name!r} numbers its symbols by its own vocabulary ({task.d_vocab} "
             f"symbols), but this model has its own tokenizer ({type(tokenizer).__name__}, "

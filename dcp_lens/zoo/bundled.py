@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.model.tokenization import VocabularyTokenizer
+from dcp_lens.utils.devices import check_dtype
 from dcp_lens.zoo.registry import register_named
 
 BUNDLED_MODELS = Path(__file__).parent / "bundled_models"
@@ -73,9 +75,18 @@ def load_bundled(name: str, **overrides: Any) -> HookedRecurrentTransformer:
 
 
 def load_bundled_from(folder: str | Path, **overrides: Any) -> HookedRecurrentTransformer:
-    """A bundle folder as a float32 model in eval mode (the weights are stored in float16)."""
+    """A bundle folder as a float32 model (or ``dtype=``) in eval mode (the weights are stored in
+    float16), with a `VocabularyTokenizer` of its task's symbols attached."""
+    from dcp_lens.tasks import get_task
+
+    dtype = overrides.pop("dtype", None)
     model = HookedRecurrentTransformer.from_pretrained(folder, **overrides)
-    return model.to(torch.float32).eval()
+    model = model.to(check_dtype(dtype) if dtype is not None else torch.float32).eval()
+    if model.task_config is not None and model.tokenizer is None:
+        task = get_task(**model.task_config)
+        if not task.uses_model_tokenizer and task.d_vocab <= model.cfg.d_vocab:
+            model.tokenizer = VocabularyTokenizer(list(task.vocab), separator=" ")
+    return model
 
 
 def stored_accuracy_table(name: str) -> Any:

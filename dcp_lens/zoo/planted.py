@@ -41,10 +41,12 @@ from torch import Tensor
 from dcp_lens.model.components.norms import RMSNorm
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.model.tokenization import VocabularyTokenizer
 from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, per_example_metrics
 from dcp_lens.protocol.results import FACTORS
 from dcp_lens.protocol.states import capture_states
+from dcp_lens.utils.devices import check_dtype
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
 from dcp_lens.zoo.registry import register_loader
 
@@ -519,7 +521,13 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
         raise ConfigError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
-    return BUILDERS[name](**overrides)  # type: ignore[arg-type]
+    dtype = overrides.pop("dtype", None)
+    model = BUILDERS[name](**overrides)  # type: ignore[arg-type]
+    if dtype is not None:
+        model = model.to(check_dtype(dtype))
+    # Planted models number their symbols themselves: <0>, <1>, … give them strings.
+    model.tokenizer = VocabularyTokenizer([f"<{i}>" for i in range(model.cfg.d_vocab)])
+    return model
 
 
 def _at_least(value: object, minimum: int, name: str) -> int:

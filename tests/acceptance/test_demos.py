@@ -20,7 +20,7 @@ DEMOS = REPO / "demos"
 # Executed at full size: the fast three in the default run (9-21 s each on this 2-core machine
 # when idle, 23-67 s when busy); readout_shift (32 s idle, 274 s busy: it distils a retrofit and
 # trains probe classifiers) with `pytest -m slow`.
-FAST = ["hooking_iterations", "dcp_on_your_model", "huginn_and_ouro"]
+FAST = ["hooking_iterations", "dcp_on_your_model", "huginn_and_ouro", "lenses"]
 SLOW = ["readout_shift"]
 NOTEBOOKS = FAST + SLOW
 SCRIPTS_ONLY = {"quickstart", "real_scale_configs", "retrofit_stories260k"}

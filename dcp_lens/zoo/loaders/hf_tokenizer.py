@@ -42,6 +42,8 @@ class HFTokenizer:
     so ``prepend_bos`` means the same for every checkpoint.
     """
 
+    padding_side = "right"  # model.to_tokens right-pads (TransformerLens reads this)
+
     def __init__(
         self,
         tokenizer: Any,
@@ -57,6 +59,8 @@ class HFTokenizer:
         self.bos_token_id = self._special_id(bos_token, "bos_token")
         self.eos_token_id = self._special_id(eos_token, "eos_token")
         self.pad_token_id = self._special_id(pad_token, "pad_token")
+        if self.pad_token_id is None:  # the id to_tokens pads with, so TL's masks find it
+            self.pad_token_id = padding_id(self)
         # A checkpoint with a BOS token prepends it unless its config says otherwise.
         wants_bos = add_bos_token if add_bos_token is not None else bos_token is not None
         self.prepends_bos = bool(wants_bos) and self.bos_token_id is not None

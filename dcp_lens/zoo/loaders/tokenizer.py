@@ -48,6 +48,9 @@ class Llama2cTokenizer:
 
     bos_token_id: int = BOS_TOKEN_ID
     eos_token_id: int = EOS_TOKEN_ID
+    # model.to_tokens right-pads with EOS (`padding_id`); TransformerLens's masks read these.
+    pad_token_id: int = EOS_TOKEN_ID
+    padding_side = "right"
     unk_token_id: int = UNK_TOKEN_ID
 
     def __init__(self, pieces: list[bytes], scores: list[float], max_token_length: int) -> None:

@@ -1,0 +1,135 @@
+"""`AffineTranslator`: a learned affine map of the residual stream, h -> h + h W^T + b, fitted so
+that a readout of the moved state matches target logits (KL), as tuned-lens's translators.
+
+Self-contained (torch and safetensors only) so the lenses (a tuned lens per iteration) and the
+protocol (paired translators of a bracketed S) use the same object. It starts at the identity
+(W = 0, b = 0). Being fitted to outputs, it can carry out missing *linear* computation: report it
+as an upper bound on a readout shift, never as a label-free calibration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from dcp_lens.utils.errors import DCPLensError
+
+Readout = Callable[[Tensor], Tensor]  # [batch, pos, d_model] -> [batch, pos, d_vocab]
+
+
+class TranslatorError(DCPLensError):
+    """A translator given states, targets or a file it cannot use."""
+
+
+class AffineTranslator:
+    """h -> h + h W^T + b on [..., d_model] (identity at W = 0, b = 0).
+
+    Args:
+        d_model: width of the states.
+        weight, bias: [d_model, d_model] and [d_model] (default zeros: the identity).
+    """
+
+    def __init__(self, d_model: int, weight: Tensor | None = None, bias: Tensor | None = None):
+        if d_model < 1:
+            raise TranslatorError(f"d_model={d_model} must be >= 1.")
+        self.d_model = d_model
+        self.weight = torch.zeros(d_model, d_model) if weight is None else weight.detach().clone()
+        self.bias = torch.zeros(d_model) if bias is None else bias.detach().clone()
+        if self.weight.shape != (d_model, d_model) or self.bias.shape != (d_model,):
+            raise TranslatorError(
+                f"weight {tuple(self.weight.shape)} / bias {tuple(self.bias.shape)} do not fit "
+                f"d_model={d_model}: expected ({d_model}, {d_model}) and ({d_model},)."
+            )
+
+    @property
+    def is_identity(self) -> bool:
+        return not bool(self.weight.any() or self.bias.any())
+
+    def __call__(self, state: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+        if state.shape[-1] != self.d_model:
+            raise TranslatorError(
+                f"state has width {state.shape[-1]}, this translator d_model={self.d_model}."
+            )
+        if self.is_identity:
+            return state
+        weight = self.weight.to(state.device, state.dtype)
+        return state + state @ weight.T + self.bias.to(state.device, state.dtype)
+
+    def fit(
+        self,
+        states: Float[Tensor, "batch pos d_model"],
+        target_logits: Float[Tensor, "batch pos d_vocab"],
+        readout: Readout,
+        *,
+        steps: int = 200,
+        lr: float = 1e-2,
+        weight_decay: float = 0.0,
+        mask: Tensor | None = None,
+    ) -> list[float]:
+        """Fit W and b by Adam on KL(softmax(target) || softmax(readout(translate(states)))),
+        averaged over the positions ``mask`` [batch, pos] keeps (default all). Returns the loss
+        before each step (and after the last)."""
+        if states.shape[:-1] != target_logits.shape[:-1]:
+            raise TranslatorError(
+                f"states {tuple(states.shape)} and target_logits {tuple(target_logits.shape)} "
+                "must share [batch, pos]."
+            )
+        if steps < 0 or lr <= 0:
+            raise TranslatorError(f"steps={steps} must be >= 0 and lr={lr} > 0.")
+        states = states.detach()
+        target = target_logits.detach().float().log_softmax(-1)
+        keep = torch.ones(states.shape[:-1], dtype=torch.bool) if mask is None else mask.bool()
+        keep = keep.to(states.device)
+        weight = self.weight.to(states.device, states.dtype).clone().requires_grad_(True)
+        bias = self.bias.to(states.device, states.dtype).clone().requires_grad_(True)
+        optimizer = torch.optim.Adam([weight, bias], lr=lr, weight_decay=weight_decay)
+
+        def loss() -> Tensor:
+            moved = states + states @ weight.T + bias
+            log_q = readout(moved).float().log_softmax(-1)
+            kl = (target.exp() * (target - log_q)).sum(-1)
+            return kl[keep].mean()
+
+        history = []
+        with torch.enable_grad():
+            for _ in range(steps):
+                optimizer.zero_grad()
+                value = loss()
+                history.append(float(value.detach()))
+                value.backward()
+                optimizer.step()
+            history.append(float(loss().detach()))
+        self.weight, self.bias = weight.detach().cpu(), bias.detach().cpu()
+        return history
+
+    def state_dict(self, prefix: str = "") -> dict[str, Tensor]:
+        return {f"{prefix}weight": self.weight.contiguous(), f"{prefix}bias": self.bias}
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, Tensor], prefix: str = "") -> AffineTranslator:
+        try:
+            weight, bias = tensors[f"{prefix}weight"], tensors[f"{prefix}bias"]
+        except KeyError as error:
+            raise TranslatorError(
+                f"no {prefix}weight / {prefix}bias in the tensors (keys: {sorted(tensors)[:6]})."
+            ) from error
+        return cls(int(bias.shape[0]), weight, bias)
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``weight`` and ``bias`` to a safetensors file."""
+        from safetensors.torch import save_file
+
+        save_file(self.state_dict(), str(path), metadata={"format": "dcp-lens-translator"})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> AffineTranslator:
+        from safetensors.torch import load_file
+
+        if not Path(path).is_file():
+            raise TranslatorError(f"{path} does not exist; write one with translator.save(path).")
+        return cls.from_state_dict(load_file(str(path)))

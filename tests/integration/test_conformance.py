@@ -1,0 +1,867 @@
+"""TransformerLens conformance: every public call a TransformerLens user makes on a model, run on
+``default``, ``huginn_tiny`` and ``ouro_tiny``, either matches a reference it is checked against or
+raises a `DCPLensError` saying what is unsupported and what to use instead.
+
+The calls are enumerated from the library (``dir(ActivationCache)``, ``transformer_lens.patching``,
+`WeightViews`), so a new public name fails `test_every_public_name_is_classified` until it
+gets a check here. The outcome table is committed as ``docs/tl_conformance.md``; regenerate it with
+``python tests/integration/test_conformance.py --write`` (`test_the_committed_table_is_generated`).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import io
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from transformer_lens import patching
+from transformer_lens import utilities as tl_utils
+from transformer_lens.ActivationCache import ActivationCache
+from transformer_lens.FactoredMatrix import FactoredMatrix
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import data_path  # noqa: E402
+
+from dcp_lens import load  # noqa: E402
+from dcp_lens.model import stream as stream_module  # noqa: E402
+from dcp_lens.model.cache import RecurrentActivationCache  # noqa: E402
+from dcp_lens.model.weights import WeightViews  # noqa: E402
+from dcp_lens.utils.errors import DCPLensError  # noqa: E402
+
+ATOL = 1e-5
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "tl_conformance.md"
+MODELS = {
+    "default": lambda: load("default"),
+    "huginn_tiny": lambda: load(f"huginn:{data_path('fixtures', 'huginn_tiny')}"),
+    "ouro_tiny": lambda: load(f"ouro:{data_path('fixtures', 'ouro_tiny')}"),
+}
+# The utilities a user calls directly (the rest of transformer_lens.utilities is internal).
+USER_UTILITIES = [
+    "test_prompt",
+    "get_act_name",
+    "get_attention_mask",
+    "lm_cross_entropy_loss",
+    "lm_accuracy",
+]
+# Names in transformer_lens.patching that are not calls on a model.
+NOT_CALLS = {"PatchingResult": "a result type, not a call"}
+
+
+# ------------------------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """One model with the inputs and caches every check reads (built once per model)."""
+
+    name: str
+    model: Any
+    tokens: Tensor  # [2, pos] random ids
+    logits: Tensor
+    cache: RecurrentActivationCache
+    clean: Tensor  # [1, 3] for patching
+    corrupted: Tensor
+    clean_cache: RecurrentActivationCache
+    corrupted_cache: RecurrentActivationCache
+    prompt: str  # text in the model's vocabulary
+    memo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layer(self) -> int:
+        """A core block in iteration 2: the block whose weights iteration 1 also used."""
+        return self.model.block_index(2, 0)
+
+    def metric(self, logits: Tensor) -> Tensor:
+        return logits[0, -1, 3] - logits[0, -1, 5]
+
+
+@functools.cache
+def context(name: str) -> Context:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, model.cfg.d_vocab, (2, 7), generator=generator)
+    logits, cache = model.run_with_cache(tokens)
+    clean = tokens[:1, :3]
+    corrupted = clean.clone()
+    corrupted[0, 0] = (corrupted[0, 0] + 7) % model.cfg.d_vocab
+    _, clean_cache = model.run_with_cache(clean)
+    _, corrupted_cache = model.run_with_cache(corrupted)
+    symbols = getattr(model.tokenizer, "symbols", None)
+    prompt = " ".join(symbols[5:9]) if symbols else "hello world"
+    return Context(
+        name, model, tokens, logits, cache, clean, corrupted, clean_cache, corrupted_cache, prompt
+    )
+
+
+def close(actual: Tensor, expected: Tensor, what: str) -> None:
+    """``actual`` equals ``expected`` within `ATOL` (the conformance tolerance)."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    difference = (actual.double() - expected.double()).abs()
+    difference[actual == expected] = 0.0  # equal infinities (masked attention scores)
+    error = difference.max().item() if actual.numel() else 0.0
+    assert error <= ATOL, f"{what}: max abs difference {error:.3g} > {ATOL}"
+
+
+def stream_at(ctx: Context, layer: int, mlp_input: bool = False) -> Tensor:
+    """The stream a decomposition at ``layer`` must sum to, read from the cache by hand."""
+    model, cache = ctx.model, ctx.cache
+    if layer < model.cfg.n_layers:
+        return cache[f"blocks.{layer}.hook_resid_{'mid' if mlp_input else 'pre'}"]
+    if model.cfg.n_coda or model.is_dense:
+        return cache[f"blocks.{layer - 1}.hook_resid_post"]
+    if model.ln_pre_coda is not None:
+        return cache["ln_pre_coda.hook_normalized"]
+    return cache["hook_readout_in"]
+
+
+def layers(ctx: Context) -> list[int]:
+    n = ctx.model.cfg.n_layers
+    return sorted({0, 1, ctx.layer, n - 1, n})
+
+
+# ----------------------------------------------------------------------------- registry
+
+CHECKS: dict[str, Callable[[Context], str]] = {}
+
+
+def check(*names: str) -> Callable[[Callable[[Context], str]], Callable[[Context], str]]:
+    """Register a check of one or more calls; it returns the reference it was checked against."""
+
+    def decorator(function: Callable[[Context], str]) -> Callable[[Context], str]:
+        for name in names:
+            assert name not in CHECKS, f"{name} registered twice"
+            CHECKS[name] = function
+        return function
+
+    return decorator
+
+
+# ------------------------------------------------------------------------ ActivationCache
+
+
+@check("ActivationCache.decompose_resid")
+def _decompose_resid(ctx: Context) -> str:
+    for layer in layers(ctx):
+        for mlp_input in (False, True) if layer < ctx.model.cfg.n_layers else (False,):
+            parts = ctx.cache.decompose_resid(layer, mlp_input=mlp_input)
+            close(parts.sum(0), stream_at(ctx, layer, mlp_input), f"decompose_resid({layer})")
+    attn = ctx.cache.decompose_resid(mode="attn", incl_embeds=False)
+    mlp = ctx.cache.decompose_resid(mode="mlp", incl_embeds=False)
+    rest = ctx.cache.decompose_resid().sum(0) - attn.sum(0) - mlp.sum(0)
+    close(rest + attn.sum(0) + mlp.sum(0), stream_at(ctx, ctx.model.cfg.n_layers), "modes")
+    return "components sum to the cached stream at every layer (resid_pre, resid_mid, final)"
+
+
+@check("ActivationCache.get_full_resid_decomposition")
+def _full_decomposition(ctx: Context) -> str:
+    for layer in layers(ctx):
+        for expand in (True, False):
+            parts = ctx.cache.get_full_resid_decomposition(layer, expand_neurons=expand)
+            close(parts.sum(0), stream_at(ctx, layer), f"full decomposition({layer}, {expand})")
+    return "heads + neurons (or MLPs) + embeds + injections + bias sum to the stream"
+
+
+@check("ActivationCache.accumulated_resid")
+def _accumulated_resid(ctx: Context) -> str:
+    model, cache = ctx.model, ctx.cache
+    stack = cache.accumulated_resid(apply_ln=True)
+    close(stack[-1] @ model.W_U, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
+    plain = cache.accumulated_resid(incl_mid=True)
+    n = model.cfg.n_layers
+    close(plain[-1], stream_at(ctx, n), "final entry")
+    close(plain[2 * ctx.layer], cache[f"blocks.{ctx.layer}.hook_resid_pre"], "resid_pre entry")
+    close(stack[ctx.layer], model.ln_final(cache[f"blocks.{ctx.layer}.hook_resid_pre"]), "ln")
+    return "final entry @ W_U = logits; entries are the cached streams (ln_final applied)"
+
+
+@check("ActivationCache.apply_ln_to_stack")
+def _apply_ln(ctx: Context) -> str:
+    cache, model = ctx.cache, ctx.model
+    layer = ctx.layer
+    scaled = cache.apply_ln_to_stack(cache.decompose_resid(layer), layer)
+    x = cache[f"blocks.{layer}.hook_resid_pre"]
+    if model.cfg.normalization_type == "LN":
+        x = x - x.mean(-1, keepdim=True)
+    close(scaled.sum(0), x / cache[f"blocks.{layer}.ln1.hook_scale"], "block input")
+    final = cache.apply_ln_to_stack(cache.decompose_resid())
+    direction = model.tokens_to_residual_directions(torch.arange(model.cfg.d_vocab))
+    bias = getattr(model.ln_final, "b", None)
+    constant = 0 if bias is None else bias @ model.W_U
+    close(final.sum(0) @ direction.T + constant, ctx.logits, "final stack -> logits")
+    return "scaled components sum to the block's normalised input; final -> logits"
+
+
+@check("ActivationCache.logit_attrs")
+def _logit_attrs(ctx: Context) -> str:
+    model, cache = ctx.model, ctx.cache
+    targets = ctx.tokens
+    attrs = cache.logit_attrs(cache.decompose_resid(), targets)
+    bias = getattr(model.ln_final, "b", None)
+    constant = 0 if bias is None else (bias @ model.W_U)[targets]
+    expected = ctx.logits.gather(-1, targets[..., None])[..., 0] - constant
+    close(attrs.sum(0), expected, "sum of logit_attrs")
+    wrong = (targets + 1) % model.cfg.d_vocab
+    diff = cache.logit_attrs(cache.decompose_resid(), targets, incorrect_tokens=wrong)
+    wrong_logit = ctx.logits.gather(-1, wrong[..., None])[..., 0]
+    wrong_constant = 0 if bias is None else (bias @ model.W_U)[wrong]
+    close(diff.sum(0), expected - wrong_logit + wrong_constant, "logit difference attribution")
+    return "attributions of all components sum to the token's logit (less ln_final.b @ W_U)"
+
+
+@check("ActivationCache.stack_head_results")
+def _stack_heads(ctx: Context) -> str:
+    cache = ctx.cache
+    for layer in layers(ctx)[1:]:
+        heads = cache.stack_head_results(layer)
+        attn = cache.decompose_resid(layer, mode="attn", incl_embeds=False)
+        close(heads.sum(0), attn.sum(0), f"heads = attn outputs before {layer}")
+        with_rest = cache.stack_head_results(layer, incl_remainder=True)
+        close(with_rest.sum(0), stream_at(ctx, layer), "heads + remainder")
+    return "heads sum to decompose_resid(mode='attn'); with the remainder, to the stream"
+
+
+@check("ActivationCache.compute_head_results")
+def _compute_heads(ctx: Context) -> str:
+    cache = ctx.cache
+    cache.compute_head_results()
+    for index in range(ctx.model.cfg.n_layers):
+        result = cache[f"blocks.{index}.attn.hook_result"]
+        close(result.sum(-2), cache[f"blocks.{index}.hook_attn_out"], f"block {index} heads")
+    return "hook_result summed over heads = hook_attn_out in every block"
+
+
+def _mlp_biases(ctx: Context, layer: int) -> Tensor:
+    """Sum of b_out over blocks < layer: valid where nothing rescales the stream after them."""
+    model = ctx.model
+    total = torch.zeros(model.cfg.d_model)
+    for index in range(layer):
+        b_out = getattr(model.blocks[index].mlp, "b_out", None)
+        if b_out is not None:
+            assert model.blocks[index].placement == "pre" and model.cfg.iteration_norm == "none"
+            total = total + b_out
+    return total
+
+
+@check("ActivationCache.get_neuron_results")
+def _neuron_results(ctx: Context) -> str:
+    model, cache = ctx.model, ctx.cache
+    for index in (0, ctx.layer):
+        neurons = cache.get_neuron_results(index)
+        b_out = getattr(model.blocks[index].mlp, "b_out", None)
+        rest = 0 if b_out is None else b_out
+        close(neurons.sum(-2) + rest, cache[f"blocks.{index}.hook_mlp_out"], "neurons")
+    return "neuron results (+ b_out) sum to hook_mlp_out"
+
+
+@check("ActivationCache.stack_neuron_results")
+def _stack_neurons(ctx: Context) -> str:
+    cache = ctx.cache
+    layer = ctx.layer + 1
+    neurons = cache.stack_neuron_results(layer)
+    mlp = cache.decompose_resid(layer, mode="mlp", incl_embeds=False)
+    close(neurons.sum(0) + _mlp_biases(ctx, layer), mlp.sum(0), "neurons = MLP outputs")
+    with_rest = cache.stack_neuron_results(layer, incl_remainder=True)
+    close(with_rest.sum(0), stream_at(ctx, layer), "neurons + remainder")
+    return "neurons (+ b_out) sum to decompose_resid(mode='mlp'); with the remainder, the stream"
+
+
+@check("ActivationCache.stack_activation")
+def _stack_activation(ctx: Context) -> str:
+    stacked = ctx.cache.stack_activation("resid_post")
+    expected = torch.stack([ctx.cache[f"blocks.{i}.hook_resid_post"] for i in range(len(stacked))])
+    close(stacked, expected, "stack_activation")
+    return "equals the cached blocks.{i}.hook_resid_post stacked"
+
+
+@check("ActivationCache.apply_slice_to_batch_dim")
+def _slice_batch(ctx: Context) -> str:
+    sliced = ctx.cache.apply_slice_to_batch_dim(1)
+    assert isinstance(sliced, RecurrentActivationCache)
+    for key in list(ctx.cache.keys())[:20]:
+        close(sliced[key], ctx.cache[key][1], key)
+    return "every entry equals the cached entry at that batch index"
+
+
+@check("ActivationCache.remove_batch_dim")
+def _remove_batch(ctx: Context) -> str:
+    _, cache = ctx.model.run_with_cache(ctx.clean)
+    kept = {key: value.clone() for key, value in cache.items()}
+    cache.remove_batch_dim()
+    assert not cache.has_batch_dim
+    for key, value in kept.items():
+        close(cache[key], value[0], key)
+    return "every entry equals the batch-1 entry without its batch dim"
+
+
+@check("ActivationCache.keys", "ActivationCache.values", "ActivationCache.items")
+def _mapping(ctx: Context) -> str:
+    cache = ctx.cache
+    assert list(cache.keys()) == list(cache.cache_dict)
+    assert all(a is b for a, b in zip(cache.values(), cache.cache_dict.values(), strict=True))
+    assert all(cache.cache_dict[k] is v for k, v in cache.items())
+    assert "loop.1.hook_state" in cache.keys() and f"blocks.{ctx.layer}.hook_resid_pre" in cache
+    return "the recorded hook names and tensors, every iteration under its own name"
+
+
+@check("ActivationCache.to")
+def _to(ctx: Context) -> str:
+    moved = ctx.cache.to("cpu")
+    close(moved["hook_embed"], ctx.cache["hook_embed"], "to(cpu)")
+    return "same tensors on the target device"
+
+
+@check("ActivationCache.toggle_autodiff")
+def _toggle(ctx: Context) -> str:
+    before = torch.is_grad_enabled()
+    try:
+        ctx.cache.toggle_autodiff(False)
+        assert not torch.is_grad_enabled()
+        ctx.cache.toggle_autodiff(True)
+        assert torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(before)
+    return "torch.is_grad_enabled() follows the toggle"
+
+
+@check("ActivationCache.ssm_layers")
+def _ssm_layers(ctx: Context) -> str:
+    assert ctx.cache.ssm_layers() == []
+    return "[] (attention blocks only)"
+
+
+def _must_refuse(name: str, call: Callable[[Context], Any]) -> Callable[[Context], str]:
+    def run(ctx: Context) -> str:
+        call(ctx)  # raises a DCPLensError; returning would leave a number unchecked
+        raise AssertionError(f"{name} returned instead of refusing")
+
+    return run
+
+
+for _name, _call in {
+    "ActivationCache.logit_lens": lambda ctx: ctx.cache.logit_lens(),
+    "ActivationCache.compute_ssm_effective_attention": (
+        lambda ctx: ctx.cache.compute_ssm_effective_attention()
+    ),
+    "ActivationCache.compute_ssm_state": lambda ctx: ctx.cache.compute_ssm_state(),
+}.items():
+    check(_name)(_must_refuse(_name, _call))
+
+
+# ---------------------------------------------------------------------------- patching
+
+
+def _hand_patch(ctx: Context, hook: str, where: tuple[Any, ...]) -> float:
+    """The metric with ``clean_cache[hook][where]`` written into the corrupted run."""
+
+    def patch(activation: Tensor, hook: Any) -> Tensor:
+        activation = activation.clone()
+        activation[where] = ctx.clean_cache[hook.name][where]
+        return activation
+
+    logits = ctx.model.run_with_hooks(ctx.corrupted, fwd_hooks=[(hook, patch)])
+    return float(ctx.metric(logits))
+
+
+def _index(ctx: Context, activation: str, axes: tuple[str, ...]) -> tuple[tuple, tuple]:
+    """(index into the result, index into the activation) for the chosen layer/pos/head."""
+    value = {"layer": ctx.layer, "pos": 1, "head": 1, "head_index": 1, "dest_pos": 2, "src_pos": 1}
+    result = tuple(value[a] for a in axes)
+    head_first = activation == "pattern"
+    axes = tuple("head_index" if a == "head" else a for a in axes)
+    if axes == ("layer", "pos"):
+        act: tuple = (slice(None), 1)
+    elif axes == ("layer", "head_index"):
+        act = (slice(None), 1) if head_first else (slice(None), slice(None), 1)
+    elif axes == ("layer", "pos", "head_index"):
+        act = (slice(None), 1, 1)
+    elif axes == ("layer", "head_index", "dest_pos"):
+        act = (slice(None), 1, 2)
+    else:
+        assert axes == ("layer", "head_index", "dest_pos", "src_pos"), axes
+        act = (slice(None), 1, 2, 1)
+    return result, act
+
+
+def _basic_patch(name: str) -> Callable[[Context], str]:
+    def run(ctx: Context) -> str:
+        function = getattr(patching, name)
+        activation = function.keywords["activation_name"]
+        axes = tuple(function.keywords["index_axis_names"])
+        result = function(ctx.model, ctx.corrupted, ctx.clean_cache, ctx.metric)
+        at, act = _index(ctx, activation, axes)
+        hook = tl_utils.get_act_name(activation, ctx.layer)
+        expected = _hand_patch(ctx, hook, act)
+        assert abs(float(result[at]) - expected) <= ATOL, (name, float(result[at]), expected)
+        ctx.memo[name] = result
+        return f"entry {dict(zip(axes, at, strict=True))} = a hand-written patch of {hook}"
+
+    return run
+
+
+BASIC = sorted(
+    n
+    for n in dir(patching)
+    if n.startswith("get_act_patch_")
+    and isinstance(getattr(patching, n), functools.partial)
+    and "activation_name" in getattr(patching, n).keywords
+)
+for _name in BASIC:
+    check(f"patching.{_name}")(_basic_patch(_name))
+
+
+def _stacked(ctx: Context, name: str, parts: list[str]) -> str:
+    result = getattr(patching, name)(ctx.model, ctx.corrupted, ctx.clean_cache, ctx.metric)
+    for i, part in enumerate(parts):
+        if part not in ctx.memo:
+            CHECKS[f"patching.{part}"](ctx)
+        expected = torch.as_tensor(ctx.memo[part])
+        if part.endswith("pattern_by_pos"):  # stacked as [layer, pos, head] beside the others
+            expected = expected.transpose(-1, -2)
+        close(torch.as_tensor(result[i]), expected, f"{name}[{i}]")
+    return "stacks the checked " + ", ".join(p.removeprefix("get_act_patch_") for p in parts)
+
+
+@check("patching.get_act_patch_block_every")
+def _block_every(ctx: Context) -> str:
+    parts = ["resid_pre", "attn_out", "mlp_out"]
+    return _stacked(ctx, "get_act_patch_block_every", [f"get_act_patch_{p}" for p in parts])
+
+
+@check("patching.get_act_patch_attn_head_all_pos_every")
+def _head_all_pos_every(ctx: Context) -> str:
+    parts = [f"get_act_patch_attn_head_{p}_all_pos" for p in ("out", "q", "k", "v", "pattern")]
+    return _stacked(ctx, "get_act_patch_attn_head_all_pos_every", parts)
+
+
+@check("patching.get_act_patch_attn_head_by_pos_every")
+def _head_by_pos_every(ctx: Context) -> str:
+    parts = [f"get_act_patch_attn_head_{p}_by_pos" for p in ("out", "q", "k", "v", "pattern")]
+    return _stacked(ctx, "get_act_patch_attn_head_by_pos_every", parts)
+
+
+@check("patching.generic_activation_patch")
+def _generic(ctx: Context) -> str:
+    result = patching.generic_activation_patch(
+        ctx.model,
+        ctx.corrupted,
+        ctx.clean_cache,
+        ctx.metric,
+        patch_setter=patching.layer_pos_patch_setter,
+        activation_name="resid_mid",
+        index_axis_names=("layer", "pos"),
+    )
+    expected = _hand_patch(ctx, f"blocks.{ctx.layer}.hook_resid_mid", (slice(None), 1))
+    assert abs(float(result[ctx.layer, 1]) - expected) <= ATOL
+    return "entry (layer, pos) = a hand-written patch of resid_mid"
+
+
+check("patching.get_act_patch_direct_path")(
+    _must_refuse(
+        "get_act_patch_direct_path",
+        lambda ctx: patching.get_act_patch_direct_path(
+            ctx.model, ctx.corrupted, ctx.clean_cache, ctx.corrupted_cache, ctx.metric, 0, 0
+        ),
+    )
+)
+check("patching.get_act_patch_direct_path_all_sources")(
+    _must_refuse(
+        "get_act_patch_direct_path_all_sources",
+        lambda ctx: patching.get_act_patch_direct_path_all_sources(
+            ctx.model, ctx.corrupted, ctx.clean_cache, ctx.corrupted_cache, ctx.metric
+        ),
+    )
+)
+
+
+SETTERS = {
+    "layer_pos_patch_setter": ((2, 1), (slice(None), 1)),
+    "layer_pos_head_vector_patch_setter": ((2, 1, 0), (slice(None), 1, 0)),
+    "layer_head_vector_patch_setter": ((2, 1), (slice(None), slice(None), 1)),
+    "layer_head_pattern_patch_setter": ((2, 1), (slice(None), 1)),
+    "layer_head_pos_pattern_patch_setter": ((2, 1, 0), (slice(None), 1, 0)),
+    "layer_head_dest_src_pos_pattern_patch_setter": ((2, 1, 0, 1), (slice(None), 1, 0, 1)),
+}
+
+
+def _setter(name: str) -> Callable[[Context], str]:
+    def run(ctx: Context) -> str:
+        index, where = SETTERS[name]
+        generator = torch.Generator().manual_seed(1)
+        corrupted, clean = torch.randn(2, 3, 3, 3, 3, generator=generator)
+        expected = corrupted.clone()
+        expected[where] = clean[where]
+        patched = getattr(patching, name)(corrupted.clone(), index, clean)
+        close(patched, expected, name)
+        return "equals a hand-written index assignment"
+
+    return run
+
+
+for _name in SETTERS:
+    check(f"patching.{_name}")(_setter(_name))
+
+
+@check("patching.make_df_from_ranges")
+def _df(ctx: Context) -> str:
+    frame = patching.make_df_from_ranges([2, 3], ["layer", "pos"])
+    assert [tuple(r) for r in frame.itertuples(index=False)] == list(
+        itertools.product(range(2), range(3))
+    )
+    return "rows = itertools.product of the ranges"
+
+
+# ---------------------------------------------------------------------------- utilities
+
+
+@check("utilities.test_prompt")
+def _test_prompt(ctx: Context) -> str:
+    model = ctx.model
+    prompt_tokens = model.to_tokens(ctx.prompt)
+    answer = model.to_single_str_token(7)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tl_utils.test_prompt(ctx.prompt, answer, model, prepend_space_to_answer=False)
+    line = next(x for x in printed.getvalue().splitlines() if "Ranks of the answer" in x)
+    ranks = ast.literal_eval(line.split(":", 1)[1].strip())
+    answer_ids = model.to_tokens(answer, prepend_bos=False)
+    logits = model(torch.cat([prompt_tokens, answer_ids], dim=1))[0, prompt_tokens.shape[1] - 1]
+    expected = int((logits > logits[answer_ids[0, 0]]).sum())
+    assert ranks[0][1] == expected, (ranks, expected)
+    return "printed rank of the answer = its rank in the model's logits"
+
+
+@check("utilities.get_act_name")
+def _act_name(ctx: Context) -> str:
+    name = tl_utils.get_act_name("resid_pre", ctx.layer)
+    assert name == f"blocks.{ctx.layer}.hook_resid_pre" and name in ctx.cache
+    assert tl_utils.get_act_name("pattern", 0) in ctx.cache
+    return "names a hook the cache holds"
+
+
+@check("utilities.get_attention_mask")
+def _attention_mask(ctx: Context) -> str:
+    model = ctx.model
+    texts = [ctx.prompt, ctx.prompt.split()[0]]
+    tokens, mask = model.to_tokens_with_mask(texts, prepend_bos=False)
+    library = tl_utils.get_attention_mask(model.tokenizer, tokens, prepend_bos=False)
+    assert torch.equal(library.bool(), mask), (library, mask)
+    return "equals the mask to_tokens_with_mask pads with"
+
+
+@check("utilities.lm_cross_entropy_loss")
+def _loss(ctx: Context) -> str:
+    loss = tl_utils.lm_cross_entropy_loss(ctx.logits, ctx.tokens)
+    close(loss, ctx.model(ctx.tokens, return_type="loss"), "loss")
+    return "equals model(tokens, return_type='loss')"
+
+
+@check("utilities.lm_accuracy")
+def _accuracy(ctx: Context) -> str:
+    accuracy = tl_utils.lm_accuracy(ctx.logits, ctx.tokens)
+    expected = (ctx.logits[:, :-1].argmax(-1) == ctx.tokens[:, 1:]).float().mean()
+    close(torch.as_tensor(accuracy).float(), expected, "accuracy")
+    return "equals argmax agreement with the next token"
+
+
+# ------------------------------------------------------------------------------ model
+
+
+@check("model.to_tokens", "model.to_string")
+def _round_trip(ctx: Context) -> str:
+    model = ctx.model
+    tokens = model.to_tokens(ctx.prompt, prepend_bos=False)
+    assert tokens.ndim == 2 and tokens.shape[1] >= 2
+    assert (
+        model.to_tokens(model.to_string(tokens[0]), prepend_bos=False).tolist() == tokens.tolist()
+    )
+    close(model(ctx.prompt), model(model.to_tokens(ctx.prompt)), "string input")
+    return "text -> tokens -> text -> the same tokens; string input = token input"
+
+
+@check("model.to_str_tokens", "model.to_single_token")
+def _str_tokens(ctx: Context) -> str:
+    model = ctx.model
+    tokens = model.to_tokens(ctx.prompt, prepend_bos=False)[0]
+    pieces = model.to_str_tokens(tokens)
+    assert len(pieces) == len(tokens)
+    for piece, token in zip(pieces, tokens.tolist(), strict=True):
+        assert model.to_single_token(model.to_string([token])) == token
+        assert piece == model.to_single_str_token(token)
+    return "one piece per token; to_single_token(piece text) = the token"
+
+
+def _greedy(ctx: Context, steps: int) -> Tensor:
+    tokens = ctx.clean
+    for _ in range(steps):
+        next_token = ctx.model(tokens)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, next_token], dim=1)
+    return tokens
+
+
+@check("model.generate")
+def _generate(ctx: Context) -> str:
+    expected = _greedy(ctx, 3)
+    for kv in (True, False):
+        assert torch.equal(ctx.model.generate(ctx.clean, 3, use_past_kv_cache=kv), expected)
+    return "greedy (with and without the KV cache) = an argmax loop by hand"
+
+
+@check("model.generate(top_p)")
+def _top_p(ctx: Context) -> str:
+    sampled = ctx.model.generate(ctx.clean, 3, do_sample=True, top_p=1e-6, seed=0)
+    assert torch.equal(sampled, _greedy(ctx, 3))
+    return "top_p -> 0 keeps only the most likely token: = greedy"
+
+
+@check("model.generate(freq_penalty)")
+def _freq_penalty(ctx: Context) -> str:
+    sampled = ctx.model.generate(ctx.clean, 2, do_sample=True, top_p=1e-6, freq_penalty=1e4)
+    counts = torch.bincount(ctx.clean[0], minlength=ctx.model.cfg.d_vocab).float()
+    logits = ctx.model(ctx.clean)[0, -1] - 1e4 * counts
+    assert int(sampled[0, 3]) == int(logits.argmax())
+    return "the token sampled = argmax(logits - penalty x counts) by hand"
+
+
+@check("model.run_with_cache(names_filter)")
+def _names_filter(ctx: Context) -> str:
+    _, cache = ctx.model.run_with_cache(ctx.tokens, names_filter=lambda n: "hook_state" in n)
+    assert set(cache.keys()) == {k for k in ctx.cache.keys() if "hook_state" in k}
+    close(cache["loop.2.hook_state"], ctx.cache["loop.2.hook_state"], "filtered")
+    return "exactly the filtered names, same values"
+
+
+@check("model.run_with_cache(remove_batch_dim)")
+def _remove_batch_dim(ctx: Context) -> str:
+    _, cache = ctx.model.run_with_cache(ctx.tokens[:1], remove_batch_dim=True)
+    close(cache["hook_embed"], ctx.cache["hook_embed"][0], "remove_batch_dim")
+    return "entries = the batched cache's row 0"
+
+
+@check("model.run_with_cache(return_cache_object=False)")
+def _plain_dict(ctx: Context) -> str:
+    _, cache = ctx.model.run_with_cache(ctx.tokens, return_cache_object=False)
+    assert type(cache) is dict and not isinstance(cache, ActivationCache)
+    close(cache["loop.1.hook_state"], ctx.cache["loop.1.hook_state"], "plain dict")
+    return "a dict of the same tensors"
+
+
+@check("model.run_with_cache(n_iterations)")
+def _n_iterations(ctx: Context) -> str:
+    logits, cache = ctx.model.run_with_cache(ctx.tokens, n_iterations=2)
+    close(logits, ctx.model(ctx.tokens, n_iterations=2), "logits")
+    assert "loop.2.hook_state" in cache and "loop.3.hook_state" not in cache
+    return "logits = model(tokens, n_iterations=k); states 0..k"
+
+
+@check("model.forward(stop_at_layer)")
+def _stop(ctx: Context) -> str:
+    stream = ctx.model(ctx.tokens, stop_at_layer=ctx.layer)
+    close(stream, ctx.cache[f"blocks.{ctx.layer}.hook_resid_pre"], "stop_at_layer")
+    return "the cached blocks.{layer}.hook_resid_pre"
+
+
+@check("model.forward(stop_at_layer, then start_at_layer)")
+def _resume(ctx: Context) -> str:
+    stream = ctx.model(ctx.tokens, stop_at_layer=ctx.layer)
+    close(ctx.model(stream, start_at_layer=ctx.layer), ctx.logits, "resumed logits")
+    return "resumed logits = the full forward's"
+
+
+def _weight(name: str) -> Callable[[Context], str]:
+    def run(ctx: Context) -> str:
+        view = getattr(ctx.model, name)
+        if isinstance(view, FactoredMatrix):
+            left, right = (
+                (ctx.model.W_Q, ctx.model.W_K.transpose(-2, -1))
+                if name == "QK"
+                else (ctx.model.W_V, ctx.model.W_O)
+            )
+            close(view.AB, left @ right, name)
+            first, second = ctx.model.block_index(1, 0), ctx.layer
+            close(view.AB[first], view.AB[second], "shared across iterations")
+            return "FactoredMatrix; AB = the product of the stacked weights; shared per iteration"
+        part = {"W_in": "mlp", "W_out": "mlp", "W_gate": "mlp", "b_in": "mlp", "b_out": "mlp"}
+        module = part.get(name, "attn")
+        weight = getattr(getattr(ctx.model.blocks[ctx.layer], module), name)
+        if name in ("W_K", "W_V", "b_K") and weight.shape[0] != ctx.model.cfg.n_heads:
+            weight = weight.repeat_interleave(ctx.model.cfg.n_heads // weight.shape[0], dim=0)
+        close(view[ctx.layer], weight, name)
+        close(view[ctx.model.block_index(1, 0)], view[ctx.layer], "shared across iterations")
+        return "view[i] = blocks[i]'s weight; the core's equal at every iteration"
+
+    return run
+
+
+WEIGHT_VIEWS = sorted(
+    n for n, v in vars(WeightViews).items() if not n.startswith("_") and isinstance(v, property)
+)
+for _name in WEIGHT_VIEWS:
+    check(f"model.{_name}")(_weight(_name))
+
+
+@check("model.all_composition_scores")
+def _composition(ctx: Context) -> str:
+    model = ctx.model
+    first, second = model.block_index(1, 0), ctx.layer
+    for mode in ("Q", "K", "V"):
+        scores = model.all_composition_scores(mode)
+        ov = model.W_V[first, 1] @ model.W_O[first, 1]
+        if mode == "V":
+            right = model.W_V[second, 2] @ model.W_O[second, 2]
+        else:
+            right = model.W_Q[second, 2] @ model.W_K[second, 2].T
+            right = right.T if mode == "K" else right
+        expected = (ov @ right).norm() / ov.norm() / right.norm()
+        close(scores[first, 1, second, 2].detach(), expected.detach(), f"{mode} score")
+        assert float(scores[second, 2, first, 1]) == 0.0
+    return "an entry = ||OV W|| / (||OV|| ||W||) by hand; zero where not earlier"
+
+
+# -------------------------------------------------------------------------------- runner
+
+_OUTCOMES: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def outcome(call: str, model: str) -> tuple[str, str]:
+    """("checked", reference) or ("refused", the DCPLensError's first sentence)."""
+    key = (call, model)
+    if key not in _OUTCOMES:
+        ctx = context(model)
+        try:
+            with torch.no_grad():
+                result = ("checked", CHECKS[call](ctx))
+        except DCPLensError as error:
+            result = ("refused", f"{type(error).__name__}: {error}")
+        _OUTCOMES[key] = result
+    return _OUTCOMES[key]
+
+
+def public_names() -> list[str]:
+    """Every call the suite must classify, found from the libraries themselves."""
+    cache = [f"ActivationCache.{n}" for n in dir(ActivationCache) if not n.startswith("_")]
+    found = [
+        f"patching.{n}"
+        for n in dir(patching)
+        if not n.startswith("_")
+        and n not in NOT_CALLS
+        and callable(getattr(patching, n))
+        and (
+            isinstance(getattr(patching, n), functools.partial)
+            or getattr(getattr(patching, n), "__module__", "") == patching.__name__
+        )
+    ]
+    assert all(hasattr(tl_utils, n) for n in USER_UTILITIES)
+    utilities = [f"utilities.{n}" for n in USER_UTILITIES]
+    views = [f"model.{n}" for n in WEIGHT_VIEWS]
+    return sorted(cache) + sorted(found) + utilities + views
+
+
+def conformance_table() -> str:
+    """The markdown table of every call on every model."""
+    names = list(CHECKS)
+    lines = [
+        "# TransformerLens conformance",
+        "",
+        "Generated by `python tests/integration/test_conformance.py --write` (do not edit). Every",
+        "call either matched the reference named (within 1e-5) or raised a `DCPLensError` (its",
+        "message shown).",
+        "",
+        "| call | " + " | ".join(MODELS) + " |",
+        "|---|" + "---|" * len(MODELS),
+    ]
+    counts = {m: {"checked": 0, "refused": 0} for m in MODELS}
+    for name in names:
+        cells = []
+        for model in MODELS:
+            kind, text = outcome(name, model)
+            counts[model][kind] += 1
+            cells.append(f"{kind}: {text}".replace("|", "\\|").replace("\n", " "))
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += ["", "| model | checked | refused |", "|---|---|---|"]
+    lines += [f"| {m} | {c['checked']} | {c['refused']} |" for m, c in counts.items()]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------- tests
+
+
+def test_every_public_name_is_classified() -> None:
+    """Fast: the classification itself, from dir() of the classes and modules."""
+    missing = [name for name in public_names() if name not in CHECKS]
+    assert not missing, f"public calls with no conformance check: {missing}"
+    assert {"patching.get_act_patch_resid_pre", "ActivationCache.decompose_resid"} <= set(CHECKS)
+    assert len(BASIC) >= 15, BASIC  # with the 3 *_every, generic and direct path: 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("call", list(CHECKS))
+def test_call_is_checked_or_refused(call: str, model: str) -> None:
+    kind, text = outcome(call, model)
+    assert kind in ("checked", "refused") and text
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "ActivationCache.decompose_resid",
+        "ActivationCache.get_full_resid_decomposition",
+        "ActivationCache.logit_attrs",
+        "ActivationCache.accumulated_resid",
+    ],
+)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_decompositions_are_checked_not_refused(call: str, model: str) -> None:
+    assert outcome(call, model)[0] == "checked"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_dropped_component_fails_the_check(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = stream_module.StreamWalk.components
+
+    def drop_one(self: Any, point: Any) -> Any:
+        """The components less one: the first re-injection, else the last of two or more."""
+        sources, values = original(self, point)
+        injected = [i for i, s in enumerate(sources) if s.kind == "inject"]
+        dropped = injected[0] if injected else (len(sources) - 1 if len(sources) > 1 else None)
+        keep = [i for i in range(len(sources)) if i != dropped]
+        return [sources[i] for i in keep], [values[i] for i in keep]
+
+    monkeypatch.setattr(stream_module.StreamWalk, "components", drop_one)
+    with pytest.raises(AssertionError, match="decompose_resid"):
+        CHECKS["ActivationCache.decompose_resid"](context(model))
+
+
+@pytest.mark.parametrize("spec", ["default", "planted:readout_shift", "huginn"])
+def test_every_load_takes_a_dtype_and_carries_a_tokenizer(spec: str) -> None:
+    if spec == "huginn":
+        spec = f"huginn:{data_path('fixtures', 'huginn_tiny')}"
+    model = load(spec, dtype=torch.float64)
+    assert model.W_E.dtype == torch.float64
+    ids = torch.arange(3, 9)
+    text = model.to_string(ids)
+    assert model.to_tokens(text, prepend_bos=False)[0].tolist() == ids.tolist()
+    assert len(model.to_str_tokens(ids)) == len(ids)
+
+
+@pytest.mark.slow
+def test_the_committed_table_is_generated() -> None:
+    assert TABLE.read_text() == conformance_table(), (
+        "docs/tl_conformance.md is stale; run python tests/integration/test_conformance.py --write"
+    )
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    TABLE.write_text(conformance_table())
+    print(f"wrote {TABLE}")
