@@ -162,13 +162,7 @@ def bench_table() -> str:
     """One row per committed ``dcp-lens bench --json`` output."""
     runs = _bench_runs()
     columns = [c for c in BENCH_COLUMNS if any(c[0] in data for _, data in runs)]
-    rows = [
-        [
-            _fmt(data.get(key), digits) if digits else _fmt(data.get(key), 0)
-            for key, _, digits in columns
-        ]
-        for _, data in runs
-    ]
+    rows = [[_fmt(data.get(key), digits) for key, _, digits in columns] for _, data in runs]
     names = ", ".join(f"`docs/data/{name}`" for name, _ in runs)
     return _table([label for _, label, _ in columns], rows) + f"\n*Generated from {names}.*\n"
 

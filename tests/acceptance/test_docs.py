@@ -95,10 +95,12 @@ def _clone_root(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _environment() -> dict[str, str]:
+def _environment(tmp_path: Path) -> dict[str, str]:
+    """This environment's ``dcp-lens`` first, one thread, offline, caches in ``tmp_path``."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TQDM_DISABLE="1")
+    env["DCP_LENS_CACHE"] = str(tmp_path / ".cache" / "dcp-lens")
     return env
 
 
@@ -150,7 +152,7 @@ def test_readme_is_short() -> None:
 def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The page's python blocks, in order, in one namespace, from a clone's root."""
     monkeypatch.chdir(_clone_root(tmp_path))
-    for key, value in _environment().items():
+    for key, value in _environment(tmp_path).items():
         monkeypatch.setenv(key, value)
     namespace: dict[str, object] = {"__name__": "__docs__"}
     ran = 0
@@ -175,7 +177,7 @@ def test_bash_block_runs(block: Block, tmp_path: Path) -> None:
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block.code],
         cwd=_clone_root(tmp_path),
-        env=_environment(),
+        env=_environment(tmp_path),
         capture_output=True,
         text=True,
         timeout=1800,
