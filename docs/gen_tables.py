@@ -167,7 +167,54 @@ def bench_table() -> str:
     return _table([label for _, label, _ in columns], rows) + f"\n*Generated from {names}.*\n"
 
 
+def _k_list(ks: list[int]) -> str:
+    return ", ".join(map(str, ks))
+
+
+def _flags_below_r(run: Any, metric: str) -> str:
+    """Where S or B is not identified, over the k below r of one metric's decomposition."""
+    rows = [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and int(row["k"]) < int(run["n_iterations"])
+    ]
+    not_s = [int(row["k"]) for row in rows if not row.get("S_identified", True)]
+    not_b = [int(row["k"]) for row in rows if not row.get("B_identified", True)]
+    parts = []
+    if not_s:
+        parts.append(f"S not identified at k = {_k_list(not_s)}")
+    if not_b:
+        parts.append(f"B not identified at k = {_k_list(not_b)}")
+    return "; ".join(parts) or "none"
+
+
+def run_default_table() -> str:
+    """`dcp-lens run` on the bundled pair: each metric's shares with their intervals, flags."""
+    runs = _read(DATA / "run_default.json")["runs"]
+    rows = []
+    for run in runs:
+        for metric, shares in run["shares"].items():
+            intervals = run["share_intervals"][metric]
+            validated = "yes" if run["metrics"][metric].get("validated") else "no"
+            cells = [
+                f"{_num(shares[f], 3)} [{_num(intervals[f + '_lo'], 3)}, "
+                f"{_num(intervals[f + '_hi'], 3)}]"
+                for f in ("S", "B", "D")
+            ]
+            flags = _flags_below_r(run, metric)
+            rows.append([f"`{run['model']}`", f"{metric} ({validated})", *cells, flags])
+    meta = runs[0]["metadata"]
+    note = (
+        f"\n*Generated from `docs/data/run_default.json` (the `results.json` of "
+        f"`dcp-lens run --out DIR`: {meta['n_evaluation']} + {meta['n_calibration']} sequences, "
+        f"seed {meta['seed']}, calibration `{meta['calibration_mode']}`).*\n"
+    )
+    head = ["model", "metric (validated)", "S [95%]", "B [95%]", "D [95%]", "flags below r"]
+    return _table(head, rows) + note
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "run-default": run_default_table,
     "validation": validation_table,
     "accuracy-default": lambda: _accuracy_table("default"),
     "bench": bench_table,

@@ -84,7 +84,8 @@ def parse(path: Path, root: Path = ROOT) -> list[Block]:
 
 
 BLOCKS = [block for page in PAGES for block in parse(page)]
-PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python"})
+# Pages with at least one python block that runs (a page of sketches only is listed as skips).
+PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and b.mark != "no-run"})
 BASH = [b for b in BLOCKS if b.language == "bash"]
 NOT_RUN_PYTHON = [b for b in BLOCKS if b.language == "python" and b.mark == "no-run"]
 
