@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_PATH = re.compile(rb"(?<![\w./])/(?:work|root|home|tmp|Users)/[^\s'\"`)\]<>,;]*")
 # Legitimate occurrences, each a file and how the path starts, with the reason it is there.
 ALLOWED = {
-    ("docs/intervention.md", b"/tmp/figure.html"): "an example output file in a command the reader types",
+    ("docs/intervention.md", b"/tmp/figure.html"): "an example output file in a command the "
+    "reader types",
     ("docs/intervention_figure.py", b"/tmp/figure.html"): "the same example, in its usage",
     ("demos/gpu_check.sh", b"/tmp/site"): "the scratch folder the script installs wheels into "
     "on the GPU machine it runs on",
