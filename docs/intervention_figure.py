@@ -15,8 +15,8 @@ from pathlib import Path
 
 import plotly.offline
 
-from dcp_lens.report.html import report_figures
 from dcp_lens.protocol.results import ProtocolResults
+from dcp_lens.report.html import report_figures
 
 REGIMES = ("fixed", "sampled", "every-iteration", "dense")
 

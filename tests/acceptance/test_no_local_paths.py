@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_PATH = re.compile(rb"(?<![\w./])/(?:work|root|home|tmp|Users)/[^\s'\"`)\]<>,;]*")
 # Legitimate occurrences, each a file and how the path starts, with the reason it is there.
 ALLOWED = {
-    ("README.md", b"/tmp/figure.html"): "an example output file in a command the reader types",
+    ("docs/intervention.md", b"/tmp/figure.html"): "an example output file in a command the "
+    "reader types",
     ("docs/intervention_figure.py", b"/tmp/figure.html"): "the same example, in its usage",
     ("demos/gpu_check.sh", b"/tmp/site"): "the scratch folder the script installs wheels into "
     "on the GPU machine it runs on",
@@ -65,5 +66,5 @@ def test_the_pattern_finds_the_paths_it_is_for() -> None:
         assert local_paths("a.md", b"see " + path + b".") == [path + b"."], path
     for text in (b"https://x.org/home/page", b"docs/work/a", b"a//tmp/", b"/tmpfile"):
         assert local_paths("a.md", text) == [], text
-    assert local_paths("README.md", b"open /tmp/figure.html") == []  # allowed there only
+    assert local_paths("docs/intervention.md", b"open /tmp/figure.html") == []  # allowed there only
     assert local_paths("other.md", b"open /tmp/figure.html") == [b"/tmp/figure.html"]

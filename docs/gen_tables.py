@@ -1,0 +1,264 @@
+"""Write the docs' tables of measured figures from the JSON the commands wrote.
+
+Every table of results in the docs sits between two markers::
+
+    <!-- BEGIN GENERATED: NAME (python docs/gen_tables.py) -->
+    ...
+    <!-- END GENERATED: NAME -->
+
+and this script rewrites what is between them from committed JSON (``docs/data/``, whose README
+says how each file was produced, and the bundled models' own ``accuracy_table.json``). So a
+figure in a page cannot drift from its source: change the source (rerun the command, copy its
+JSON here), run ``python docs/gen_tables.py``, commit both. ``--check`` changes nothing and
+exits 1 when a page differs from what it would write; ``tests/acceptance/test_docs.py`` runs the
+same check. Standard library only, so that it runs without the package installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+DATA = DOCS / "data"
+BUNDLED = ROOT / "dcp_lens" / "zoo" / "bundled_models"
+
+MARKER = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) \(python docs/gen_tables.py\) -->\n)"
+    r"(?P<body>.*?)"
+    r"(<!-- END GENERATED: (?P=name) -->)",
+    re.DOTALL,
+)
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = [_row(head), _row(["---"] * len(head))]
+    lines += [_row(cells) for cells in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float, digits: int) -> str:
+    """``value`` to ``digits`` decimals, with no negative zero ("-0.00" reads as a finding)."""
+    return f"{round(float(value), digits) + 0.0:.{digits}f}"
+
+
+def _sbd(values: dict[str, float]) -> str:
+    return " / ".join(_num(values[factor], 2) for factor in ("S", "B", "D"))
+
+
+def _validation_files() -> list[tuple[int, Any]]:
+    """Every ``docs/data/validation_seed{N}.json``, by seed."""
+    found = []
+    for path in DATA.glob("validation_seed*.json"):
+        data = _read(path)
+        found.append((int(data["settings"]["seed"]), data))
+    if not found:
+        raise SystemExit(f"no validation_seed*.json under {DATA}: run `dcp-lens validate --out`.")
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def validation_table() -> str:
+    """The planted suite: truth, each seed's shares, pass / fail and where S is identified."""
+    runs = _validation_files()
+    first_seed, first = runs[0]
+    by_seed = [{(r["model"], r["metric"]): r for r in data["rows"]} for _, data in runs]
+    seeds = [seed for seed, _ in runs]
+    head = [
+        "planted model",
+        "metric",
+        f"truth S / B / D (seed {first_seed})",
+        *[f"seed {seed}: S / B / D" for seed in seeds],
+        f"result ({', '.join(map(str, seeds))})",
+        f"S identified below r (seed {first_seed})",
+    ]
+    rows = []
+    for row in first["rows"]:
+        key = (row["model"], row["metric"])
+        found = [rows_of_seed.get(key) for rows_of_seed in by_seed]
+        results = ["pass" if r is not None and r["passed"] else "fail" for r in found]
+        rows.append(
+            [
+                row["model"],
+                row["metric"],
+                _sbd(row["expected"]),
+                *[_sbd(r["shares"]) if r is not None else "-" for r in found],
+                ", ".join(results),
+                row["flags"]["S_identified"],
+            ]
+        )
+    settings = first["settings"]
+    note = (
+        f"\n*Generated from {', '.join(f'`docs/data/validation_seed{s}.json`' for s in seeds)} "
+        f"({settings['n_eval']} + {settings['n_calibration']} sequences, "
+        f"{settings['n_bootstrap']} bootstrap draws).*\n"
+    )
+    return _table(head, rows) + note
+
+
+def _accuracy_table(name: str) -> str:
+    """A bundled model's held-out accuracy per hop count h and iterations k."""
+    table = _read(BUNDLED / name / "accuracy_table.json")
+    ks = [int(k) for k in table["k_values"]]
+    cells: dict[int, dict[int, float]] = {}
+    queries: dict[int, int] = {}
+    for row in table["rows"]:
+        cells.setdefault(int(row["hops"]), {})[int(row["k"])] = float(row["accuracy"])
+        queries[int(row["hops"])] = int(row["queries"])
+    rows = [[f"{h} ({queries[h]})", *[_num(cells[h][k], 3) for k in ks]] for h in sorted(cells)]
+    overall = {int(entry["k"]): float(entry["accuracy"]) for entry in table["overall"]}
+    rows.append(["all", *[_num(overall[k], 3) for k in ks]])
+    note = (
+        f"\n*Generated from `dcp_lens/zoo/bundled_models/{name}/accuracy_table.json` "
+        f"({table['n_programs']} {table['split']} programs; r = {table['full_depth']}).*\n"
+    )
+    return _table(["h (queries)", *[f"k={k}" for k in ks]], rows) + note
+
+
+def _bench_runs() -> list[Any]:
+    paths = sorted(DATA.glob("bench_*.json"))
+    if not paths:
+        raise SystemExit(f"no bench_*.json under {DATA}: run `dcp-lens bench --json`.")
+    return [(path.name, _read(path)) for path in paths]
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return _num(value, digits)
+    return str(value)
+
+
+BENCH_COLUMNS: list[tuple[str, str, int]] = [
+    ("threads", "threads", 0),
+    ("forward_seconds", "forward, s", 2),
+    ("sweep_seconds", "sweep, s", 2),
+    ("sweep_over_forward", "sweep / forward (paired)", 2),
+    ("sweep_over_forward_fastest", "fastest / fastest", 2),
+    ("naive_over_sweep", "naive / sweep", 1),
+    ("hooks_off_over_plain", "hooks-off / plain", 2),
+    ("forward_tokens_per_second", "tokens/s forward", 0),
+    ("sweep_tokens_per_second", "tokens/s sweep", 0),
+    ("peak_memory_mb", "peak RSS, MB", 0),
+    ("sweep_memory_per_batch_token_mb", "sweep MB per batch token", 3),
+]
+
+
+def bench_table() -> str:
+    """One row per committed ``dcp-lens bench --json`` output."""
+    runs = _bench_runs()
+    columns = [c for c in BENCH_COLUMNS if any(c[0] in data for _, data in runs)]
+    rows = [[_fmt(data.get(key), digits) for key, _, digits in columns] for _, data in runs]
+    names = ", ".join(f"`docs/data/{name}`" for name, _ in runs)
+    return _table([label for _, label, _ in columns], rows) + f"\n*Generated from {names}.*\n"
+
+
+def _k_list(ks: list[int]) -> str:
+    return ", ".join(map(str, ks))
+
+
+def _flags_below_r(run: Any, metric: str) -> str:
+    """Where S or B is not identified, over the k below r of one metric's decomposition."""
+    rows = [
+        row
+        for row in run["decomposition"]
+        if row["metric"] == metric and int(row["k"]) < int(run["n_iterations"])
+    ]
+    not_s = [int(row["k"]) for row in rows if not row.get("S_identified", True)]
+    not_b = [int(row["k"]) for row in rows if not row.get("B_identified", True)]
+    parts = []
+    if not_s:
+        parts.append(f"S not identified at k = {_k_list(not_s)}")
+    if not_b:
+        parts.append(f"B not identified at k = {_k_list(not_b)}")
+    return "; ".join(parts) or "none"
+
+
+def run_default_table() -> str:
+    """`dcp-lens run` on the bundled pair: each metric's shares with their intervals, flags."""
+    runs = _read(DATA / "run_default.json")["runs"]
+    rows = []
+    for run in runs:
+        for metric, shares in run["shares"].items():
+            intervals = run["share_intervals"][metric]
+            validated = "yes" if run["metrics"][metric].get("validated") else "no"
+            cells = [
+                f"{_num(shares[f], 3)} [{_num(intervals[f + '_lo'], 3)}, "
+                f"{_num(intervals[f + '_hi'], 3)}]"
+                for f in ("S", "B", "D")
+            ]
+            flags = _flags_below_r(run, metric)
+            rows.append([f"`{run['model']}`", f"{metric} ({validated})", *cells, flags])
+    meta = runs[0]["metadata"]
+    note = (
+        f"\n*Generated from `docs/data/run_default.json` (the `results.json` of "
+        f"`dcp-lens run --out DIR`: {meta['n_evaluation']} + {meta['n_calibration']} sequences, "
+        f"seed {meta['seed']}, calibration `{meta['calibration_mode']}`).*\n"
+    )
+    head = ["model", "metric (validated)", "S [95%]", "B [95%]", "D [95%]", "flags below r"]
+    return _table(head, rows) + note
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "run-default": run_default_table,
+    "validation": validation_table,
+    "accuracy-default": lambda: _accuracy_table("default"),
+    "bench": bench_table,
+}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block rewritten; an unknown block name is an error."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in GENERATORS:
+            raise SystemExit(f"unknown generated block {name!r}; known: {sorted(GENERATORS)}")
+        return match.group(1) + GENERATORS[name]() + match.group(4)
+
+    return MARKER.sub(replace, text)
+
+
+def pages() -> list[Path]:
+    """Every page that holds a generated block."""
+    candidates = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [path for path in candidates if MARKER.search(path.read_text())]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 on a diff")
+    args = parser.parse_args(argv)
+    stale = []
+    for path in pages():
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("stale generated tables in: " + ", ".join(map(str, stale)), file=sys.stderr)
+        print("run `python docs/gen_tables.py` and commit the pages", file=sys.stderr)
+        return 1
+    for path in stale:
+        print(f"rewrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
