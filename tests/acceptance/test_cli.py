@@ -55,7 +55,7 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
 
 def test_bench_json_reports_the_design_keys(capsys):
     code = main(
-        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch", "2", "--seq", "8",
+        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch-size", "2", "--seq", "8",
          "--repeats", "1"]
     )  # fmt: skip
     assert code == 0
@@ -195,8 +195,8 @@ def test_an_unwritable_out_folder_is_refused(tmp_path, capsys, monkeypatch):
 def test_threads_applies_to_the_command_and_is_restored(capsys):
     before = torch.get_num_threads()
     code = main(
-        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2", "--batch",
-         "1", "--seq", "4", "--repeats", "1", "--no-naive"]
+        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2",
+         "--batch-size", "1", "--seq", "4", "--repeats", "1", "--no-naive"]
     )  # fmt: skip
     assert code == 0
     assert json.loads(capsys.readouterr().out)["threads"] == 2
