@@ -79,7 +79,8 @@ EXAMPLES = {
     "--seeds 0,1 --out runs/intervention",
     "validate": "example:\n  dcp-lens validate --models readout_shift,block_count "
     "--out out/validate",
-    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch-size 4 --seq 32 --json",
+    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch-size 4 --seq 32 "
+    "--json",
 }
 
 # Failures reported as one line with exit code 2: dcp-lens's own errors and the ones torch and the

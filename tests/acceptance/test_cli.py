@@ -55,8 +55,8 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
 
 def test_bench_json_reports_the_design_keys(capsys):
     code = main(
-        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch-size", "2", "--seq", "8",
-         "--repeats", "1"]
+        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch-size", "2",
+         "--seq", "8", "--repeats", "1"]
     )  # fmt: skip
     assert code == 0
     result = json.loads(capsys.readouterr().out)
