@@ -103,14 +103,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def registered_names(kinds: Sequence[str]) -> str:
-    """Lines of help naming what the metric and task registries hold (``kinds``: "metrics",
-    "tasks"). Imports them, and torch, only when help is shown: argument errors stay instant."""
+    """Lines of help naming what the metric, calibration map and task registries hold
+    (``kinds``: "metrics", "maps", "tasks"). Imports them, and torch, only when help is shown:
+    argument errors stay instant."""
+    from dcp_lens.protocol.calibration import CALIBRATION_MAPS
     from dcp_lens.protocol.metrics import METRICS
     from dcp_lens.tasks import TASKS
 
     tasks = [f"{name}:PATH" if name in TASK_FILES else name for name in TASKS]
     lines = {
         "metrics": f"metrics (--metrics): {', '.join(METRICS)}",
+        "maps": f"calibration maps (--calibration-mode): {', '.join(CALIBRATION_MAPS)}",
         "tasks": f"tasks (--task): {', '.join(tasks)} (PATH: a local corpus file)",
     }
     return "\n".join(lines[kind] for kind in kinds)
@@ -173,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", "run the Depth Control Protocol on a model and its dense control",
         f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
     )  # fmt: skip
-    run.lists = ("metrics", "tasks")
+    run.lists = ("metrics", "maps", "tasks")
     run.add_argument(
         "--model", metavar="SPEC",
         help=f"model spec, see below (default: {DEFAULT_MODEL}, with {DEFAULT_DENSE} as --dense)",
@@ -241,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment = command(
         "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
     )
+    experiment.lists = ("metrics", "maps")
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
     experiment.add_argument(
         "--preset", default="default", help="training preset: tiny, default, lm-tiny or lm"
@@ -265,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate = command(
         "validate", "the protocol on every planted model of known answer, on every metric"
     )
-    validate.lists = ("metrics",)
+    validate.lists = ("metrics", "maps")
     validate.add_argument("--models", help="comma-separated planted models (default: all)")
     validate.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     validate.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
@@ -278,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
+    bench.lists = ("metrics", "maps")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
         "--preset", choices=("small", "huginn"), default="small",

@@ -72,7 +72,7 @@ class ProtocolConfig:
         None, "--metrics", "comma-separated metrics (default: all the task defines)", kind="names"
     )
     calibration_mode: str = _option(
-        "full", "--calibration-mode", "the map fitted by calibrate (mean, diag, full, mixture)"
+        "full", "--calibration-mode", "the map fitted by calibrate (a registered map: see below)"
     )
     mixture_components: int = _option(8, "--mixture-components", "clusters of the mixture map")
     calibration_points: int = _option(
