@@ -87,7 +87,7 @@ class ProtocolConfig:
     batch_size: int = _option(
         32, "--batch-size", "sequences per forward pass", aliases=("--batch",)
     )
-    n_bootstrap: int = _option(1000, "--bootstrap", "paired bootstrap draws (0: no intervals)")
+    n_bootstrap: int = _option(1000, "--bootstrap", "paired bootstrap draws")
     seed: int = _option(0, "--seed", "seed of splits, noise, subsamples and bootstrap")
     probe: str = _option(
         "trajectory", "--probe", "the residual OOD probe over iterations, or none", choices=PROBES

@@ -284,11 +284,11 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
     """Peak memory is set by one batch: the heap's free pages go back after each batch of the
     calibration and evaluation loops (dcp_lens.utils.memory), not only at the end."""
     from dcp_lens import DepthControlProtocol, load
-    from dcp_lens.protocol import dcp as protocol_module
+    from dcp_lens.protocol import context as stages  # every stage's loop goes through it
     from dcp_lens.protocol.dcp import task_data
 
     calls = []
-    monkeypatch.setattr(protocol_module, "release_free_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(stages, "release_free_memory", lambda: calls.append(1) or True)
     model = load("planted:distinct_computation")
     evaluation, calibration = task_data(model, None, 24, 16, 0)
     protocol = DepthControlProtocol(
