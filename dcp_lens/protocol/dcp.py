@@ -130,6 +130,11 @@ class DepthControlProtocol:
     seed = property(lambda self: self.config.seed)
     probe_mode = property(lambda self: self.config.probe)
     probe_points = property(lambda self: self.config.probe_points)
+    mixture_components = property(lambda self: self.config.mixture_components)
+    calibration_points = property(lambda self: self.config.calibration_points)
+    match_confidence = property(lambda self: self.config.match_confidence)
+    noise_draws = property(lambda self: self.config.noise_draws)
+    skip_first_position = property(lambda self: self.config.skip_first_position)
     progress = property(lambda self: self.context.progress)
     checkpoint = property(lambda self: self.context.checkpoint)
 
