@@ -4,6 +4,7 @@ that help and argument errors are instant; each command imports what it needs wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -15,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.utils.errors import ConfigError, DCPLensError
 from dcp_lens.utils.files import (
     MARKER,
@@ -40,7 +42,6 @@ EXPERIMENTS = ("training-intervention",)
 PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge")  # model specs KIND:PATH of local files
 TASK_FILES = ("char_lm", "text")
 CHECKPOINTS = ".checkpoints"  # the --resume snapshots, inside --out until the run finishes
-K_HELP = "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)"
 # Measured with `dcp-lens run --quiet` on this project's busy 2-core machine (README, Command
 # line): one thread was fastest; OpenMP threads spin-wait for a core another process holds.
 DEFAULT_THREADS = 1
@@ -78,7 +79,8 @@ EXAMPLES = {
     "--seeds 0,1 --out runs/intervention",
     "validate": "example:\n  dcp-lens validate --models readout_shift,block_count "
     "--out out/validate",
-    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch 4 --seq 32 --json",
+    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch-size 4 --seq 32 "
+    "--json",
 }
 
 # Failures reported as one line with exit code 2: dcp-lens's own errors and the ones torch and the
@@ -101,14 +103,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def registered_names(kinds: Sequence[str]) -> str:
-    """Lines of help naming what the metric and task registries hold (``kinds``: "metrics",
-    "tasks"). Imports them, and torch, only when help is shown: argument errors stay instant."""
+    """Lines of help naming what the metric, calibration map and task registries hold
+    (``kinds``: "metrics", "maps", "tasks"). Imports them, and torch, only when help is shown:
+    argument errors stay instant."""
+    from dcp_lens.protocol.calibration import CALIBRATION_MAPS
     from dcp_lens.protocol.metrics import METRICS
     from dcp_lens.tasks import TASKS
 
     tasks = [f"{name}:PATH" if name in TASK_FILES else name for name in TASKS]
     lines = {
         "metrics": f"metrics (--metrics): {', '.join(METRICS)}",
+        "maps": f"calibration maps (--calibration-mode): {', '.join(CALIBRATION_MAPS)}",
         "tasks": f"tasks (--task): {', '.join(tasks)} (PATH: a local corpus file)",
     }
     return "\n".join(lines[kind] for kind in kinds)
@@ -171,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", "run the Depth Control Protocol on a model and its dense control",
         f"{MODEL_SPECS}\n\n{EXAMPLES['run']}",
     )  # fmt: skip
-    run.lists = ("metrics", "tasks")
+    run.lists = ("metrics", "maps", "tasks")
     run.add_argument(
         "--model", metavar="SPEC",
         help=f"model spec, see below (default: {DEFAULT_MODEL}, with {DEFAULT_DENSE} as --dense)",
@@ -184,8 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--task", help="task name, char_lm:PATH or text:PATH (default: the model's own task)"
     )
-    run.add_argument("--k", help=K_HELP)
-    run.add_argument("--metrics", help="comma-separated metrics (default: all the task defines)")
     run.add_argument(
         "--n-eval", type=int, help="evaluation sequences (default: 512; text: every window left)"
     )
@@ -203,17 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-dtype", choices=("uint16", "uint32"),
         help="text: ids of a pre-tokenized .bin (default: from the vocabulary size)",
     )  # fmt: skip
-    run.add_argument("--batch-size", type=int, default=64, help="sequences per forward pass")
-    run.add_argument("--bootstrap", type=int, default=1000, help="paired bootstrap draws")
-    run.add_argument(
-        "--calibration-mode", default="full", choices=("mean", "diag", "full", "mixture"),
-        help="the affine map fitted by calibrate",
-    )  # fmt: skip
-    run.add_argument(
-        "--probe", default="trajectory", choices=("trajectory", "none"),
-        help="the residual OOD probe over iterations, or none",
-    )  # fmt: skip
-    run.add_argument("--seed", type=int, default=0, help="seed of splits, noise and bootstrap")
+    add_protocol_options(run, "run")
     run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     run.add_argument(
         "--dtype", choices=DTYPES,
@@ -223,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=_path, help="output folder (created if needed)")
     run.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run of the same command"
-    )
+        "--resume", action=argparse.BooleanOptionalAction, default=False,
+        help="continue an interrupted run of the same command",
+    )  # fmt: skip
     run.add_argument("--overwrite", action="store_true", help="replace a finished run's folder")
     run.add_argument(
         "--checkpoint-every", type=int, default=16, help="batches between --resume snapshots"
@@ -241,12 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--regime", default="fixed", help="fixed, sampled, every-iteration or dense")
     train.add_argument("--seed", type=int, default=0, help="training seed")
     train.add_argument("--steps", type=int, help="override the preset's number of steps")
-    train.add_argument("--no-resume", action="store_true", help="start over even if a run exists")
+    train.add_argument(
+        "--resume", action=argparse.BooleanOptionalAction, default=True,
+        help="continue the run in --out if there is one (--no-resume: start over)",
+    )  # fmt: skip
     train.add_argument("--out", required=True, type=_path, help="run folder (resumed if present)")
 
     experiment = command(
         "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
     )
+    experiment.lists = ("metrics", "maps")
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")
     experiment.add_argument(
         "--preset", default="default", help="training preset: tiny, default, lm-tiny or lm"
@@ -258,11 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--regimes", help="comma-separated training regimes (default: all)")
     experiment.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     experiment.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
-    experiment.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
-    experiment.add_argument(
-        "--probe", default="trajectory", choices=("trajectory", "none"),
-        help="the residual OOD probe over iterations, or none",
-    )  # fmt: skip
+    add_protocol_options(experiment, "experiment", skip=("seed",))  # seeded per model: --seeds
     experiment.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     experiment.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1,
@@ -275,13 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate = command(
         "validate", "the protocol on every planted model of known answer, on every metric"
     )
-    validate.lists = ("metrics",)
+    validate.lists = ("metrics", "maps")
     validate.add_argument("--models", help="comma-separated planted models (default: all)")
-    validate.add_argument("--metrics", help="comma-separated metrics (default: all)")
     validate.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     validate.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
-    validate.add_argument("--bootstrap", type=int, default=200, help="paired bootstrap draws")
-    validate.add_argument("--seed", type=int, default=0, help="seed of the models and splits")
+    add_protocol_options(validate, "validate")
     validate.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     validate.add_argument("--quiet", action="store_true", help="no progress bars")
     validate.add_argument(
@@ -290,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
+    bench.lists = ("metrics", "maps")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
         "--preset", choices=("small", "huginn"), default="small",
@@ -301,7 +294,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n-core", type=int, help="blocks in the recurrent core")
     bench.add_argument("--iterations", type=int, help="iterations r of the core")
     bench.add_argument("--vocab", type=int, help="vocabulary size")
-    bench.add_argument("--batch", type=int, help="sequences per batch")
     bench.add_argument("--seq", type=int, help="tokens per sequence")
     bench.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
@@ -312,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed rounds of forward, plain loop and sweep, alternated (times: the fastest; "
         "sweep / forward: the median of the rounds' paired ratios)",
     )  # fmt: skip
-    bench.add_argument("--k", help=K_HELP)
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
+    add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument(
         "--threads", type=int,
@@ -321,6 +313,73 @@ def build_parser() -> argparse.ArgumentParser:
         "PyTorch run; --threads 1 is what run uses)",
     )  # fmt: skip
     return parser
+
+
+def add_protocol_options(
+    parser: argparse.ArgumentParser,
+    command: str,
+    *,
+    skip: Sequence[str] = (),
+    unset: Sequence[str] = (),
+) -> None:
+    """Declare every `ProtocolConfig` setting as an option of ``command``: the one spelling and
+    help each field's metadata gives, with ``command``'s default (`COMMAND_DEFAULTS`); ``skip``
+    leaves settings out, ``unset`` defaults them to None (the command decides). An old spelling
+    (``--batch``) is a hidden alias that warns. Reads no registry, so no torch import."""
+    defaults = COMMAND_DEFAULTS.get(command, {})
+    for setting in dataclasses.fields(ProtocolConfig):
+        if setting.name in skip:
+            continue
+        meta = setting.metadata
+        default = None if setting.name in unset else defaults.get(setting.name, setting.default)
+        options: dict[str, Any] = {"help": meta["help"]}
+        if isinstance(setting.default, bool):
+            options.update(action=argparse.BooleanOptionalAction, default=default)
+        elif meta.get("kind") in ("ints", "names"):
+            options["default"] = None if default is None else ",".join(map(str, default))
+        elif isinstance(setting.default, int):
+            options.update(type=int, default=default)
+        else:
+            options.update(default=default, choices=meta.get("choices"))
+        parser.add_argument(meta["flag"], **options)
+        dest = meta["flag"].lstrip("-").replace("-", "_")
+        for alias in meta.get("aliases", ()):
+            typed = {"type": options["type"]} if "type" in options else {}
+            parser.add_argument(
+                alias, dest=dest, action=_DeprecatedAlias, default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS, preferred=meta["flag"], **typed,
+            )  # fmt: skip
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: stores like the new one, with a warning naming it."""
+
+    def __init__(self, *args: Any, preferred: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.preferred = preferred
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(f"dcp-lens: warning: {option} is deprecated; use {self.preferred}.", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def protocol_config(args: argparse.Namespace, command: str) -> ProtocolConfig:
+    """The `ProtocolConfig` of ``command``'s parsed options (`add_protocol_options`): its
+    defaults, then every setting given. A setting the command does not declare, or leaves to
+    itself (None), keeps the command's default."""
+    values = dict(COMMAND_DEFAULTS.get(command, {}))
+    for setting in dataclasses.fields(ProtocolConfig):
+        flag = setting.metadata["flag"]
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is None:
+            continue
+        kind = setting.metadata.get("kind")
+        if kind == "ints":
+            value = tuple(_ints(value, flag) or ())
+        elif kind == "names":
+            value = _names(value)
+        values[setting.name] = value
+    return ProtocolConfig.from_dict(values)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -368,9 +427,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
-        batch=args.batch, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,
-        k_grid=_ints(args.k), device=args.device, naive=not args.no_naive, preset=args.preset,
-        dtype=args.dtype,
+        batch=args.batch_size, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,
+        device=args.device, naive=not args.no_naive, preset=args.preset, dtype=args.dtype,
+        config=protocol_config(args, "bench"),
     )  # fmt: skip
     threshold = fixed_threshold()
     result["allocator"] = (
@@ -393,6 +452,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"{name} is empty; give a value or leave the flag out.")
     minimums = {
         "n_eval": 1, "n_calibration": 1, "batch_size": 1, "bootstrap": 0, "jobs": 1, "steps": 1,
+        "noise_draws": 1, "probe_points": 1, "calibration_points": 1, "mixture_components": 1,
         "d_model": 1, "n_core": 1, "iterations": 1, "batch": 1, "seq": 1, "repeats": 1, "vocab": 2,
         "threads": 1, "max_tokens": 1, "seq_len": 1, "checkpoint_every": 1,
     }  # fmt: skip
@@ -505,10 +565,7 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
                 model, args.task, args.n_eval, args.n_calibration, args.seed, **text_options
             )
         protocol = DepthControlProtocol(
-            model, k_grid=_ints(args.k), metrics=_names(args.metrics),
-            calibration_mode=args.calibration_mode, batch_size=args.batch_size,
-            n_bootstrap=args.bootstrap, seed=args.seed, probe=args.probe, spec=spec,
-            progress=not args.quiet and main,
+            model, protocol_config(args, "run"), spec=spec, progress=not args.quiet and main,
             checkpoint=Checkpoint(args.out / CHECKPOINTS / folder.name, args.checkpoint_every),
         )  # fmt: skip
         results = protocol.run(*data)
@@ -641,7 +698,7 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = {"steps": args.steps} if args.steps is not None else {}
     config = preset(args.preset, regime=args.regime, seed=args.seed, **overrides)
-    result = train(config, args.out, resume=not args.no_resume)
+    result = train(config, args.out, resume=args.resume)
     if result.accuracy_table is not None:
         print(format_accuracy_table(result.accuracy_table))
     print(f"model in {args.out / 'model'}; diagnose it with: {diagnose_command(args.out)}")
@@ -658,7 +715,7 @@ def _experiment(args: argparse.Namespace) -> int:
         args.out, preset=args.preset, seeds=_ints(args.seeds, "--seeds") or (),
         regimes=regimes, n_eval=args.n_eval,
         dense_seeds=None if args.dense_seeds is None else _ints(args.dense_seeds, "--dense-seeds"),
-        n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, probe=args.probe,
+        n_calibration=args.n_calibration, protocol_config=protocol_config(args, "experiment"),
         device=args.device, jobs=args.jobs, progress=not args.quiet,
     )  # fmt: skip
     print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
@@ -674,15 +731,16 @@ def _experiment(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from dcp_lens.studies import validate as validation
 
+    config = protocol_config(args, "validate")
     rows = validation.validate(
-        _names(args.models), _names(args.metrics), seed=args.seed, n_eval=args.n_eval,
-        n_calibration=args.n_calibration, n_bootstrap=args.bootstrap, progress=not args.quiet,
+        _names(args.models), config=config, n_eval=args.n_eval,
+        n_calibration=args.n_calibration, progress=not args.quiet,
     )  # fmt: skip
     print("\n".join(validation.markdown(rows)))
     if args.out is not None:
         settings = {
-            "seed": args.seed, "n_eval": args.n_eval, "n_calibration": args.n_calibration,
-            "n_bootstrap": args.bootstrap,
+            "seed": config.seed, "n_eval": args.n_eval, "n_calibration": args.n_calibration,
+            "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
         }  # fmt: skip
         validation.save(rows, args.out, settings)
         print(f"wrote {args.out / 'validation.json'} and {args.out / 'validation.md'}")

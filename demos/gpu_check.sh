@@ -6,7 +6,7 @@
 #     bash demos/gpu_check.sh [OUT_DIR]    # default: $OUT if set, else runs/gpu_check
 # On a GPU machine without dcp-lens's dependencies, prepare .whl/ first with demos/gpu_wheels.sh
 # (on a machine with pip access) and carry it along: it is installed into /tmp/site here.
-# DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch 1 --seq 8" runs the same
+# DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch-size 1 --seq 8" runs the same
 # steps on a toy size without a GPU (tests/acceptance/test_demos.py does, to keep this script working).
 set -euo pipefail
 out=${1:-${OUT:-runs/gpu_check}}
@@ -31,7 +31,7 @@ fi
 # r = 32 in bfloat16, 4 x 1024 tokens per batch; the naive sweep (40 extra forwards) is left out.
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 "$python" -m dcp_lens bench --preset huginn --iterations 32 --dtype bfloat16 --device "$device" \
-    --batch 4 --seq 1024 --repeats 3 --no-naive --json ${BENCH_ARGS:-} | tee "$out/bench_huginn_bf16.json"
+    --batch-size 4 --seq 1024 --repeats 3 --no-naive --json ${BENCH_ARGS:-} | tee "$out/bench_huginn_bf16.json"
 "$python" - "$out/bench_huginn_bf16.json" <<'PY'
 import json, sys
 b = json.load(open(sys.argv[1]))

@@ -16,7 +16,14 @@ from dcp_lens import (
     HookedRecurrentTransformer,
     RecurrentConfig,
 )
+from dcp_lens.protocol.calibration import CALIBRATION_MAPS
 from dcp_lens.protocol.conditions import SWEEP
+from dcp_lens.protocol.metrics import (
+    IGNORE_INDEX,
+    METRICS,
+    per_example_metrics,
+    reference_log_probs,
+)
 
 
 def make_model(dtype: torch.dtype = torch.float64, **overrides) -> HookedRecurrentTransformer:
@@ -64,16 +71,48 @@ def assert_fast_path_matches_hooks(
     protocol: DepthControlProtocol, tokens: torch.Tensor, tol: float = 1e-6
 ) -> list[str]:
     """Every registered sweep condition (and full) at every k of the protocol's grid: the closed
-    form over cached states equals the hook form on a forward pass, within ``tol``.
+    form over cached states equals the hook form on a forward pass, within ``tol``; and every
+    registered metric scores the two the same, within ``tol``.
 
-    Returns the names checked, so a caller can see that a newly registered condition was."""
+    Returns the names checked (conditions, then metrics), so a caller can see that a newly
+    registered condition or metric was."""
     names = ["full", *SWEEP]
+    metrics = list(METRICS)
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[:, :-1] = tokens[:, 1:]
     for k in protocol.k_grid:
+        full = protocol.condition_logits(tokens, "full", protocol.r)
+        reference = reference_log_probs(full)
         for name in names:
             fast = protocol.condition_logits(tokens, name, k)
             hooked = protocol.condition_logits(tokens, name, k, via="hooks")
             assert (fast - hooked).abs().max() <= tol, (name, k)
-    return names
+            scores = [per_example_metrics(x, reference, targets, metrics) for x in (fast, hooked)]
+            for metric in metrics:
+                difference = (scores[0][metric] - scores[1][metric]).abs().max()
+                assert not difference > tol, (name, k, metric)  # NaN on both sides passes
+    return names + metrics
+
+
+def assert_every_map_matches_hooks(
+    model: HookedRecurrentTransformer,
+    calibration: EvaluationSet,
+    tokens: torch.Tensor,
+    tol: float = 1e-6,
+    **settings: Any,
+) -> list[str]:
+    """`assert_fast_path_matches_hooks` once per registered calibration map (each fitted on
+    ``calibration``, with ``settings`` of `ProtocolConfig`). Returns the maps checked, then the
+    conditions and metrics."""
+    checked: list[str] = []
+    for mode in CALIBRATION_MAPS:
+        protocol = DepthControlProtocol(
+            model, calibration_mode=mode, probe="none", progress=False, **settings
+        )
+        protocol.fit(calibration)
+        names = assert_fast_path_matches_hooks(protocol, tokens, tol)
+        checked.append(mode)
+    return checked + names
 
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "demos" / "data"

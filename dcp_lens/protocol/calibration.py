@@ -17,15 +17,18 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-CALIBRATION_MODES = ("mean", "diag", "full")
+from dcp_lens.utils.registry import add_entry
+
+# The affine modes, simplest first: a split too small for a mode falls back along this order.
+AFFINE_MODES = ("mean", "diag", "full")
 # Fewest states each mode is fitted from: a full covariance of width d needs d + 1 states to be
 # more than shrinkage fitted to noise (one program moved a share by 0.15 that way); per-dimension
 # variances need 3 (see the singular-covariance error of "diag").
@@ -41,7 +44,7 @@ def usable_mode(mode: str, n_states: int, width: int) -> str:
     """``mode``, or the richest simpler mode ``n_states`` states can fit (with a warning)."""
     fitted = mode
     while fitted != "mean" and n_states < MIN_STATES[fitted](width):
-        fitted = CALIBRATION_MODES[CALIBRATION_MODES.index(fitted) - 1]
+        fitted = AFFINE_MODES[AFFINE_MODES.index(fitted) - 1]
     if fitted != mode:
         warnings.warn(
             CalibrationFallbackWarning(
@@ -55,10 +58,8 @@ def usable_mode(mode: str, n_states: int, width: int) -> str:
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in CALIBRATION_MODES:
-        raise ValueError(
-            f"mode={mode!r} is not one of {CALIBRATION_MODES}; pick one of those strings."
-        )
+    if mode not in AFFINE_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {AFFINE_MODES}; pick one of those strings.")
 
 
 def all_finite(x: Tensor) -> bool:
@@ -793,3 +794,102 @@ def _transport_plan(
     if not result.success:
         raise ValueError(f"the transport problem between clusters failed: {result.message}")
     return torch.tensor(result.x, dtype=torch.float64).view(k, k).clamp(min=0)
+
+
+# ----------------------------------------------------------------- the registry of maps
+
+
+@runtime_checkable
+class StateMap(Protocol):
+    """What the protocol needs of a fitted calibration map: apply it, invert it (``shift``),
+    say how far it is from the identity (the null control), and name its ``mode`` (a fitted
+    mode other than the one asked for is recorded as a fallback)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    def __call__(self, h: Tensor) -> Tensor: ...
+
+    def inverse(self) -> StateMap: ...
+
+    def identity_deviation(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class MapSettings(Protocol):
+    """The protocol settings a map's fit may read (a `dcp_lens.protocol.config.ProtocolConfig`)."""
+
+    @property
+    def mixture_components(self) -> int: ...
+
+    @property
+    def calibration_points(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class CalibrationMap:
+    """One kind of calibration map of the S control, as `CALIBRATION_MAPS` registers it.
+
+    A map is fitted either from the streamed moments of the source and reference readout inputs
+    (``from_moments``; no states kept) or, when ``from_moments`` is None, from fixed-size
+    subsamples of them (``from_states``; the protocol keeps ``calibration_points`` states per
+    condition). ``from_states`` also fits the calibration null (between two halves of full
+    depth's states), so every map has it.
+
+    Attributes:
+        name: the ``calibration_mode`` that picks it.
+        from_states: ``(source [n, d], reference [m, d], settings) -> map``.
+        from_moments: ``(source, reference, settings) -> map`` from `StreamingMoments`, or None.
+        describe: ``settings -> dict``: what results record of the map beyond its mode.
+    """
+
+    name: str
+    from_states: Callable[[Tensor, Tensor, MapSettings], StateMap]
+    from_moments: Callable[[StreamingMoments, StreamingMoments, MapSettings], StateMap] | None = (
+        None
+    )
+    describe: Callable[[MapSettings], dict[str, Any]] = lambda settings: {}
+
+    @property
+    def needs_states(self) -> bool:
+        """Whether the protocol must keep subsamples of states to fit it."""
+        return self.from_moments is None
+
+
+CALIBRATION_MAPS: dict[str, CalibrationMap] = {}
+
+
+def register_calibration_map(entry: CalibrationMap) -> CalibrationMap:
+    """Add ``entry`` to `CALIBRATION_MAPS` (a second entry under a taken name is refused); its
+    name is then a ``calibration_mode`` of the protocol and of ``dcp-lens run``."""
+    return add_entry(CALIBRATION_MAPS, entry.name, entry, "calibration map")
+
+
+def _affine(mode: str) -> CalibrationMap:
+    return CalibrationMap(
+        mode,
+        from_states=lambda source, reference, settings: fit_calibration(source, reference, mode),
+        from_moments=lambda source, reference, settings: AffineCalibration.fit(
+            source, reference, mode
+        ),
+    )
+
+
+for _mode in AFFINE_MODES:
+    register_calibration_map(_affine(_mode))
+register_calibration_map(
+    CalibrationMap(
+        "mixture",
+        from_states=lambda source, reference, settings: MixtureCalibration.fit(
+            source, reference, settings.mixture_components, settings.seed
+        ),
+        describe=lambda settings: {
+            "components": settings.mixture_components,
+            "calibration_points": settings.calibration_points,
+            "plan": "optimal transport between cluster weights, Wasserstein-2 (Bures) cost",
+        },
+    )
+)

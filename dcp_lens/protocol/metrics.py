@@ -8,10 +8,13 @@ model's own loss lives), so cross-entropy is spelled once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from dcp_lens.model.loss import (  # re-exported: the metrics score with the model's losses
@@ -21,38 +24,104 @@ from dcp_lens.model.loss import next_token_loss as next_token_loss
 from dcp_lens.model.loss import next_token_targets as next_token_targets
 from dcp_lens.model.loss import scored_cross_entropy as scored_cross_entropy
 from dcp_lens.model.loss import token_cross_entropy as token_cross_entropy
+from dcp_lens.utils.registry import add_entry
 
-METRICS = ("accuracy", "top1_agreement", "cross_entropy", "kl_to_full")
-HIGHER_IS_BETTER = {
-    "accuracy": True,
-    "top1_agreement": True,
-    "cross_entropy": False,
-    "kl_to_full": False,
-}
+
+@dataclass(frozen=True)
+class Metric:
+    """One quality measure of a readout: how it scores one batch and how to read it.
+
+    Register one with `register_metric`; every name list of metrics (`METRICS`,
+    `HIGHER_IS_BETTER`, `LOSS_METRICS`, `NEEDS_ANSWERS`, `VALIDATION`) is a live view of the
+    registry, so a registered metric is swept, decomposed and rendered with no other change.
+
+    Attributes:
+        name: the metric's name in results and on the command line.
+        score: ``score(readout)`` -> ``[batch]``, the metric averaged over each example's scored
+            positions (`Readout.mean`).
+        higher_is_better: True for a quality (accuracy), False for a loss (cross-entropy).
+        needs_answers: whether it reads the targets (an evaluation set without answers drops it).
+        validated: whether `dcp-lens validate` recovers the planted factors with it.
+        validation_reason: why (shown beside the metric in results and the report).
+    """
+
+    name: str
+    score: Callable[[Readout], Float[Tensor, " batch"]]
+    higher_is_better: bool
+    needs_answers: bool = False
+    validated: bool = False
+    validation_reason: str = "not checked by `dcp-lens validate`"
+
+
+METRIC_REGISTRY: dict[str, Metric] = {}
+
+
+def register_metric(metric: Metric) -> Metric:
+    """Add ``metric`` to `METRIC_REGISTRY` (a second entry under a taken name is refused)."""
+    return add_entry(METRIC_REGISTRY, metric.name, metric, "metric")
+
+
+class _Names(Sequence[str]):
+    """The names of the registered metrics that pass ``keep``, read live from the registry."""
+
+    def __init__(self, keep: Callable[[Metric], bool] = lambda metric: True) -> None:
+        self._keep = keep
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(name for name, metric in METRIC_REGISTRY.items() if self._keep(metric))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __add__(self, other: Any) -> tuple[str, ...]:
+        return self._names() + tuple(other)
+
+    def __eq__(self, other: object) -> bool:
+        return self._names() == (tuple(other) if isinstance(other, Sequence) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+class _Field(Mapping[str, Any]):
+    """Metric name -> one attribute of the registered metric (a live view)."""
+
+    def __init__(self, get: Callable[[Metric], Any]) -> None:
+        self._get = get
+
+    def __getitem__(self, name: str) -> Any:
+        return self._get(METRIC_REGISTRY[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(METRIC_REGISTRY))
+
+    def __len__(self) -> int:
+        return len(METRIC_REGISTRY)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+# The registered metrics' names, in registration order.
+METRICS: Sequence[str] = _Names()
+HIGHER_IS_BETTER: Mapping[str, bool] = _Field(lambda metric: metric.higher_is_better)
 # Metrics that need the answers (targets); the others are label-free.
-NEEDS_ANSWERS = ("accuracy",)
-LOSS_METRICS = tuple(name for name in METRICS if not HIGHER_IS_BETTER[name])
-
+NEEDS_ANSWERS: Sequence[str] = _Names(lambda metric: metric.needs_answers)
+LOSS_METRICS: Sequence[str] = _Names(lambda metric: not metric.higher_is_better)
 # Whether each metric attributes the planted factors correctly (`dcp-lens validate`: every
 # planted model's factor >= 0.9 of the gap, every mixture within 0.1 of its stated shares).
-VALIDATION: dict[str, tuple[bool, str]] = {
-    "accuracy": (True, "planted factors recovered by `dcp-lens validate` (seeds 0 and 1)"),
-    "top1_agreement": (
-        True,
-        "label-free: agreement with the full-depth top-1 prediction; planted factors recovered "
-        "by `dcp-lens validate` (seeds 0 and 1)",
-    ),
-    "cross_entropy": (
-        False,
-        "fails `dcp-lens validate` even at matched confidence: books 0.24 of planted "
-        "block_count's gap as S, and misses mixtures and type-dependent shifts by > 0.1",
-    ),
-    "kl_to_full": (
-        False,
-        "fails `dcp-lens validate` even at matched confidence: mixtures' shares miss the truth "
-        "by > 0.1 (mixture_shift_distinct at seed 0: D 1.76 for 0.09)",
-    ),
-}
+VALIDATION: Mapping[str, tuple[bool, str]] = _Field(
+    lambda metric: (metric.validated, metric.validation_reason)
+)
 
 
 def metric_precision(logits: Tensor) -> Tensor:
@@ -66,6 +135,131 @@ def reference_log_probs(
 ) -> Float[Tensor, "batch pos d_vocab"]:
     """Full-depth log-probabilities, the reference of ``kl_to_full``, in `metric_precision`."""
     return metric_precision(full_logits).log_softmax(-1)
+
+
+class Readout:
+    """One batch of a readout's logits against full depth, what every `Metric` scores.
+
+    What several metrics share (the log-softmax, the top-1 prediction, full depth's top-1 and
+    probabilities) is computed once, on first use. Everything is in `metric_precision`.
+    """
+
+    def __init__(
+        self,
+        logits: Float[Tensor, "batch pos d_vocab"],
+        full_log_probs: Float[Tensor, "batch pos d_vocab"],
+        targets: Int[Tensor, "batch pos"],
+        full_top1: Int[Tensor, "batch pos"] | None = None,
+        full_probs: Float[Tensor, "batch pos d_vocab"] | None = None,
+    ) -> None:
+        self.logits = metric_precision(logits)
+        self.full_log_probs = metric_precision(full_log_probs)
+        self.targets = targets
+        self.scored = targets != IGNORE_INDEX
+        self.count = self.scored.sum(-1).clamp(min=1).to(self.logits.dtype)
+        self._full_top1 = full_top1
+        self._full_probs = full_probs
+
+    @cached_property
+    def log_probs(self) -> Float[Tensor, "batch pos d_vocab"]:
+        """The readout's log-softmax (the costliest pass over the logits, taken once)."""
+        return self.logits.log_softmax(-1)
+
+    @cached_property
+    def prediction(self) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
+        """The top-1 prediction at each position, and whether all its logits are finite."""
+        # The prediction is the argmax, the first index among tied maxima, which max's indices
+        # are too (documented, and tested on inputs full of ties): one pass, where amax with a
+        # count of tied maxima took two. All logits are finite exactly when the largest and the
+        # smallest are (max and amin propagate NaN): two reductions, not a mask of the logits.
+        largest, predicted = self.logits.max(-1)
+        finite = torch.isfinite(largest) & torch.isfinite(self.logits.amin(-1))
+        return predicted, finite
+
+    @property
+    def full_top1(self) -> Int[Tensor, "batch pos"]:
+        if self._full_top1 is None:
+            self._full_top1 = self.full_log_probs.argmax(-1)
+        return self._full_top1
+
+    @property
+    def full_probs(self) -> Float[Tensor, "batch pos d_vocab"]:
+        if self._full_probs is None:
+            self._full_probs = self.full_log_probs.exp()
+        return self._full_probs
+
+    def mean(self, values: Float[Tensor, "batch pos"]) -> Float[Tensor, " batch"]:
+        """``values`` averaged over each example's scored positions."""
+        return (values * self.scored).sum(-1) / self.count
+
+    def hit_rate(self, reference: Int[Tensor, "batch pos"]) -> Float[Tensor, " batch"]:
+        """The share of scored positions whose prediction is ``reference``; NaN for an example
+        with a non-finite readout at a scored position (it has no prediction)."""
+        predicted, finite = self.prediction
+        # IGNORE_INDEX is no class: never a hit.
+        hit = torch.where(finite, (predicted == reference).to(self.logits.dtype), torch.nan)
+        bad = (torch.isnan(hit) & self.scored).any(-1)
+        return torch.where(bad, torch.nan, (hit * self.scored).nansum(-1) / self.count)
+
+
+def _cross_entropy(readout: Readout) -> Tensor:
+    losses = token_cross_entropy(readout.log_probs, readout.targets, log_probs=True)
+    return readout.mean(losses)
+
+
+def _kl_to_full(readout: Readout) -> Tensor:
+    # KL(full || readout) = sum p_full (log p_full - log p), as F.kl_div(log_target=True)
+    # computes it, with p_full = exp(log p_full) taken once per batch rather than per call.
+    # The difference first: near full depth, where the protocol's comparisons sit, it is
+    # exact where sum p log p_full - sum p log p would lose the small KL to cancellation.
+    difference = readout.full_log_probs - readout.log_probs
+    kl = (metric_precision(readout.full_probs) * difference).sum(-1)
+    kl = kl.clamp_min(0.0)  # KL >= 0: a negative sum is rounding, not a value (NaN stays)
+    return readout.mean(kl)
+
+
+_VALIDATED = "planted factors recovered by `dcp-lens validate` (seeds 0 and 1)"
+register_metric(
+    Metric(
+        "accuracy",
+        lambda readout: readout.hit_rate(readout.targets),
+        higher_is_better=True,
+        needs_answers=True,
+        validated=True,
+        validation_reason=_VALIDATED,
+    )
+)
+register_metric(
+    Metric(
+        "top1_agreement",
+        lambda readout: readout.hit_rate(readout.full_top1),
+        higher_is_better=True,
+        validated=True,
+        validation_reason="label-free: agreement with the full-depth top-1 prediction; "
+        + _VALIDATED,
+    )
+)
+register_metric(
+    Metric(
+        "cross_entropy",
+        _cross_entropy,
+        higher_is_better=False,
+        needs_answers=False,
+        validated=False,
+        validation_reason="fails `dcp-lens validate` even at matched confidence: books 0.24 of "
+        "planted block_count's gap as S, and misses mixtures and type-dependent shifts by > 0.1",
+    )
+)
+register_metric(
+    Metric(
+        "kl_to_full",
+        _kl_to_full,
+        higher_is_better=False,
+        validated=False,
+        validation_reason="fails `dcp-lens validate` even at matched confidence: mixtures' "
+        "shares miss the truth by > 0.1 (mixture_shift_distinct at seed 0: D 1.76 for 0.09)",
+    )
+)
 
 
 def per_example_metrics(
@@ -83,43 +277,10 @@ def per_example_metrics(
     here when None; a sweep passes it once for every condition), and ``full_probs``
     ``full_log_probs.exp()`` (likewise). Everything is computed in `metric_precision` (float32 at
     least, whatever the model computes in). A non-finite readout has no prediction: its accuracy
-    is NaN, never the argmax of NaNs."""
-    logits, full_log_probs = metric_precision(logits), metric_precision(full_log_probs)
-    scored = targets != IGNORE_INDEX
-    count = scored.sum(-1).clamp(min=1).to(logits.dtype)
-    out: dict[str, Tensor] = {}
-    # One log-softmax serves cross-entropy and KL (the costliest pass over the logits).
-    log_probs = logits.log_softmax(-1) if {"cross_entropy", "kl_to_full"} & {*metrics} else None
-    if "cross_entropy" in metrics:
-        assert log_probs is not None
-        losses = token_cross_entropy(log_probs, targets, log_probs=True)
-        out["cross_entropy"] = (losses * scored).sum(-1) / count
-    if "accuracy" in metrics or "top1_agreement" in metrics:
-        # The prediction is the argmax, the first index among tied maxima, which max's indices
-        # are too (documented, and tested on inputs full of ties): one pass, where amax with a
-        # count of tied maxima took two. All logits are finite exactly when the largest and the
-        # smallest are (max and amin propagate NaN): two reductions, not a mask of the logits.
-        largest, predicted = logits.max(-1)
-        finite = torch.isfinite(largest) & torch.isfinite(logits.amin(-1))
-        if full_top1 is None and "top1_agreement" in metrics:
-            full_top1 = full_log_probs.argmax(-1)
-        references = {"accuracy": targets, "top1_agreement": full_top1}
-        for name, reference in references.items():
-            if name not in metrics or reference is None:
-                continue
-            # IGNORE_INDEX is no class: never a hit.
-            hit = torch.where(finite, (predicted == reference).to(logits.dtype), torch.nan)
-            bad = (torch.isnan(hit) & scored).any(-1)
-            out[name] = torch.where(bad, torch.nan, (hit * scored).nansum(-1) / count)
-    if "kl_to_full" in metrics:
-        assert log_probs is not None
-        # KL(full || readout) = sum p_full (log p_full - log p), as F.kl_div(log_target=True)
-        # computes it, with p_full = exp(log p_full) taken once per batch rather than per call.
-        # The difference first: near full depth, where the protocol's comparisons sit, it is
-        # exact where sum p log p_full - sum p log p would lose the small KL to cancellation.
-        if full_probs is None:
-            full_probs = full_log_probs.exp()
-        kl = (metric_precision(full_probs) * (full_log_probs - log_probs)).sum(-1)
-        kl = kl.clamp_min(0.0)  # KL >= 0: a negative sum is rounding, not a value (NaN stays)
-        out["kl_to_full"] = (kl * scored).sum(-1) / count
-    return out
+    is NaN, never the argmax of NaNs. Each metric is scored by its `METRIC_REGISTRY` entry.
+    """
+    readout = Readout(logits, full_log_probs, targets, full_top1, full_probs)
+    unknown = [name for name in metrics if name not in METRIC_REGISTRY]
+    if unknown:
+        raise ValueError(f"metrics {unknown} are not registered; expected some of {METRICS}.")
+    return {name: METRIC_REGISTRY[name].score(readout) for name in metrics}

@@ -12,6 +12,8 @@ Two scores, both relative to held-out reference states:
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -415,3 +417,89 @@ class ResidualOODProbe:
         probe.noise_floor = float(data["noise_floor"])
         probe._whitening = symmetric_power(probe.covariance, -0.5, "reference covariance")
         return probe
+
+
+# ----------------------------------------------------------------- the probe stage of a run
+
+
+@dataclass
+class ProbeSamples:
+    """The states the probe stage scores, each row with its example key (``groups``).
+
+    Attributes:
+        held_out: full depth's states of even examples ``[n, d]``, the held-out reference.
+        trajectory: per t in 0..r, s_t of odd examples with their keys.
+        calibrate_truncate: per k, calibrate(truncate(k)) of odd examples with their keys.
+    """
+
+    held_out: Tensor | None = None
+    held_out_groups: Tensor | None = None
+    trajectory: list[tuple[Tensor | None, Tensor | None]] = field(default_factory=list)
+    calibrate_truncate: dict[int, tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
+
+
+def probe_run(
+    reference: Tensor | None,
+    samples: ProbeSamples,
+    *,
+    n_iterations: int,
+    points: int,
+    seed: int,
+    progress: Any = lambda items, description: items,
+) -> tuple[dict[str, Any], ResidualOODProbe | None]:
+    """The probe stage of a run: fit `ResidualOODProbe` on the fit stage's ``reference`` states
+    against the sweep's held-out full-depth states, then score s_t for every t and
+    calibrate(truncate(k)) for every k. ``progress(items, description)`` wraps the iterations.
+
+    Returns:
+        The probe's summary as results record it (``reference_auroc``, ``trajectory``, ...; NaN
+        and empty without usable states) and the fitted probe (None without one).
+    """
+    usable = [reference, samples.held_out]
+    if any(x is None or not x.isfinite().all() for x in usable):
+        return {"reference_auroc": math.nan, "trajectory": []}, None
+    assert reference is not None and samples.held_out is not None
+    probe = ResidualOODProbe(max_points=points).fit(
+        reference.double(),
+        samples.held_out.double(),
+        seed=seed,
+        held_out_groups=samples.held_out_groups,
+    )
+
+    def score(sample: tuple[Tensor | None, Tensor | None]) -> dict[str, float]:
+        rows, groups = sample
+        if rows is None or not bool(rows.isfinite().all()):
+            return {"mahalanobis": math.nan, "auroc": math.nan}
+        return probe.score(rows.double(), seed=seed, groups=groups)
+
+    trajectory = [
+        {"iteration": t, **score(sample)}
+        for t, sample in enumerate(progress(samples.trajectory, "probe"))
+    ]
+    calibrated = [{"k": k, **score(sample)} for k, sample in samples.calibrate_truncate.items()]
+    # s_r of the probed examples against the held-out reference: full depth against itself.
+    at_full_depth = trajectory[n_iterations]
+    summary = {
+        "reference_auroc": at_full_depth["auroc"],
+        "reference_mahalanobis": at_full_depth["mahalanobis"],
+        "noise_floor": probe.noise_floor,
+        "trajectory": trajectory,
+        "calibrate_truncate": calibrated,
+    }
+    return summary, probe
+
+
+def s_rank_correlation(probe: dict[str, Any], k_grid: Any, s_cells: Any) -> float:
+    """Spearman correlation over k of the probe's Mahalanobis score of s_k with S(k)
+    (docs/design.md §5): does the directly measured readout shift order the k's as S does?"""
+    by_iteration = {row["iteration"]: row["mahalanobis"] for row in probe.get("trajectory", [])}
+    pairs = [
+        (by_iteration.get(k, math.nan), float(s)) for k, s in zip(k_grid, s_cells, strict=True)
+    ]
+    pairs = [(m, s) for m, s in pairs if math.isfinite(m) and math.isfinite(s)]
+    if len(pairs) < 3:
+        return math.nan
+    ranks = torch.tensor(pairs, dtype=torch.float64).argsort(0).argsort(0).double()
+    ranks = ranks - ranks.mean(0)
+    denominator = float(ranks.norm(dim=0).prod())
+    return float((ranks[:, 0] * ranks[:, 1]).sum()) / denominator if denominator else math.nan

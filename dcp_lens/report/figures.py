@@ -17,7 +17,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dcp_lens.protocol.results import S_NOT_IDENTIFIED
+from dcp_lens.protocol.verdicts import row_flags
 
 Run = Mapping[str, Any]
 
@@ -32,7 +32,6 @@ CONDITION_COLOURS = {
 FACTOR_COLOURS = {"S": "#ff7f0e", "B": "#1f77b4", "D": "#2ca02c"}
 FACTOR_NAMES = {"S": "S readout shift", "B": "B block applications", "D": "D distinct computation"}
 _EXTRA_COLOURS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-_LOSSES = ("cross_entropy", "kl_to_full")
 
 
 def run_title(run: Run) -> str:
@@ -40,9 +39,12 @@ def run_title(run: Run) -> str:
     return f"{run['model']} ({run['architecture']}, r = {run['n_iterations']})"
 
 
-def metric_label(metric: str) -> str:
-    """The axis label of a metric, saying which way is better."""
-    return f"{metric} ({'lower' if metric in _LOSSES else 'higher'} is better)"
+def metric_label(metric: str, runs: Sequence[Run] = ()) -> str:
+    """The axis label of a metric, saying which way is better (as the runs' ``results.json``
+    records it: ``metrics[metric]["higher_is_better"]``, from the metric registry)."""
+    records = [run.get("metrics", {}).get(metric, {}) for run in runs]
+    higher = next((r["higher_is_better"] for r in records if "higher_is_better" in r), True)
+    return f"{metric} ({'higher' if higher else 'lower'} is better)"
 
 
 def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
@@ -88,7 +90,7 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             )  # fmt: skip
             shown.add(condition)
         figure.update_xaxes(title_text="k (iterations)", row=1, col=column)
-    figure.update_yaxes(title_text=metric_label(metric), row=1, col=1)
+    figure.update_yaxes(title_text=metric_label(metric, runs), row=1, col=1)
     figure.update_layout(title=f"Quality against k: {metric}", height=420)
     return figure
 
@@ -288,18 +290,6 @@ def attention_figure(run: Run, attention: Mapping[str, Any]) -> go.Figure:
         yaxis={"autorange": "reversed"}, height=560,
     )  # fmt: skip
     return figure
-
-
-def row_flags(row: Mapping[str, Any]) -> list[str]:
-    """The validity flags of one decomposition row, in words (absent keys: no flag)."""
-    flags = []
-    if row.get("S_identified") is False:
-        flags.append(S_NOT_IDENTIFIED)
-    if row.get("B_identified") is False:
-        flags.append("B not identified")
-    if row.get("nonfinite"):
-        flags.append("non-finite cells")
-    return flags
 
 
 # ----------------------------------------------------------------------------- internals

@@ -10,13 +10,15 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dcp_lens.protocol.results import (
-    FACTORS,
-    REPLAY_NOT_REALIZABLE,
-    S_NOT_IDENTIFIED,
-    ProtocolResults,
-    decode_json,
+from dcp_lens.protocol.results import FACTORS, ProtocolResults, decode_json
+from dcp_lens.protocol.verdicts import (  # the report reads the verdicts the protocol builds
+    NULL_TOLERANCE,
+    flag_lines,
+    verdict,
 )
+from dcp_lens.protocol.verdicts import below_r as _below_r
+from dcp_lens.protocol.verdicts import finite_mean as _mean
+from dcp_lens.protocol.verdicts import format_number as _number
 from dcp_lens.report.assets import PLOTLY_JS, plotly_script, write_plotly_js
 from dcp_lens.training.outcomes import (
     AGGREGATED,
@@ -43,53 +45,6 @@ def format_summary(results: ProtocolResults) -> str:
         f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}"
     )
     return "\n".join(lines)
-
-
-def flag_lines(results: ProtocolResults) -> list[str]:
-    """What the numbers of a run cannot see, in words: one line per flag that is raised."""
-    lines = []
-    first = next(iter(results.decompositions.values()))
-    below_r = [i for i, k in enumerate(first.k_grid) if k < results.n_iterations]
-    s_open = [first.k_grid[i] for i in below_r if not first.s_identified[i]]  # type: ignore[index]
-    b_open = [first.k_grid[i] for i in below_r if not first.b_identified[i]]  # type: ignore[index]
-    if s_open:
-        lines.append(
-            f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
-            "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
-            "bound and D an upper bound there, and B may hold the part of the shift the map "
-            "missed (where replaying the update repairs the frame)"
-        )
-    if b_open:
-        lines.append(
-            f"B not identified at k = {_ks(b_open)}: replay and truncate give the same readout "
-            "there, so B = I_BS = 0 by construction, not by measurement"
-        )
-    for metric, decomposition in results.decompositions.items():
-        if _overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
-            lines.append(f"{metric}: {OVERSHOOT}")
-        if not decomposition.validated:
-            lines.append(f"{metric} not validated: {decomposition.validation_reason}")
-        if not decomposition.stable:
-            lines.append(
-                f"{metric} shares unstable: the gap's area interval includes 0, so its shares "
-                "mean nothing"
-            )
-    return lines
-
-
-OVERSHOOT = (
-    "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
-    "make up for it (calibration also changes confidence; README: Shares below 0 or above 1)"
-)
-
-
-def _overshoots(metric: str, shares: Sequence[float]) -> bool:
-    """A share outside [0, 1] (beyond 0.05) on a loss metric, where `OVERSHOOT` explains it."""
-    return metric != "accuracy" and any(v < -0.05 or v > 1.05 for v in shares if math.isfinite(v))
-
-
-def _ks(ks: list[int]) -> str:
-    return ", ".join(str(k) for k in ks)
 
 
 # ------------------------------------------------------------------ training
@@ -225,30 +180,13 @@ def _compared(
     return f"{factor} {_interval(tested, name)} against fixed {_interval(fixed, name)}"
 
 
-def _number(value: float | None) -> str:
-    return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
-
-
 def _interval(row: dict[str, Any], name: str) -> str:
     return f"{_number(row[name])} [{_number(row[f'{name}_lo'])}, {_number(row[f'{name}_hi'])}]"
 
 
 # ------------------------------------------------------------------ report.html
 
-NULL_TOLERANCE = 1e-4  # max |logit diff| the exact null controls must stay within (float error)
-SMALL_GAP = 1e-3  # a mean gap below this (quality units) leaves shares unstable
 REPORT_FILE = "report.html"
-_FACTOR_WORDS = {
-    "S": (
-        "readout shift: the truncated states carry what full depth knows, in a frame the readout "
-        "was not trained on; the label-free calibration recovers it"
-    ),
-    "B": (
-        "block applications: applying the block more often helps even without new distinct "
-        "iterations (replaying one update recovers it)"
-    ),
-    "D": "distinct computation: later iterations compute something the first k do not",
-}
 
 
 def run_record(results: ProtocolResults | Mapping[str, Any]) -> dict[str, Any]:
@@ -257,59 +195,6 @@ def run_record(results: ProtocolResults | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(results, ProtocolResults):
         results = results.to_results_json()
     return decode_json(dict(results))
-
-
-def _below_r(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
-    """The decomposition rows of ``metric`` at k < r: at k = r every factor is 0 by construction,
-    so flags and verdicts speak of the k below r."""
-    return [
-        row
-        for row in run["decomposition"]
-        if row["metric"] == metric and row["k"] < run["n_iterations"]
-    ]
-
-
-def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
-    """A plain-language verdict on one metric of one run, and its flags (each a short sentence)."""
-    shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
-    flags = _flags(run, metric)
-    values = {factor: shares.get(factor, math.nan) for factor in FACTORS}
-    gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
-    mean_gap = _mean(gaps)
-    if any(math.isnan(v) for v in values.values()) or abs(mean_gap) < SMALL_GAP:
-        return (
-            f"No truncation gap to split (mean gap {_number(mean_gap)}): the readout is about "
-            "as good at every k tested, so the shares say nothing.",
-            flags,
-        )
-    factor = max(FACTORS, key=lambda name: values[name])
-    if values[factor] >= 0.5:
-        text = f"{_share_of_gap(values[factor])} is {_FACTOR_WORDS[factor]}."
-        if factor != "S" and any(row.get("S_identified") is False for row in _below_r(run, metric)):
-            # S is then a lower bound: what the map missed sits in B or D, whichever repairs it.
-            text += (
-                f" But S is not identified at some k, so part of this {factor} may be readout "
-                "shift that the calibration missed."
-            )
-    else:
-        parts = ", ".join(f"{name} {values[name]:.0%}" for name in FACTORS)
-        text = f"No single factor carries the gap ({parts})."
-    if factor != "D" and values["D"] < 0.2:
-        text += " Reading the truncation slope as 'the model uses its depth' would overstate it."
-    return text, flags
-
-
-def _share_of_gap(share: float) -> str:
-    """How much of the gap a share of at least 0.5 is, in words: "most" only within [0, 1]; a
-    share above 1 overshoots the gap and the other factors' shares sum below 0."""
-    if share >= 1.005:  # shown as more than 100%
-        return (
-            f"More than the whole truncation gap ({share:.0%}; the other factors sum to "
-            f"{1 - share:.0%})"
-        )
-    if share >= 0.995:
-        return f"All of the truncation gap ({share:.0%})"
-    return f"Most of the truncation gap ({share:.0%})"
 
 
 def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
@@ -451,38 +336,6 @@ def write_report(
     path.parent.mkdir(parents=True, exist_ok=True)
     write_plotly_js(path.parent)
     return write_text_atomically(path, render_report(runs, report_data, PLOTLY_JS))
-
-
-def _flags(run: Mapping[str, Any], metric: str) -> list[str]:
-    flags = []
-    share = run["shares"][metric]
-    if share.get("stable") is False:
-        flags.append("unstable share: the gap is too small or too noisy to split reliably")
-    record = run.get("metrics", {}).get(metric, {})
-    if record.get("validated") is False:
-        flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
-    rows = _below_r(run, metric)
-    for key, words in (
-        ("S_identified", S_NOT_IDENTIFIED),
-        ("B_identified", "B not identified"),
-    ):
-        ks = [str(row["k"]) for row in rows if row.get(key) is False]
-        if ks:
-            flags.append(f"{words} at k = {', '.join(ks)}")
-    if _overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
-        flags.append(OVERSHOOT)
-    if not run["replay_realizable"]:
-        flags.append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
-    null = run["null_control"].get("max_abs_logit_diff", math.nan)
-    if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
-        flags.append(f"null control failed: max |logit diff| {null:.2e} at k = r")
-    nonfinite = [row for row in run.get("nonfinite", []) if row["metric"] == metric]
-    if nonfinite:
-        flags.append(f"{len(nonfinite)} non-finite cells (NaN in the curves)")
-    failures = run.get("metadata", {}).get("calibration_failures") or []
-    if failures:
-        flags.append(f"calibration could not be fitted from {', '.join(failures)}")
-    return flags
 
 
 def _extras(
@@ -708,11 +561,6 @@ def _gap_text(run: Mapping[str, Any], metric: str) -> str:
     )
     first = f"; k = {truncated[0]['k']}: {_number(truncated[0]['value'])}" if truncated else ""
     return f"{_number(_mean(gaps))} (full: {_number(full)}{first})"
-
-
-def _mean(values: Sequence[float]) -> float:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
 
 
 _STYLE = """

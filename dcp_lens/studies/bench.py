@@ -48,6 +48,7 @@ from torch import Tensor
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol.conditions import SWEEP
+from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ResourceLimitError
@@ -55,6 +56,9 @@ from dcp_lens.utils.errors import ResourceLimitError
 PRESETS = ("small", "huginn")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Per preset: the defaults of the shape and batch arguments left as None.
+# The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
+# bootstrap and no probe; its batch is the preset's (or ``batch``).
+BENCH_CONFIG = ProtocolConfig(**COMMAND_DEFAULTS["bench"])
 PRESET_DEFAULTS: dict[str, dict[str, int]] = {
     "small": {"d_model": 256, "n_core": 2, "n_iterations": 16, "d_vocab": 512, "batch": 16,
               "seq": 128},
@@ -202,9 +206,12 @@ def run_bench(
     seed: int = 0,
     preset: str = "small",
     dtype: str = "float32",
+    config: ProtocolConfig | None = None,
 ) -> dict[str, Any]:
     """Measure the figures above on a random model of ``preset``'s shape (arguments left None
-    take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``. ``repeats`` rounds
+    take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``, with the protocol
+    settings ``config`` (default `BENCH_CONFIG`; its batch size is replaced by ``batch``, its k
+    grid by ``k_grid`` when given). ``repeats`` rounds
     each time the forward, the plain loop and the sweep (``sweep_repeats`` sweeps, if given).
 
     Raises:
@@ -241,16 +248,17 @@ def run_bench(
     evaluation = EvaluationSet.from_tokens(tokens[:batch])
     calibration = EvaluationSet.from_tokens(tokens[batch:])
     weights = {k: v.detach() for k, v in model.canonical_state_dict().items()}
-    protocol = DepthControlProtocol(
-        model, k_grid=k_grid, batch_size=batch, n_bootstrap=0, probe="none", progress=False
-    )
+    config = (config or BENCH_CONFIG).replace(batch_size=batch)
+    if k_grid is not None:
+        config = config.replace(k_grid=tuple(k_grid))
+    protocol = DepthControlProtocol(model, config, progress=False)
     has_plain = (cfg.norm_placement, cfg.act_fn, cfg.normalization_type) == ("pre", "gelu", "LN")
     with torch.no_grad():
 
         def sweep() -> None:  # what `run` does before the statistics: fit, match, evaluate
             protocol.fit(calibration)
-            protocol._fit_temperatures(calibration)
-            protocol._evaluate(evaluation)
+            protocol.fit_temperatures(calibration)
+            protocol.evaluate(evaluation)
 
         def naive_sweep() -> None:
             protocol.fit(calibration)

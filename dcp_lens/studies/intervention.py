@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
 from dcp_lens.protocol.results import ProtocolResults, encode_json
 from dcp_lens.report.html import explain_verdict, format_markdown, write_report
@@ -60,6 +61,10 @@ RUNS_DIR, DCP_DIR = "runs", "dcp"
 JSON_FILE, MARKDOWN_FILE, HTML_FILE = "intervention.json", "intervention.md", "intervention.html"
 
 
+# DCP's settings in the intervention: ten runs, so fewer bootstrap draws than a single run.
+INTERVENTION_CONFIG = ProtocolConfig(**COMMAND_DEFAULTS["experiment"])
+
+
 def run_training_intervention(
     out_dir: str | Path,
     preset: str = "default",
@@ -69,9 +74,10 @@ def run_training_intervention(
     dense_seeds: Sequence[int] | None = None,
     n_eval: int = 512,
     n_calibration: int = 512,
-    n_bootstrap: int = 200,
-    batch_size: int = 64,
-    probe: str = "trajectory",
+    protocol_config: ProtocolConfig | None = None,
+    n_bootstrap: int | None = None,
+    batch_size: int | None = None,
+    probe: str | None = None,
     device: str = "cpu",
     jobs: int = 1,
     progress: bool = True,
@@ -88,9 +94,11 @@ def run_training_intervention(
             regime it tests.
         n_eval, n_calibration: DCP evaluation and calibration sequences from the task's own
             splits (the same examples for every model).
-        n_bootstrap: DCP's paired bootstrap draws per run.
-        batch_size: DCP sequences per forward pass.
-        probe: DCP's probe, ``"trajectory"`` or ``"none"`` (faster; no probe in the results).
+        protocol_config: DCP's settings (default `INTERVENTION_CONFIG`); each model's seed replaces
+            its ``seed``.
+        n_bootstrap, batch_size, probe: replace the config's ``n_bootstrap`` (paired
+            bootstrap draws per run), ``batch_size`` (sequences per forward pass) and ``probe``
+            (``"trajectory"`` or ``"none"``: faster, no probe in the results) when given.
         device: where to train and run DCP (bit-reproducible training on CPU only).
         jobs: trainings run at once, each in its own process on one thread (the runs are the
             same bytes as with ``jobs=1``); the DCP runs follow one at a time. With the default
@@ -104,6 +112,12 @@ def run_training_intervention(
         ``verdict``.
     """
     check_device(device)
+    given: dict[str, Any] = {"n_bootstrap": n_bootstrap, "batch_size": batch_size, "probe": probe}
+    protocol_config = (protocol_config or INTERVENTION_CONFIG).replace(
+        **{k: v for k, v in given.items() if v is not None}
+    )
+    n_bootstrap, batch_size = protocol_config.n_bootstrap, protocol_config.batch_size
+    probe = protocol_config.probe
     seeds, regimes = _check_arguments(preset, seeds, regimes, probe)
     dense_seeds = (
         seeds[:1]
@@ -127,6 +141,15 @@ def run_training_intervention(
         "probe": probe,
         "confidence": CONFIDENCE,
     }
+    # A saved DCP run is reused only under the same settings: the others, where not default.
+    default = INTERVENTION_CONFIG.to_dict()
+    others = {
+        key: value
+        for key, value in protocol_config.to_dict().items()
+        if key not in (*given, "seed") and value != default[key]
+    }
+    if others:
+        settings["protocol"] = others
     runs: dict[str, list[tuple[int, ProtocolResults]]] = {regime: [] for regime in regimes}
     plan = [
         (regime, seed)
@@ -149,7 +172,7 @@ def run_training_intervention(
         folder = out / RUNS_DIR / f"{regime}-seed{seed}"
         config = configs[(regime, seed)]
         results = _dcp_results(
-            folder, config, settings, batch_size=batch_size, seed=seed, progress=progress
+            folder, config, settings, protocol_config.replace(seed=seed), progress
         )
         runs[regime].append((seed, results))
 
@@ -233,14 +256,13 @@ def _dcp_results(
     folder: Path,
     config: TrainConfig,
     settings: dict[str, Any],
-    *,
-    batch_size: int,
-    seed: int,
+    protocol_config: ProtocolConfig,
     progress: bool,
 ) -> ProtocolResults:
     """The DCP results of the run in ``folder``: read back when saved with the same settings,
     else computed (after training, or finishing the training of, the model) and saved."""
     # Recorded with the results: a saved DCP run is reused only under the same settings.
+    seed = protocol_config.seed
     recorded = {**settings, "seed": seed}
     if _finished(folder, config):
         if (folder / DCP_DIR / "results.json").is_file():
@@ -254,15 +276,7 @@ def _dcp_results(
     evaluation, calibration = task_data(
         model, None, settings["n_eval"], settings["n_calibration"], seed
     )
-    protocol = DepthControlProtocol(
-        model,
-        n_bootstrap=settings["n_bootstrap"],
-        batch_size=batch_size,
-        seed=seed,
-        probe=settings["probe"],
-        spec=folder.name,
-        progress=progress,
-    )
+    protocol = DepthControlProtocol(model, protocol_config, spec=folder.name, progress=progress)
     results = protocol.run(evaluation, calibration)
     metadata = {**results.metadata, "intervention": recorded}
     results = dataclasses.replace(results, metadata=metadata)

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dcp_lens.lenses.lens import logit_lens
 from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.decomposition import decompose
 from dcp_lens.protocol.results import decode_json, encode_json
-from dcp_lens.protocol.states import capture_states
 from dcp_lens.utils.files import write_text_atomically
 
 REPORT_DATA = "report_data.json"
@@ -59,7 +59,7 @@ def collect_report_data(
     try:
         entry = {
             "model": protocol.spec,
-            "lens": logit_lens(protocol, evaluation, example, vocab),
+            "lens": lens_record(protocol, evaluation, example, vocab),
             "attention": attention_across_iterations(protocol, evaluation, example, vocab),
             "by_hops": hop_breakdown(protocol, evaluation, n_bootstrap),
         }
@@ -69,7 +69,7 @@ def collect_report_data(
     return {key: value for key, value in entry.items() if value is not None}
 
 
-def logit_lens(
+def lens_record(
     protocol: DepthControlProtocol,
     evaluation: EvaluationSet,
     example: int,
@@ -77,10 +77,11 @@ def logit_lens(
 ) -> dict[str, Any]:
     """Readout of every s_t (t = 0..r) of one example: ``iterations``, ``tokens`` (input),
     ``targets`` (the scored answers, None elsewhere), ``top_tokens`` and ``top_probs``
-    ``[t][position]``, ``target_probs`` ``[t][position]`` (None where nothing is scored)."""
+    ``[t][position]``, ``target_probs`` ``[t][position]`` (None where nothing is scored).
+    The logits are `dcp_lens.lenses.lens.logit_lens`'s."""
     tokens, targets = _example(evaluation, example)
-    states, _ = capture_states(protocol.model, tokens[None].to(_device(protocol)))
-    probs = protocol.model.readout(states[:, 0]).float().softmax(-1)  # [r + 1, pos, vocab]
+    logits = logit_lens(protocol.model, tokens[None].to(_device(protocol)))  # [r + 1, 1, pos, V]
+    probs = logits[:, 0].float().softmax(-1)  # [r + 1, pos, vocab]
     top_probs, top_ids = probs.max(-1)
     scored = targets != -100
     target_probs = probs.gather(-1, targets.clamp(min=0)[None, :, None].expand(len(probs), -1, 1))

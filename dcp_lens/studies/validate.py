@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import FACTORS, encode_json
@@ -57,18 +58,33 @@ def judge(planted_factor: str, shares: dict[str, float], expected: dict[str, flo
     return all(abs(shares[f] - expected[f]) <= MIXTURE_TOLERANCE for f in FACTORS)
 
 
+# The protocol settings of `dcp-lens validate`: eleven models on every metric, so fewer bootstrap
+# draws and probe points than a single run (`COMMAND_DEFAULTS`).
+VALIDATE_CONFIG = ProtocolConfig(**COMMAND_DEFAULTS["validate"])
+
+
 def validate(
     models: Sequence[str] | None = None,
     metrics: Sequence[str] | None = None,
     *,
-    seed: int = 0,
+    config: ProtocolConfig | None = None,
     n_eval: int = 512,
     n_calibration: int = 512,
-    n_bootstrap: int = 200,
     progress: bool = False,
+    **settings: Any,
 ) -> list[ValidationRow]:
     """Run DCP on each planted model (default: all of `dcp_lens.zoo.planted.PLANTED`, built with
-    ``seed``) on each metric (default: every metric of `dcp_lens.protocol.metrics.METRICS`).
+    the config's seed) on each metric (default: every metric of
+    `dcp_lens.protocol.metrics.METRICS`).
+
+    Args:
+        models: planted model names.
+        metrics: metric names (replace ``config.metrics``).
+        config: the protocol settings (default: `VALIDATE_CONFIG`).
+        n_eval, n_calibration: evaluation and calibration sequences of each planted task.
+        progress: progress bars.
+        **settings: fields of `ProtocolConfig` that replace the config's (``seed=1``,
+            ``n_bootstrap=100``, ``calibration_mode="diag"``, ...).
 
     Returns:
         One `ValidationRow` per (model, metric), models in the given order.
@@ -77,18 +93,17 @@ def validate(
     unknown = [name for name in names if name not in planted.BUILDERS]
     if unknown:
         raise ValueError(f"unknown planted models {unknown}; choose from {planted.PLANTED}.")
-    wanted = tuple(metrics) if metrics else METRICS
+    config = (config or VALIDATE_CONFIG).replace(**settings)
+    wanted = tuple(metrics) if metrics else (config.metrics or tuple(METRICS))
     if any(metric not in METRICS for metric in wanted):
         raise ValueError(f"metrics {list(wanted)} must be a subset of {METRICS}.")
+    config = config.replace(metrics=wanted)
     rows = []
     for name in names:
-        model = planted.BUILDERS[name](seed=seed)
+        model = planted.BUILDERS[name](seed=config.seed)
         task = model.planted_task
         evaluation, calibration = task.evaluation(n_eval), task.calibration(n_calibration)
-        protocol = DepthControlProtocol(
-            model, metrics=wanted, n_bootstrap=n_bootstrap, seed=seed, probe_points=1000,
-            spec=f"planted:{name}", progress=progress,
-        )  # fmt: skip
+        protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)
         run = protocol.run(evaluation, calibration).to_results_json()
         for metric in wanted:
             shares = _shares(run, metric)

@@ -55,8 +55,8 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
 
 def test_bench_json_reports_the_design_keys(capsys):
     code = main(
-        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch", "2", "--seq", "8",
-         "--repeats", "1"]
+        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch-size", "2",
+         "--seq", "8", "--repeats", "1"]
     )  # fmt: skip
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -195,8 +195,8 @@ def test_an_unwritable_out_folder_is_refused(tmp_path, capsys, monkeypatch):
 def test_threads_applies_to_the_command_and_is_restored(capsys):
     before = torch.get_num_threads()
     code = main(
-        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2", "--batch",
-         "1", "--seq", "4", "--repeats", "1", "--no-naive"]
+        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2",
+         "--batch-size", "1", "--seq", "4", "--repeats", "1", "--no-naive"]
     )  # fmt: skip
     assert code == 0
     assert json.loads(capsys.readouterr().out)["threads"] == 2
@@ -284,11 +284,11 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
     """Peak memory is set by one batch: the heap's free pages go back after each batch of the
     calibration and evaluation loops (dcp_lens.utils.memory), not only at the end."""
     from dcp_lens import DepthControlProtocol, load
-    from dcp_lens.protocol import dcp as protocol_module
+    from dcp_lens.protocol import context as stages  # every stage's loop goes through it
     from dcp_lens.protocol.dcp import task_data
 
     calls = []
-    monkeypatch.setattr(protocol_module, "release_free_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(stages, "release_free_memory", lambda: calls.append(1) or True)
     model = load("planted:distinct_computation")
     evaluation, calibration = task_data(model, None, 24, 16, 0)
     protocol = DepthControlProtocol(

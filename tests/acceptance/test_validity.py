@@ -14,7 +14,8 @@ from helpers import lm_sets, make_model
 
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.protocol.calibration import MixtureCalibration, fit_calibration
-from dcp_lens.protocol.dcp import EvaluationSet, _matching_temperature, _mean_entropy
+from dcp_lens.protocol.confidence import matching_temperature, mean_entropy
+from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.report.html import flag_lines, run_record, verdict
 from dcp_lens.zoo.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
@@ -160,13 +161,13 @@ def test_top1_agreement_is_agreement_with_the_full_depth_prediction():
 def test_confidence_matching_finds_the_temperature_of_the_reference_entropy():
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(200, 10, generator=generator, dtype=torch.float64)
-    target = _mean_entropy(logits, 0.5)
-    temperature = _matching_temperature(logits * 3.0, target)
+    target = mean_entropy(logits, 0.5)
+    temperature = matching_temperature(logits * 3.0, target)
     assert temperature == pytest.approx(1.5, rel=1e-4)
     # Out of reach: an entropy above log(vocabulary) is approached at the hot end of the range.
-    assert _matching_temperature(logits, math.log(10) + 0.5) == pytest.approx(1e3)
-    assert _matching_temperature(logits, 0.0) == pytest.approx(1e-3)
-    assert _matching_temperature(logits.fill_(math.nan), 1.0) == 1.0
+    assert matching_temperature(logits, math.log(10) + 0.5) == pytest.approx(1e3)
+    assert matching_temperature(logits, 0.0) == pytest.approx(1e-3)
+    assert matching_temperature(logits.fill_(math.nan), 1.0) == 1.0
 
 
 def test_confidence_matching_reads_the_leading_scored_positions_whatever_the_batches():
@@ -183,10 +184,10 @@ def test_confidence_matching_reads_the_leading_scored_positions_whatever_the_bat
 
     def fitted(batch_size: int, keep_stash: bool) -> dict:
         protocol = DepthControlProtocol(model, batch_size=batch_size, probe="none", progress=False)
-        protocol._temperature_budget = lambda calibration: budget  # type: ignore[method-assign]
+        protocol.confidence.budget = lambda calibration: budget  # type: ignore[method-assign]
         read = []
         for index, rows in enumerate(calibration.batches(batch_size)):
-            pieces = protocol._temperature_pieces(calibration, index, rows)
+            pieces = protocol.confidence.pieces(calibration, index, rows)
             if pieces is None:
                 break
             for sequences, positions in pieces:
@@ -196,9 +197,8 @@ def test_confidence_matching_reads_the_leading_scored_positions_whatever_the_bat
         assert torch.equal(torch.cat(read), expected), batch_size
         protocol.fit(calibration)
         if not keep_stash:
-            protocol._temperature_states = {}
-        protocol._fit_temperatures(calibration)
-        return protocol.temperatures
+            protocol.confidence.stash = {}
+        return protocol.fit_temperatures(calibration)
 
     reference = fitted(5, keep_stash=True)
     assert any(abs(t - 1.0) > 1e-3 for t in reference.values())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_fast_path_matches_hooks, lm_sets, make_model
+from helpers import assert_every_map_matches_hooks, lm_sets, make_model
 
 from dcp_lens import load
+from dcp_lens.protocol.calibration import CALIBRATION_MAPS
 from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.metrics import METRICS, per_example_metrics
@@ -65,12 +66,13 @@ def test_null_control_reproduces_full_depth_in_float64():
 
 
 @pytest.mark.parametrize("dense", [False, True])
-def test_fast_path_equals_hook_path_for_every_condition(dense):
+def test_fast_path_equals_hook_path_for_every_condition_map_and_metric(dense):
     model = make_model(n_core=0, n_prelude=4, n_coda=0) if dense else make_model()
     evaluation, calibration = lm_sets(model)
-    protocol = DepthControlProtocol(model, probe="none", progress=False)
-    protocol.fit(calibration)
-    assert_fast_path_matches_hooks(protocol, evaluation.tokens[:6])
+    checked = assert_every_map_matches_hooks(
+        model, calibration, evaluation.tokens[:6], mixture_components=2
+    )
+    assert {*CALIBRATION_MAPS, *SWEEP, *METRICS} <= set(checked)
 
 
 def test_dense_model_runs_with_replay_marked_not_realizable():

@@ -1,0 +1,174 @@
+"""`EvaluationSet`: the token sequences DCP scores, their targets and answers, and `task_data`,
+the evaluation and calibration sets of a model's task."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from dcp_lens.protocol.metrics import IGNORE_INDEX
+
+
+@dataclass
+class EvaluationSet:
+    """Token sequences, the positions whose predictions are scored, and their answers.
+
+    ``targets[i, p]`` is what the logits at position p of example i should predict, or -100 where
+    position p is not scored. Build one with `from_task_batch` (task data with answers) or
+    `from_tokens` (language modelling: the next token is the target; no accuracy).
+    """
+
+    tokens: Int[Tensor, "n pos"]
+    targets: Int[Tensor, "n pos"]
+    attention_mask: Bool[Tensor, "n pos"] | None = None
+    has_answers: bool = True
+    metadata: dict[str, Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 2 or self.tokens.shape[0] == 0 or self.tokens.shape[1] == 0:
+            raise ValueError(
+                f"the evaluation set is empty or not [n, pos]: tokens have shape "
+                f"{tuple(self.tokens.shape)}; pass at least one sequence."
+            )
+        if self.targets.shape != self.tokens.shape:
+            raise ValueError(
+                f"targets {tuple(self.targets.shape)} must have the shape of tokens "
+                f"{tuple(self.tokens.shape)} (-100 where a position is not scored)."
+            )
+        if not bool(self.scored.any()):
+            raise ValueError("no position is scored: every target is -100.")
+        if self.attention_mask is not None and bool((self.scored & ~self.attention_mask).any()):
+            raise ValueError("a scored position is padding (attention_mask is False there).")
+
+    @classmethod
+    def from_task_batch(cls, batch: Any) -> EvaluationSet:
+        """From a `dcp_lens.tasks.TaskBatch` (tokens, targets with -100, attention mask)."""
+        metadata = dict(getattr(batch, "metadata", {}) or {})
+        return cls(
+            batch.tokens, batch.targets, getattr(batch, "attention_mask", None), True, metadata
+        )
+
+    @classmethod
+    def from_tokens(
+        cls,
+        tokens: Int[Tensor, "n pos"],
+        scored_positions: Int[Tensor, "n m"] | Sequence[Sequence[int]] | None = None,
+    ) -> EvaluationSet:
+        """Language modelling: logits at p predict tokens[p + 1]. ``scored_positions`` (indices
+        in 0..pos-2 per example) restricts scoring; by default every position but the last."""
+        if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2:
+            raise ValueError(
+                f"the evaluation set is empty or too short: tokens have shape "
+                f"{tuple(tokens.shape)}; language modelling needs [n >= 1, pos >= 2]."
+            )
+        targets = torch.full_like(tokens, IGNORE_INDEX)
+        if scored_positions is None:
+            targets[:, :-1] = tokens[:, 1:]
+        else:
+            positions = torch.as_tensor(scored_positions, dtype=torch.long)
+            n_pos = tokens.shape[1]
+            if positions.ndim != 2 or positions.shape[0] != tokens.shape[0]:
+                raise ValueError(f"scored_positions must be [n={tokens.shape[0]}, m].")
+            if bool(((positions < 0) | (positions > n_pos - 2)).any()):
+                bad = positions[(positions < 0) | (positions > n_pos - 2)][0].item()
+                raise ValueError(
+                    f"scored position {bad} is outside the sequence: positions 0..{n_pos - 2} "
+                    f"have a next token (sequence length {n_pos})."
+                )
+            rows = torch.arange(tokens.shape[0])[:, None].expand_as(positions)
+            targets[rows, positions] = tokens[rows, positions + 1]
+        return cls(tokens, targets, None, has_answers=False)
+
+    @property
+    def scored(self) -> Bool[Tensor, "n pos"]:
+        return self.targets != IGNORE_INDEX
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def batches(self, batch_size: int) -> list[slice]:
+        return [slice(i, min(i + batch_size, len(self))) for i in range(0, len(self), batch_size)]
+
+    def example_keys(self) -> Int[Tensor, " n"]:
+        """One non-negative int64 per example, a hash of its tokens up to padding: what keys an
+        example's noise, probe sampling and bootstrap order, so none of them depends on the
+        batch size or the order of the examples."""
+        keys = [int(digest[:15], 16) for digest in self._digests()]
+        return torch.tensor(keys, dtype=torch.int64)
+
+    def _digests(self) -> list[str]:
+        rows = []
+        for i in range(len(self)):
+            row = self.tokens[i]
+            if self.attention_mask is not None:
+                row = row[self.attention_mask[i]]
+            rows.append(hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest())
+        return rows
+
+    def fingerprints(self) -> set[str]:
+        """One hash per example (its tokens up to padding), to detect overlapping splits."""
+        return set(self._digests())
+
+
+def task_data(
+    model: Any,
+    task: str | None,
+    n_eval: int | None,
+    n_calibration: int | None,
+    seed: int,
+    **text_options: Any,
+) -> tuple[EvaluationSet, EvaluationSet]:
+    """Evaluation and calibration sets for a model: its planted task, the task it was trained on
+    (``model.task_config``), or ``task`` (a task name, ``char_lm:PATH``, or ``text:PATH`` in the
+    model's own tokens with ``text_options`` of `dcp_lens.tasks.text.text_task`), built with
+    ``seed``. A task with its own vocabulary is refused on a model with its own tokenizer.
+
+    Returns:
+        ``(evaluation, calibration)``: ``n_eval`` and ``n_calibration`` sequences (None: 512, or
+        for a text corpus `TextLM.split_sizes`) from the task's disjoint splits.
+    """
+    planted = getattr(model, "planted_task", None)
+    if planted is not None and task is None:
+        return planted.evaluation(n_eval or 512), planted.calibration(n_calibration or 512)
+    from dcp_lens.tasks import Task, check_task_tokens, get_task
+    from dcp_lens.tasks.text import text_task
+
+    built: Task
+    if task is not None and task.startswith("text:"):
+        built = text_task(model, task.partition(":")[2], seed=seed, **text_options)
+        n_eval, n_calibration = built.split_sizes(n_eval, n_calibration)
+    elif task is not None:
+        name, _, path = task.partition(":")
+        kwargs: dict[str, Any] = {"path": path} if path else {}
+        built = get_task(name, seed=seed, **kwargs)
+    elif getattr(model, "task_config", None):
+        built = get_task(**model.task_config)
+    else:
+        raise ValueError(
+            "this model has no task of its own; pass a task name, char_lm:PATH or text:PATH "
+            "(--task)."
+        )
+    check_task_tokens(built, model)
+    evaluation = EvaluationSet.from_task_batch(built.evaluation(n_eval or 512))
+    calibration = EvaluationSet.from_task_batch(built.calibration(n_calibration or 512))
+    return evaluation, calibration
+
+
+def as_evaluation_set(data: Any, name: str) -> EvaluationSet:
+    """``data`` as an `EvaluationSet` (a `dcp_lens.tasks.TaskBatch` is converted)."""
+    from dcp_lens.tasks import TaskBatch
+
+    if isinstance(data, TaskBatch):
+        return EvaluationSet.from_task_batch(data)
+    if not isinstance(data, EvaluationSet):
+        raise TypeError(
+            f"{name} must be an EvaluationSet or a TaskBatch, got {type(data).__name__}; build "
+            "one with EvaluationSet.from_task_batch(batch) or EvaluationSet.from_tokens(tokens)."
+        )
+    return data

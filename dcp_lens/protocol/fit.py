@@ -1,0 +1,245 @@
+"""The fit stage: every calibration map the sweep's conditions ask for, fitted label-free on the
+calibration split (streaming moments, or subsamples of states for a map fitted to states), the
+calibration null, and the probe's reference states. Hands a `FittedMaps` to the later stages."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dcp_lens.protocol.calibration import (
+    CALIBRATION_MAPS,
+    CalibrationMap,
+    StateMap,
+    StreamingMoments,
+    all_finite,
+)
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full
+from dcp_lens.protocol.confidence import ConfidenceMatching
+from dcp_lens.protocol.context import RunContext
+from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.states import capture_states
+from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.utils import distributed
+
+
+@dataclass
+class FittedMaps:
+    """The fit stage's hand-off.
+
+    Attributes:
+        maps: per source condition's label at depth r (``"full"`` is calibrate(full)), the map
+            from its readout inputs to full depth's; None where its states were non-finite.
+        null: the same kind of map fitted between two halves of full depth's states (None: not
+            fittable), the calibration null.
+        probe_reference: the probe's reference subsample of full-depth readout inputs ``[n, d]``.
+        mode: the calibration mode asked for (a map fitted in another mode fell back).
+        n_iterations: r, the depth the source labels are taken at.
+    """
+
+    maps: dict[str, StateMap | None]
+    null: StateMap | None
+    probe_reference: Tensor | None
+    mode: str
+    n_iterations: int
+
+    def fitted(self, source: Condition) -> StateMap | None:
+        """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
+        label = source.at_depth(self.n_iterations).label
+        if label not in self.maps:
+            raise KeyError(
+                f"no calibration was fitted from {label}; fitted: {sorted(self.maps)}. Fit "
+                "again after changing k_grid or the registered sweep conditions."
+            )
+        return self.maps[label]
+
+    def failures(self) -> list[str]:
+        """Source conditions whose map could not be fitted (non-finite states)."""
+        return [label for label, mapping in self.maps.items() if mapping is None]
+
+    def fallbacks(self) -> list[str]:
+        """Maps fitted in a simpler mode than asked, as ``"truncate(1): diag"``: the
+        calibration split had too few states for the mode."""
+        return [
+            f"{label}: {mapping.mode}"
+            for label, mapping in self.maps.items()
+            if mapping is not None and mapping.mode != self.mode
+        ]
+
+
+def sources(context: RunContext) -> dict[str, Condition]:
+    """Every condition a map is fitted from, by label at depth r: full depth and whatever the
+    registered sweep conditions ask for at the grid's k."""
+    found: dict[str, Condition] = {"full": Full()}
+
+    def wanted(source: Condition) -> _Pending:
+        source = source.at_depth(context.r)
+        found.setdefault(source.label, source)
+        return _Pending()
+
+    for k in context.k_grid:
+        for entry in SWEEP.values():
+            entry.build(k, wanted)
+    return found
+
+
+@torch.no_grad()
+def fit_maps(
+    context: RunContext,
+    calibration: EvaluationSet,
+    confidence: ConfidenceMatching | None = None,
+) -> FittedMaps:
+    """Fit every map of `sources` on ``calibration`` (streaming moments of each source's readout
+    inputs against full depth's), snapshotting as it goes. ``confidence`` (when matching) keeps
+    the states it will read, so that it needs no forward pass of its own."""
+    config, r, device = context.config, context.r, context.device()
+    entry = CALIBRATION_MAPS[config.calibration_mode]
+    conditions = sources(context)
+    # One stream of moments per source; a stream that ever turns non-finite (replay can
+    # explode) is dropped, and the conditions that need it are reported as non-finite.
+    streams: dict[str, StreamingMoments | None] = {
+        label: StreamingMoments() for label in conditions
+    }
+    samples = {
+        label: Subsample(config.calibration_points, config.seed + 7 + i)
+        for i, label in enumerate(conditions if entry.needs_states else ())
+    }
+    sample = Subsample(config.probe_points, config.seed)
+    calibration_keys = calibration.example_keys()
+    batches = distributed.assigned(calibration.batches(config.batch_size))
+    done, saved = context.restore("calibration")
+    if saved is not None:
+        streams = {
+            label: None if state is None else StreamingMoments.from_state(state)
+            for label, state in saved["streams"].items()
+        }
+        for label, state in saved["samples"].items():
+            samples[label].restore(state)
+        sample.restore(saved["sample"])
+    matching = confidence is not None
+    if confidence is not None:
+        confidence.stash = {}
+    for batch_number, (index, rows) in enumerate(
+        context.each(batches[done:], "calibration"), start=done
+    ):
+        # Only the states: the maps are fitted to readout inputs, not to logits.
+        states, _ = capture_states(
+            context.model, calibration.tokens[rows].to(device), stop_after_last=True
+        )
+        pieces = None
+        if confidence is not None and matching:
+            pieces = confidence.pieces(calibration, index, rows)
+            matching = pieces is not None  # past the budget, later batches are not read
+            if pieces:
+                confidence.stash[index] = confidence.keep(states, pieces, rows.start)
+        keep = context.pooled_positions(calibration, rows)
+        pooled = states[:, keep]  # [r + 1, n_tokens, d]
+        example, position = row_ids(calibration_keys[rows], keep)
+        sample.add(pooled[r], example, position)
+        for label, moments in streams.items():
+            if moments is None:
+                continue
+            state = conditions[label].readout_input(pooled)
+            if all_finite(state):
+                moments.update(state)
+                if entry.needs_states:
+                    samples[label].add(state, example, position)
+            else:
+                streams[label] = None
+        context.snapshot(
+            "calibration", batch_number + 1, len(batches),
+            lambda: {
+                "streams": {n: None if m is None else m.state() for n, m in streams.items()},
+                "samples": {label: s.state() for label, s in samples.items()},
+                "sample": sample.state(),
+            },
+        )  # fmt: skip
+    if distributed.rank_and_world()[1] > 1:
+        streams, samples, sample = _merged_fit(streams, samples, sample, device)
+    reference = streams["full"]
+    maps = {
+        label: None
+        if source is None or reference is None
+        else _fit_map(entry, config, source, reference, samples.get(label), samples.get("full"))
+        for label, source in streams.items()
+    }
+    return FittedMaps(maps, _fit_halves(entry, config, sample), sample.tensor(),
+                      config.calibration_mode, r)  # fmt: skip
+
+
+def _fit_map(
+    entry: CalibrationMap,
+    config: object,
+    source: StreamingMoments,
+    reference: StreamingMoments,
+    source_sample: Subsample | None,
+    reference_sample: Subsample | None,
+) -> StateMap:
+    if entry.from_moments is not None:
+        return entry.from_moments(source, reference, config)  # type: ignore[arg-type]
+    assert source_sample is not None and reference_sample is not None
+    source_states, reference_states = source_sample.tensor(), reference_sample.tensor()
+    assert source_states is not None and reference_states is not None
+    return entry.from_states(source_states, reference_states, config)  # type: ignore[arg-type]
+
+
+def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> StateMap | None:
+    """The real calibration null: the same kind of map fitted between two disjoint halves
+    of the calibration split's full-depth states (even and odd examples). It should leave
+    full depth's readout as it is; `calibrate(full)` fitted onto itself is the identity by
+    construction and tests nothing."""
+    states, groups = sample.tensor(), sample.groups()
+    if states is None or groups is None or not bool(states.isfinite().all()):
+        return None
+    even = groups.to(states.device) % 2 == 0
+    if int(even.sum()) < 8 or int((~even).sum()) < 8:
+        return None
+    try:
+        return entry.from_states(states[even], states[~even], config)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+
+
+def apply_map(mapping: StateMap | None, state: Tensor) -> Tensor:
+    """``mapping(state)``, or NaN where no calibration could be fitted."""
+    return mapping(state) if mapping is not None else torch.full_like(state, math.nan)
+
+
+def _merged_fit(
+    streams: dict[str, StreamingMoments | None],
+    samples: dict[str, Subsample],
+    sample: Subsample,
+    device: torch.device,
+) -> tuple[dict[str, StreamingMoments | None], dict[str, Subsample], Subsample]:
+    """`fit_maps`'s moments and subsamples merged over every rank, in rank order on every rank
+    (so every rank fits the same maps), on ``device``. A stream that turned non-finite on any
+    rank is dropped."""
+    parts = distributed.all_gather((streams, samples, sample))
+    merged: dict[str, StreamingMoments | None] = {}
+    for label in streams:
+        each = [part[0][label] for part in parts]
+        total: StreamingMoments | None = None
+        if all(moments is not None for moments in each):
+            total = StreamingMoments()
+            for moments in each:
+                total.merge(moments)
+        merged[label] = distributed.moved(total, device)
+    merged_samples = {
+        label: distributed.moved(Subsample.merged([part[1][label] for part in parts]), device)
+        for label in samples
+    }
+    probe = distributed.moved(Subsample.merged([part[2] for part in parts]), device)
+    return merged, merged_samples, probe
+
+
+class _Pending:
+    """Stands in for a map while `sources` asks the sweep what to fit."""
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return h
+
+    def inverse(self) -> _Pending:
+        return self

@@ -1,0 +1,323 @@
+"""The sweep stage: every sweep condition at every k of the grid on the evaluation set, from one
+full-depth pass per batch (`readouts`), scored per example, with the null control and the
+probe's subsamples. Snapshots for ``--resume`` and the merge over processes live here too.
+Hands a `SweepOutput` to the probe and decomposition stages."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full, Truncate
+from dcp_lens.protocol.confidence import Temperatures
+from dcp_lens.protocol.context import RunContext
+from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.fit import FittedMaps, apply_map
+from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
+from dcp_lens.protocol.probe import ProbeSamples
+from dcp_lens.protocol.readout import readouts
+from dcp_lens.protocol.states import capture_states
+from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.utils import distributed
+
+# Per metric: ``"full"`` -> [n] and per sweep condition {k: [n]} (float64, per example).
+Values = dict[str, dict[str, Any]]
+
+
+@dataclass
+class SweepOutput:
+    """The sweep stage's hand-off: per-example `Values`, the null control's record and the
+    probe's samples (empty on a process other than rank 0)."""
+
+    values: Values
+    null_control: dict[str, Any]
+    probe_samples: ProbeSamples
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """Full depth's side of every metric of one evaluation batch, computed once for the
+    batch's conditions: log-probabilities, probabilities, top-1 and the targets."""
+
+    log_probs: Float[Tensor, "batch pos d_vocab"]
+    probs: Float[Tensor, "batch pos d_vocab"]
+    top1: Int[Tensor, "batch pos"]
+    targets: Int[Tensor, "batch pos"]
+
+    @classmethod
+    def of(cls, full_logits: Tensor, targets: Tensor) -> _Reference:
+        log_probs = reference_log_probs(full_logits)
+        return cls(log_probs, log_probs.exp(), log_probs.argmax(-1), targets)
+
+    def score(self, logits: Tensor, metrics: Sequence[str]) -> dict[str, Tensor]:
+        """`per_example_metrics` of ``logits`` against this reference: [batch] per metric."""
+        return per_example_metrics(
+            logits, self.log_probs, self.targets, metrics, self.top1, self.probs
+        )
+
+
+class Sweep:
+    """The sweep of one run over fitted maps and temperatures.
+
+    ``replay_difference`` holds, per k, max |readout(replay(k)) - readout(truncate(k))| over
+    every evaluation so far (all noise draws): whether B is identified."""
+
+    def __init__(self, context: RunContext, maps: FittedMaps, temperatures: Temperatures) -> None:
+        self.context = context
+        self.maps = maps
+        self.temperatures = temperatures
+        self.replay_difference: dict[int, float] = {}
+
+    def conditions_at(self, k: int) -> dict[str, Condition | None]:
+        """Every sweep condition at k (None where a map it needs could not be fitted)."""
+        return {name: entry.build(k, self.maps.fitted) for name, entry in SWEEP.items()}
+
+    @torch.no_grad()
+    def evaluate(self, evaluation: EvaluationSet, stage: str = "evaluation.0") -> SweepOutput:
+        """Every condition at every k on ``evaluation`` (snapshot under ``stage``)."""
+        context, config, r = self.context, self.context.config, self.context.r
+        k_grid, metrics, device = context.k_grid, context.metrics, context.device()
+        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
+        null: dict[str, float] = {name: 0.0 for name in SWEEP}
+        n, points = len(evaluation), config.probe_points
+        sample = Subsample(points, config.seed + 1)
+        trajectory = [Subsample(points, config.seed + 2 + t) for t in range(r + 1)]
+        calibrated = {k: Subsample(points, config.seed + 1000 + k) for k in k_grid}
+        evaluation_keys = evaluation.example_keys()
+        built = {k: self.conditions_at(k) for k in {*k_grid, r}}
+        halves_diff, halves_change = 0.0, dict[str, float]()
+        null_map = self.maps.null
+        batches = distributed.assigned(evaluation.batches(config.batch_size))
+        done, saved = context.restore(stage)
+        if saved is not None:
+            per_example = {(m, c, int(k)): list(chunks) for m, c, k, chunks in saved["per_example"]}
+            null, halves_diff = dict(saved["null"]), float(saved["halves_diff"])
+            halves_change = dict(saved["halves_change"])
+            self.replay_difference = {int(k): v for k, v in saved["replay_difference"].items()}
+            sample.restore(saved["sample"])
+            for t, state in enumerate(saved["trajectory"]):
+                trajectory[t].restore(state)
+            for k, state in saved["calibrated"].items():
+                calibrated[int(k)].restore(state)
+
+        def snapshot() -> dict[str, Any]:
+            return {
+                "per_example": [[*key, chunks] for key, chunks in per_example.items()],
+                "null": null, "halves_diff": halves_diff, "halves_change": halves_change,
+                "replay_difference": dict(self.replay_difference),
+                "sample": sample.state(), "trajectory": [s.state() for s in trajectory],
+                "calibrated": {k: s.state() for k, s in calibrated.items()},
+            }  # fmt: skip
+
+        def record(cell: tuple[str, int], logits: Tensor, scoring: _Reference) -> dict:
+            """Append each metric's per-example values for ``cell``; returns them."""
+            values = scoring.score(logits, metrics)
+            for metric, value in values.items():
+                per_example.setdefault((metric, *cell), []).append(value)
+            return values
+
+        for batch_number, (_, rows) in enumerate(
+            context.each(batches[done:], "evaluation"), start=done
+        ):
+            targets = evaluation.targets[rows].to(device)
+            states, full_logits = capture_all(context, evaluation.tokens[rows])
+            scoring = _Reference.of(full_logits, targets)
+            reference = record(("full", 0), full_logits, scoring)
+            at_r: dict[str, Tensor] | None = None
+            for k in k_grid:
+                read = readouts(context.model, r, states, built[k], full_logits)
+                if k == r:
+                    at_r = read
+                for name, logits in read.items():
+                    temperature = self.temperatures.get((name, k), 1.0)
+                    tempered = logits if temperature == 1.0 else logits / temperature
+                    record((name, k), tempered, scoring)
+                difference = _max_diff(read["replay"], read["truncate"])
+                self.replay_difference[k] = nan_max(self.replay_difference.get(k, 0.0), difference)
+            # The null control: at k = r every condition must reproduce full depth.
+            if at_r is None:
+                at_r = readouts(context.model, r, states, built[r], full_logits)
+            for name, logits in at_r.items():
+                null[name] = nan_max(null[name], _max_diff(logits, full_logits))
+            if null_map is not None:
+                halves = context.model.readout(null_map(states[r]))
+                halves_diff = nan_max(halves_diff, _max_diff(halves, full_logits))
+                moved = scoring.score(halves, metrics)
+                for metric in metrics:
+                    change = (moved[metric] - reference[metric]).double().sum()
+                    halves_change[metric] = halves_change.get(metric, 0.0) + float(change)
+            if config.probe != "none":
+                # Held-out reference from even examples, probed states from odd ones: a two-sample
+                # test needs independent samples, not two views of the same sequences.
+                # The example of each state goes along: the C2ST splits by example, since the
+                # positions of one sequence share its content and are not independent draws.
+                keep = context.pooled_positions(evaluation, rows)
+                example, position = row_ids(evaluation_keys[rows], keep)
+                even = example % 2 == 0
+                held_out = states[r][keep][even.to(keep.device)]
+                sample.add(held_out, example[even], position[even])
+                probed = states[:, keep][:, (~even).to(keep.device)]
+                probed_examples, probed_positions = example[~even], position[~even]
+                for t in range(r + 1):
+                    trajectory[t].add(probed[t], probed_examples, probed_positions)
+                for k in k_grid:
+                    mapping = self.maps.fitted(Truncate(k))
+                    calibrated[k].add(
+                        apply_map(mapping, probed[k]), probed_examples, probed_positions
+                    )
+            context.snapshot(stage, batch_number + 1, len(batches), snapshot)
+        if distributed.rank_and_world()[1] > 1:
+            gathered = distributed.gather_to_main(
+                ([i for i, _ in batches], per_example, null, halves_diff, halves_change,
+                 self.replay_difference, sample, trajectory, calibrated)
+            )  # fmt: skip
+            if gathered is None:  # not rank 0: rank 0 decomposes
+                return SweepOutput({}, {}, ProbeSamples())
+            per_example, null, halves_diff, halves_change, sample, trajectory, calibrated = (
+                self._merged(gathered)
+            )
+        values: Values = {}
+        for (metric, condition, k), chunks in per_example.items():
+            vector = torch.cat(chunks).double().cpu()
+            if condition == "full":
+                values.setdefault(metric, {})["full"] = vector
+            else:
+                values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
+        full_map = self.maps.fitted(Full())
+        null_control: dict[str, Any] = {
+            "max_abs_logit_diff": nan_max(null.pop("truncate"), null.pop("replay")),
+            "calibrate_full_max_abs_logit_diff": nan_max(
+                null.pop("calibrate_truncate"), null.pop("calibrate_replay")
+            ),
+            "shift_at_r_max_abs_logit_diff": null.pop("shift"),
+            "calibrate_full_identity_deviation": (
+                full_map.identity_deviation() if full_map is not None else math.nan
+            ),
+            **{f"{name}_at_r_max_abs_logit_diff": value for name, value in null.items()},
+            "calibrate_full_halves_max_abs_logit_diff": (
+                halves_diff if null_map is not None else math.nan
+            ),
+            "calibrate_full_halves_metric_change": {
+                metric: halves_change.get(metric, math.nan) / n for metric in metrics
+            },
+        }
+        probe_samples = ProbeSamples(
+            held_out=sample.tensor(),
+            held_out_groups=sample.groups(),
+            trajectory=[(s.tensor(), s.groups()) for s in trajectory],
+            calibrate_truncate={
+                k: (calibrated[k].tensor(), calibrated[k].groups()) for k in k_grid
+            },
+        )
+        return SweepOutput(values, null_control, probe_samples)
+
+    def _merged(self, gathered: list[Any]) -> tuple[Any, ...]:
+        """Every rank's `evaluate` accumulators combined on rank 0, as one process would have
+        them: per-example chunks in batch order, maxima and sums over ranks, subsamples merged."""
+        context = self.context
+        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
+        ordered = sorted(
+            (index, key, chunks[position])
+            for part in gathered
+            for position, index in enumerate(part[0])
+            for key, chunks in part[1].items()
+        )
+        for _, key, chunk in ordered:
+            per_example.setdefault(key, []).append(chunk.to(context.device()))
+        null = {name: nan_max_all(part[2][name] for part in gathered) for name in SWEEP}
+        halves_diff = nan_max_all(part[3] for part in gathered)
+        halves_change: dict[str, float] = {}
+        for part in gathered:
+            for metric, change in part[4].items():
+                halves_change[metric] = halves_change.get(metric, 0.0) + change
+        for k in context.k_grid:
+            differences = [part[5][k] for part in gathered if k in part[5]]
+            if differences:
+                self.replay_difference[k] = nan_max_all(differences)
+        sample = Subsample.merged([part[6] for part in gathered])
+        trajectory = [
+            Subsample.merged([part[7][t] for part in gathered]) for t in range(context.r + 1)
+        ]
+        calibrated = {
+            k: Subsample.merged([part[8][k] for part in gathered]) for k in context.k_grid
+        }
+        return per_example, null, halves_diff, halves_change, sample, trajectory, calibrated
+
+
+def capture_all(
+    context: RunContext, tokens: Int[Tensor, "batch pos"]
+) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], Float[Tensor, "batch pos d_vocab"]]:
+    """One full-depth forward: every state s_0..s_r and the full logits."""
+    return capture_states(context.model, tokens.to(context.device()))
+
+
+def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
+    """`Sweep.evaluate`, averaged per example over the context's noise draws, its values in the
+    order of the examples' own keys (the order the bootstrap resamples in)."""
+    draws = sweep.context.noise_draws()
+    output = sweep.evaluate(evaluation)
+    values = output.values
+    for draw in range(1, draws):
+        with _noise_seed(sweep.context.model, draw):
+            more = sweep.evaluate(evaluation, f"evaluation.{draw}").values
+        values = _accumulate(values, more)
+    if draws > 1:
+        values = _scale(values, 1.0 / draws)
+    # The bootstrap resamples positions in this order: make it the examples' own.
+    output.values = _reorder(values, torch.argsort(evaluation.example_keys(), stable=True))
+    return output
+
+
+def nan_max(a: float, b: float) -> float:
+    """max(a, b), NaN if either is NaN: a non-finite null control never reads as passing."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def nan_max_all(values: Any) -> float:
+    """The maximum of ``values``, NaN if any is NaN (see `nan_max`)."""
+    result = -math.inf
+    for value in values:
+        result = nan_max(result, value)
+    return result
+
+
+def _max_diff(a: Tensor, b: Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@contextlib.contextmanager
+def _noise_seed(model: Any, draw: int) -> Iterator[None]:
+    """The model's initial-state noise seed moved by ``draw`` (restored afterwards)."""
+    cfg = model.cfg
+    seed = cfg.state_init_seed
+    cfg.state_init_seed = seed + 1_000_003 * draw
+    try:
+        yield
+    finally:
+        cfg.state_init_seed = seed
+
+
+def _accumulate(values: Any, more: Any) -> Any:
+    """Per-example values of two evaluations added, cell by cell."""
+    if isinstance(values, Tensor):
+        return values + more
+    return {key: _accumulate(value, more[key]) for key, value in values.items()}
+
+
+def _reorder(values: Any, order: Tensor) -> Any:
+    if isinstance(values, Tensor):
+        return values[order]
+    return {key: _reorder(value, order) for key, value in values.items()}
+
+
+def _scale(values: Any, factor: float) -> Any:
+    if isinstance(values, Tensor):
+        return values * factor
+    return {key: _scale(value, factor) for key, value in values.items()}
