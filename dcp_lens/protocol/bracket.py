@@ -57,7 +57,8 @@ VERDICTS = ("S", "B", "D", "mixed", "inconclusive")
 # Per k and per share: each quantity, with ``_lo`` / ``_hi`` interval ends.
 BRACKET_QUANTITIES = ("gap", "S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
 
-Cells = Mapping[str, Float[np.ndarray, "*batch k"]]
+# Cell name -> qualities: ``[K]`` means or ``[n_bootstrap, K]`` draws (``full`` may be a scalar).
+Cells = Mapping[str, np.ndarray | float]
 
 
 class BracketInputError(DCPLensError):
@@ -153,7 +154,8 @@ def discounted_gain(
         min(after - before, max(0, after - max(before, base_rate)))
     """
     before, after, base_rate = np.asarray(before), np.asarray(after), np.asarray(base_rate)
-    return np.minimum(after - before, np.maximum(0.0, after - np.maximum(before, base_rate)))
+    gain = np.minimum(after - before, np.maximum(0.0, after - np.maximum(before, base_rate)))
+    return np.asarray(gain)
 
 
 def bracket_ends(cells: Cells) -> dict[str, np.ndarray]:
@@ -175,7 +177,8 @@ def bracket_ends(cells: Cells) -> dict[str, np.ndarray]:
     a, c, e, z = (np.asarray(cells[n]) for n in ("truncate", "replay", "full", "base_rate"))
     b, d = np.asarray(cells["calibrate_truncate"]), np.asarray(cells["calibrate_replay"])
     lower = (a + discounted_gain(a, b, z), c + discounted_gain(c, d, z))
-    upper = (np.maximum(cells["translate_truncate"], b), np.maximum(cells["translate_replay"], d))
+    upper = (np.maximum(np.asarray(cells["translate_truncate"]), b),
+             np.maximum(np.asarray(cells["translate_replay"]), d))  # fmt: skip
     ends: dict[str, np.ndarray] = {"gap": np.asarray(e - a)}
     for end, (b_end, d_end) in (("lower", lower), ("upper", upper)):
         ends[f"S_{end}"] = np.asarray(((b_end - a) + (d_end - c)) / 2)
@@ -225,8 +228,10 @@ def bracket(
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
     with np.errstate(invalid="ignore"):
         per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= rule.tolerance * ends["gap"])
+        # A walk matters where replay gains: there its gain may be the readout's, not the block's.
+        walked = walks.any() & (per_k["B_upper_hi"] > rule.tolerance * ends["gap"])
         per_k["B_identified"] = (
-            gap_clear & (per_k["B_width_hi"] <= rule.tolerance * ends["gap"]) & ~walks
+            gap_clear & (per_k["B_width_hi"] <= rule.tolerance * ends["gap"]) & ~walked
         )
 
     used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
@@ -415,7 +420,8 @@ def _verdict(
         reason = "no k has every cell finite, so there are no shares."
         return "inconclusive", reason, False, False, False
     s_identified = shares["S_width_hi"] <= rule.tolerance
-    b_identified = shares["B_width_hi"] <= rule.tolerance and not walks
+    walked = walks and shares["B_upper_hi"] > rule.tolerance
+    b_identified = shares["B_width_hi"] <= rule.tolerance and not walked
     reasons: list[str] = []
     if not shares["gap_lo"] > 0:
         reasons.append(
@@ -443,7 +449,7 @@ def _verdict(
     if not b_identified:
         why = (
             "replay's readout walks between valid answers (the repeated update is computation)"
-            if walks
+            if walked
             else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
         )
         reasons.append(f"block applications are not identified: {why}.")
