@@ -643,7 +643,7 @@ def mixture_three_way(n_iterations: int = 8, seed: int = 0) -> PlantedModel:
 
 
 def distinct_computation_smooth(
-    size: int = 13, n_iterations: int = 8, seed: int = 0, width: float = 1.0
+    size: int = 13, n_iterations: int = 8, seed: int = 0, width: float = 3.0
 ) -> PlantedModel:
     """Ambiguous for B: `distinct_computation` read by a smooth unembedding (answer j's logit
     falls off as a Gaussian of width ``width`` in the cycle distance from the node). Replaying
