@@ -85,8 +85,7 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
     values: dict[str, dict] = {m: {c: {} for c in per_k} for m in metrics}
     for metric, vector in score(full_logits).items():
         values[metric]["full"] = vector
-    walk = []
-    valid = set(cal_full.argmax(-1).unique().tolist())
+    walked_any = torch.zeros(targets.shape, dtype=torch.bool)
     with torch.no_grad():
         base = base_rate_logits(cal_full)[None].expand_as(full_logits)
         for metric, vector in score(base).items():
@@ -105,12 +104,16 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
             for metric, vector in score(logits).items():
                 values[metric][f"translate_{source_name}"][k] = vector
         with torch.no_grad():
+            # The walk: replay's top-1 is neither truncation's nor full depth's, but one that a
+            # later truncation k < k' < r reads for the same example (replay did later steps).
             top_t = model.readout(Truncate(k).readout_input(states)).argmax(-1)
             top_r = model.readout(Replay(k).readout_input(states)).argmax(-1)
             top_f = full_logits.argmax(-1)
-            is_valid = torch.tensor([[int(x) in valid for x in row] for row in top_r.tolist()])
-            walked = (top_r != top_t) & (top_r != top_f) & is_valid
-            walk.append(float(walked.double().mean()) if k < r else 0.0)
+            later = torch.zeros_like(top_r, dtype=torch.bool)
+            for k_later in range(k + 1, r):
+                later |= model.readout(states[k_later]).argmax(-1) == top_r
+            walked = (top_r != top_t) & (top_r != top_f) & later
+            walked_any |= walked
     brackets, truths = {}, {}
     for metric in metrics:
         curves = results.decompositions[metric].curves
@@ -123,7 +126,7 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
             higher_is_better=HIGHER_IS_BETTER[metric],
             n_bootstrap=n_bootstrap,
             seed=seed,
-            replay_walk=walk,
+            walked=walked_any.double().mean(-1).numpy(),
         )
         truths[metric] = planted.expected_shares(name, model, evaluation, metric, k_grid)
     point_s = {m: results.decompositions[m].shares["S"] for m in metrics}

@@ -76,9 +76,9 @@ class BracketRule:
             ``S_lower`` and the B and D that go with it) that still lets a verdict name a factor.
         named_share: a factor is named alone when the lower end of its whole bracket (interval
             included) reaches this share; otherwise the verdict is ``"mixed"``.
-        walk_tolerance: largest fraction of examples on which replay(k)'s top-1 may be a valid
-            answer other than both truncate(k)'s and full depth's (a readout that turns repeated
-            updates into new answers) for B to count as identified.
+        walk_tolerance: largest share of the gap that replay may gain on examples whose replay
+            walks (its top-1 is neither truncate(k)'s nor full depth's but one a later truncation
+            reads: the repeated update performed later steps) for B to count as identified.
         confidence: coverage of the percentile intervals.
     """
 
@@ -196,7 +196,7 @@ def bracket(
     k_grid: Sequence[int],
     *,
     rule: BracketRule | None = None,
-    replay_walk: Sequence[float] | None = None,
+    walk_gain: Sequence[float] | np.ndarray | None = None,
 ) -> Bracket:
     """Bracket S (and B, D) of one metric from its cells' means and their bootstrap draws.
 
@@ -208,9 +208,9 @@ def bracket(
             the same resampled examples).
         k_grid: the K iteration counts.
         rule: the tolerances (default `BracketRule()`).
-        replay_walk: per k, the fraction of examples whose replay(k) top-1 is a valid answer
-            other than truncate(k)'s and full depth's (see `BracketRule.walk_tolerance`); None:
-            not measured, B is judged on its bracket alone.
+        walk_gain: per k, replay's mean gain over truncate (quality units, as the cells) counted
+            on the examples whose replay walks (see `BracketRule.walk_tolerance`), 0 elsewhere;
+            None: not measured, B is judged on its bracket alone.
 
     Returns:
         A `Bracket`.
@@ -223,20 +223,22 @@ def bracket(
     ends, sampled = bracket_ends(point_cells), bracket_ends(draw_cells)
     per_k = _with_intervals(ends, sampled, rule.confidence)
     gap_clear = per_k["gap_lo"] > 0
-    walks = _walk(replay_walk, len(grid), rule)
+    walk = _walk(walk_gain, len(grid))
     per_k["S_width_hi"] = _upper(sampled["S_upper"] - sampled["S_lower"], rule.confidence)
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
     with np.errstate(invalid="ignore"):
         per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= rule.tolerance * ends["gap"])
-        # A walk matters where replay gains: there its gain may be the readout's, not the block's.
-        walked = walks.any() & (per_k["B_upper_hi"] > rule.tolerance * ends["gap"])
+        # Replay's gain on walking examples may be the readout's computation, not the block's.
+        walked = walk > rule.walk_tolerance * ends["gap"]
         per_k["B_identified"] = (
             gap_clear & (per_k["B_width_hi"] <= rule.tolerance * ends["gap"]) & ~walked
         )
 
     used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
     shares = _shares(ends, sampled, point_cells, draw_cells, used, rule.confidence)
-    verdict, reason, stable, s_identified, b_identified = _verdict(shares, bool(walks.any()), rule)
+    walk_share = float(walk[used].sum() / ends["gap"][used].sum()) if used.any() else math.nan
+    shares["walk_gain"] = walk_share
+    verdict, reason, stable, s_identified, b_identified = _verdict(shares, rule)
     return Bracket(
         k_grid=grid,
         per_k=per_k,
@@ -258,7 +260,7 @@ def bracket_from_values(
     n_bootstrap: int = 1000,
     seed: int = 0,
     rule: BracketRule | None = None,
-    replay_walk: Sequence[float] | None = None,
+    walked: Float[np.ndarray, " n"] | None = None,
 ) -> Bracket:
     """`bracket` from per-example values, paired over the same n evaluation examples.
 
@@ -268,6 +270,8 @@ def bracket_from_values(
         higher_is_better: False for losses (negated into qualities here).
         n_bootstrap, seed: the paired bootstrap (`paired_bootstrap_means`), columns ``full``
             then each condition of `BRACKET_CONDITIONS` with its k in grid order.
+        walked: per example, the fraction of its positions whose replay walks at some k (see
+            `BracketRule.walk_tolerance`); weighs replay's gain into `bracket`'s ``walk_gain``.
     """
     grid = tuple(int(k) for k in k_grid)
     if n_bootstrap < 1:
@@ -300,7 +304,14 @@ def bracket_from_values(
             cells[name] = array[..., 1 + i * n_k : 1 + (i + 1) * n_k]
         return cells
 
-    return bracket(split(means), split(draws), grid, rule=rule, replay_walk=replay_walk)
+    walk_gain = None
+    if walked is not None:
+        weights = _vector(walked, "walked")
+        if weights.shape[0] != n:
+            raise BracketInputError(f"walked has {weights.shape[0]} examples, full has {n}.")
+        cells = split(matrix)
+        walk_gain = list((weights[:, None] * (cells["replay"] - cells["truncate"])).mean(axis=0))
+    return bracket(split(means), split(draws), grid, rule=rule, walk_gain=walk_gain)
 
 
 # ----------------------------------------------------------------------------- internals
@@ -359,13 +370,13 @@ def _with_intervals(
     return out
 
 
-def _walk(replay_walk: Sequence[float] | None, n_k: int, rule: BracketRule) -> np.ndarray:
-    if replay_walk is None:
-        return np.zeros(n_k, dtype=bool)
-    walk = np.asarray(replay_walk, dtype=np.float64)
+def _walk(walk_gain: Sequence[float] | np.ndarray | None, n_k: int) -> np.ndarray:
+    if walk_gain is None:
+        return np.zeros(n_k)
+    walk = np.asarray(walk_gain, dtype=np.float64)
     if walk.shape != (n_k,):
-        raise BracketInputError(f"replay_walk has shape {walk.shape}; expected one value per k.")
-    return walk > rule.walk_tolerance
+        raise BracketInputError(f"walk_gain has shape {walk.shape}; expected one value per k.")
+    return walk
 
 
 def _shares(
@@ -412,15 +423,13 @@ def _shares(
     return shares
 
 
-def _verdict(
-    shares: dict[str, float], walks: bool, rule: BracketRule
-) -> tuple[str, str, bool, bool, bool]:
+def _verdict(shares: dict[str, float], rule: BracketRule) -> tuple[str, str, bool, bool, bool]:
     """(verdict, reason, stable, S_identified, B_identified) of the shares (docs/bracket.md)."""
     if not math.isfinite(shares["gap"]):
         reason = "no k has every cell finite, so there are no shares."
         return "inconclusive", reason, False, False, False
     s_identified = shares["S_width_hi"] <= rule.tolerance
-    walked = walks and shares["B_upper_hi"] > rule.tolerance
+    walked = shares["walk_gain"] > rule.walk_tolerance
     b_identified = shares["B_width_hi"] <= rule.tolerance and not walked
     reasons: list[str] = []
     if not shares["gap_lo"] > 0:
@@ -448,7 +457,8 @@ def _verdict(
         )
     if not b_identified:
         why = (
-            "replay's readout walks between valid answers (the repeated update is computation)"
+            f"{shares['walk_gain']:.2f} of the gap is replay's gain on examples where its readout"
+            " walks to answers later iterations read (the repeated update is computation)"
             if walked
             else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
         )

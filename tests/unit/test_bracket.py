@@ -158,18 +158,31 @@ def test_full_depth_at_the_base_rate_is_inconclusive():
     assert result.verdict == "inconclusive" and "base rate" in result.reason
 
 
-def test_a_replay_that_walks_between_answers_leaves_b_unidentified():
+def test_replay_gains_on_walking_examples_leave_b_unidentified():
     point, draws = cells(**curves(0.0, 1.0, c=0.5, d=0.5, tc=0.5, z=0.05))
-    walked = bracket(point, draws, GRID, replay_walk=[0.8, 0.8, 0.3, 0.0])
-    assert not walked.B_identified and not walked.per_k["B_identified"].any()
-    assert "walks between valid answers" in walked.reason
-    still = bracket(point, draws, GRID, replay_walk=[0.0] * K)
-    assert still.B_identified
+    walked = bracket(point, draws, GRID, walk_gain=np.array([0.5, 0.5, 0.5, 0.0]))
+    assert not walked.B_identified
+    assert walked.per_k["B_identified"].tolist() == [False, False, False, True]
+    assert walked.shares["walk_gain"] == pytest.approx(1.5 / 4)
+    assert "walks to answers later iterations read" in walked.reason
+    assert bracket(point, draws, GRID, walk_gain=np.zeros(K)).B_identified
 
 
-def test_a_walk_where_replay_gains_nothing_raises_no_flag():
-    point, draws = cells(**curves(0.125, 1.0, b=1.0, d=1.0, ta=1.0, tc=1.0, z=0.125))
-    assert bracket(point, draws, GRID, replay_walk=[1.0] * K).B_identified
+def test_walked_examples_weigh_replays_gain_per_example():
+    # Half the examples walk and gain 0.4 each under replay; the other half gain nothing.
+    n = 400
+    walking = np.repeat([1.0, 0.0], n // 2)
+    values = {"full": np.ones(n), "base_rate": np.zeros(n)}
+    for name in BRACKET_CONDITIONS:
+        if name != "base_rate":
+            values[name] = {k: np.full(n, 0.2) for k in GRID}
+    for name in ("replay", "calibrate_replay", "translate_replay"):
+        values[name] = {k: 0.2 + 0.4 * walking for k in GRID}
+    flagged = bracket_from_values(values, GRID, n_bootstrap=20, walked=walking)
+    assert flagged.shares["walk_gain"] == pytest.approx(0.2 / 0.8)
+    assert not flagged.B_identified
+    quiet = bracket_from_values(values, GRID, n_bootstrap=20, walked=1.0 - walking)
+    assert quiet.shares["walk_gain"] == pytest.approx(0.0) and quiet.B_identified
 
 
 def test_per_k_identification_follows_each_ks_bracket():
@@ -205,7 +218,7 @@ def test_missing_cells_and_bad_shapes_are_refused():
         bracket({k: v for k, v in point.items() if k != "translate_replay"}, draws, GRID)
     with pytest.raises(BracketInputError, match="expected"):
         bracket({**point, "truncate": point["truncate"][:2]}, draws, GRID)
-    with pytest.raises(BracketInputError, match="replay_walk"):
-        bracket(point, draws, GRID, replay_walk=[0.0])
+    with pytest.raises(BracketInputError, match="walk_gain"):
+        bracket(point, draws, GRID, walk_gain=np.zeros(1))
     with pytest.raises(BracketInputError, match="tolerance"):
         BracketRule(tolerance=2.0)
