@@ -77,6 +77,14 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
     full_log_probs = reference_log_probs(full_logits)
     targets = evaluation.targets
 
+    def by_position(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each metric per position, [n, pos] (a position as its own example)."""
+        flat = per_example_metrics(
+            logits.flatten(0, 1)[:, None], full_log_probs.flatten(0, 1)[:, None],
+            targets.flatten()[:, None], metrics,
+        )  # fmt: skip
+        return {m: v.view(targets.shape) for m, v in flat.items()}
+
     def score(logits: torch.Tensor) -> dict[str, np.ndarray]:
         values = per_example_metrics(logits, full_log_probs, targets, metrics)
         return {m: v.double().numpy() for m, v in values.items()}
@@ -86,6 +94,7 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
     for metric, vector in score(full_logits).items():
         values[metric]["full"] = vector
     walked_any = torch.zeros(targets.shape, dtype=torch.bool)
+    replay_gain: dict[int, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         base = base_rate_logits(cal_full)[None].expand_as(full_logits)
         for metric, vector in score(base).items():
@@ -114,6 +123,9 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
                 later |= model.readout(states[k_later]).argmax(-1) == top_r
             walked = (top_r != top_t) & (top_r != top_f) & later
             walked_any |= walked
+            truncated = by_position(model.readout(Truncate(k).readout_input(states)))
+            replayed = by_position(model.readout(Replay(k).readout_input(states)))
+            replay_gain[k] = {m: replayed[m] - truncated[m] for m in metrics}
     brackets, truths = {}, {}
     for metric in metrics:
         curves = results.decompositions[metric].curves
@@ -126,7 +138,7 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
             higher_is_better=HIGHER_IS_BETTER[metric],
             n_bootstrap=n_bootstrap,
             seed=seed,
-            walked=walked_any.double().mean(-1).numpy(),
+            walk_gain=[float((replay_gain[k][metric] * walked_any).mean()) for k in k_grid],
         )
         truths[metric] = planted.expected_shares(name, model, evaluation, metric, k_grid)
     point_s = {m: results.decompositions[m].shares["S"] for m in metrics}

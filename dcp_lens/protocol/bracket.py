@@ -260,7 +260,7 @@ def bracket_from_values(
     n_bootstrap: int = 1000,
     seed: int = 0,
     rule: BracketRule | None = None,
-    walked: Float[np.ndarray, " n"] | None = None,
+    walk_gain: Sequence[float] | np.ndarray | None = None,
 ) -> Bracket:
     """`bracket` from per-example values, paired over the same n evaluation examples.
 
@@ -270,8 +270,7 @@ def bracket_from_values(
         higher_is_better: False for losses (negated into qualities here).
         n_bootstrap, seed: the paired bootstrap (`paired_bootstrap_means`), columns ``full``
             then each condition of `BRACKET_CONDITIONS` with its k in grid order.
-        walked: per example, the fraction of its positions whose replay walks at some k (see
-            `BracketRule.walk_tolerance`); weighs replay's gain into `bracket`'s ``walk_gain``.
+        walk_gain: passed on to `bracket` (in the values' own units; negated here for losses).
     """
     grid = tuple(int(k) for k in k_grid)
     if n_bootstrap < 1:
@@ -304,13 +303,8 @@ def bracket_from_values(
             cells[name] = array[..., 1 + i * n_k : 1 + (i + 1) * n_k]
         return cells
 
-    walk_gain = None
-    if walked is not None:
-        weights = _vector(walked, "walked")
-        if weights.shape[0] != n:
-            raise BracketInputError(f"walked has {weights.shape[0]} examples, full has {n}.")
-        cells = split(matrix)
-        walk_gain = list((weights[:, None] * (cells["replay"] - cells["truncate"])).mean(axis=0))
+    if walk_gain is not None:
+        walk_gain = np.asarray(walk_gain, dtype=np.float64) * (1.0 if higher_is_better else -1.0)
     return bracket(split(means), split(draws), grid, rule=rule, walk_gain=walk_gain)
 
 

@@ -168,21 +168,22 @@ def test_replay_gains_on_walking_examples_leave_b_unidentified():
     assert bracket(point, draws, GRID, walk_gain=np.zeros(K)).B_identified
 
 
-def test_walked_examples_weigh_replays_gain_per_example():
-    # Half the examples walk and gain 0.4 each under replay; the other half gain nothing.
+def test_a_walk_gain_of_a_loss_is_negated_with_the_values():
     n = 400
-    walking = np.repeat([1.0, 0.0], n // 2)
-    values = {"full": np.ones(n), "base_rate": np.zeros(n)}
+    values = {"full": np.zeros(n), "base_rate": np.full(n, 3.0)}
     for name in BRACKET_CONDITIONS:
         if name != "base_rate":
-            values[name] = {k: np.full(n, 0.2) for k in GRID}
+            values[name] = {k: np.full(n, 1.0) for k in GRID}
     for name in ("replay", "calibrate_replay", "translate_replay"):
-        values[name] = {k: 0.2 + 0.4 * walking for k in GRID}
-    flagged = bracket_from_values(values, GRID, n_bootstrap=20, walked=walking)
-    assert flagged.shares["walk_gain"] == pytest.approx(0.2 / 0.8)
+        values[name] = {k: np.full(n, 0.6) for k in GRID}
+    # On walking examples replay lowers the loss by 0.4 on average: a gain of 0.4 of a gap of 1.
+    flagged = bracket_from_values(
+        values, GRID, higher_is_better=False, n_bootstrap=20, walk_gain=np.full(K, -0.4)
+    )
+    assert flagged.shares["walk_gain"] == pytest.approx(0.4)
     assert not flagged.B_identified
-    quiet = bracket_from_values(values, GRID, n_bootstrap=20, walked=1.0 - walking)
-    assert quiet.shares["walk_gain"] == pytest.approx(0.0) and quiet.B_identified
+    quiet = bracket_from_values(values, GRID, higher_is_better=False, n_bootstrap=20)
+    assert quiet.B_identified and quiet.verdict == "mixed"  # B 0.4, D 0.6
 
 
 def test_per_k_identification_follows_each_ks_bracket():
