@@ -236,8 +236,8 @@ def bracket(
 
     used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
     shares = _shares(ends, sampled, point_cells, draw_cells, used, rule.confidence)
-    walk_share = float(walk[used].sum() / ends["gap"][used].sum()) if used.any() else math.nan
-    shares["walk_gain"] = walk_share
+    gap_area = float(ends["gap"][used].sum())
+    shares["walk_gain"] = float(walk[used].sum()) / gap_area if gap_area != 0 else math.nan
     verdict, reason, stable, s_identified, b_identified = _verdict(shares, rule)
     return Bracket(
         k_grid=grid,
