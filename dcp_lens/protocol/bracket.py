@@ -1,0 +1,482 @@
+"""Readout shift bracketed (docs/bracket.md): S as ``[S_lower, S_upper]``, B and D alike.
+
+Pure functions of cell qualities (higher is better), no model. With, per k::
+
+    a  = truncate(k)             b  = calibrate(truncate(k))     ta = translate(truncate(k))
+    c  = replay(k)               d  = calibrate(replay(k))       tc = translate(replay(k))
+    e  = full                    z  = base_rate  (no information about the example)
+
+the two S-repaired cells of each end are::
+
+    lower end:  b_low = a + discounted_gain(a, b, z)     d_low = c + discounted_gain(c, d, z)
+    upper end:  b_up  = max(ta, b)                       d_up  = max(tc, d)
+    discounted_gain(x, y, z) = min(y - x, max(0, y - max(x, z)))
+
+and each end is the DCP decomposition (`dcp_lens.protocol.decomposition.factors`) with those cells
+in place of the calibrated ones, so S + B + D = gap at both ends::
+
+    S_end = ((b_end - a) + (d_end - c)) / 2
+    B_end = ((c - a) + (d_end - b_end)) / 2
+    D_end = e - d_end
+
+``S_lower <= S_upper`` by construction (the discounted gain never exceeds the calibrated one,
+and the upper cells are at least the calibrated ones). The B bracket is the pair
+``min / max(B_at_lower, B_at_upper)``, the D bracket likewise. Intervals are percentile
+intervals of the same quantities over paired bootstrap draws of the cells.
+
+A bracket is *identified* when its width, taken at the upper end of its bootstrap interval, is at
+most `BracketRule.tolerance` of the gap (per k: of gap(k); for shares: 0.1 of the area). The
+verdict on the shares (`Verdict`) names a factor only when the gap is clearly above zero, full
+depth is clearly better than the base rate, every share's interval is narrow enough and both
+brackets are identified; otherwise it is ``"inconclusive"`` with the reasons.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from jaxtyping import Float
+
+from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
+from dcp_lens.utils.errors import DCPLensError
+
+# The cells a bracket reads, besides full depth, in the column order of `bracket_from_values`.
+BRACKET_CONDITIONS = (
+    "truncate",
+    "calibrate_truncate",
+    "replay",
+    "calibrate_replay",
+    "translate_truncate",
+    "translate_replay",
+    "base_rate",
+)
+VERDICTS = ("S", "B", "D", "mixed", "inconclusive")
+# Per k and per share: each quantity, with ``_lo`` / ``_hi`` interval ends.
+BRACKET_QUANTITIES = ("gap", "S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
+
+# Cell name -> qualities: ``[K]`` means or ``[n_bootstrap, K]`` draws (``full`` may be a scalar).
+Cells = Mapping[str, np.ndarray | float]
+
+
+class BracketInputError(DCPLensError):
+    """Cells handed to the bracket are missing, misshapen or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BracketRule:
+    """The stated tolerances of the identification and verdict rule (docs/bracket.md).
+
+    Attributes:
+        tolerance: largest bracket width (upper end of its interval), as a share of the gap, for
+            S (or B) to count as identified.
+        max_share_interval: widest interval of a share's point estimate (the lower end's
+            ``S_lower`` and the B and D that go with it) that still lets a verdict name a factor.
+        named_share: a factor is named alone when the lower end of its whole bracket (interval
+            included) reaches this share; otherwise the verdict is ``"mixed"``.
+        walk_tolerance: largest share of the gap that replay may gain on examples whose replay
+            walks (its top-1 is neither truncate(k)'s nor full depth's but one a later truncation
+            reads: the repeated update performed later steps) for B to count as identified.
+        confidence: coverage of the percentile intervals.
+    """
+
+    tolerance: float = 0.1
+    max_share_interval: float = 0.3
+    named_share: float = 0.75
+    walk_tolerance: float = 0.05
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        for name in ("tolerance", "max_share_interval", "named_share", "walk_tolerance"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+                raise BracketInputError(
+                    f"BracketRule.{name}={value!r} must be a number in [0, 1] (a share of the gap)."
+                )
+        if not 0.0 < self.confidence < 1.0:
+            raise BracketInputError(
+                f"BracketRule.confidence={self.confidence!r} must lie strictly between 0 and 1."
+            )
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """The bracket of one metric: per k and as shares of the gap's area.
+
+    Attributes:
+        k_grid: the k of the per-k arrays.
+        per_k: each of `BRACKET_QUANTITIES` with ``_lo`` / ``_hi``, plus ``S_width_hi`` and
+            ``B_width_hi`` (upper interval end of each bracket's width), ``[K]`` float arrays,
+            and ``S_identified`` / ``B_identified`` ``[K]`` bool arrays (False where the gap is
+            not clearly above zero).
+        shares: the same quantities as shares of the gap's area over the k where every cell is
+            finite (``gap`` is the area itself), with ``S_width_hi`` and ``B_width_hi``.
+        S_identified, B_identified: the brackets of the shares are narrow (see `BracketRule`).
+        stable: the gap is clearly above zero, full depth is clearly above the base rate and
+            every share's interval is at most ``max_share_interval`` wide.
+        verdict: one of `VERDICTS`; reason: why, in one sentence per cause.
+    """
+
+    k_grid: tuple[int, ...]
+    per_k: dict[str, np.ndarray]
+    shares: dict[str, float]
+    S_identified: bool
+    B_identified: bool
+    stable: bool
+    verdict: str
+    reason: str
+    rule: BracketRule = field(default_factory=BracketRule)
+
+    def record(self) -> dict[str, object]:
+        """The shares' fields as a JSON-ready dict (``results.json``'s ``shares[metric]``)."""
+        return {
+            **{key: _json_float(value) for key, value in self.shares.items()},
+            "S_identified": self.S_identified,
+            "B_identified": self.B_identified,
+            "stable": self.stable,
+            "verdict": self.verdict,
+            "reason": self.reason,
+        }
+
+
+def discounted_gain(
+    before: Float[np.ndarray, "*shape"],
+    after: Float[np.ndarray, "*shape"],
+    base_rate: Float[np.ndarray, "*shape"],
+) -> Float[np.ndarray, "*shape"]:
+    """The gain ``after - before`` less the part a map with no information could reach.
+
+    A gain up to the base rate needs no information about the example, so it is not counted;
+    a loss (``after < before``) is kept whole. Elementwise::
+
+        min(after - before, max(0, after - max(before, base_rate)))
+    """
+    before, after, base_rate = np.asarray(before), np.asarray(after), np.asarray(base_rate)
+    gain = np.minimum(after - before, np.maximum(0.0, after - np.maximum(before, base_rate)))
+    return np.asarray(gain)
+
+
+def bracket_ends(cells: Cells) -> dict[str, np.ndarray]:
+    """The decomposition at both ends of the S bracket, elementwise over any common shape.
+
+    Args:
+        cells: ``full`` and every condition of `BRACKET_CONDITIONS`, qualities (higher is
+            better), arrays of one common (broadcastable) shape.
+
+    Returns:
+        ``gap``, ``S_lower``, ``S_upper``, ``B_at_lower``, ``B_at_upper``, ``D_at_lower``,
+        ``D_at_upper``, ``B_lower``, ``B_upper``, ``D_lower``, ``D_upper``.
+    """
+    missing = [name for name in ("full", *BRACKET_CONDITIONS) if name not in cells]
+    if missing:
+        raise BracketInputError(
+            f"cells lack {missing}; a bracket needs full and all of {BRACKET_CONDITIONS}."
+        )
+    a, c, e, z = (np.asarray(cells[n]) for n in ("truncate", "replay", "full", "base_rate"))
+    b, d = np.asarray(cells["calibrate_truncate"]), np.asarray(cells["calibrate_replay"])
+    lower = (a + discounted_gain(a, b, z), c + discounted_gain(c, d, z))
+    upper = (np.maximum(np.asarray(cells["translate_truncate"]), b),
+             np.maximum(np.asarray(cells["translate_replay"]), d))  # fmt: skip
+    ends: dict[str, np.ndarray] = {"gap": np.asarray(e - a)}
+    for end, (b_end, d_end) in (("lower", lower), ("upper", upper)):
+        ends[f"S_{end}"] = np.asarray(((b_end - a) + (d_end - c)) / 2)
+        ends[f"B_at_{end}"] = np.asarray(((c - a) + (d_end - b_end)) / 2)
+        ends[f"D_at_{end}"] = np.asarray(e - d_end)
+    for factor in ("B", "D"):
+        pair = (ends[f"{factor}_at_lower"], ends[f"{factor}_at_upper"])
+        ends[f"{factor}_lower"], ends[f"{factor}_upper"] = np.minimum(*pair), np.maximum(*pair)
+    return ends
+
+
+def bracket(
+    point: Cells,
+    draws: Cells,
+    k_grid: Sequence[int],
+    *,
+    rule: BracketRule | None = None,
+    walk_gain: Sequence[float] | np.ndarray | None = None,
+) -> Bracket:
+    """Bracket S (and B, D) of one metric from its cells' means and their bootstrap draws.
+
+    Args:
+        point: ``full`` and every condition of `BRACKET_CONDITIONS`, each ``[K]`` (``full`` may
+            be a scalar): mean qualities over the evaluation examples, higher is better.
+        draws: the same names, each ``[n_bootstrap, K]`` (``full``: ``[n_bootstrap]`` or
+            ``[n_bootstrap, K]``): the cells' means over paired bootstrap draws (every cell from
+            the same resampled examples).
+        k_grid: the K iteration counts.
+        rule: the tolerances (default `BracketRule()`).
+        walk_gain: per k, replay's mean gain over truncate (quality units, as the cells) counted
+            on the examples whose replay walks (see `BracketRule.walk_tolerance`), 0 elsewhere;
+            None: not measured, B is judged on its bracket alone.
+
+    Returns:
+        A `Bracket`.
+    """
+    rule = rule or BracketRule()
+    grid = tuple(int(k) for k in k_grid)
+    point_cells = _checked(point, (len(grid),), "point")
+    n_draws = _draw_count(draws)
+    draw_cells = _checked(draws, (n_draws, len(grid)), "draws")
+    ends, sampled = bracket_ends(point_cells), bracket_ends(draw_cells)
+    per_k = _with_intervals(ends, sampled, rule.confidence)
+    gap_clear = per_k["gap_lo"] > 0
+    walk = _walk(walk_gain, len(grid))
+    per_k["S_width_hi"] = _upper(sampled["S_upper"] - sampled["S_lower"], rule.confidence)
+    per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
+    with np.errstate(invalid="ignore"):
+        per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= rule.tolerance * ends["gap"])
+        # Replay's gain on walking examples may be the readout's computation, not the block's.
+        walked = walk > rule.walk_tolerance * ends["gap"]
+        per_k["B_identified"] = (
+            gap_clear & (per_k["B_width_hi"] <= rule.tolerance * ends["gap"]) & ~walked
+        )
+
+    used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
+    shares = _shares(ends, sampled, point_cells, draw_cells, used, rule.confidence)
+    gap_area = float(ends["gap"][used].sum())
+    shares["walk_gain"] = float(walk[used].sum()) / gap_area if gap_area != 0 else math.nan
+    verdict, reason, stable, s_identified, b_identified = _verdict(shares, rule)
+    return Bracket(
+        k_grid=grid,
+        per_k=per_k,
+        shares=shares,
+        S_identified=s_identified,
+        B_identified=b_identified,
+        stable=stable,
+        verdict=verdict,
+        reason=reason,
+        rule=rule,
+    )
+
+
+def bracket_from_values(
+    values: Mapping[str, Float[np.ndarray, " n"] | Mapping[int, Float[np.ndarray, " n"]]],
+    k_grid: Sequence[int],
+    *,
+    higher_is_better: bool = True,
+    n_bootstrap: int = 1000,
+    seed: int = 0,
+    rule: BracketRule | None = None,
+    walk_gain: Sequence[float] | np.ndarray | None = None,
+) -> Bracket:
+    """`bracket` from per-example values, paired over the same n evaluation examples.
+
+    Args:
+        values: ``{"full": [n], condition: {k: [n]}}`` for every condition of
+            `BRACKET_CONDITIONS` (``base_rate`` may be one ``[n]`` vector: it has no k).
+        higher_is_better: False for losses (negated into qualities here).
+        n_bootstrap, seed: the paired bootstrap (`paired_bootstrap_means`), columns ``full``
+            then each condition of `BRACKET_CONDITIONS` with its k in grid order.
+        walk_gain: passed on to `bracket` (in the values' own units; negated here for losses).
+    """
+    grid = tuple(int(k) for k in k_grid)
+    if n_bootstrap < 1:
+        raise BracketInputError(f"n_bootstrap={n_bootstrap} must be >= 1 for the intervals.")
+    columns = [_vector(values.get("full"), "values['full']")]
+    n = columns[0].shape[0]
+    for name in BRACKET_CONDITIONS:
+        given = values.get(name)
+        if given is None:
+            raise BracketInputError(f"values lack {name!r}; expected all of {BRACKET_CONDITIONS}.")
+        for k in grid:
+            vector = given[k] if isinstance(given, Mapping) else given
+            column = _vector(vector, f"values[{name!r}][{k}]")
+            if column.shape[0] != n:
+                raise BracketInputError(
+                    f"values[{name!r}][{k}] has {column.shape[0]} examples, full has {n}: every"
+                    " cell must be evaluated on the same examples (paired design)."
+                )
+            columns.append(column)
+    matrix = np.stack(columns, axis=1) * (1.0 if higher_is_better else -1.0)
+    finite = np.isfinite(matrix).all(axis=0)
+    means = np.where(finite, matrix, 0.0).mean(axis=0)
+    means[~finite] = np.nan
+    draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    n_k = len(grid)
+
+    def split(array: np.ndarray) -> dict[str, np.ndarray]:
+        cells = {"full": np.repeat(array[..., :1], n_k, axis=-1)}
+        for i, name in enumerate(BRACKET_CONDITIONS):
+            cells[name] = array[..., 1 + i * n_k : 1 + (i + 1) * n_k]
+        return cells
+
+    if walk_gain is not None:
+        walk_gain = np.asarray(walk_gain, dtype=np.float64) * (1.0 if higher_is_better else -1.0)
+    return bracket(split(means), split(draws), grid, rule=rule, walk_gain=walk_gain)
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _vector(vector: object, where: str) -> np.ndarray:
+    if vector is None:
+        raise BracketInputError(f"{where} is missing; pass one value per evaluation example.")
+    if hasattr(vector, "detach"):  # a torch tensor
+        vector = vector.detach().cpu().double().numpy()  # type: ignore[attr-defined]
+    array = np.asarray(vector, dtype=np.float64)
+    if array.ndim != 1 or array.shape[0] == 0:
+        raise BracketInputError(f"{where} has shape {array.shape}; expected [n] with n >= 1.")
+    return array
+
+
+def _draw_count(draws: Cells) -> int:
+    truncate = np.asarray(draws.get("truncate", np.empty((0, 0))))
+    if truncate.ndim != 2 or truncate.shape[0] < 1:
+        raise BracketInputError(
+            f"draws['truncate'] has shape {truncate.shape}; expected [n_bootstrap >= 1, K]."
+        )
+    return int(truncate.shape[0])
+
+
+def _checked(cells: Cells, shape: tuple[int, ...], name: str) -> dict[str, np.ndarray]:
+    checked: dict[str, np.ndarray] = {}
+    for condition in ("full", *BRACKET_CONDITIONS):
+        if condition not in cells:
+            raise BracketInputError(
+                f"{name} lacks {condition!r}; a bracket needs full and all of {BRACKET_CONDITIONS}."
+            )
+        array = np.asarray(cells[condition], dtype=np.float64)
+        if condition == "full" and array.shape in ((), shape[:-1]):
+            array = np.broadcast_to(array[..., None], shape)
+        if array.shape != shape:
+            raise BracketInputError(
+                f"{name}[{condition!r}] has shape {array.shape}; expected {shape}"
+                " (draws: [n_bootstrap, K]; point: [K])."
+            )
+        checked[condition] = array
+    return checked
+
+
+def _upper(draws: np.ndarray, confidence: float) -> np.ndarray:
+    return percentile_interval(draws, confidence)[1]
+
+
+def _with_intervals(
+    ends: dict[str, np.ndarray], sampled: dict[str, np.ndarray], confidence: float
+) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for name in BRACKET_QUANTITIES:
+        low, high = percentile_interval(sampled[name], confidence)
+        out.update({name: ends[name], f"{name}_lo": low, f"{name}_hi": high})
+    return out
+
+
+def _walk(walk_gain: Sequence[float] | np.ndarray | None, n_k: int) -> np.ndarray:
+    if walk_gain is None:
+        return np.zeros(n_k)
+    walk = np.asarray(walk_gain, dtype=np.float64)
+    if walk.shape != (n_k,):
+        raise BracketInputError(f"walk_gain has shape {walk.shape}; expected one value per k.")
+    return walk
+
+
+def _shares(
+    ends: dict[str, np.ndarray],
+    sampled: dict[str, np.ndarray],
+    point: dict[str, np.ndarray],
+    draws: dict[str, np.ndarray],
+    used: np.ndarray,
+    confidence: float,
+) -> dict[str, float]:
+    """Shares of the gap's area over the k in ``used``, with intervals; ``gap`` is the area and
+    ``headroom`` the area of full depth over the base rate."""
+    nan = {n: math.nan for n in (*BRACKET_QUANTITIES, "S_width_hi", "B_width_hi", "headroom")}
+    if not used.any():
+        return {**nan, **{f"{n}_{s}": math.nan for n in BRACKET_QUANTITIES for s in ("lo", "hi")}}
+
+    def area(array: np.ndarray) -> np.ndarray:
+        return np.asarray(array[..., used].sum(axis=-1))
+
+    def share(quantities: dict[str, np.ndarray], name: str) -> np.ndarray:
+        gap = area(quantities["gap"])
+        safe = np.where(gap == 0, 1.0, gap)
+        return np.where(gap == 0, np.nan, area(quantities[name]) / safe)
+
+    shares: dict[str, float] = {}
+    for name in BRACKET_QUANTITIES:
+        value = area(ends["gap"]) if name == "gap" else share(ends, name)
+        drawn = area(sampled["gap"]) if name == "gap" else share(sampled, name)
+        low, high = percentile_interval(drawn[:, None], confidence)
+        shares.update(
+            {name: float(value), f"{name}_lo": float(low[0]), f"{name}_hi": float(high[0])}
+        )
+    for factor in ("S", "B"):
+        width = share(sampled, f"{factor}_upper") - share(sampled, f"{factor}_lower")
+        shares[f"{factor}_width_hi"] = float(_upper(width[:, None], confidence)[0])
+    shares["headroom"] = float(area(point["full"] - point["base_rate"]))
+    shares["headroom_lo"] = float(
+        percentile_interval(area(draws["full"] - draws["base_rate"])[:, None], confidence)[0][0]
+    )
+    # The point estimate's own interval width at the lower end (today's S, discounted).
+    for factor, end in (("S", "S_lower"), ("B", "B_at_lower"), ("D", "D_at_lower")):
+        low, high = percentile_interval(share(sampled, end)[:, None], confidence)
+        shares[f"{factor}_point_interval"] = float(high[0] - low[0])
+    return shares
+
+
+def _verdict(shares: dict[str, float], rule: BracketRule) -> tuple[str, str, bool, bool, bool]:
+    """(verdict, reason, stable, S_identified, B_identified) of the shares (docs/bracket.md)."""
+    if not math.isfinite(shares["gap"]):
+        reason = "no k has every cell finite, so there are no shares."
+        return "inconclusive", reason, False, False, False
+    s_identified = shares["S_width_hi"] <= rule.tolerance
+    walked = shares["walk_gain"] > rule.walk_tolerance
+    b_identified = shares["B_width_hi"] <= rule.tolerance and not walked
+    reasons: list[str] = []
+    if not shares["gap_lo"] > 0:
+        reasons.append(
+            f"the truncation gap is not clearly above zero (area {shares['gap']:.3g},"
+            f" interval [{shares['gap_lo']:.3g}, {shares['gap_hi']:.3g}])."
+        )
+    if not shares["headroom_lo"] > 0:
+        reasons.append(
+            "full depth is not clearly better than the base rate (a readout with no information"
+            " about the example): the gap is a gap near chance."
+        )
+    widest = max(shares[f"{f}_point_interval"] for f in ("S", "B", "D"))
+    stable = not reasons and widest <= rule.max_share_interval
+    if not reasons and not stable:
+        reasons.append(
+            f"a share's interval is {widest:.2f} wide, more than {rule.max_share_interval:g}:"
+            " too wide to name a factor."
+        )
+    if not s_identified:
+        reasons.append(
+            f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
+            f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
+            f" (tolerance {rule.tolerance:g}); marginal matching and a paired translator disagree."
+        )
+    if not b_identified:
+        why = (
+            f"{shares['walk_gain']:.2f} of the gap is replay's gain on examples where its readout"
+            " walks to answers later iterations read (the repeated update is computation)"
+            if walked
+            else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
+        )
+        reasons.append(f"block applications are not identified: {why}.")
+    if reasons:
+        return "inconclusive", " ".join(reasons), stable, s_identified, b_identified
+    lows = {f: shares[f"{f}_lower_lo"] for f in ("S", "B", "D")}
+    named = [f for f, low in lows.items() if low >= rule.named_share]
+    if len(named) == 1:
+        factor = named[0]
+        return (
+            factor,
+            f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and interval"
+            " included.",
+            stable,
+            s_identified,
+            b_identified,
+        )
+    parts = ", ".join(
+        f"{f} [{shares[f'{f}_lower_lo']:.2f}, {shares[f'{f}_upper_hi']:.2f}]" for f in lows
+    )
+    reason = f"no factor reaches {rule.named_share:g} of the gap: {parts}."
+    return "mixed", reason, stable, s_identified, b_identified
+
+
+def _json_float(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None

@@ -1,0 +1,225 @@
+"""The S bracket's rule (dcp_lens.protocol.bracket, docs/bracket.md) on synthetic cells: every
+branch of the discount, the ends, the identification and the verdict."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcp_lens.protocol.bracket import (
+    BRACKET_CONDITIONS,
+    BracketInputError,
+    BracketRule,
+    bracket,
+    bracket_ends,
+    bracket_from_values,
+    discounted_gain,
+)
+
+K = 4
+GRID = (1, 2, 3, 4)
+
+
+def cells(noise: float = 0.002, n_draws: int = 200, seed: int = 0, **given: float):
+    """Point cells (constant over k unless given as arrays) and draws around them."""
+    point = {name: np.broadcast_to(np.asarray(v, float), (K,)).copy() for name, v in given.items()}
+    rng = np.random.default_rng(seed)
+    draws = {name: v + noise * rng.standard_normal((n_draws, K)) for name, v in point.items()}
+    return point, draws
+
+
+def curves(a, e, *, b=None, c=None, d=None, ta=None, tc=None, z=0.0):
+    """Named cells with defaults: nothing repairs anything (b = a, replay = truncate...)."""
+    b = a if b is None else b
+    c = a if c is None else c
+    d = c if d is None else d
+    ta = b if ta is None else ta
+    tc = d if tc is None else tc
+    return dict(
+        full=e,
+        truncate=a,
+        calibrate_truncate=b,
+        replay=c,
+        calibrate_replay=d,
+        translate_truncate=ta,
+        translate_replay=tc,
+        base_rate=z,
+    )
+
+
+# ------------------------------------------------------------------------ the discount
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "base", "expected"),
+    [
+        (0.5, 0.3, 0.1, -0.2),  # calibration hurts: the loss is kept whole
+        (0.1, 0.3, 0.4, 0.0),  # the whole gain stays below the base rate: none counts
+        (0.1, 0.9, 0.4, 0.5),  # only the gain above the base rate counts
+        (0.5, 0.9, 0.4, 0.4),  # truncation already beats the base rate: the whole gain counts
+    ],
+)
+def test_discounted_gain_counts_only_what_the_base_rate_cannot_reach(before, after, base, expected):
+    gain = discounted_gain(np.asarray(before), np.asarray(after), np.asarray(base))
+    assert float(gain) == pytest.approx(expected)
+
+
+def test_both_ends_add_up_to_the_gap_and_the_lower_never_exceeds_the_upper():
+    rng = np.random.default_rng(1)
+    random = {name: rng.uniform(0, 1, 500) for name in ("full", *BRACKET_CONDITIONS)}
+    ends = bracket_ends(random)
+    for end in ("lower", "upper"):
+        total = ends[f"S_{end}"] + ends[f"B_at_{end}"] + ends[f"D_at_{end}"]
+        np.testing.assert_allclose(total, ends["gap"], atol=1e-12)
+    assert (ends["S_lower"] <= ends["S_upper"] + 1e-12).all()
+    assert (ends["B_lower"] <= ends["B_upper"]).all() and (ends["D_lower"] <= ends["D_upper"]).all()
+
+
+def test_the_lower_end_is_todays_s_where_truncation_beats_the_base_rate():
+    named = curves(0.4, 1.0, b=0.8, c=0.5, d=0.9, ta=0.95, tc=0.95, z=0.2)
+    ends = bracket_ends({k: np.asarray(v) for k, v in named.items()})
+    assert float(ends["S_lower"]) == pytest.approx(((0.8 - 0.4) + (0.9 - 0.5)) / 2)
+    assert float(ends["S_upper"]) == pytest.approx(((0.95 - 0.4) + (0.95 - 0.5)) / 2)
+
+
+# ------------------------------------------------------------------------ verdicts
+
+
+def test_readout_shift_repaired_by_both_maps_is_identified_as_s():
+    point, draws = cells(**curves(0.125, 1.0, b=1.0, d=1.0, ta=1.0, tc=1.0, z=0.125))
+    result = bracket(point, draws, GRID)
+    assert result.shares["S_lower"] == pytest.approx(1.0)
+    assert result.S_identified and result.B_identified and result.stable
+    assert result.verdict == "S"
+    assert result.per_k["S_identified"].all()
+
+
+def test_computation_no_map_performs_is_identified_as_d():
+    point, draws = cells(**curves(0.09, 1.0, z=0.09))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "D", result.reason
+    assert result.shares["D_lower"] == pytest.approx(1.0)
+
+
+def test_repeated_updates_that_translation_cannot_replace_are_identified_as_b():
+    point, draws = cells(**curves(0.6, 1.0, c=1.0, d=1.0, tc=1.0, z=0.5))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "B", result.reason
+    assert result.B_identified
+
+
+def test_s_and_d_in_halves_is_mixed():
+    point, draws = cells(**curves(0.0, 1.0, b=0.5, d=0.5, ta=0.5, tc=0.5, z=0.0))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "mixed", result.reason
+    assert result.shares["S_lower"] == pytest.approx(0.5)
+
+
+def test_a_skewed_prior_gain_is_discounted_and_leaves_s_unidentified():
+    # Marginal matching lifts truncation to the base rate and no further (issue 25, item 2).
+    point, draws = cells(**curves(0.09, 1.0, b=0.5, d=0.5, ta=0.5, tc=0.5, z=0.5))
+    result = bracket(point, draws, GRID)
+    assert result.shares["S_lower"] == pytest.approx(0.0, abs=0.01)
+    assert result.shares["S_upper"] == pytest.approx(0.41 / 0.91, abs=0.01)
+    assert not result.S_identified
+    assert result.verdict == "inconclusive" and "readout shift is not identified" in result.reason
+
+
+def test_a_frame_change_marginal_matching_cannot_see_leaves_s_unidentified():
+    point, draws = cells(**curves(0.0, 1.0, ta=1.0, tc=1.0, z=0.06))
+    result = bracket(point, draws, GRID)
+    assert result.shares["S_lower_lo"] <= 0.0 and result.shares["S_upper_hi"] >= 1.0
+    assert not result.S_identified and not result.per_k["S_identified"].any()
+    assert result.verdict == "inconclusive"
+
+
+def test_a_gap_that_may_be_zero_is_inconclusive():
+    point, draws = cells(noise=0.02, **curves(0.7, 0.7, b=0.72, z=0.1))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "inconclusive" and "not clearly above zero" in result.reason
+    assert not result.stable and not result.per_k["S_identified"].any()
+
+
+def test_the_near_chance_case_of_issue_25_is_inconclusive():
+    # Full-depth accuracy 0.38, gap 0.018, S 0.788 [0.313, 1.880]: the gap is above zero, the
+    # share's interval is far too wide to name a factor.
+    a, e = 0.362, 0.38
+    point, draws = cells(noise=0.004, **curves(a, e, b=a + 0.0142, ta=a + 0.0142, z=0.33))
+    result = bracket(point, draws, GRID)
+    assert result.shares["gap_lo"] > 0
+    assert result.shares["S_point_interval"] > 0.3
+    assert result.verdict == "inconclusive" and not result.stable
+    assert "too wide to name a factor" in result.reason
+
+
+def test_full_depth_at_the_base_rate_is_inconclusive():
+    point, draws = cells(**curves(0.2, 0.5, b=0.5, ta=0.5, z=0.5))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "inconclusive" and "base rate" in result.reason
+
+
+def test_replay_gains_on_walking_examples_leave_b_unidentified():
+    point, draws = cells(**curves(0.0, 1.0, c=0.5, d=0.5, tc=0.5, z=0.05))
+    walked = bracket(point, draws, GRID, walk_gain=np.array([0.5, 0.5, 0.5, 0.0]))
+    assert not walked.B_identified
+    assert walked.per_k["B_identified"].tolist() == [False, False, False, True]
+    assert walked.shares["walk_gain"] == pytest.approx(1.5 / 4)
+    assert "walks to answers later iterations read" in walked.reason
+    assert bracket(point, draws, GRID, walk_gain=np.zeros(K)).B_identified
+
+
+def test_a_walk_gain_of_a_loss_is_negated_with_the_values():
+    n = 400
+    values = {"full": np.zeros(n), "base_rate": np.full(n, 3.0)}
+    for name in BRACKET_CONDITIONS:
+        if name != "base_rate":
+            values[name] = {k: np.full(n, 1.0) for k in GRID}
+    for name in ("replay", "calibrate_replay", "translate_replay"):
+        values[name] = {k: np.full(n, 0.6) for k in GRID}
+    # On walking examples replay lowers the loss by 0.4 on average: a gain of 0.4 of a gap of 1.
+    flagged = bracket_from_values(
+        values, GRID, higher_is_better=False, n_bootstrap=20, walk_gain=np.full(K, -0.4)
+    )
+    assert flagged.shares["walk_gain"] == pytest.approx(0.4)
+    assert not flagged.B_identified
+    quiet = bracket_from_values(values, GRID, higher_is_better=False, n_bootstrap=20)
+    assert quiet.B_identified and quiet.verdict == "mixed"  # B 0.4, D 0.6
+
+
+def test_per_k_identification_follows_each_ks_bracket():
+    a = np.array([0.1, 0.1, 0.1, 0.1])
+    ta = np.array([0.1, 0.1, 1.0, 1.0])  # the translator repairs k = 3, 4 alone
+    point, draws = cells(**curves(a, 1.0, ta=ta, z=0.1))
+    result = bracket(point, draws, GRID)
+    assert result.per_k["S_identified"].tolist() == [True, True, False, False]
+
+
+# ------------------------------------------------------------------------ inputs
+
+
+def test_losses_are_negated_into_qualities():
+    rng = np.random.default_rng(3)
+    n = 300
+    loss = {"full": rng.uniform(0, 0.1, n)}
+    for name in BRACKET_CONDITIONS:
+        loss[name] = {k: rng.uniform(0.5, 2.0, n) for k in GRID}
+    as_loss = bracket_from_values(loss, GRID, higher_is_better=False, n_bootstrap=50)
+    negated = {
+        name: (-v if isinstance(v, np.ndarray) else {k: -x for k, x in v.items()})
+        for name, v in loss.items()
+    }
+    as_quality = bracket_from_values(negated, GRID, n_bootstrap=50)
+    assert as_loss.shares == pytest.approx(as_quality.shares, nan_ok=True)
+    assert as_loss.shares["gap"] > 0
+
+
+def test_missing_cells_and_bad_shapes_are_refused():
+    point, draws = cells(**curves(0.1, 1.0))
+    with pytest.raises(BracketInputError, match="translate_replay"):
+        bracket({k: v for k, v in point.items() if k != "translate_replay"}, draws, GRID)
+    with pytest.raises(BracketInputError, match="expected"):
+        bracket({**point, "truncate": point["truncate"][:2]}, draws, GRID)
+    with pytest.raises(BracketInputError, match="walk_gain"):
+        bracket(point, draws, GRID, walk_gain=np.zeros(1))
+    with pytest.raises(BracketInputError, match="tolerance"):
+        BracketRule(tolerance=2.0)
