@@ -15,7 +15,7 @@ from dcp_lens.utils import registry as _registry
 _moved.install()
 # The composition root: the report stage renders results for `ProtocolResults.report`,
 # ``.figures`` and ``._repr_html_`` without the protocol importing a stage above it.
-_registry.set_renderer(lambda: importlib.import_module("dcp_lens.report.html"))
+_registry.set_renderer(lambda: importlib.import_module("dcp_lens.report"))
 
 if TYPE_CHECKING:
     from dcp_lens.model.config import RecurrentConfig

@@ -45,7 +45,7 @@ CHECKPOINTS = ".checkpoints"  # the --resume snapshots, inside --out until the r
 # Measured with `dcp-lens run --quiet` on this project's busy 2-core machine (README, Command
 # line): one thread was fastest; OpenMP threads spin-wait for a core another process holds.
 DEFAULT_THREADS = 1
-THREADS_HELP = "CPU threads for torch (1 was fastest here: see README)"
+THREADS_HELP = "CPU threads for torch (1 was fastest on a 2-core machine: docs/cli.md)"
 
 DESCRIPTION = """\
 The Depth Control Protocol for depth-recurrent transformers: split the gap between full depth
@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--n-eval", type=int, help="evaluation sequences (default: 512; text: every window left)"
     )
     run.add_argument(
-        "--n-calibration", type=int, help="calibration sequences (default: 512; text: see README)"
+        "--n-calibration",
+        type=int,
+        help="calibration sequences (default: 512; text: see docs/models.md)",
     )
     run.add_argument(
         "--max-tokens", type=int, help="text: use at most this many corpus tokens (default: all)"
@@ -519,7 +521,8 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
 
     from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
     from dcp_lens.protocol.results import write_results_json
-    from dcp_lens.report.html import format_summary, write_report
+    from dcp_lens.report.console import format_summaries
+    from dcp_lens.report.html import write_report
     from dcp_lens.studies.report_extras import REPORT_DATA, collect_report_data, write_report_data
     from dcp_lens.utils import distributed
     from dcp_lens.utils.environment import environment
@@ -590,8 +593,7 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
     write_results_json(runs, args.out / "results.json")  # last: results.json means finished
     shutil.rmtree(args.out / CHECKPOINTS, ignore_errors=True)
     mark_complete(args.out)
-    for results in runs:  # the console ends with the shares, their flags and where to look
-        print(format_summary(results))
+    print(format_summaries(runs))  # the verdict per model and metric, the legend, the flags
     print(f"\nwrote {args.out / 'results.json'}; open {report}")
     return 0
 

@@ -473,6 +473,24 @@ class ProtocolResults:
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
         return renderer().write_report([self], path, report_data)
 
+    def summary(self) -> str:
+        """What ``dcp-lens run`` prints for this run: per validated metric the quality at full
+        depth and at the smallest k, the gap, the shares and the verdict sentence (the report's
+        and ``results.json``'s), then a legend of S, B, D and the flags once; lines within 100
+        characters. ``print(results.summary())``."""
+        return str(renderer().format_summary(self))
+
+    def __repr__(self) -> str:
+        shares = "; ".join(
+            f"{metric} " + " ".join(f"{f} {d.shares[f]:.2f}" for f in FACTORS)
+            for metric, d in self.decompositions.items()
+            if d.validated
+        )
+        return (
+            f"<ProtocolResults {self.model} ({self.architecture}, r = {self.n_iterations}): "
+            f"{shares or 'no validated metric'}; print(.summary()) for the verdicts>"
+        )
+
     def _repr_html_(self) -> str:
         """The headline (shares, slope, gap, verdict and flags) for Jupyter."""
         return str(renderer().headline_html(self))

@@ -97,7 +97,8 @@ def flag_lines(results: ProtocolResults) -> list[str]:
 
 OVERSHOOT = (
     "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
-    "make up for it (calibration also changes confidence; README: Shares below 0 or above 1)"
+    "make up for it (calibration also changes confidence; docs/protocol.md, Shares below 0 or "
+    "above 1)"
 )
 
 

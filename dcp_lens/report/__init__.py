@@ -15,13 +15,15 @@ _EXPORTS = {
         "explain_verdict",
         "format_accuracy_table",
         "format_markdown",
-        "format_summary",
         "headline_html",
         "render_report",
         "report_figures",
         "write_report",
     )
 }
+_EXPORTS.update(
+    {name: "dcp_lens.report.console" for name in ("format_summaries", "format_summary")}
+)
 __all__ = sorted(_EXPORTS)
 
 

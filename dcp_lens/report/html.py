@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from dcp_lens.protocol.results import FACTORS, ProtocolResults, decode_json
 from dcp_lens.protocol.verdicts import (  # the report reads the verdicts the protocol builds
     NULL_TOLERANCE,
-    flag_lines,
     verdict,
 )
 from dcp_lens.protocol.verdicts import below_r as _below_r
@@ -31,20 +30,6 @@ from dcp_lens.utils.files import write_text_atomically
 
 if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
     from dcp_lens.training.evaluation import AccuracyTable
-
-
-def format_summary(results: ProtocolResults) -> str:
-    """The console summary of one run: model, depth, shares with intervals, the null control."""
-    lines = [f"\n{results.model} ({results.architecture}, r = {results.n_iterations})"]
-    if not results.replay_realizable:
-        lines.append("  replay: not realizable as the same model (dense network)")
-    shares = results.shares()
-    lines.append(shares.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    lines.extend(f"  {flag}" for flag in flag_lines(results))
-    lines.append(
-        f"  null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e}"
-    )
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ training

@@ -34,10 +34,10 @@ def _describe(entry: object) -> str:
     return f"{module}.{name}" if module else name
 
 
-# The renderer of results (``dcp_lens.report.html``). The report stage sits above the protocol
-# whose results it draws, so `ProtocolResults.report`, ``.figures`` and ``._repr_html_`` cannot
-# import it; the package root (``dcp_lens/__init__.py``, the one place that wires stages together)
-# hands in a loader here instead. Nothing below the report names the report.
+# The renderer of results (the ``dcp_lens.report`` package and the names it exports). The report
+# stage sits above the protocol whose results it draws, so `ProtocolResults.report`, ``.figures``,
+# ``.summary`` and ``._repr_html_`` cannot import it; the package root (``dcp_lens/__init__.py``,
+# the one place that wires stages together) hands in a loader here instead. Nothing below the report names the report.
 _renderer_loader: Callable[[], ModuleType] | None = None
 
 
@@ -56,6 +56,6 @@ def renderer() -> ModuleType:
     if _renderer_loader is None:
         raise RuntimeError(
             "no report renderer is installed: import dcp_lens (its __init__ installs "
-            "dcp_lens.report.html) or call dcp_lens.report.html.write_report directly."
+            "dcp_lens.report) or call dcp_lens.report.html.write_report directly."
         )
     return _renderer_loader()
