@@ -37,7 +37,8 @@ def _describe(entry: object) -> str:
 # The renderer of results (the ``dcp_lens.report`` package and the names it exports). The report
 # stage sits above the protocol whose results it draws, so `ProtocolResults.report`, ``.figures``,
 # ``.summary`` and ``._repr_html_`` cannot import it; the package root (``dcp_lens/__init__.py``,
-# the one place that wires stages together) hands in a loader here instead. Nothing below the report names the report.
+# the one place that wires stages together) hands in a loader here instead. Nothing below the
+# report names the report.
 _renderer_loader: Callable[[], ModuleType] | None = None
 
 
