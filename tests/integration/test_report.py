@@ -106,3 +106,41 @@ def test_a_model_without_a_task_says_how_to_get_one() -> None:
         task_of(make_model())
     with pytest.warns(DeprecationWarning, match="task_of"), pytest.raises(ValueError):
         _ = make_model().task  # the old property, for one release
+
+
+def test_the_console_summary_answers_per_validated_metric_within_100_columns(
+    planted_results,
+) -> None:
+    """`results.summary()` (what `dcp-lens run` prints): the verdict sentence of every validated
+    metric (the report's, word for word), the quality at full depth and the smallest k, the legend,
+    unvalidated metrics named without a verdict; every line within 100 characters."""
+    text = planted_results.summary()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    flat = " ".join(line.strip() for line in lines)
+    run = run_record(planted_results)
+    for metric, decomposition in planted_results.decompositions.items():
+        sentence, _ = verdict(run, metric)
+        if decomposition.validated:
+            assert f"{metric}: full depth" in text
+            assert " ".join(sentence.split()) in flat, (metric, sentence)
+        else:
+            assert sentence not in flat
+            assert metric in flat.split("not validated, no verdict:")[1].split(")")[0]
+    assert "S: readout shift" in flat and "B: block applications" in flat
+    assert "D: distinct computation" in flat
+    assert "\n" not in repr(planted_results) and len(repr(planted_results)) < 300
+
+
+def test_the_console_names_each_shared_flag_once_with_its_models(planted_results) -> None:
+    from dcp_lens.report.console import format_summaries
+
+    other = copy.copy(planted_results)
+    object.__setattr__(other, "model", "planted:other")
+    text = format_summaries([planted_results, other])
+    flags = [line.strip() for line in text.split("flags:")[1].splitlines()]
+    flags = [line for line in flags if line.startswith("- ")]
+    shared = [line for line in flags if line.startswith("- [planted:readout_shift, planted:other]")]
+    assert shared, text  # a flag of both runs is printed once, naming both
+    assert len(flags) == len(set(flags))
+    assert max(len(line) for line in text.splitlines()) <= 100
