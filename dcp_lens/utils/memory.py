@@ -165,3 +165,11 @@ def _glibc() -> Any:
                 library = None
         _LIBC.append(library)
     return _LIBC[0]
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -38,6 +38,10 @@ from dcp_lens.utils.errors import (
 ABSENT_DEVICE = "cuda:99" if torch.cuda.is_available() else "cuda"
 
 
+# Small sizes for runs in tests (seconds each).
+SMALL = ["--n-eval", "16", "--n-calibration", "16", "--bootstrap", "5", "--probe", "none"]
+
+
 def rewrite_json(path: Path, **changes: object) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
@@ -473,26 +477,37 @@ def test_nan_weights_never_read_as_a_passing_null_control():
 # ------------------------------------------------------------------- partial output
 
 
-def test_a_run_killed_after_its_first_model_is_marked_incomplete(capsys, tmp_path):
+def test_a_run_that_fails_its_checks_leaves_no_folder(capsys, tmp_path):
     out = tmp_path / "out"
-    argv = [
-        "run",
-        "--model",
-        "planted:readout_shift",
-        "--dense",
-        "no-such-model",
-        "--out",
-        str(out),
-    ]
-    argv += ["--n-eval", "32", "--n-calibration", "64", "--bootstrap", "5", "--probe", "none"]
-    assert main([*argv, "--quiet"]) == 2
-    assert "unknown model spec 'no-such-model'" in capsys.readouterr().err
-    assert (out / "planted_readout_shift" / "results.json").is_file()
+    argv = ["run", "--model", "planted:readout_shift", "--dense", "no-such-model"]
+    argv += ["--out", str(out), *SMALL, "--quiet"]
+    assert "unknown model spec 'no-such-model'" in one_line_error(capsys, argv)
+    assert not out.exists()
+
+
+def test_a_run_stopped_after_its_first_model_is_marked_incomplete_and_resumes(
+    capsys, tmp_path, monkeypatch
+):
+    import dcp_lens.utils.snapshots as snapshots
+
+    def stop_after_first_model(point: str) -> None:
+        if point == "model:1":
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    argv = ["run", "--out", str(out), *SMALL, "--quiet"]  # default, then default-dense
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshots, "die_if_asked", stop_after_first_model)
+        assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "stopped by SIGINT" in err and "--resume" in err, err
+    assert (out / "default" / "results.json").is_file()
+    assert not (out / "default-dense").exists() and not (out / "results.json").exists()
     with pytest.raises(IncompleteRunError, match="marked incomplete .*Rerun the command"):
-        ProtocolResults.load(out / "planted_readout_shift")
-    argv[argv.index("no-such-model") - 1 : argv.index("no-such-model") + 1] = []
-    assert main([*argv, "--quiet"]) == 0
-    assert ProtocolResults.load(out / "planted_readout_shift").model == "planted:readout_shift"
+        ProtocolResults.load(out / "default")
+    assert main([*argv, "--resume"]) == 0
+    assert ProtocolResults.load(out / "default-dense").model == "default-dense"
+    assert (out / "results.json").is_file() and not (out / "INCOMPLETE").exists()
 
 
 def test_every_library_error_is_a_value_error():
