@@ -58,6 +58,7 @@ from dcp_lens.protocol.probe import ResidualOODProbe
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.utils import distributed
+from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.memory import release_free_memory
 from dcp_lens.utils.snapshots import Checkpoint
 
@@ -88,6 +89,7 @@ class EvaluationSet:
                 f"targets {tuple(self.targets.shape)} must have the shape of tokens "
                 f"{tuple(self.tokens.shape)} (-100 where a position is not scored)."
             )
+        check_targets(self.targets, None, "the evaluation set's targets")
         if not bool(self.scored.any()):
             raise ValueError("no position is scored: every target is -100.")
         if self.attention_mask is not None and bool((self.scored & ~self.attention_mask).any()):
@@ -979,6 +981,9 @@ class DepthControlProtocol:
                 f"the calibration split overlaps the evaluation split ({len(shared)} shared "
                 "examples); calibration must be fitted on examples never evaluated."
             )
+        d_vocab = getattr(getattr(self.model, "cfg", None), "d_vocab", None)
+        for name, data in (("evaluation", evaluation), ("calibration", calibration)):
+            check_targets(data.targets, d_vocab, f"the {name} set's targets")
         n_ctx = getattr(getattr(self.model, "cfg", None), "n_ctx", None)
         if n_ctx is not None and evaluation.tokens.shape[1] > n_ctx:
             raise ValueError(

@@ -31,6 +31,7 @@ model                            mechanism                                      
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, per_example_metrics
 from dcp_lens.protocol.results import FACTORS
 from dcp_lens.protocol.states import capture_states
+from dcp_lens.utils.devices import check_device, check_dtype
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
 from dcp_lens.zoo.registry import register_loader
 
@@ -519,7 +521,20 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
         raise ConfigError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
-    return BUILDERS[name](**overrides)  # type: ignore[arg-type]
+    fields = dict(overrides)
+    device, dtype = fields.pop("device", None), fields.pop("dtype", None)
+    builder = BUILDERS[name]
+    accepted = [p for p in inspect.signature(builder).parameters if p not in ("device", "dtype")]
+    unknown = sorted(set(fields) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"planted:{name} takes no {', '.join(unknown)}; its options are {accepted}, device "
+            "and dtype."
+        )
+    target = None if device is None else check_device(device)
+    kind = None if dtype is None else check_dtype(dtype)
+    model = builder(**fields)  # type: ignore[arg-type]
+    return model.to(device=target, dtype=kind) if target or kind else model
 
 
 def _at_least(value: object, minimum: int, name: str) -> int:
