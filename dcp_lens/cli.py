@@ -412,7 +412,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before torch is imported and any work starts: empty specs
     and lists, counts, integer lists and the output folder."""
-    for flag in ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes"):
+    names = ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes", "models")
+    for flag in names:
         value = getattr(args, flag, None)
         if value is not None and not value.strip():
             name = "--" + flag.replace("_", "-")
@@ -428,10 +429,18 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {minimum}.")
     for name in ("k", "seeds", "dense_seeds"):
         _ints(getattr(args, name, None), f"--{name.replace('_', '-')}")
+    for name in ("metrics", "models", "regimes"):
+        _names(getattr(args, name, None), f"--{name}")
     for flag, kinds in (("model", PATH_KINDS), ("dense", PATH_KINDS), ("task", TASK_FILES)):
         kind, _, path = (getattr(args, flag, None) or "").partition(":")
         if kind in kinds and path and not Path(path).exists():
             raise ConfigError(f"--{flag} {kind}:{path}: {path} does not exist; pass a local path.")
+        endless = kind in TASK_FILES and path and not (Path(path).is_file() or Path(path).is_dir())
+        if endless and (kind != "text" or getattr(args, "max_tokens", None) is None):
+            raise ConfigError(
+                f"--{flag} {kind}:{path}: {path} is a device, pipe or socket, not a file: it may "
+                "never end; pass a file (text:PATH also reads one with --max-tokens N)."
+            )
     if args.command == "report" and not (args.folder / "results.json").is_file():
         raise ConfigError(
             f"{args.folder / 'results.json'} does not exist; pass a folder written by dcp-lens run."
@@ -650,7 +659,7 @@ def _run_plans(args: argparse.Namespace, command: str, plans: list[_Plan], work:
             runs.append(_read_finished(plan.folder))
             extras.append(_report_data(plan.folder)["runs"][runs[-1].model])
             continue
-        results = plan.protocol.run(*plan.data)
+        results = _resumed(args, plan, work)
         if not main:  # rank 0 writes
             continue
         runs.append(results)
@@ -680,6 +689,25 @@ def _run_plans(args: argparse.Namespace, command: str, plans: list[_Plan], work:
         print(format_summary(results))
     print(f"\nwrote {args.out / 'results.json'}; open {args.out / 'report.html'}")
     return 0
+
+
+def _resumed(args: argparse.Namespace, plan: _Plan, work: Path) -> ProtocolResults:
+    """``plan``'s protocol run; with ``--resume``, snapshots that load but do not fit the run
+    (another version's, edited) are refused naming their folder."""
+    from dcp_lens.utils.errors import DamagedFileError
+
+    snapshots = work / CHECKPOINTS / plan.folder.name
+    try:
+        results: ProtocolResults = plan.protocol.run(*plan.data)
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as cause:
+        if not (args.resume and any(snapshots.glob("*.pt"))):
+            raise
+        text = " ".join(str(cause).split())[:160] or type(cause).__name__
+        raise DamagedFileError(
+            f"the --resume snapshots in {snapshots} do not fit this run ({type(cause).__name__}: "
+            f"{text}); start the run again without --resume."
+        ) from cause
+    return results
 
 
 def _load_model(spec: str, args: argparse.Namespace) -> Any:
@@ -868,7 +896,8 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = {"steps": args.steps} if args.steps is not None else {}
     config = preset(args.preset, regime=args.regime, seed=args.seed, **overrides)
-    result = train(config, args.out, resume=not args.no_resume)
+    with FolderLock(args.out):  # after the checks: a refused command leaves no folder
+        result = train(config, args.out, resume=not args.no_resume)
     if result.accuracy_table is not None:
         print(format_accuracy_table(result.accuracy_table))
     print(f"model in {args.out / 'model'}; diagnose it with: {diagnose_command(args.out)}")
@@ -911,7 +940,8 @@ def _validate(args: argparse.Namespace) -> int:
             "seed": args.seed, "n_eval": args.n_eval, "n_calibration": args.n_calibration,
             "n_bootstrap": args.bootstrap,
         }  # fmt: skip
-        validation.save(rows, args.out, settings)
+        with FolderLock(args.out):
+            validation.save(rows, args.out, settings)
         print(f"wrote {args.out / 'validation.json'} and {args.out / 'validation.md'}")
     return 0 if validation.suite_passed(rows) else 1
 
@@ -928,8 +958,14 @@ def _ints(text: str | None, flag: str = "--k") -> list[int] | None:
     return values
 
 
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+def _names(text: str | None, flag: str = "--metrics") -> tuple[str, ...] | None:
+    """The comma-separated names of ``text`` (None: the flag was not given)."""
+    if text is None:
+        return None
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise ConfigError(f"{flag} {text!r} names nothing; give comma-separated names.")
+    return names
 
 
 if __name__ == "__main__":
