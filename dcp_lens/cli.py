@@ -778,7 +778,7 @@ def _work_folder(args: argparse.Namespace) -> Path | None:
                 "it or choose another folder."
             )
         return replacement_folder(out)
-    if out.is_dir() and any(out.iterdir()) and not _ours(out):
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()) and not _ours(out):
         raise ConfigError(
             f"--out {out} is a folder of other files (no results.json, INCOMPLETE or "
             f"{CHECKPOINTS}); pass a new or empty folder so that nothing in it is overwritten."
