@@ -25,7 +25,13 @@ from torch import Tensor
 
 from dcp_lens.model.tokenization import padding_id
 from dcp_lens.utils.checks import read_json_object
-from dcp_lens.utils.errors import ConfigTypeError
+from dcp_lens.utils.errors import (
+    ConfigError,
+    ConfigTypeError,
+    DamagedFileError,
+    InputError,
+    MissingFileError,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -76,11 +82,11 @@ class HFTokenizer:
         folder = Path(folder)
         path = folder / TOKENIZER_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; a tokenizer folder needs it.")
+            raise MissingFileError(f"{path} does not exist; a tokenizer folder needs it.")
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # the Rust library raises its own exception type
-            raise ValueError(f"{path} is not a readable tokenizers file: {error}") from error
+            raise DamagedFileError(f"{path} is not a readable tokenizers file: {error}") from error
         config: dict[str, Any] = {}
         config_path = folder / TOKENIZER_CONFIG_FILE
         if config_path.is_file():
@@ -156,7 +162,7 @@ class HFTokenizer:
             return None
         token_id = self.tokenizer.token_to_id(token)
         if token_id is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.source}: {name}={token!r} is not in the vocabulary; fix "
                 f"{TOKENIZER_CONFIG_FILE} or add the token to {TOKENIZER_FILE}."
             )
@@ -164,7 +170,7 @@ class HFTokenizer:
 
     def _require(self, token_id: int | None, name: str, fix: str) -> int:
         if token_id is None:
-            raise ValueError(
+            raise InputError(
                 f"{self.source} has no {name} token ({TOKENIZER_CONFIG_FILE} sets none); pass "
                 f"{fix}."
             )
