@@ -618,6 +618,7 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
         plans.append(_Plan(spec, folder, finished, model, protocol, data))
     # Rank 0 locks and prepares the folder; no rank starts before it has.
     lock = FolderLock(work) if main else None
+    new = not work.exists()
     try:
         if lock is not None:
             lock.acquire()
@@ -625,9 +626,20 @@ def _run_models(args: argparse.Namespace, command: str) -> int:
                 FolderLock(args.out).acquire().release()  # nobody else writes the old run
         distributed.broadcast_from_main(_prepare_folder(args, work) if main else None)
         return _run_plans(args, command, plans, work)
+    except (ValueError, TypeError):  # DCPLensError and the checks torch and the sweep make
+        # Refused by a check the sweep makes as it starts: a folder this run made, holding
+        # nothing that --resume could continue, goes (an --overwrite's replacement always).
+        if main and (work != args.out or (new and not _resumable(work))):
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _resumable(work: Path) -> bool:
+    """Does ``work`` hold snapshots or finished models that ``--resume`` would continue?"""
+    return any((work / CHECKPOINTS).rglob("*.pt")) or any((work / CHECKPOINTS).rglob("finished"))
 
 
 @dataclass

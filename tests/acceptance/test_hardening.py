@@ -485,6 +485,17 @@ def test_a_run_that_fails_its_checks_leaves_no_folder(capsys, tmp_path):
     assert not out.exists()
 
 
+def test_a_run_refused_by_the_sweeps_own_checks_leaves_no_folder(capsys, tmp_path, monkeypatch):
+    def refuse(*_: object) -> None:
+        raise ValueError("the calibration split overlaps the evaluation split")
+
+    monkeypatch.setattr(DepthControlProtocol, "run", refuse)
+    out = tmp_path / "out"
+    argv = ["run", "--model", "planted:readout_shift", "--out", str(out), *SMALL]
+    assert "overlaps" in one_line_error(capsys, argv)
+    assert not out.exists()
+
+
 def test_a_run_stopped_after_its_first_model_is_marked_incomplete_and_resumes(
     capsys, tmp_path, monkeypatch
 ):
