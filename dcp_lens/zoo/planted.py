@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -531,6 +532,15 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
             f"planted:{name} takes no {', '.join(unknown)}; its options are {accepted}, device "
             "and dtype."
         )
+    hints = typing.get_type_hints(builder)
+    for field, value in fields.items():
+        wanted = hints.get(field)
+        kinds = (int, float) if wanted is float else (wanted,) if wanted is int else None
+        if kinds is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise ConfigTypeError(
+                f"planted:{name} option {field}={value!r:.40} must be "
+                f"{'a number' if wanted is float else 'an int'}."
+            )
     target = None if device is None else check_device(device)
     kind = None if dtype is None else check_dtype(dtype)
     model = builder(**fields)  # type: ignore[arg-type]
