@@ -12,25 +12,33 @@ import shutil
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
-from dcp_lens.utils.errors import ConfigError, DCPLensError
+from dcp_lens.utils.errors import ConfigError, DCPLensError, ResourceLimitError
 from dcp_lens.utils.files import (
     MARKER,
+    check_new_file,
     check_output_folder,
+    inside,
     mark_complete,
     mark_incomplete,
+    replacement_folder,
+    safe_name,
+    swap_folders,
     write_text_atomically,
 )
+from dcp_lens.utils.locks import LOCK_FILE, FolderLock
 from dcp_lens.utils.memory import (
     MMAP_THRESHOLD_MAX,
     fixed_threshold,
     limit_heap_fragmentation,
     release_keep,
 )
+from dcp_lens.utils.signals import exit_code, signal_name, stop_on_signals
 
 if TYPE_CHECKING:
     from dcp_lens.protocol.dcp import EvaluationSet
@@ -393,10 +401,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Freed tensors reused within a batch, free pages returned after it; or the strict
             # fixed mmap threshold of $DCP_LENS_MMAP_THRESHOLD (dcp_lens.utils.memory).
             limit_heap_fragmentation()
-            return _command(args)
+            with stop_on_signals():
+                return _command(args)
         except REPORTED as error:
             print(f"dcp-lens {args.command}: error: {_one_line(error)}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM, SIGHUP, SIGQUIT (utils.signals)
+            print(f"dcp-lens {args.command}: stopped by {signal_name(stop)}; {_after_stop(args)}",
+                  file=sys.stderr)  # fmt: skip
+            return exit_code(stop)
+
+
+def _after_stop(args: argparse.Namespace) -> str:
+    """How to continue a command stopped by a signal."""
+    out = getattr(args, "out", None)
+    if args.command == "run" and out is not None:
+        return (
+            f"{out} is kept (marked INCOMPLETE if the run had started); rerun the same command "
+            "with --resume to continue."
+        )
+    if args.command in ("train", "experiment") and out is not None:
+        return f"rerun the same command to continue from {out}'s last checkpoint."
+    return "nothing was written in part; rerun the command."
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -447,7 +473,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before torch is imported and any work starts: empty specs
     and lists, counts, integer lists and the output folder."""
-    for flag in ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes"):
+    names = ("model", "dense", "task", "k", "metrics", "seeds", "dense_seeds", "regimes", "models")
+    for flag in names:
         value = getattr(args, flag, None)
         if value is not None and not value.strip():
             name = "--" + flag.replace("_", "-")
@@ -464,19 +491,95 @@ def _check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {value} must be >= {minimum}.")
     for name in ("k", "seeds", "dense_seeds"):
         _ints(getattr(args, name, None), f"--{name.replace('_', '-')}")
+    for name in ("metrics", "models", "regimes"):
+        _names(getattr(args, name, None), f"--{name}")
     for flag, kinds in (("model", PATH_KINDS), ("dense", PATH_KINDS), ("task", TASK_FILES)):
         kind, _, path = (getattr(args, flag, None) or "").partition(":")
         if kind in kinds and path and not Path(path).exists():
             raise ConfigError(f"--{flag} {kind}:{path}: {path} does not exist; pass a local path.")
+        endless = kind in TASK_FILES and path and not (Path(path).is_file() or Path(path).is_dir())
+        if endless and (kind != "text" or getattr(args, "max_tokens", None) is None):
+            raise ConfigError(
+                f"--{flag} {kind}:{path}: {path} is a device, pipe or socket, not a file: it may "
+                "never end; pass a file (text:PATH also reads one with --max-tokens N)."
+            )
     if args.command == "report" and not (args.folder / "results.json").is_file():
         raise ConfigError(
             f"{args.folder / 'results.json'} does not exist; pass a folder written by dcp-lens run."
         )
     out = getattr(args, "out", None)
-    if args.command == "report" and out is not None and out.suffix:
-        check_output_folder(out.parent, "--out")  # a file name: its folder must be writable
+    if args.command == "report":
+        _check_report_out(args)
     elif out is not None:
         check_output_folder(out, "--out")
+    _check_sizes(args)
+
+
+def _check_report_out(args: argparse.Namespace) -> None:
+    """``report``'s ``--out``: a folder (to hold report.html) or an .html file; never a file
+    the report did not write (``--out RUN/results.json`` would destroy the run)."""
+    out = args.out
+    if out is None:
+        return
+    if out.is_dir() or (not out.exists() and not out.suffix):
+        check_output_folder(out, "--out")
+        target = out / "report.html"
+    else:
+        target = check_new_file(out, ".html", "--out")
+    if target.exists() and not _is_report(target):
+        raise ConfigError(
+            f"--out {target} exists and is not a report dcp-lens wrote; pass a new .html path or "
+            "a folder (its report.html is replaced)."
+        )
+
+
+def _is_report(path: Path) -> bool:
+    with path.open("rb") as file:
+        head = file.read(4096)
+    return b"<html" in head.lower() and b"dcp-lens" in head.lower()
+
+
+# Sizes checked before anything is allocated: counts past these are typos, not runs.
+MAX_SEQUENCES = 1 << 22  # --n-eval, --n-calibration
+MAX_STEPS = 10_000_000  # train --steps: far past every preset, far below a loop of years
+MAX_THREADS = 1024
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Counts that would allocate more than this machine has, or loop for years, refused before
+    any work: --n-eval and --n-calibration (tokens), --threads, train --steps."""
+    from dcp_lens.utils.memory import physical_memory_bytes
+
+    threads = getattr(args, "threads", None)
+    cores = os.cpu_count() or 1
+    if threads is not None and threads > max(MAX_THREADS, cores):
+        raise ResourceLimitError(
+            f"--threads {threads} is more than this machine can run ({cores} CPUs; at most "
+            f"{max(MAX_THREADS, cores)}); pass at most {cores}."
+        )
+    steps = getattr(args, "steps", None)
+    if args.command == "train" and steps is not None and steps > MAX_STEPS:
+        raise ResourceLimitError(
+            f"--steps {steps} is past dcp-lens's bound of {MAX_STEPS:,} training steps (years "
+            "on this machine); pass a number of steps a run can finish."
+        )
+    memory = physical_memory_bytes()
+    counts = [getattr(args, name, None) for name in ("n_eval", "n_calibration")]
+    total = sum(count for count in counts if count is not None)
+    for flag, count in zip(("--n-eval", "--n-calibration"), counts, strict=True):
+        if count is not None and count > MAX_SEQUENCES:
+            raise ResourceLimitError(
+                f"{flag} {count} is past dcp-lens's bound of {MAX_SEQUENCES:,} sequences; pass "
+                "fewer (512 is the default)."
+            )
+    # Tokens and targets (int64) of every sequence, windows of --seq-len or the usual 128.
+    needed = total * (getattr(args, "seq_len", None) or 128) * 8 * 2
+    if memory is not None and needed > memory // 2:
+        raise ResourceLimitError(
+            f"--n-eval and --n-calibration ({total:,} sequences) need about "
+            f"{needed / 2**30:.1f} GiB of tokens, more than half of this machine's "
+            f"{memory / 2**30:.1f} GiB; pass fewer sequences."
+        )
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -517,120 +620,283 @@ def _run(args: argparse.Namespace, command: str) -> int:
 
 
 def _run_models(args: argparse.Namespace, command: str) -> int:
-    import torch
-
+    """Load every model and its data and build every protocol (all the inputs checked), then
+    lock and prepare the folder, then run; a run that fails its checks leaves no folder."""
     from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
+    from dcp_lens.utils import distributed
+    from dcp_lens.utils.snapshots import Checkpoint
+
+    specs = [(args.model or DEFAULT_MODEL, False)]
+    dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
+    if dense:
+        specs.append((dense, True))
+    text_flags = {"--seq-len": args.seq_len, "--max-tokens": args.max_tokens}
+    text_flags["--token-dtype"] = args.token_dtype
+    is_text = (args.task or "").startswith("text:")
+    given = [flag for flag, value in text_flags.items() if value is not None]
+    if given and not is_text:
+        raise ConfigError(
+            f"{', '.join(given)} apply to --task text:PATH only; drop them or pass a text task."
+        )
+    text_options = dict(
+        seq_len=args.seq_len, max_tokens=args.max_tokens, text_field=args.text_field,
+        token_dtype=args.token_dtype,
+    ) if is_text else {}  # fmt: skip
+    main = distributed.is_main()
+    work = _work_folder(args)
+    if work is None:
+        print(f"{args.out} holds a finished run; nothing to resume.")
+        return 0
+    names = _model_folder_names([spec for spec, _ in specs])
+    plans: list[_Plan] = []
+    data: tuple[EvaluationSet, EvaluationSet] | None = None
+    first: Any = None
+    for (spec, is_negative_control), name in zip(specs, names, strict=True):
+        folder = inside(work / name, work)
+        finished = work / CHECKPOINTS / name / "finished"
+        if args.resume and finished.is_file():  # this model finished before the interruption
+            plans.append(_Plan(spec, folder, finished, None, None, None))
+            continue
+        model = _load_model(spec, args)
+        if is_negative_control and not model.is_dense:
+            raise ConfigError(
+                f"--dense {spec!r} is not a dense model (it has a weight-shared core); pass a "
+                "dense model as the negative control."
+            )
+        if data is None or hasattr(model, "planted_task"):
+            data = task_data(
+                model, args.task, args.n_eval, args.n_calibration, args.seed, **text_options
+            )
+        elif first is not None:
+            _check_same_data(first, model, spec, args.task)
+        first = first if first is not None else model
+        protocol = DepthControlProtocol(
+            model, protocol_config(args, "run"), spec=spec, progress=not args.quiet and main,
+            checkpoint=Checkpoint(work / CHECKPOINTS / name, args.checkpoint_every),
+        )  # fmt: skip
+        plans.append(_Plan(spec, folder, finished, model, protocol, data))
+    # Rank 0 locks and prepares the folder; no rank starts before it has.
+    lock = FolderLock(work) if main else None
+    new = not work.exists()
+    try:
+        if lock is not None:
+            lock.acquire()
+            if work != args.out:
+                FolderLock(args.out).acquire().release()  # nobody else writes the old run
+        distributed.broadcast_from_main(_prepare_folder(args, work) if main else None)
+        return _run_plans(args, command, plans, work)
+    except (ValueError, TypeError):  # DCPLensError and the checks torch and the sweep make
+        # Refused by a check the sweep makes as it starts: a folder this run made, holding
+        # nothing that --resume could continue, goes (an --overwrite's replacement always).
+        if main and (work != args.out or (new and not _resumable(work))):
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resumable(work: Path) -> bool:
+    """Does ``work`` hold snapshots or finished models that ``--resume`` would continue?"""
+    return any((work / CHECKPOINTS).rglob("*.pt")) or any((work / CHECKPOINTS).rglob("finished"))
+
+
+@dataclass
+class _Plan:
+    """One model of a run: its spec, subfolder, "finished" file; its model, protocol and data
+    (None when an interrupted run finished it already)."""
+
+    spec: str
+    folder: Path
+    finished: Path
+    model: Any
+    protocol: Any
+    data: Any
+
+
+def _run_plans(args: argparse.Namespace, command: str, plans: list[_Plan], work: Path) -> int:
     from dcp_lens.protocol.results import write_results_json
     from dcp_lens.report.console import format_summaries
     from dcp_lens.report.html import write_report
     from dcp_lens.studies.report_extras import REPORT_DATA, collect_report_data, write_report_data
     from dcp_lens.utils import distributed
     from dcp_lens.utils.environment import environment
-    from dcp_lens.utils.snapshots import Checkpoint, die_if_asked
-    from dcp_lens.zoo.registry import load
+    from dcp_lens.utils.snapshots import die_if_asked
 
-    specs = [(args.model or DEFAULT_MODEL, False)]
-    dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
-    if dense:
-        specs.append((dense, True))
+    main = distributed.is_main()
     runs: list[ProtocolResults] = []
     extras: list[dict[str, Any]] = []
-    data: tuple[EvaluationSet, EvaluationSet] | None = None
-    text_flags = {"--seq-len": args.seq_len, "--max-tokens": args.max_tokens}
-    text_flags["--token-dtype"] = args.token_dtype
-    is_text = (args.task or "").startswith("text:")
-    given = [flag for flag, value in text_flags.items() if value is not None]
-    if given and not is_text:
-        raise ValueError(f"{', '.join(given)} apply to --task text:PATH only.")
-    text_options = dict(
-        seq_len=args.seq_len, max_tokens=args.max_tokens, text_field=args.text_field,
-        token_dtype=args.token_dtype,
-    ) if is_text else {}  # fmt: skip
-    main = distributed.is_main()
-    # Rank 0 checks and prepares the folder; no rank starts before it has.
-    if not distributed.broadcast_from_main(_prepare_folder(args) if main else None):
-        return 0
-    for spec, is_negative_control in specs:
-        folder = args.out / _folder_name(spec)
-        finished = args.out / CHECKPOINTS / folder.name / "finished"
-        if args.resume and finished.is_file():  # this model finished before the interruption
-            runs.append(_read_finished(folder))
-            extras.append(_report_data(folder)["runs"][runs[-1].model])
+    for plan in plans:
+        if plan.protocol is None:
+            runs.append(_read_finished(plan.folder))
+            extras.append(_report_data(plan.folder)["runs"][runs[-1].model])
             continue
-        dtype = getattr(torch, args.dtype) if args.dtype else None
-        model = load(spec).to(device=args.device, dtype=dtype).eval()
-        if is_negative_control and not model.is_dense:
-            raise ValueError(
-                f"--dense {spec!r} is not a dense model (it has a weight-shared core)."
-            )
-        if data is None or hasattr(model, "planted_task"):
-            data = task_data(
-                model, args.task, args.n_eval, args.n_calibration, args.seed, **text_options
-            )
-        protocol = DepthControlProtocol(
-            model, protocol_config(args, "run"), spec=spec, progress=not args.quiet and main,
-            checkpoint=Checkpoint(args.out / CHECKPOINTS / folder.name, args.checkpoint_every),
-        )  # fmt: skip
-        results = protocol.run(*data)
+        results = _resumed(args, plan, work)
         if not main:  # rank 0 writes
             continue
         runs.append(results)
         extra = collect_report_data(
-            protocol, data[0], vocab=_vocab(model, args.task, args.seed),
+            plan.protocol, plan.data[0], vocab=_vocab(plan.model, args.task, args.seed),
             n_bootstrap=min(args.bootstrap, 200),
         )  # fmt: skip
         extras.append(extra)
         # Per-model results are written as each finishes (results.json last: it says the model
         # is finished); the folder is marked incomplete until all are.
-        results.save(folder)
-        write_report_data([extra], folder / REPORT_DATA, command=command, environment=environment())
-        finished.write_text(f"{spec}\n")
+        results.save(plan.folder)
+        env = environment()
+        write_report_data([extra], plan.folder / REPORT_DATA, command=command, environment=env)
+        plan.finished.write_text(f"{plan.spec}\n")
         die_if_asked(f"model:{len(runs)}")
     if not main:
         return 0
-    write_report_data(extras, args.out / REPORT_DATA, command=command, environment=environment())
-    report = write_report(runs, args.out, _report_data(args.out))
-    write_results_json(runs, args.out / "results.json")  # last: results.json means finished
-    shutil.rmtree(args.out / CHECKPOINTS, ignore_errors=True)
+    write_report_data(extras, work / REPORT_DATA, command=command, environment=environment())
+    write_report(runs, work, _report_data(work))
+    write_results_json(runs, work / "results.json")  # last: results.json means finished
+    shutil.rmtree(work / CHECKPOINTS, ignore_errors=True)
+    die_if_asked("written")
+    if work != args.out:  # an --overwrite run: its folder takes the old run's place at once
+        swap_folders(work, args.out)
     mark_complete(args.out)
     print(format_summaries(runs))  # the verdict per model and metric, the legend, the flags
-    print(f"\nwrote {args.out / 'results.json'}; open {report}")
+    print(f"\nwrote {args.out / 'results.json'}; open {args.out / 'report.html'}")
     return 0
 
 
-def _prepare_folder(args: argparse.Namespace) -> bool:
-    """Check ``--out`` against ``--resume`` and ``--overwrite`` and mark it incomplete.
-    Returns False when there is nothing left to do (``--resume`` of a finished run).
+def _resumed(args: argparse.Namespace, plan: _Plan, work: Path) -> ProtocolResults:
+    """``plan``'s protocol run; with ``--resume``, snapshots that load but do not fit the run
+    (another version's, edited) are refused naming their folder."""
+    from dcp_lens.utils.errors import DamagedFileError
+
+    snapshots = work / CHECKPOINTS / plan.folder.name
+    try:
+        results: ProtocolResults = plan.protocol.run(*plan.data)
+    except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as cause:
+        if not (args.resume and any(snapshots.glob("*.pt"))):
+            raise
+        text = " ".join(str(cause).split())[:160] or type(cause).__name__
+        raise DamagedFileError(
+            f"the --resume snapshots in {snapshots} do not fit this run ({type(cause).__name__}: "
+            f"{text}); start the run again without --resume."
+        ) from cause
+    return results
+
+
+def _load_model(spec: str, args: argparse.Namespace) -> Any:
+    import torch
+
+    from dcp_lens.zoo.registry import load
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return load(spec).to(device=args.device, dtype=dtype).eval()
+
+
+def _model_folder_names(specs: Sequence[str]) -> list[str]:
+    """One subfolder name per model spec, safe (`safe_name`) and distinct."""
+    names: list[str] = []
+    for spec in specs:
+        name = safe_name(spec)
+        while name in names or name == CHECKPOINTS:
+            name += "_2"
+        names.append(name)
+    return names
+
+
+def _check_same_data(first: Any, model: Any, spec: str, task: str | None) -> None:
+    """The dense control is evaluated on the first model's data: refused unless it reads that
+    data as the first model does (the same task when --task is not given, the same vocabulary
+    and tokenizer)."""
+    reasons = []
+    if task is None and getattr(first, "task_config", None) != getattr(model, "task_config", None):
+        reasons.append(
+            f"its task {getattr(model, 'task_config', None)} differs from "
+            f"{getattr(first, 'task_config', None)}"
+        )
+    if int(first.cfg.d_vocab) != int(model.cfg.d_vocab):
+        reasons.append(f"its vocabulary of {model.cfg.d_vocab} differs from {first.cfg.d_vocab}")
+    elif _tokenizer_print(first) != _tokenizer_print(model):
+        reasons.append("its tokenizer differs")
+    if reasons:
+        raise ConfigError(
+            f"--dense {spec!r} would be evaluated on --model's data, but {'; '.join(reasons)}; "
+            "pass a dense control trained on the same task and tokenizer (or --task)."
+        )
+
+
+def _tokenizer_print(model: Any) -> tuple[str, ...] | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return tuple(tokenizer.decode([i]) for i in range(int(model.cfg.d_vocab)))
+
+
+def _work_folder(args: argparse.Namespace) -> Path | None:
+    """Where this run writes, checked against ``--resume`` and ``--overwrite`` without writing:
+    ``--out`` itself, or (``--overwrite`` of a finished run) a sibling folder that takes its
+    place when the run has finished. None: ``--resume`` of a finished run, nothing to do.
 
     A finished folder (``results.json``, no ``INCOMPLETE``) is never replaced without
     ``--overwrite``; an interrupted one is continued with ``--resume`` (the same command), or
     started again without it."""
-    out, snapshots = args.out, args.out / CHECKPOINTS
+    out = args.out
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one.")
-    if _finished(out) and not args.overwrite:
+    if _finished(out):
         if args.resume:
-            print(f"{out} holds a finished run; nothing to resume.")
-            return False
+            return None
+        if not args.overwrite:
+            raise ConfigError(
+                f"--out {out} holds a finished run (results.json); pass --overwrite to replace "
+                "it or choose another folder."
+            )
+        return replacement_folder(out)
+    if out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir()) and not _ours(out):
         raise ConfigError(
-            f"--out {out} holds a finished run (results.json); pass --overwrite to replace it "
-            "or choose another folder."
+            f"--out {out} is a folder of other files (no results.json, INCOMPLETE or "
+            f"{CHECKPOINTS}); pass a new or empty folder so that nothing in it is overwritten."
         )
-    settings = _run_settings(args)
-    recorded = snapshots / "command.json"
+    recorded = out / CHECKPOINTS / "command.json"
     if args.resume and recorded.is_file():
-        before = json.loads(recorded.read_text())
+        before = _recorded_settings(recorded)
+        settings = _run_settings(args)
         changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
         if changed:
             raise ConfigError(
                 f"--resume continues the same run, but {', '.join(changed)} differ from the "
-                f"interrupted command ({recorded}); rerun it as it was or pass --overwrite."
+                f"interrupted command ({recorded}); rerun it as it was or drop --resume."
             )
-    if not args.resume:  # start again: snapshots of another run must not be resumed
-        shutil.rmtree(snapshots, ignore_errors=True)
-    mark_incomplete(out, "dcp-lens run")
+    return out
+
+
+def _ours(folder: Path) -> bool:
+    """Does ``folder`` hold files a dcp-lens run wrote (or started to)?"""
+    return any((folder / name).exists() for name in ("results.json", MARKER, CHECKPOINTS))
+
+
+def _recorded_settings(path: Path) -> dict[str, Any]:
+    """The settings an interrupted run recorded in ``command.json``, refused if damaged."""
+    from dcp_lens.utils.checks import read_json_object
+    from dcp_lens.utils.errors import DamagedFileError
+
+    try:
+        return dict(read_json_object(path))
+    except DCPLensError as error:
+        raise DamagedFileError(
+            f"{_one_line(error)} It records the interrupted command; start again without "
+            "--resume (the run's snapshots are discarded)."
+        ) from error
+
+
+def _prepare_folder(args: argparse.Namespace, work: Path) -> bool:
+    """Mark ``work`` incomplete and record the run's settings (the lock on it is held)."""
+    snapshots = work / CHECKPOINTS
+    if not args.resume:  # start again: no file of an interrupted run may be mixed in
+        for child in work.iterdir():
+            if child.name != LOCK_FILE:
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+    mark_incomplete(work, "dcp-lens run")
     snapshots.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(recorded, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    settings = json.dumps(_run_settings(args), indent=2, sort_keys=True) + "\n"
+    write_text_atomically(snapshots / "command.json", settings)
     return True
 
 
@@ -658,10 +924,11 @@ def _report(args: argparse.Namespace) -> int:
     from dcp_lens.protocol.results import read_results_json
     from dcp_lens.report.html import write_report
 
-    report = write_report(
-        read_results_json(args.folder / "results.json"), args.out or args.folder,
-        _report_data(args.folder),
-    )  # fmt: skip
+    runs = read_results_json(args.folder / "results.json")
+    data = _report_data(args.folder)
+    out = args.out or args.folder
+    with FolderLock(out if out.is_dir() or not out.suffix else out.parent):
+        report = write_report(runs, out, data)
     print(f"wrote {report}")
     return 0
 
@@ -700,7 +967,8 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = {"steps": args.steps} if args.steps is not None else {}
     config = preset(args.preset, regime=args.regime, seed=args.seed, **overrides)
-    result = train(config, args.out, resume=args.resume)
+    with FolderLock(args.out):  # after the checks: a refused command leaves no folder
+        result = train(config, args.out, resume=args.resume)
     if result.accuracy_table is not None:
         print(format_accuracy_table(result.accuracy_table))
     print(f"model in {args.out / 'model'}; diagnose it with: {diagnose_command(args.out)}")
@@ -744,13 +1012,10 @@ def _validate(args: argparse.Namespace) -> int:
             "seed": config.seed, "n_eval": args.n_eval, "n_calibration": args.n_calibration,
             "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
         }  # fmt: skip
-        validation.save(rows, args.out, settings)
+        with FolderLock(args.out):
+            validation.save(rows, args.out, settings)
         print(f"wrote {args.out / 'validation.json'} and {args.out / 'validation.md'}")
     return 0 if validation.suite_passed(rows) else 1
-
-
-def _folder_name(spec: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[-80:]
 
 
 def _ints(text: str | None, flag: str = "--k") -> list[int] | None:
@@ -765,8 +1030,14 @@ def _ints(text: str | None, flag: str = "--k") -> list[int] | None:
     return values
 
 
-def _names(text: str | None) -> tuple[str, ...] | None:
-    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+def _names(text: str | None, flag: str = "--metrics") -> tuple[str, ...] | None:
+    """The comma-separated names of ``text`` (None: the flag was not given)."""
+    if text is None:
+        return None
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not names:
+        raise ConfigError(f"{flag} {text!r} names nothing; give comma-separated names.")
+    return names
 
 
 if __name__ == "__main__":

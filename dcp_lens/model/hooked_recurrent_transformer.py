@@ -44,7 +44,15 @@ from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.tokenization import encode_text, padding_id
 from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
-from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.devices import check_device
+from dcp_lens.utils.errors import (
+    DCPLensError,
+    DeviceError,
+    InputError,
+    InputTypeError,
+    ResourceLimitError,
+)
+from dcp_lens.utils.memory import available_memory_bytes
 
 ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
@@ -563,25 +571,62 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         if isinstance(input, (str, list)) and not isinstance(input, Tensor):
             return self.to_tokens(input)
         if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
-            raise TypeError(
+            raise InputTypeError(
                 f"input must be integer tokens [batch, pos] (or text with a tokenizer), got "
                 f"{type(input).__name__} {getattr(input, 'dtype', '')}."
             )
+        if input.device.type == "meta":
+            raise DeviceError(
+                "tokens are on the meta device, which holds shapes but no values; pass tokens on "
+                f"the model's device ({self.cfg.device})."
+            )
         if input.ndim == 1:
             input = input[None]
-        if input.ndim != 2:
-            raise ValueError(f"tokens must be [batch, pos], got shape {tuple(input.shape)}.")
+        if input.ndim != 2 or 0 in input.shape:
+            raise InputError(
+                f"tokens must be [batch >= 1, pos >= 1], got shape {tuple(input.shape)}; pass at "
+                "least one sequence of at least one token."
+            )
         if input.shape[1] + offset > self.cfg.n_ctx:
-            raise ValueError(
+            raise InputError(
                 f"sequence length {input.shape[1] + offset} exceeds n_ctx={self.cfg.n_ctx}; "
                 "shorten the input or build the model with a larger n_ctx."
             )
-        if input.numel() and (input.min() < 0 or input.max() >= self.cfg.d_vocab):
+        if input.min() < 0 or input.max() >= self.cfg.d_vocab:
             bad = input[(input < 0) | (input >= self.cfg.d_vocab)][0].item()
-            raise ValueError(
+            raise InputError(
                 f"token id {bad} is outside the vocabulary 0..{self.cfg.d_vocab - 1} (d_vocab)."
             )
+        self._check_forward_size(input.shape[0], input.shape[1] + offset)
         return input.long()
+
+    def _check_forward_size(self, batch: int, pos: int) -> None:
+        """Refuse a forward whose largest tensors (one layer's attention scores, the logits, a
+        few residual streams) would not fit in the memory this machine has free."""
+        cfg = self.cfg
+        element = self.W_E.element_size()
+        largest = batch * pos * (cfg.n_heads * pos + cfg.d_vocab + 8 * cfg.d_model) * element
+        if self.W_E.device.type != "cpu" or largest < 1 << 30:
+            return
+        free = available_memory_bytes()
+        if free is not None and largest > free:
+            raise ResourceLimitError(
+                f"tokens [{batch}, {pos}] need about {largest / 2**30:.1f} GiB for one layer's "
+                f"attention scores and the logits, more than the {free / 2**30:.1f} GiB free "
+                "here; pass fewer or shorter sequences (split a long text into windows)."
+            )
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """`torch.nn.Module.to`, with an unavailable device refused in one line."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            check_device(device)
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> Any:
+        """`torch.nn.Module.cuda`, with a missing GPU refused in one line."""
+        check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
+        return super().cuda(device)
 
     # ------------------------------------------------------------ TransformerLens surface
 

@@ -52,7 +52,8 @@ from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
 from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, identification
 from dcp_lens.utils import distributed
-from dcp_lens.utils.errors import ConfigError
+from dcp_lens.utils.checks import check_targets
+from dcp_lens.utils.errors import ConfigError, InputTypeError
 from dcp_lens.utils.snapshots import Checkpoint
 
 # The settings that `DepthControlProtocol` also takes as keyword arguments (they build a config).
@@ -80,7 +81,7 @@ class DepthControlProtocol:
 
     def __init__(
         self,
-        model: ProtocolModel,
+        model: Any,  # a ProtocolModel: checked below, with an error that says what to pass
         config: ProtocolConfig | None = None,
         *,
         spec: str | None = None,
@@ -103,6 +104,12 @@ class DepthControlProtocol:
             config = ProtocolConfig.from_dict(settings)
         elif settings:
             config = config.replace(**settings)
+        if not isinstance(model, ProtocolModel):
+            raise InputTypeError(
+                f"model must be a model DCP can run (HookedRecurrentTransformer, a loaded or "
+                f"planted model, a bridged TransformerLens model), got {type(model).__name__}; "
+                "load one with dcp_lens.load(SPEC)."
+            )
         self.config = config
         self.model = model
         self.r = int(model.n_iterations)
@@ -366,6 +373,9 @@ class DepthControlProtocol:
                 f"the calibration split overlaps the evaluation split ({len(shared)} shared "
                 "examples); calibration must be fitted on examples never evaluated."
             )
+        d_vocab = getattr(getattr(self.model, "cfg", None), "d_vocab", None)
+        for name, data in (("evaluation", evaluation), ("calibration", calibration)):
+            check_targets(data.targets, d_vocab, f"the {name} set's targets")
         n_ctx = getattr(getattr(self.model, "cfg", None), "n_ctx", None)
         if n_ctx is not None and evaluation.tokens.shape[1] > n_ctx:
             raise ValueError(

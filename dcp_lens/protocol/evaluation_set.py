@@ -13,6 +13,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.utils.checks import check_targets
 
 
 @dataclass
@@ -41,6 +42,7 @@ class EvaluationSet:
                 f"targets {tuple(self.targets.shape)} must have the shape of tokens "
                 f"{tuple(self.tokens.shape)} (-100 where a position is not scored)."
             )
+        check_targets(self.targets, None, "the evaluation set's targets")
         if not bool(self.scored.any()):
             raise ValueError("no position is scored: every target is -100.")
         if self.attention_mask is not None and bool((self.scored & ~self.attention_mask).any()):

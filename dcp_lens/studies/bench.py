@@ -51,7 +51,7 @@ from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.utils.devices import check_device
-from dcp_lens.utils.errors import ResourceLimitError
+from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
 PRESETS = ("small", "huginn")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -84,6 +84,11 @@ def bench_config(
              "d_vocab": d_vocab, "seq": seq}  # fmt: skip
     size = {**PRESET_DEFAULTS[preset], **{k: v for k, v in given.items() if v is not None}}
     d = size["d_model"]
+    if preset == "small" and (d % 2 or (d >= 64 and d % 64)):
+        raise ConfigError(
+            f"--d-model {d} does not split into the small preset's heads (64 wide from 64 on, "
+            "one head below); pass an even width below 64 or a multiple of 64."
+        )
     if preset == "small":
         return RecurrentConfig(
             d_model=d, n_heads=d // 64 or 1, d_head=64 if d >= 64 else d, d_mlp=4 * d,

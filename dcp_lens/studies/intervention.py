@@ -55,6 +55,7 @@ from dcp_lens.training.outcomes import (
 from dcp_lens.training.state import config_differences
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import write_text_atomically
+from dcp_lens.utils.locks import FolderLock
 from dcp_lens.zoo.registry import load
 
 RUNS_DIR, DCP_DIR = "runs", "dcp"
@@ -161,47 +162,53 @@ def run_training_intervention(
         (regime, seed): training_preset(preset, regime=regime, seed=seed, **overrides)
         for regime, seed in plan
     }
-    pending = [
-        (out / RUNS_DIR / f"{regime}-seed{seed}", config)
-        for (regime, seed), config in configs.items()
-        if not _finished(out / RUNS_DIR / f"{regime}-seed{seed}", config)
-    ]
-    if jobs > 1 and len(pending) > 1:
-        _train_in_parallel(pending, jobs, progress)
-    for regime, seed in tqdm(plan, desc="intervention", disable=not progress):
-        folder = out / RUNS_DIR / f"{regime}-seed{seed}"
-        config = configs[(regime, seed)]
-        results = _dcp_results(
-            folder, config, settings, protocol_config.replace(seed=seed), progress
-        )
-        runs[regime].append((seed, results))
+    lock = FolderLock(out).acquire()  # after every check: a refused experiment leaves no folder
+    try:
+        pending = [
+            (out / RUNS_DIR / f"{regime}-seed{seed}", config)
+            for (regime, seed), config in configs.items()
+            if not _finished(out / RUNS_DIR / f"{regime}-seed{seed}", config)
+        ]
+        if jobs > 1 and len(pending) > 1:
+            _train_in_parallel(pending, jobs, progress)
+        for regime, seed in tqdm(plan, desc="intervention", disable=not progress):
+            folder = out / RUNS_DIR / f"{regime}-seed{seed}"
+            config = configs[(regime, seed)]
+            results = _dcp_results(
+                folder, config, settings, protocol_config.replace(seed=seed), progress
+            )
+            runs[regime].append((seed, results))
 
-    metric = shared_metric(runs)
-    validated = validated_metrics(runs)
-    by_metric = {
-        name: _regimes_and_verdict(runs, name) for name in dict.fromkeys([metric, *validated])
-    }
-    document = encode_json(
-        {
-            "preset": preset,
-            "metric": metric,
-            "settings": settings,
-            **by_metric[metric],
-            "prediction": PREDICTION,
-            # Every other metric validated on planted models, with its own table and verdict.
-            "validated_metrics": validated,
-            "other_metrics": {name: by_metric[name] for name in validated if name != metric},
+        metric = shared_metric(runs)
+        validated = validated_metrics(runs)
+        by_metric = {
+            name: _regimes_and_verdict(runs, name) for name in dict.fromkeys([metric, *validated])
         }
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n")
-    write_text_atomically(out / MARKDOWN_FILE, format_markdown(document))
-    # The regimes side by side (one seed each): curves, S/B/D per k, the probe per regime.
-    side_by_side = [
-        dataclasses.replace(per_regime[0][1], model=f"{regime} (seed {per_regime[0][0]})")
-        for regime, per_regime in runs.items()
-    ]
-    write_report(side_by_side, out / HTML_FILE)
+        document = encode_json(
+            {
+                "preset": preset,
+                "metric": metric,
+                "settings": settings,
+                **by_metric[metric],
+                "prediction": PREDICTION,
+                # Every other metric validated on planted models, with its own table and verdict.
+                "validated_metrics": validated,
+                "other_metrics": {name: by_metric[name] for name in validated if name != metric},
+            }
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(
+            out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n"
+        )
+        write_text_atomically(out / MARKDOWN_FILE, format_markdown(document))
+        # The regimes side by side (one seed each): curves, S/B/D per k, the probe per regime.
+        side_by_side = [
+            dataclasses.replace(per_regime[0][1], model=f"{regime} (seed {per_regime[0][0]})")
+            for regime, per_regime in runs.items()
+        ]
+        write_report(side_by_side, out / HTML_FILE)
+    finally:
+        lock.release()
     return document
 
 

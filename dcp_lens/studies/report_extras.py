@@ -25,6 +25,8 @@ from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.decomposition import decompose
 from dcp_lens.protocol.results import decode_json, encode_json
+from dcp_lens.utils.checks import read_json_object
+from dcp_lens.utils.errors import DamagedFileError
 from dcp_lens.utils.files import write_text_atomically
 
 REPORT_DATA = "report_data.json"
@@ -199,8 +201,17 @@ def read_report_data(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         return {"command": None, "environment": {}, "runs": {}}
-    document = decode_json(json.loads(path.read_text()))
-    runs = {entry["model"]: entry for entry in document.get("runs", [])}
+    recovery = "Rerun the dcp-lens run command that wrote the folder to write it again."
+    document = decode_json(read_json_object(path, error=DamagedFileError, recovery=recovery))
+    entries = document.get("runs", [])
+    if not isinstance(entries, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("model"), str) for entry in entries
+    ):
+        raise DamagedFileError(
+            f"{path}: field runs must be a list of objects each naming its model, got "
+            f"{type(entries).__name__}. {recovery}"
+        )
+    runs = {entry["model"]: entry for entry in entries}
     return {**document, "runs": runs}
 
 

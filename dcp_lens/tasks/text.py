@@ -36,6 +36,7 @@ from torch import Tensor
 
 from dcp_lens.model.tokenization import encode_text, tokenizer_fingerprint
 from dcp_lens.tasks.base import Split, Task, TaskBatch, check_batch_request
+from dcp_lens.utils.errors import ConfigError
 
 CACHE_ENV = "DCP_LENS_CACHE"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -94,6 +95,11 @@ class TextLM(Task):
             raise ValueError(
                 f"text corpus {self.path!r} does not exist; pass a text file, a folder of .txt, "
                 "a .jsonl or a pre-tokenized .bin."
+            )
+        if not (source.is_file() or source.is_dir()) and self.max_tokens is None:
+            raise ConfigError(
+                f"text corpus {self.path!r} is a device, pipe or socket, not a file: it may never "
+                "end, so it is read only with max_tokens (--max-tokens N); pass one or a file."
             )
         if self.n_ctx < 1:
             raise ValueError(f"n_ctx={self.n_ctx} must be >= 1 (tokens per window).")
@@ -243,45 +249,63 @@ class TextLM(Task):
         return self.tokenizer
 
     def _tokenize(self, source: Path, dtype: np.dtype[Any]) -> Path:
-        """The cached token file of ``source`` (written on first use, atomically)."""
+        """The cached token file of ``source`` (written on first use, atomically).
+
+        Without ``max_tokens`` the cache is named by the hash of the whole corpus; with it, by
+        the hash of the text read for those tokens only (the corpus is read once, as far as
+        needed: a bounded read of an endless stream ends)."""
         tokenizer = self._require_tokenizer()
         key = hashlib.sha256()
-        key.update(_content_hash(source, self.text_field).encode())
         key.update(tokenizer_fingerprint(tokenizer).encode())
-        key.update(f"{dtype.name}/{self.max_tokens}".encode())
+        key.update(f"{dtype.name}/{self.max_tokens}/{self.text_field}".encode())
         folder = cache_dir()
-        target = folder / f"{source.stem[:40]}-{key.hexdigest()[:24]}.{dtype.name}"
-        if target.is_file():
-            return target
+        if self.max_tokens is None:
+            key.update(_content_hash(source, self.text_field).encode())
+            target = folder / f"{source.stem[:40]}-{key.hexdigest()[:24]}.{dtype.name}"
+            if target.is_file():
+                return target
         folder.mkdir(parents=True, exist_ok=True)
-        separator = [
-            i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)
-        ] or [i for i in (getattr(tokenizer, "bos_token_id", None),) if isinstance(i, int)]
-        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-        written = 0
+        partial = folder / f"{source.stem[:40]}.{os.getpid()}.partial"
+        read = hashlib.sha256()
         try:
             with partial.open("wb") as out:
-                # Chunks no longer than the tokens wanted, so a small max_tokens reads little.
-                chunk_chars = min(_CHUNK_CHARS, max(self.max_tokens or _CHUNK_CHARS, 4096))
-                documents = _documents(source, self.text_field, chunk_chars)
-                for document_index, document in enumerate(documents):
-                    for chunk_index, chunk in enumerate(document):
-                        ids = encode_text(tokenizer, chunk, False)
-                        if document_index and not chunk_index:
-                            ids = separator + ids
-                        if self.max_tokens is not None:
-                            ids = ids[: self.max_tokens - written]
-                        written += _write_ids(out, ids, dtype, source)
-                        if self.max_tokens is not None and written >= self.max_tokens:
-                            break
-                    if self.max_tokens is not None and written >= self.max_tokens:
-                        break
+                written = self._write_tokens(source, tokenizer, dtype, out, read)
+            if self.max_tokens is not None:
+                key.update(read.hexdigest().encode())
+                target = folder / f"{source.stem[:40]}-{key.hexdigest()[:24]}.{dtype.name}"
+                if target.is_file():
+                    return target
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
         metadata = {"source": str(source), "tokens": written, "dtype": dtype.name}
         target.with_name(target.name + ".json").write_text(json.dumps(metadata, indent=2))
         return target
+
+    def _write_tokens(
+        self, source: Path, tokenizer: Any, dtype: np.dtype[Any], out: BinaryIO, read: Any
+    ) -> int:
+        """Tokenize ``source`` into ``out`` (at most ``max_tokens``), hashing into ``read``
+        the text it read; returns the number of tokens written."""
+        separator = [
+            i for i in (getattr(tokenizer, "eos_token_id", None),) if isinstance(i, int)
+        ] or [i for i in (getattr(tokenizer, "bos_token_id", None),) if isinstance(i, int)]
+        written = 0
+        # Chunks no longer than the tokens wanted, so a small max_tokens reads little.
+        chunk_chars = min(_CHUNK_CHARS, max(self.max_tokens or _CHUNK_CHARS, 4096))
+        for document_index, document in enumerate(_documents(source, self.text_field, chunk_chars)):
+            read.update(f"\0document {document_index}\0".encode())
+            for chunk_index, chunk in enumerate(document):
+                read.update(chunk.encode("utf-8", "surrogatepass"))
+                ids = encode_text(tokenizer, chunk, False)
+                if document_index and not chunk_index:
+                    ids = separator + ids
+                if self.max_tokens is not None:
+                    ids = ids[: self.max_tokens - written]
+                written += _write_ids(out, ids, dtype, source)
+                if self.max_tokens is not None and written >= self.max_tokens:
+                    return written
+        return written
 
 
 def text_task(
@@ -393,7 +417,7 @@ def _line_chunks(path: Path, chunk_chars: int) -> Iterator[str]:
     with path.open(encoding="utf-8") as handle:
         lines: list[str] = []
         size = 0
-        for line in handle:
+        while line := handle.readline(chunk_chars):  # a line without end is read in pieces
             lines.append(line)
             size += len(line)
             if size >= chunk_chars:

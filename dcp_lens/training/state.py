@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
-from dcp_lens.utils.errors import DamagedFileError
+from dcp_lens.utils.errors import DamagedFileError, DCPLensError
 from dcp_lens.utils.files import write_text_atomically
 
 CHECKPOINT_TENSORS = "state.safetensors"
@@ -122,31 +122,88 @@ def load_checkpoint(
         "exists) or from scratch, or pass resume=False (--no-resume) to start over."
     )
     plain = read_json_object(folder / CHECKPOINT_STATE, error=DamagedFileError, recovery=recovery)
-    if plain.get("format") != CHECKPOINT_FORMAT or plain["parameter_names"] != names:
-        raise ValueError(
-            f"{folder} is not a checkpoint of this model (format {plain.get('format')!r}); "
-            "pass resume=False to start over."
+    if plain.get("format") != CHECKPOINT_FORMAT:
+        raise DamagedFileError(
+            f"{folder} is not a checkpoint of dcp-lens (format {plain.get('format')!r}, expected "
+            f"{CHECKPOINT_FORMAT!r}). {recovery}"
+        )
+    _check_plain_state(plain, folder / CHECKPOINT_STATE, recovery)
+    if plain["parameter_names"] != names:
+        raise DamagedFileError(
+            f"{folder} is a checkpoint of another model (its parameter_names differ). {recovery}"
         )
     tensors = read_safetensors_file(folder / CHECKPOINT_TENSORS, recovery=recovery)
-    model.load_canonical_state_dict(
-        {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
-        source=str(folder),
-    )
-    per_parameter: dict[int, dict[str, torch.Tensor]] = {}
-    for index, name in enumerate(names):
-        prefix = f"optimizer.{name}."
-        entries = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-        if entries:
-            per_parameter[index] = entries
-    groups = [{**g, "betas": tuple(g["betas"])} for g in plain["param_groups"]]
-    optimizer.load_state_dict({"state": per_parameter, "param_groups": groups})
-    sampler.set_state(tensors["rng.sampler"])
-    torch.set_rng_state(tensors["rng.torch"])
+    for key in ("rng.sampler", "rng.torch"):
+        if key not in tensors or tensors[key].dtype != torch.uint8 or tensors[key].ndim != 1:
+            raise DamagedFileError(
+                f"{folder / CHECKPOINT_TENSORS} lacks the random state {key} (a 1-d uint8 "
+                f"tensor). {recovery}"
+            )
+    try:
+        model.load_canonical_state_dict(
+            {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
+            source=str(folder),
+        )
+        per_parameter: dict[int, dict[str, torch.Tensor]] = {}
+        for index, name in enumerate(names):
+            prefix = f"optimizer.{name}."
+            entries = {
+                k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)
+            }
+            if entries:
+                per_parameter[index] = entries
+        groups = [{**g, "betas": tuple(g["betas"])} for g in plain["param_groups"]]
+        optimizer.load_state_dict({"state": per_parameter, "param_groups": groups})
+        sampler.set_state(tensors["rng.sampler"])
+        torch.set_rng_state(tensors["rng.torch"])
+    except DCPLensError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as cause:
+        text = " ".join(str(cause).split())[:200] or type(cause).__name__
+        raise DamagedFileError(
+            f"{folder} cannot be restored into this run ({type(cause).__name__}: {text}). "
+            f"{recovery}"
+        ) from cause
     if torch.cuda.is_available():
         cuda_keys = [f"rng.cuda.{i}" for i in range(torch.cuda.device_count())]
         if all(key in tensors for key in cuda_keys):
             torch.cuda.set_rng_state_all([tensors[key] for key in cuda_keys])
     return RunState(step=plain["step"], max_hops=plain["max_hops"], history=plain["history"])
+
+
+# The fields of trainer_state.json and their types.
+PLAIN_FIELDS: dict[str, Any] = {
+    "step": int, "max_hops": (int, type(None)), "history": dict, "parameter_names": list,
+    "param_groups": list,
+}  # fmt: skip
+
+
+def _check_plain_state(plain: dict[str, Any], path: Path, recovery: str) -> None:
+    """Refuse a ``trainer_state.json`` whose fields are missing or of the wrong type."""
+    for field, kind in PLAIN_FIELDS.items():
+        value = plain.get(field)
+        if field not in plain or not isinstance(value, kind) or isinstance(value, bool):
+            raise DamagedFileError(
+                f"{path}: field {field} is missing or not {_kind_name(kind)} (got {value!r:.60}). "
+                f"{recovery}"
+            )
+    names, groups = plain["parameter_names"], plain["param_groups"]
+    if not all(isinstance(name, str) for name in names):
+        raise DamagedFileError(f"{path}: field parameter_names must list strings. {recovery}")
+    if not groups or not all(
+        isinstance(g, dict) and isinstance(g.get("betas"), list) for g in groups
+    ):
+        raise DamagedFileError(
+            f"{path}: field param_groups must list the optimizer's groups (objects with betas). "
+            f"{recovery}"
+        )
+    if plain["step"] < 0:
+        raise DamagedFileError(f"{path}: field step={plain['step']} must be >= 0. {recovery}")
+
+
+def _kind_name(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -30,6 +30,7 @@ from dcp_lens.utils.errors import (
     ConfigTypeError,
     DamagedFileError,
     DCPLensError,
+    InputError,
     MissingFileError,
     ResourceLimitError,
     WeightsError,
@@ -298,6 +299,21 @@ def read_safetensors_file(path: str | Path, *, recovery: str = "") -> dict[str, 
             f"{path} is not a readable safetensors file ({_one_line(cause)}); it is truncated "
             f"or corrupt.{_then(recovery)}"
         ) from cause
+
+
+def check_targets(targets: torch.Tensor, d_vocab: int | None, name: str = "targets") -> None:
+    """Refuse ``targets`` holding an id other than -100 (not scored) that is negative or, when
+    ``d_vocab`` is given, outside the vocabulary 0..d_vocab-1."""
+    bad = (targets < 0) & (targets != -100)
+    if d_vocab is not None:
+        bad |= targets >= d_vocab
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        where = f"0..{d_vocab - 1}" if d_vocab is not None else ">= 0"
+        raise InputError(
+            f"{name} hold {value}, outside the vocabulary ({where}); a target is a token id, or "
+            "-100 where the position is not scored. Fix the targets."
+        )
 
 
 def check_inside(file: Path, folder: Path) -> None:

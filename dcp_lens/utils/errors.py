@@ -20,6 +20,15 @@ class ConfigTypeError(ConfigError, TypeError):
     """A config field has the wrong type (a string seed, ``"false"`` for a boolean, ...)."""
 
 
+class InputError(DCPLensError):
+    """A tensor or value passed to the Python API is refused (empty, out of range, wrong
+    device)."""
+
+
+class InputTypeError(InputError, TypeError):
+    """A tensor or value passed to the Python API has the wrong type."""
+
+
 class MissingFileError(DCPLensError, FileNotFoundError):
     """A file or folder dcp-lens needs does not exist."""
 
@@ -51,6 +60,8 @@ __all__ = [
     "DamagedFileError",
     "DeviceError",
     "IncompleteRunError",
+    "InputError",
+    "InputTypeError",
     "MissingFileError",
     "ResourceLimitError",
     "WeightsError",

@@ -11,12 +11,56 @@ read results from a marked folder or from a folder inside one.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 from pathlib import Path
 
 from dcp_lens.utils.errors import ConfigError, IncompleteRunError
 
 MARKER = "INCOMPLETE"
+NAME_LIMIT = 80  # characters of a subfolder name made from a model spec
+REPLACING = ".replacing"  # suffix of the sibling folder an --overwrite run writes before the swap
+
+
+def safe_name(text: str) -> str:
+    """A file or folder name made from ``text`` (a model spec, a path) that stays where it is
+    put: characters other than letters, digits, ``-``, ``_`` and ``.`` become ``_``, leading
+    dots too (so ``..``, ``.`` and hidden names cannot occur), at most `NAME_LIMIT` characters
+    (the end, which names the model); an empty result is ``"model"``."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[-NAME_LIMIT:]
+    stripped = name.lstrip(".")
+    name = "_" * (len(name) - len(stripped)) + stripped
+    return name or "model"
+
+
+def inside(path: str | Path, folder: str | Path, flag: str = "--out") -> Path:
+    """``path`` if it resolves (links followed) to ``folder`` or below it; else a `ConfigError`
+    (dcp-lens writes nothing outside the output folder it was given)."""
+    path, folder = Path(path), Path(folder)
+    resolved, root = path.resolve(), folder.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise ConfigError(
+            f"{path} resolves to {resolved}, outside {flag} {folder}; dcp-lens writes only inside "
+            f"{flag}. Pass a model or file name that stays inside it."
+        )
+    return path
+
+
+def check_new_file(path: str | Path, suffix: str, flag: str = "--out") -> Path:
+    """``path`` as a file a command is about to write: it must end in ``suffix``, and if it
+    exists it must be a file that command wrote before (a ``suffix`` file, not a folder);
+    its folder is checked as `check_output_folder` checks one."""
+    path = Path(path)
+    if path.suffix.lower() != suffix:
+        raise ConfigError(
+            f"{flag} {path} is not a {suffix} file; this command writes a {suffix} file or a "
+            f"folder to hold one. Pass a new {suffix} path or a folder."
+        )
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{flag} {path} exists and is not a file; pass a {suffix} file path.")
+    check_output_folder(path.parent, flag)
+    return path
 
 
 def check_output_folder(path: str | Path, flag: str = "out") -> Path:
@@ -37,6 +81,43 @@ def check_output_folder(path: str | Path, flag: str = "out") -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {existing} is not writable; pass a writable folder.")
     return path
+
+
+def replacement_folder(folder: str | Path) -> Path:
+    """The sibling folder in which a run that replaces the finished run in ``folder`` writes,
+    until `swap_folders` puts it in place (hidden, next to ``folder``)."""
+    folder = Path(folder).absolute()
+    return folder.with_name(f".{folder.name}{REPLACING}")
+
+
+def swap_folders(new: str | Path, old: str | Path) -> None:
+    """Put the folder ``new`` in the place of ``old`` and remove what ``old`` held: one atomic
+    exchange of the two names where the system has one (Linux ``renameat2``), else two renames.
+    A kill before the exchange leaves ``old`` as it was; after it, ``new`` in its place."""
+    new, old = Path(new), Path(old)
+    if _exchange(new, old):
+        shutil.rmtree(new, ignore_errors=True)  # now the old run's files
+        return
+    parked = old.with_name(old.name + ".old")
+    shutil.rmtree(parked, ignore_errors=True)
+    os.replace(old, parked)
+    os.replace(new, old)
+    shutil.rmtree(parked, ignore_errors=True)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Atomically exchange the names ``first`` and ``second`` (Linux renameat2 with
+    RENAME_EXCHANGE); False where the system or file system cannot."""
+    if not hasattr(os, "uname") or os.uname().sysname != "Linux":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    result = renameat2(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), exchange)
+    return bool(result == 0)
 
 
 def write_text_atomically(path: str | Path, text: str) -> Path:
@@ -82,8 +163,13 @@ def check_complete(folder: str | Path) -> None:
 __all__ = [
     "MARKER",
     "check_complete",
+    "check_new_file",
     "check_output_folder",
+    "inside",
     "mark_complete",
     "mark_incomplete",
+    "replacement_folder",
+    "safe_name",
+    "swap_folders",
     "write_text_atomically",
 ]

@@ -165,3 +165,24 @@ def _glibc() -> Any:
                 library = None
         _LIBC.append(library)
     return _LIBC[0]
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can give a process now (``MemAvailable`` of ``/proc/meminfo``), or
+    its physical memory where that file is missing; None where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_memory_bytes()

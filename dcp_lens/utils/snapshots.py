@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dcp_lens.utils import distributed
+from dcp_lens.utils.errors import DamagedFileError
 
 # Tests set this to "STAGE:BATCHES" (or "model:N") to SIGKILL the run at that point.
 KILL_VARIABLE = "DCP_LENS_KILL_AT"
@@ -38,8 +39,24 @@ class Checkpoint:
         path = self._path(stage)
         if not path.is_file():
             return 0, None
-        snapshot = torch.load(path, map_location=device, weights_only=True)
-        return int(snapshot["done"]), snapshot["state"]
+        recovery = (
+            "it is damaged or was not written by this run; start the run again without --resume "
+            "(its snapshots are discarded)."
+        )
+        try:
+            snapshot = torch.load(path, map_location=device, weights_only=True)
+        except Exception as cause:  # truncated, random bytes, a pickle of other objects, ...
+            text = " ".join(str(cause).split())[:200] or type(cause).__name__
+            raise DamagedFileError(
+                f"--resume snapshot {path} cannot be read ({text}); {recovery}"
+            ) from cause
+        done = snapshot.get("done") if isinstance(snapshot, dict) else None
+        if type(done) is not int or done < 0 or "state" not in snapshot:
+            raise DamagedFileError(
+                f"--resume snapshot {path} is not a snapshot of dcp-lens (expected a dict with "
+                f"'done' batches and 'state', got {type(snapshot).__name__}); {recovery}"
+            )
+        return done, snapshot["state"]
 
     def save(self, stage: str, done: int, total: int, state: Any) -> None:
         """Snapshot ``state()`` after ``done`` of ``total`` batches, every ``every`` batches and

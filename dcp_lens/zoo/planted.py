@@ -31,7 +31,9 @@ model                            mechanism                                      
 
 from __future__ import annotations
 
+import inspect
 import math
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +48,7 @@ from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, IGNORE_INDEX, per_example_metrics
 from dcp_lens.protocol.results import FACTORS
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.utils.devices import check_dtype
+from dcp_lens.utils.devices import check_device, check_dtype
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
 from dcp_lens.zoo.registry import register_loader
 
@@ -771,10 +773,30 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
         raise ConfigError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
-    dtype = overrides.pop("dtype", None)
-    model = BUILDERS[name](**overrides)  # type: ignore[arg-type]
-    if dtype is not None:
-        model = model.to(check_dtype(dtype))
+    fields = dict(overrides)
+    device, dtype = fields.pop("device", None), fields.pop("dtype", None)
+    builder = BUILDERS[name]
+    accepted = [p for p in inspect.signature(builder).parameters if p not in ("device", "dtype")]
+    unknown = sorted(set(fields) - set(accepted))
+    if unknown:
+        raise ConfigError(
+            f"planted:{name} takes no {', '.join(unknown)}; its options are {accepted}, device "
+            "and dtype."
+        )
+    hints = typing.get_type_hints(builder)
+    for field, value in fields.items():
+        wanted = hints.get(field)
+        kinds = (int, float) if wanted is float else (wanted,) if wanted is int else None
+        if kinds is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise ConfigTypeError(
+                f"planted:{name} option {field}={value!r:.40} must be "
+                f"{'a number' if wanted is float else 'an int'}."
+            )
+    target = None if device is None else check_device(device)
+    kind = None if dtype is None else check_dtype(dtype)
+    model = builder(**fields)  # type: ignore[arg-type]
+    if target or kind:
+        model = model.to(device=target, dtype=kind)
     # Planted models number their symbols themselves: <0>, <1>, … give them strings.
     model.tokenizer = VocabularyTokenizer([f"<{i}>" for i in range(model.cfg.d_vocab)])
     return model

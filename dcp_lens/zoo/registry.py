@@ -51,6 +51,12 @@ def load(spec: str, **overrides: Any) -> Any:
         raise ConfigTypeError(f"a model spec must be a non-empty string, got {spec!r}.")
     if not spec.strip():
         raise ConfigError(f"a model spec must be a non-empty string, got {spec!r}.")
+    from dcp_lens.utils.devices import check_device, check_dtype
+
+    if overrides.get("device") is not None:  # one clear line before any loader's signature
+        check_device(overrides["device"])
+    if overrides.get("dtype") is not None:
+        check_dtype(overrides["dtype"])
     _import_builtin_kinds()
     kind, _, argument = spec.partition(":")
     if argument and kind in LOADERS:

@@ -38,6 +38,10 @@ from dcp_lens.utils.errors import (
 ABSENT_DEVICE = "cuda:99" if torch.cuda.is_available() else "cuda"
 
 
+# Small sizes for runs in tests (seconds each).
+SMALL = ["--n-eval", "16", "--n-calibration", "16", "--bootstrap", "5", "--probe", "none"]
+
+
 def rewrite_json(path: Path, **changes: object) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
@@ -473,29 +477,456 @@ def test_nan_weights_never_read_as_a_passing_null_control():
 # ------------------------------------------------------------------- partial output
 
 
-def test_a_run_killed_after_its_first_model_is_marked_incomplete(capsys, tmp_path):
+def test_a_run_that_fails_its_checks_leaves_no_folder(capsys, tmp_path):
     out = tmp_path / "out"
-    argv = [
-        "run",
-        "--model",
-        "planted:readout_shift",
-        "--dense",
-        "no-such-model",
-        "--out",
-        str(out),
-    ]
-    argv += ["--n-eval", "32", "--n-calibration", "64", "--bootstrap", "5", "--probe", "none"]
-    assert main([*argv, "--quiet"]) == 2
-    assert "unknown model spec 'no-such-model'" in capsys.readouterr().err
-    assert (out / "planted_readout_shift" / "results.json").is_file()
+    argv = ["run", "--model", "planted:readout_shift", "--dense", "no-such-model"]
+    argv += ["--out", str(out), *SMALL, "--quiet"]
+    assert "unknown model spec 'no-such-model'" in one_line_error(capsys, argv)
+    assert not out.exists()
+
+
+def test_a_run_refused_by_the_sweeps_own_checks_leaves_no_folder(capsys, tmp_path, monkeypatch):
+    def refuse(*_: object) -> None:
+        raise ValueError("the calibration split overlaps the evaluation split")
+
+    monkeypatch.setattr(DepthControlProtocol, "run", refuse)
+    out = tmp_path / "out"
+    argv = ["run", "--model", "planted:readout_shift", "--out", str(out), *SMALL]
+    assert "overlaps" in one_line_error(capsys, argv)
+    assert not out.exists()
+
+
+def test_a_run_stopped_after_its_first_model_is_marked_incomplete_and_resumes(
+    capsys, tmp_path, monkeypatch
+):
+    import dcp_lens.utils.snapshots as snapshots
+
+    def stop_after_first_model(point: str) -> None:
+        if point == "model:1":
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    argv = ["run", "--out", str(out), *SMALL, "--quiet"]  # default, then default-dense
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshots, "die_if_asked", stop_after_first_model)
+        assert main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "stopped by SIGINT" in err and "--resume" in err, err
+    assert (out / "default" / "results.json").is_file()
+    assert not (out / "default-dense").exists() and not (out / "results.json").exists()
     with pytest.raises(IncompleteRunError, match="marked incomplete .*Rerun the command"):
-        ProtocolResults.load(out / "planted_readout_shift")
-    argv[argv.index("no-such-model") - 1 : argv.index("no-such-model") + 1] = []
-    assert main([*argv, "--quiet"]) == 0
-    assert ProtocolResults.load(out / "planted_readout_shift").model == "planted:readout_shift"
+        ProtocolResults.load(out / "default")
+    assert main([*argv, "--resume"]) == 0
+    assert ProtocolResults.load(out / "default-dense").model == "default-dense"
+    assert (out / "results.json").is_file() and not (out / "INCOMPLETE").exists()
 
 
 def test_every_library_error_is_a_value_error():
     for error in (ConfigError, ConfigTypeError, DamagedFileError, DeviceError, WeightsError):
         assert issubclass(error, DCPLensError) and issubclass(error, ValueError)
     assert issubclass(ConfigTypeError, TypeError)
+
+
+# ------------------------------------------------- issue 28: outputs, folders, faults, last inputs
+
+
+def run_argv(out: Path, *extra: str) -> list[str]:
+    return ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out), *extra]
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every file below ``folder`` (relative path -> content hash)."""
+    import hashlib
+
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished planted run (copied by tests that change it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main(run_argv(out)) == 0
+    return out
+
+
+def test_model_folder_names_never_leave_the_output_folder():
+    from dcp_lens.utils.files import safe_name
+
+    for spec in ("..", ".", "", "/", "../../etc", "/abs/path", "huginn:../x", ".hidden", "a/../.."):
+        name = safe_name(spec)
+        assert name and not name.startswith(".") and "/" not in name, (spec, name)
+        assert (Path("/out") / name).resolve().parent == Path("/out"), (spec, name)
+
+
+def test_a_model_given_as_a_parent_path_writes_inside_out(capsys, tmp_path, monkeypatch):
+    from dcp_lens.zoo.bundled import bundled_path
+
+    model = shutil.copytree(bundled_path("default"), tmp_path / "model")
+    (model / "sub").mkdir()
+    before = tree(tmp_path / "model")
+    monkeypatch.chdir(model / "sub")
+    out = tmp_path / "out"
+    assert main(["run", "--model", "..", *SMALL, "--quiet", "--out", str(out)]) == 0
+    assert tree(tmp_path / "model") == before  # nothing written beside the model or --out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]
+    assert (out / "__" / "results.json").is_file()
+
+
+@pytest.mark.parametrize("target", ["results.json", "planted_readout_shift/shares.csv", "sub"])
+def test_report_refuses_an_out_that_would_overwrite_the_run(capsys, tmp_path, finished_run, target):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    before = tree(run)
+    out = run / target
+    if target == "sub":  # a folder holding a file of another kind named report.html
+        out.mkdir()
+        (out / "report.html").write_text("not a report")
+        before = tree(run)
+    err = one_line_error(capsys, ["report", str(run), "--out", str(out)])
+    assert "--out" in err and ("html" in err or "not a report" in err), err
+    assert tree(run) == before
+    assert main(["report", str(run)]) == 0  # the run is intact and still reads
+
+
+def test_report_writes_a_new_html_file_and_replaces_its_own(capsys, tmp_path, finished_run):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    assert main(["report", str(run), "--out", str(tmp_path / "copy.html")]) == 0
+    assert main(["report", str(run), "--out", str(tmp_path / "copy.html")]) == 0
+    assert "<html" in (tmp_path / "copy.html").read_text().lower()
+
+
+def test_overwrite_with_a_bad_argument_leaves_the_finished_run_readable(
+    capsys, tmp_path, finished_run
+):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    before = tree(run)
+    argv = ["run", "--model", "planted:no_such", *SMALL, "--out", str(run), "--overwrite"]
+    assert "unknown planted model" in one_line_error(capsys, argv)
+    assert tree(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no sibling left either
+    ProtocolResults.load(run / "planted_readout_shift")
+
+
+def test_overwrite_replaces_the_run_whole_and_leaves_no_sibling(capsys, tmp_path, finished_run):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    (run / "stale.txt").write_text("a file of the old run")
+    argv = run_argv(run, "--overwrite", "--seed", "3")
+    assert main(argv) == 0
+    assert not (run / "stale.txt").exists() and not (run / "INCOMPLETE").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert json.loads((run / "results.json").read_text())["runs"][0]["metadata"]["seed"] == 3
+
+
+def test_overwrite_stopped_midway_keeps_the_old_finished_run(
+    capsys, tmp_path, finished_run, monkeypatch
+):
+    import dcp_lens.utils.snapshots as snapshots
+
+    def stop(point: str) -> None:
+        if point == "model:1":
+            raise KeyboardInterrupt
+
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    before = tree(run)
+    monkeypatch.setattr(snapshots, "die_if_asked", stop)
+    assert main(run_argv(run, "--overwrite", "--seed", "3")) == 130
+    assert "stopped by SIGINT" in capsys.readouterr().err
+    assert tree(run) == before  # the old run, whole; the new one waits beside it, incomplete
+    monkeypatch.undo()
+    assert main(run_argv(run, "--overwrite", "--seed", "3")) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_second_run_into_a_busy_out_is_refused_by_the_lock(capsys, tmp_path):
+    from dcp_lens.utils.locks import FolderLock
+
+    out = tmp_path / "out"
+    with FolderLock(out):
+        err = one_line_error(capsys, run_argv(out))
+    assert "is being written by another dcp-lens process" in err
+    assert main(run_argv(out)) == 0  # the lock is gone with its holder
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_stop_signals_end_the_run_in_one_line_and_it_resumes(capsys, tmp_path, monkeypatch, signum):
+    import os
+    import signal
+
+    import dcp_lens.utils.snapshots as snapshots
+
+    def stop(point: str) -> None:
+        if point == "calibration:1":
+            os.kill(os.getpid(), getattr(signal, signum))
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(snapshots, "die_if_asked", stop)
+    code = main(run_argv(out, "--checkpoint-every", "1", "--batch-size", "8"))
+    assert code == 128 + getattr(signal, signum)
+    err = capsys.readouterr().err.strip()
+    assert err == err.splitlines()[0] and f"stopped by {signum}" in err and "--resume" in err
+    assert (out / "INCOMPLETE").is_file()
+    monkeypatch.undo()
+    assert main(run_argv(out, "--checkpoint-every", "1", "--batch-size", "8", "--resume")) == 0
+
+
+@pytest.fixture
+def interrupted_run(tmp_path, monkeypatch) -> Path:
+    """A run stopped after its first calibration snapshot (snapshots on disk)."""
+    import dcp_lens.utils.snapshots as snapshots
+
+    def stop(point: str) -> None:
+        if point == "calibration:1":
+            raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(snapshots, "die_if_asked", stop)
+        assert main(run_argv(out, "--checkpoint-every", "1", "--batch-size", "8")) == 130
+    assert list((out / ".checkpoints").rglob("calibration*.pt"))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["empty", "random", "foreign", "pickled", "state"])
+def test_damaged_snapshots_name_the_file_and_say_start_again(capsys, interrupted_run, damage):
+    snapshot = next((interrupted_run / ".checkpoints").rglob("calibration*.pt"))
+    if damage == "empty":
+        snapshot.write_bytes(b"")
+    elif damage == "random":
+        snapshot.write_bytes(bytes(range(256)) * 7)
+    elif damage == "foreign":
+        torch.save(torch.zeros(3, 3), snapshot)
+    elif damage == "pickled":
+        torch.save({"done": 1, "state": math.sqrt}, snapshot)  # not loadable with weights_only
+    else:
+        torch.save({"done": 1, "state": {"unexpected": torch.zeros(2)}}, snapshot)
+    capsys.readouterr()
+    argv = run_argv(interrupted_run, "--checkpoint-every", "1", "--batch-size", "8", "--resume")
+    err = one_line_error(capsys, argv)
+    assert "without --resume" in err and str(snapshot.parent) in err, err
+
+
+def test_a_command_json_that_is_a_list_is_refused_on_resume(capsys, interrupted_run):
+    (interrupted_run / ".checkpoints" / "command.json").write_text("[1, 2]")
+    capsys.readouterr()
+    argv = run_argv(interrupted_run, "--checkpoint-every", "1", "--batch-size", "8", "--resume")
+    err = one_line_error(capsys, argv)
+    assert "command.json must hold a JSON object" in err and "without --resume" in err
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("[1]", "must hold a JSON object"),
+        ('"a string"', "must hold a JSON object"),
+        ('{"add_bos_token": "false"}', "add_bos_token='false' must be true or false"),
+        ('{"bos_token": 5}', "bos_token=5 must be the token's string"),
+    ],
+)
+def test_huginn_tokenizer_config_is_checked(tmp_path, content, expected):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "tokenizer_config.json").chmod(0o644)
+    (folder / "tokenizer_config.json").write_text(content)
+    with pytest.raises(ConfigError, match=expected):
+        load(f"huginn:{folder}")
+
+
+def test_huginn_add_bos_token_false_is_read_as_false(tmp_path):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "tokenizer_config.json").chmod(0o644)
+    rewrite_json(folder / "tokenizer_config.json", add_bos_token=False)
+    assert load(f"huginn:{folder}").tokenizer.prepends_bos is False
+
+
+def test_huginn_vocab_size_past_its_weights_is_refused(tmp_path):
+    folder = shutil.copytree(data_path("fixtures", "huginn_tiny"), tmp_path / "huginn")
+    (folder / "config.json").chmod(0o644)
+    rewrite_json(folder / "config.json", vocab_size=300)
+    with pytest.raises(ConfigError, match="vocab_size=300 is larger than padded_vocab_size=256"):
+        load(f"huginn:{folder}")
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(tmp_path_factory) -> Path:
+    from dcp_lens.training import preset, train
+
+    out = tmp_path_factory.mktemp("train") / "run"
+    train(preset("tiny", steps=4), out, stop_at_step=2, progress=False)
+    return out
+
+
+@pytest.mark.parametrize(
+    "field", ["parameter_names", "param_groups", "step", "history", "format", "rng"]
+)
+def test_a_training_state_missing_a_field_is_refused(tmp_path, training_checkpoint, field):
+    from safetensors.torch import load_file, save_file
+
+    from dcp_lens.training import preset, train
+
+    out = shutil.copytree(training_checkpoint, tmp_path / "run")
+    if field == "rng":
+        tensors = load_file(out / "checkpoint" / "state.safetensors")
+        del tensors["rng.sampler"]
+        save_file(tensors, out / "checkpoint" / "state.safetensors")
+    else:
+        state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+        del state[field]
+        (out / "checkpoint" / "trainer_state.json").write_text(json.dumps(state))
+    expected = "rng.sampler" if field == "rng" else field
+    with pytest.raises(DamagedFileError, match=rf"{expected}.*--no-resume"):
+        train(preset("tiny", steps=4), out, progress=False)
+
+
+def test_report_on_a_report_data_that_is_a_list_is_one_line(capsys, tmp_path, finished_run):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    (run / "report_data.json").write_text("[]")
+    err = one_line_error(capsys, ["report", str(run)])
+    assert "report_data.json must hold a JSON object" in err
+
+
+def small_sets(model):
+    from dcp_lens.protocol.dcp import task_data
+
+    return task_data(model, None, 16, 16, 0)
+
+
+@pytest.mark.parametrize("value", ["vocab", -5])
+def test_targets_outside_the_vocabulary_are_refused(value):
+    model = load("planted:readout_shift")
+    evaluation, calibration = small_sets(model)
+    targets = evaluation.targets.clone()
+    targets[targets != -100] = model.cfg.d_vocab + 3 if value == "vocab" else value
+    with pytest.raises(DCPLensError, match="outside the vocabulary"):
+        bad = EvaluationSet(evaluation.tokens, targets, evaluation.attention_mask)
+        DepthControlProtocol(model, n_bootstrap=5, probe="none", progress=False).run(
+            bad, calibration
+        )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        (torch.zeros(0, 5, dtype=torch.long), r"\[batch >= 1, pos >= 1\]"),
+        (torch.zeros(2, 0, dtype=torch.long), r"\[batch >= 1, pos >= 1\]"),
+        (torch.zeros(2, 5, dtype=torch.long, device="meta"), "meta device"),
+    ],
+)
+def test_empty_or_meta_tokens_are_refused(tokens, expected):
+    with pytest.raises(DCPLensError, match=expected):
+        load("planted:readout_shift")(tokens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_and_unknown_keywords_are_one_clear_error():
+    model = load("planted:readout_shift")
+    for attempt in (
+        lambda: load("planted:readout_shift", device="cuda"),
+        lambda: model.to("cuda"),
+        lambda: model.cuda(),
+    ):
+        with pytest.raises(DeviceError, match="'cuda' is not available"):
+            attempt()
+    with pytest.raises(ConfigError, match="takes no bogus; its options are"):
+        load("planted:readout_shift", bogus=1)
+
+
+def test_a_forward_larger_than_free_memory_is_refused_before_allocating(monkeypatch):
+    import dcp_lens.model.hooked_recurrent_transformer as module
+
+    model = HookedRecurrentTransformer(tiny_config(n_ctx=40_000))
+    monkeypatch.setattr(module, "available_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(ResourceLimitError, match=r"tokens \[1, 30000\] need about .* GiB"):
+        model(torch.zeros(1, 30_000, dtype=torch.long))
+
+
+def test_a_dense_control_of_another_task_is_refused(capsys, tmp_path):
+    from dcp_lens.zoo.bundled import bundled_path
+
+    dense = shutil.copytree(bundled_path("default-dense"), tmp_path / "dense")
+    task = json.loads((dense / "task.json").read_text())
+    task["seed"] = int(task.get("seed", 0)) + 1
+    (dense / "task.json").write_text(json.dumps(task))
+    out = tmp_path / "out"
+    argv = ["run", "--model", "default", "--dense", str(dense), *SMALL, "--out", str(out)]
+    assert "would be evaluated on --model's data, but its task" in one_line_error(capsys, argv)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["bench", "--d-model", "7"], "--d-model 7 does not split into"),
+        (["bench", "--d-model", "100"], "--d-model 100 does not split into"),
+        (["validate", "--models", ""], "--models is empty"),
+        (["validate", "--models", ","], "--models ',' names nothing"),
+        (["train", "--steps", "1000000000000"], "--steps 1000000000000 is past"),
+        (["train", "--steps", "1e12"], "invalid int value"),
+        (["run", "--n-eval", "30000000"], "--n-eval 30000000 is past"),
+        (["run", "--n-eval", "3e7"], "invalid int value"),
+        (["run", "--threads", "100000"], "--threads 100000 is more than this machine"),
+        (["run", "--task", "text:/dev/zero"], "is a device, pipe or socket"),
+        (["run", "--task", "char_lm:/dev/zero"], "is a device, pipe or socket"),
+    ],
+)
+def test_last_argument_cases_are_one_line_before_work(capsys, tmp_path, argv, expected):
+    needs_out = argv[0] in ("run", "train")
+    out = tmp_path / "out"
+    argv = [*argv, "--out", str(out)] if needs_out else argv
+    try:
+        err = one_line_error(capsys, argv)
+    except SystemExit as stop:  # argparse's own refusal (a float for an int)
+        assert stop.code == 2
+        err = capsys.readouterr().err
+    assert expected in err, err
+    assert not out.exists()
+
+
+def test_a_fifo_corpus_without_max_tokens_is_refused(capsys, tmp_path):
+    import os
+
+    fifo = tmp_path / "corpus.fifo"
+    os.mkfifo(fifo)
+    argv = ["run", "--task", f"text:{fifo}", "--out", str(tmp_path / "out")]
+    assert "is a device, pipe or socket" in one_line_error(capsys, argv)
+
+
+def test_an_endless_corpus_with_max_tokens_reads_only_what_it_uses(tmp_path, monkeypatch):
+    import dcp_lens.tasks.text as text
+
+    monkeypatch.setenv("DCP_LENS_CACHE", str(tmp_path / "cache"))
+
+    def never(*_: object) -> str:
+        raise AssertionError("the whole corpus was hashed")
+
+    monkeypatch.setattr(text, "_content_hash", never)
+    model = load(f"huginn:{data_path('fixtures', 'huginn_tiny')}")
+    task = text.text_task(model, "/dev/zero", max_tokens=300, seq_len=8)
+    assert task.n_tokens == 300
+
+
+# ----------------------------------------- ProtocolConfig (protocol/config.py checks every setting)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"seed": "0"},
+        {"seed": None},
+        {"batch_size": "8"},
+        {"k_grid": ["1"]},
+        {"k_grid": [1.5]},
+        {"n_bootstrap": "10"},
+        {"n_bootstrap": -1},
+    ],
+    ids=str,
+)
+def test_protocol_settings_of_the_wrong_type_are_refused(settings):
+    with pytest.raises(DCPLensError):
+        DepthControlProtocol(load("planted:readout_shift"), **settings)
+
+
+def test_a_protocol_without_a_model_is_refused():
+    with pytest.raises(DCPLensError):
+        DepthControlProtocol(None)

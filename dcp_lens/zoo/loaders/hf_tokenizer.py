@@ -24,6 +24,14 @@ from jaxtyping import Int
 from torch import Tensor
 
 from dcp_lens.model.tokenization import padding_id
+from dcp_lens.utils.checks import read_json_object
+from dcp_lens.utils.errors import (
+    ConfigError,
+    ConfigTypeError,
+    DamagedFileError,
+    InputError,
+    MissingFileError,
+)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -78,25 +86,27 @@ class HFTokenizer:
         folder = Path(folder)
         path = folder / TOKENIZER_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist; a tokenizer folder needs it.")
+            raise MissingFileError(f"{path} does not exist; a tokenizer folder needs it.")
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # the Rust library raises its own exception type
-            raise ValueError(f"{path} is not a readable tokenizers file: {error}") from error
+            raise DamagedFileError(f"{path} is not a readable tokenizers file: {error}") from error
         config: dict[str, Any] = {}
         config_path = folder / TOKENIZER_CONFIG_FILE
         if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+            config = read_json_object(config_path)
         add_bos = config.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise ConfigTypeError(
+                f"{config_path}: field add_bos_token={add_bos!r} must be true or false (a JSON "
+                "boolean, not a string or number); fix the file."
+            )
         return cls(
             tokenizer,
-            bos_token=_token_string(config.get("bos_token")),
-            eos_token=_token_string(config.get("eos_token")),
-            pad_token=_token_string(config.get("pad_token")),
-            add_bos_token=None if add_bos is None else bool(add_bos),
+            bos_token=_token_string(config, "bos_token", config_path),
+            eos_token=_token_string(config, "eos_token", config_path),
+            pad_token=_token_string(config, "pad_token", config_path),
+            add_bos_token=add_bos,
             source=str(path),
         )
 
@@ -156,7 +166,7 @@ class HFTokenizer:
             return None
         token_id = self.tokenizer.token_to_id(token)
         if token_id is None:
-            raise ValueError(
+            raise ConfigError(
                 f"{self.source}: {name}={token!r} is not in the vocabulary; fix "
                 f"{TOKENIZER_CONFIG_FILE} or add the token to {TOKENIZER_FILE}."
             )
@@ -164,7 +174,7 @@ class HFTokenizer:
 
     def _require(self, token_id: int | None, name: str, fix: str) -> int:
         if token_id is None:
-            raise ValueError(
+            raise InputError(
                 f"{self.source} has no {name} token ({TOKENIZER_CONFIG_FILE} sets none); pass "
                 f"{fix}."
             )
@@ -177,8 +187,15 @@ def load_checkpoint_tokenizer(folder: str | Path) -> HFTokenizer | None:
     return HFTokenizer.from_folder(folder) if (folder / TOKENIZER_FILE).is_file() else None
 
 
-def _token_string(value: Any) -> str | None:
-    """A special token as ``tokenizer_config.json`` writes it: a string, or ``{"content": ...}``."""
+def _token_string(config: dict[str, Any], field: str, source: Path) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, ``{"content": ...}``,
+    or null/absent (None); anything else is refused naming the file and field."""
+    value = config.get(field)
     if isinstance(value, dict):
         value = value.get("content")
-    return value if isinstance(value, str) else None
+    if value is None or isinstance(value, str):
+        return value
+    raise ConfigTypeError(
+        f"{source}: field {field}={config.get(field)!r} must be the token's string (or "
+        '{"content": string}), not a token id; fix the file.'
+    )

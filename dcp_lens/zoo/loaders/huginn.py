@@ -132,6 +132,12 @@ def huginn_config(
     check_source_fields(raven, SOURCE_FIELDS, source, POSITIVE_FIELDS)
     require_values(raven, SUPPORTED_SWITCHES, source)
     d_model = required_int(raven, "n_embd", source)
+    vocab, padded = required_int(raven, "vocab_size", source), raven.get("padded_vocab_size")
+    if padded is not None and vocab > padded:
+        raise ConfigError(
+            f"{source}: vocab_size={vocab} is larger than padded_vocab_size={padded}, the rows "
+            "of the embedding; token ids past it would have no weights. Fix the config."
+        )
     n_heads = raven.get("num_attention_heads", raven.get("n_heads"))
     if not isinstance(n_heads, int):
         raise ConfigError(f"{source}: needs an int 'n_heads' (or 'num_attention_heads').")
@@ -263,6 +269,12 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
         config_overrides.setdefault("default_prepend_bos", tokenizer.prepends_bos)
     config_path = folder / CONFIG_FILE
     cfg = huginn_config(read_json(config_path), source=str(config_path), **config_overrides)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.d_vocab:
+        raise ConfigError(
+            f"{folder}: its tokenizer has {tokenizer.vocab_size} tokens but the model's "
+            f"embedding has {cfg.d_vocab} rows (config.json vocab_size / padded_vocab_size); "
+            "the tokenizer and weights do not belong together."
+        )
     checkpoint = SafetensorsCheckpoint(path)
     expected, optional = huginn_tensor_shapes(cfg)
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)

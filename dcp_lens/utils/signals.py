@@ -1,0 +1,62 @@
+"""Stopping on a signal: SIGTERM, SIGHUP and SIGQUIT end a command as Ctrl-C (SIGINT) does.
+
+Inside `stop_on_signals`, each of these signals raises `Interrupted` in the main thread, where
+the command's ``finally`` blocks run (locks released, nothing half-written: every file dcp-lens
+writes is written atomically) and the command line turns it into one line saying how to resume.
+SIGINT's own KeyboardInterrupt is caught the same way by the command line.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived (a KeyboardInterrupt, so that code stopping on Ctrl-C stops on it)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def signal_name(error: BaseException) -> str:
+    """``SIGTERM``, ... for an `Interrupted`; ``SIGINT`` for Ctrl-C's KeyboardInterrupt."""
+    return signal.Signals(error.signum).name if isinstance(error, Interrupted) else "SIGINT"
+
+
+def exit_code(error: BaseException) -> int:
+    """The shell's code for a process stopped by the signal (128 + its number)."""
+    return 128 + (error.signum if isinstance(error, Interrupted) else int(signal.SIGINT))
+
+
+def _raise(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, the stop signals raise `Interrupted`; the previous handlers come back
+    after it. Outside the main thread (where Python cannot set handlers) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Any] = {}
+    for signum in STOP_SIGNALS:
+        previous[signum] = signal.signal(signum, _raise)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+__all__ = ["STOP_SIGNALS", "Interrupted", "exit_code", "signal_name", "stop_on_signals"]
