@@ -28,7 +28,9 @@ def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, facto
     assert code == 0
     printed = capsys.readouterr().out.strip().splitlines()  # ends: summary, then the report
     assert printed[-1].endswith(str(tmp_path / "report.html"))
-    assert any(line.startswith("  null control") for line in printed[-4:])
+    assert any("null control max |logit diff|" in line for line in printed)
+    assert any(line.startswith("  accuracy: full depth") for line in printed)  # the verdict
+    assert max(len(line) for line in printed[:-1]) <= 100  # the last names the report's path
     data = json.loads((tmp_path / "results.json").read_text())
     (run,) = data["runs"]
     assert run["model"] == f"planted:{name}" and run["architecture"] == "recurrent"

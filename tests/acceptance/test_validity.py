@@ -17,7 +17,8 @@ from dcp_lens.protocol.calibration import MixtureCalibration, fit_calibration
 from dcp_lens.protocol.confidence import matching_temperature, mean_entropy
 from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
-from dcp_lens.report.html import flag_lines, run_record, verdict
+from dcp_lens.protocol.verdicts import flag_lines, verdict
+from dcp_lens.report.html import run_record
 from dcp_lens.zoo.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
 
 NUMBERS = ["gap", "S", "B", "D", "I_BS", "shift_gap"]
