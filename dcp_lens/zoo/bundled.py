@@ -36,20 +36,12 @@ from dcp_lens.utils.devices import check_dtype
 from dcp_lens.zoo.registry import register_named
 
 BUNDLED_MODELS = Path(__file__).parent / "bundled_models"
-# Bundled name -> the training regime it was trained with, of preset `preset_of(name)`.
+# Bundled name -> the training regime of the default preset it was trained with.
 BUNDLED: dict[str, str] = {
     "default": "fixed",
     "default-every-iteration": "every-iteration",
     "default-dense": "dense",
-    "lm": "fixed",
 }
-# Bundled name -> its training preset, where it is not ``default``.
-PRESETS: dict[str, str] = {"lm": "lm"}
-
-
-def preset_of(name: str) -> str:
-    """The training preset bundled checkpoint ``name`` was trained with."""
-    return PRESETS.get(name, "default")
 MODEL_FILES = ("config.json", "model.safetensors", "task.json")
 # Stored precision of the bundled weights (they are computed with in float32).
 STORAGE_DTYPE = torch.float16
@@ -70,8 +62,7 @@ def bundled_path(name: str) -> Path:
         raise FileNotFoundError(
             f"the bundled checkpoint {name!r} is missing from {folder}: the package was built "
             "without its data files. Reinstall dcp-lens, or rebuild it with "
-            f"`dcp-lens train --preset {preset_of(name)} --regime {BUNDLED[name]} --seed 0 --out "
-            "RUN` and "
+            f"`dcp-lens train --preset default --regime {BUNDLED[name]} --seed 0 --out RUN` and "
             "`dcp_lens.zoo.bundled.bundle(RUN, name)`."
         )
     return folder
@@ -185,7 +176,7 @@ def bundle(run_dir: str | Path, name: str, destination: str | Path = BUNDLED_MOD
         "seed": config["seed"],
         "steps": config["steps"],
         "command": (
-            f"dcp-lens train --preset {preset_of(name)} --regime {regime} --seed {config['seed']} "
+            f"dcp-lens train --preset default --regime {regime} --seed {config['seed']} "
             f"--out RUN && python -c \"from dcp_lens.zoo.bundled import bundle; bundle('RUN', "
             f"'{name}')\""
         ),

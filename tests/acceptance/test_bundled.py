@@ -21,7 +21,6 @@ from dcp_lens.zoo.bundled import (
     bundle,
     bundled_path,
     load_bundled_from,
-    preset_of,
     stored_accuracy_table,
     stored_train_config,
 )
@@ -50,10 +49,10 @@ def test_bundled_files_are_small_and_record_how_they_were_made(name: str) -> Non
     assert config["regime"]["name"] == provenance["regime"] == BUNDLED[name]
     assert provenance["seed"] == config["seed"] == 0
     assert f"--regime {BUNDLED[name]} --seed 0" in provenance["command"]
-    # The bundled model is the preset's: its settings are those its `preset(...)` builds.
+    # The bundled model is the preset's: its settings are those `preset("default")` builds.
     from dcp_lens.training import preset
 
-    expected = preset(preset_of(name), regime=BUNDLED[name], seed=0).to_dict()
+    expected = preset("default", regime=BUNDLED[name], seed=0).to_dict()
     assert config == json.loads(json.dumps(expected))
 
 
