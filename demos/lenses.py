@@ -27,7 +27,8 @@
 # - the **Jacobian lens**: J_t, the average Jacobian from s_t to the stream entering the final norm,
 #   after TransformerLens 4.3's `jacobian_lens.py`, which refuses looped models.
 #
-# Random weights know nothing: read the numbers as what the tools compute, not as findings.
+# Random weights know nothing: read the numbers as what the tools compute, not as findings. The
+# last section reads a model that has learned something: the `lm` preset's character-level model.
 
 # %%
 import time
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 import dcp_lens
+from dcp_lens import HookedRecurrentTransformer
 from dcp_lens.lenses.lens import fit_lens_calibrations, logit_lens
 from dcp_lens.lenses.tuned import JacobianLens, TunedLens
 
@@ -107,4 +109,51 @@ top = {name: lens[:, 0, -1].argmax(-1).tolist() for name, lens in readouts.items
 print("model's top token:", int(full[0, -1].argmax()))
 for name, tokens in top.items():
     print(f"{name:<11}", tokens)
+
+# %% [markdown]
+# ## The same lenses on a trained model: the `lm` preset
+#
+# `demos/data/lm_fixed` holds the `lm` preset's fixed-regime model (a 1 prelude + 1 core x 4 +
+# 1 coda character-level model of tinyshakespeare, 2000 steps; how it was made:
+# `demos/data/lm_fixed/PROVENANCE.md`). Its characters are numbered in code-point order, as the
+# preset's `char_lm` task numbers them; we read windows from the end of the text, the preset's
+# test region.
+
+# %%
+lm = HookedRecurrentTransformer.from_pretrained(REPO / "demos" / "data" / "lm_fixed").eval()
+text = (REPO / "demos" / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+ids = {char: i for i, char in enumerate(sorted(set(text)))}
+windows = torch.tensor([ids[char] for char in text[-40 * 64 :]]).view(40, 64)
+lm_calibration, lm_evaluation = windows[:24], windows[24:]
+r_lm = lm.n_iterations
+lm_lenses = {
+    "calibrated": fit_lens_calibrations(lm, lm_calibration, mode="full"),
+    "tuned": TunedLens.fit(lm, lm_calibration, steps=30, lr=1e-2),
+    "jacobian": JacobianLens.fit(lm, lm_calibration[:2]),
+}
+with torch.no_grad():
+    lm_logits = lm(lm_evaluation)
+    full = lm_logits.log_softmax(-1)  # kl_to_full reads this
+    hits = lm_logits[:, :-1].argmax(-1) == lm_evaluation[:, 1:]
+    lm_readouts = {
+        "logit": logit_lens(lm, lm_evaluation, range(1, r_lm + 1)),
+        "calibrated": logit_lens(lm, lm_evaluation, calibration=lm_lenses["calibrated"]),
+        "tuned": lm_lenses["tuned"].logits(lm, lm_evaluation, range(1, r_lm + 1)),
+        "jacobian": lm_lenses["jacobian"].logits(lm, lm_evaluation, range(1, r_lm + 1)),
+    }
+print(f"lm: r = {r_lm}, next-character accuracy at full depth {hits.float().mean():.3f}")
+print("KL to full depth per iteration t")
+print("t:          " + "".join(f"{t:>8}" for t in range(1, r_lm + 1)))
+for name, lens in lm_readouts.items():
+    print(f"{name:<11} " + "".join(f"{v:8.3f}" for v in kl_to_full(lens)))
+
+# %% [markdown]
+# The trained model's early iterations read far from its output through its own readout (the
+# logit lens), and much closer once moved by a label-free map (calibrated) or a learned one
+# (tuned): part of what the logit lens shows at small t is the readout's frame, which is what the
+# Depth Control Protocol's S control measures. The Jacobian lens, like TransformerLens's, reads
+# through the final norm and unembedding only, so on a model with a coda block it stays off even
+# at t = r.
+
+# %%
 print(f"(ran in under a minute: {time.perf_counter() - started < 60})")
