@@ -5,7 +5,8 @@ calibration null, and the probe's reference states. Hands a `FittedMaps` to the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,7 +24,15 @@ from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
+
+# The paired translators of the S bracket's upper end (`fit_translators`): Adam steps from the
+# identity, learning rate, and the most calibration positions they are fitted on (the leading
+# sequences of the calibration split). Bounded so that the fit stays cheap beside the sweep.
+TRANSLATOR_STEPS = 150
+TRANSLATOR_LR = 0.02
+TRANSLATOR_POINTS = 2048
 
 
 @dataclass
@@ -45,6 +54,24 @@ class FittedMaps:
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
+    translators: dict[str, AffineTranslator | None] = field(default_factory=dict)
+
+    def __call__(self, source: Condition) -> StateMap | None:
+        """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
+        return self.fitted(source)
+
+    def translator(self, source: Condition) -> Callable[[Tensor], Tensor] | None:
+        """The paired translator fitted from ``source``'s readout inputs to each example's own
+        full-depth readout (None: non-finite); the identity where ``source`` is full depth."""
+        source = source.at_depth(self.n_iterations)
+        if isinstance(source, Full):
+            return _identity
+        if source.label not in self.translators:
+            raise KeyError(
+                f"no translator was fitted from {source.label}; fitted: {sorted(self.translators)}."
+                " Fit again after changing k_grid or the registered sweep conditions."
+            )
+        return self.translators[source.label]
 
     def fitted(self, source: Condition) -> StateMap | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
@@ -73,17 +100,20 @@ class FittedMaps:
 def sources(context: RunContext) -> dict[str, Condition]:
     """Every condition a map is fitted from, by label at depth r: full depth and whatever the
     registered sweep conditions ask for at the grid's k."""
-    found: dict[str, Condition] = {"full": Full()}
+    return _wanted(context).maps
 
-    def wanted(source: Condition) -> _Pending:
-        source = source.at_depth(context.r)
-        found.setdefault(source.label, source)
-        return _Pending()
 
+def translator_sources(context: RunContext) -> dict[str, Condition]:
+    """Every condition a paired translator is fitted from (full depth needs none), by label."""
+    return _wanted(context).translators
+
+
+def _wanted(context: RunContext) -> _Wanted:
+    wanted = _Wanted(context.r)
     for k in context.k_grid:
         for entry in SWEEP.values():
             entry.build(k, wanted)
-    return found
+    return wanted
 
 
 @torch.no_grad()
@@ -166,8 +196,59 @@ def fit_maps(
         else _fit_map(entry, config, source, reference, samples.get(label), samples.get("full"))
         for label, source in streams.items()
     }
+    translators = fit_translators(context, calibration)
     return FittedMaps(maps, _fit_halves(entry, config, sample), sample.tensor(),
-                      config.calibration_mode, r)  # fmt: skip
+                      config.calibration_mode, r, translators)  # fmt: skip
+
+
+def fit_translators(
+    context: RunContext, calibration: EvaluationSet
+) -> dict[str, AffineTranslator | None]:
+    """A paired `AffineTranslator` per source of `translator_sources`, fitted on the leading
+    calibration sequences (at most `TRANSLATOR_POINTS` positions) by KL from each example's
+    readout input to its own full-depth readout: `TRANSLATOR_STEPS` full-batch Adam steps from
+    the identity. None where the source's states are non-finite.
+
+    Every rank fits the same translators from the same leading sequences (no merge needed)."""
+    wanted = translator_sources(context)
+    if not wanted:
+        return {}
+    length = max(1, int(calibration.tokens.shape[1]))
+    n_rows = max(1, min(len(calibration), TRANSLATOR_POINTS // length))
+    rows = slice(0, n_rows)
+    states, full_logits = capture_states(
+        context.model, calibration.tokens[rows].to(context.device())
+    )
+    mask = context.pooled_positions(calibration, rows)
+    if not bool(mask.any()):
+        mask = torch.ones_like(mask)
+    translators: dict[str, AffineTranslator | None] = {}
+    # The translators' gradients only: the model's parameters are frozen meanwhile.
+    parameters = [p for p in context.model.parameters() if p.requires_grad]
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    try:
+        for label, source in context.each(list(wanted.items()), "translators"):
+            translators[label] = _fit_translator(context, source, states, full_logits, mask)
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+    return translators
+
+
+def _fit_translator(
+    context: RunContext, source: Condition, states: Tensor, full_logits: Tensor, mask: Tensor
+) -> AffineTranslator | None:
+    state = source.readout_input(states)
+    if not (all_finite(state) and all_finite(full_logits)):
+        return None
+    translator = AffineTranslator(int(state.shape[-1]))
+    translator.fit(
+        state, full_logits, context.model.readout,
+        steps=TRANSLATOR_STEPS, lr=TRANSLATOR_LR, mask=mask,
+    )  # fmt: skip
+    finite = translator.weight.isfinite().all() and translator.bias.isfinite().all()
+    return translator if bool(finite) else None
 
 
 def _fit_map(
@@ -243,3 +324,27 @@ class _Pending:
 
     def inverse(self) -> _Pending:
         return self
+
+
+class _Wanted:
+    """The `MapLookup` `sources` hands the sweep's builders: it records what they ask for."""
+
+    def __init__(self, r: int) -> None:
+        self.r = r
+        self.maps: dict[str, Condition] = {"full": Full()}
+        self.translators: dict[str, Condition] = {}
+
+    def __call__(self, source: Condition) -> _Pending:
+        source = source.at_depth(self.r)
+        self.maps.setdefault(source.label, source)
+        return _Pending()
+
+    def translator(self, source: Condition) -> Callable[[Tensor], Tensor]:
+        source = source.at_depth(self.r)
+        if not isinstance(source, Full):
+            self.translators.setdefault(source.label, source)
+        return _identity
+
+
+def _identity(h: Tensor) -> Tensor:
+    return h
