@@ -31,7 +31,7 @@ from dcp_lens.utils import distributed
 # identity, learning rate, and the most calibration positions they are fitted on (the leading
 # sequences of the calibration split). Bounded so that the fit stays cheap beside the sweep.
 TRANSLATOR_STEPS = 150
-TRANSLATOR_LR = 0.02
+TRANSLATOR_LR = 0.05
 TRANSLATOR_POINTS = 2048
 
 
