@@ -104,6 +104,9 @@ class Condition(ABC):
     name: str
     # Whether this condition at k = r must reproduce full depth (the null control checks it).
     reproduces_full_at_r: bool = True
+    # Whether confidence matching fits this condition's readout a temperature: not where the
+    # readout already has full depth's confidence (a translator fitted to it, the base rate).
+    matches_confidence: bool = True
 
     @property
     @abstractmethod
@@ -306,6 +309,7 @@ class Translate(Condition):
     remaining computation that is affine in the state, so its cell bounds S from above."""
 
     name = "translate"
+    matches_confidence = False  # fitted by KL to full depth's readouts, confidence included
 
     def __init__(self, inner: Condition, translator: Callable[[Tensor], Tensor]) -> None:
         if not isinstance(inner, Condition):
@@ -355,6 +359,7 @@ class BaseRate(Condition):
 
     name = "base_rate"
     reproduces_full_at_r = False
+    matches_confidence = False  # full depth's own readouts
 
     @property
     def label(self) -> str:

@@ -13,6 +13,7 @@ import torch
 from helpers import make_model
 
 from dcp_lens import DepthControlProtocol, EvaluationSet, load
+from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.report.assets import PLOTLY_JS
@@ -39,8 +40,9 @@ def test_figures_draw_every_condition_and_factor(planted_results) -> None:
     }
     assert all(isinstance(figure, go.Figure) for figure in figures.values())
     lines = {trace.name for trace in figures["quality_accuracy"].data if trace.showlegend}
-    assert lines == {"full", "truncate", "replay", "calibrate_truncate", "calibrate_replay",
-                     "shift"}  # fmt: skip
+    # Every registered sweep condition, the S bracket's translators and base rate included.
+    assert lines == {"full", *SWEEP}
+    assert {"translate_truncate", "translate_replay", "base_rate"} <= lines
     bars = [trace for trace in figures["decomposition_accuracy"].data if trace.type == "bar"]
     table = planted_results.table()
     accuracy = table[table["metric"] == "accuracy"]
@@ -52,7 +54,8 @@ def test_the_headline_reads_the_planted_factor(planted_results) -> None:
     html = planted_results._repr_html_()
     assert "<script" not in html and "S share" in html
     text, flags = verdict(run_record(planted_results), "accuracy")
-    assert text.startswith(("Most of the truncation gap", "All of the truncation gap"))
+    # The bracket's verdict: S, named with its bracket.
+    assert text.startswith("At least") and "S in [" in text
     assert "readout shift" in text
     assert not any("lower bound" in flag or "not validated" in flag for flag in flags)
 
