@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import (
@@ -27,12 +28,15 @@ from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
 
-# The paired translators of the S bracket's upper end (`fit_translators`): Adam steps from the
-# identity, learning rate, and the most calibration positions they are fitted on (the leading
-# sequences of the calibration split). Bounded so that the fit stays cheap beside the sweep.
-TRANSLATOR_STEPS = 150
-TRANSLATOR_LR = 0.05
+# The paired translators of the S bracket's upper end (`fit_translators`): each starts at the
+# least-squares affine map from the source's states to the same examples' full-depth states
+# (closed form), then takes a few Adam steps on KL to full depth's readout; the most calibration
+# positions they are fitted on (the leading sequences of the calibration split). Bounded so that
+# the fit stays cheap beside the sweep.
+TRANSLATOR_STEPS = 30
+TRANSLATOR_LR = 0.01
 TRANSLATOR_POINTS = 2048
+TRANSLATOR_RIDGE = 1e-4  # ridge of the least-squares start, relative to the states' mean square
 
 
 @dataclass
@@ -242,13 +246,32 @@ def _fit_translator(
     state = source.readout_input(states)
     if not (all_finite(state) and all_finite(full_logits)):
         return None
-    translator = AffineTranslator(int(state.shape[-1]))
+    translator = _least_squares_start(state[mask], states[-1][mask])
     translator.fit(
         state, full_logits, context.model.readout,
         steps=TRANSLATOR_STEPS, lr=TRANSLATOR_LR, mask=mask,
     )  # fmt: skip
     finite = translator.weight.isfinite().all() and translator.bias.isfinite().all()
     return translator if bool(finite) else None
+
+
+def _least_squares_start(
+    source: Float[Tensor, "n d_model"], target: Float[Tensor, "n d_model"]
+) -> AffineTranslator:
+    """The affine map h -> h A + c closest to ``target`` in least squares (a small ridge), as an
+    `AffineTranslator` (W = (A - I)^T, b = c): paired, so it can already learn any remaining
+    computation that is affine in the state; the KL steps then fit it to the readout."""
+    x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
+    y = target.double()
+    gram = x.T @ x
+    ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
+    solution = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), x.T @ y)
+    d_model = source.shape[-1]
+    linear, bias = solution[:d_model], solution[d_model]
+    weight = (linear - torch.eye(d_model, dtype=linear.dtype)).T
+    if not bool(weight.isfinite().all() and bias.isfinite().all()):
+        return AffineTranslator(d_model)
+    return AffineTranslator(d_model, weight.float().cpu(), bias.float().cpu())
 
 
 def _fit_map(
