@@ -19,7 +19,15 @@ condition              what reaches the readout                               B 
 ``replay(k)``          s_k + (r - k) Delta_k, Delta_k = s_k - s_{k-1}          r    k    S_replay
 ``calibrate(c, map)``  map(readout input of c), an affine moment-matching map  c    c    ~0
 ``shift(k, map)``      map^-1(s_r), map = the calibration of truncate(k)      r    r    ~S_trunc
+``translate(c, T)``    T(readout input of c), a paired affine translator      c    c    >= S
+``base_rate``          s_r of another example of the batch (a derangement)    r    r    none
 =====================  =====================================================  ===  ===  =========
+
+``translate`` and ``base_rate`` are the two further controls of the S bracket (docs/bracket.md):
+the translator is fitted on the calibration split from each example's readout input to its own
+full-depth readout (it can do missing affine computation, so it bounds S from above), and the
+base rate reads full depth's state of *another* example at the same position (the next row of
+the batch, cyclically), so it carries full depth's marginal and no information about the example.
 
 The protocol's sweep measures every entry of `SWEEP` at every k: a name and a builder that makes
 the condition at k from the fitted calibration maps. `register_sweep_condition` adds one (a new
@@ -94,6 +102,11 @@ class Condition(ABC):
     """One condition of the protocol: its hooks, its closed form and its (B, D) coordinates."""
 
     name: str
+    # Whether this condition at k = r must reproduce full depth (the null control checks it).
+    reproduces_full_at_r: bool = True
+    # Whether confidence matching fits this condition's readout a temperature: not where the
+    # readout already has full depth's confidence (a translator fitted to it, the base rate).
+    matches_confidence: bool = True
 
     @property
     @abstractmethod
@@ -287,6 +300,86 @@ class Calibrate(Condition):
         return type(self), self.label, id(self.state_map)
 
 
+class Translate(Condition):
+    """``inner`` with its readout input moved by a paired translator (fitted by the protocol on
+    the calibration split from ``inner``'s readout inputs to each example's own full-depth
+    readout, `dcp_lens.protocol.translator.AffineTranslator`). Same B and D as inner.
+
+    Unlike `Calibrate`, the translator saw the answers' distribution per example: it may carry out
+    remaining computation that is affine in the state, so its cell bounds S from above."""
+
+    name = "translate"
+    matches_confidence = False  # fitted by KL to full depth's readouts, confidence included
+
+    def __init__(self, inner: Condition, translator: Callable[[Tensor], Tensor]) -> None:
+        if not isinstance(inner, Condition):
+            raise TypeError(f"translate wraps a Condition, got {type(inner).__name__}.")
+        if isinstance(inner, Calibrate | Shift | Translate):
+            raise ValueError(f"translate({inner.label}) would map the readout twice.")
+        if not callable(translator):
+            raise TypeError(f"a translator must be callable, got {type(translator).__name__}.")
+        self.inner, self.translator = inner, translator
+
+    @property
+    def label(self) -> str:
+        return f"translate({self.inner.label})"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return self.inner.coordinates(r)
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        def hook(readout_input: Tensor, hook: Any) -> Tensor:
+            return self.translator(readout_input)
+
+        return self.inner.fwd_hooks(model) + [(model.readout_hook_name, hook)]
+
+    def readout_input(self, states: States) -> Tensor:
+        return self.translator(self.inner.readout_input(states))
+
+    def at_depth(self, r: int) -> Condition:
+        # Full depth's own readout is what the translator is fitted to: at r it is the identity.
+        inner = self.inner.at_depth(r)
+        if isinstance(inner, Full):
+            return inner
+        return self if inner is self.inner else Translate(inner, self.translator)
+
+    def realizable(self, model: IterationModel) -> bool:
+        return self.inner.realizable(model)
+
+    def _key(self) -> tuple[Any, ...]:
+        return type(self), self.label, id(self.translator)
+
+
+class BaseRate(Condition):
+    """Full depth's readout input of another example at the same position: row i of the batch
+    reads row i + 1's s_r (cyclically), scored against row i's own target. It has full depth's
+    marginal and no information about the example: what a map can reach knowing nothing.
+
+    A batch of one example has no other example: its readout is its own (no derangement)."""
+
+    name = "base_rate"
+    reproduces_full_at_r = False
+    matches_confidence = False  # full depth's own readouts
+
+    @property
+    def label(self) -> str:
+        return "base_rate"
+
+    def coordinates(self, r: int) -> tuple[int, int]:
+        return r, r
+
+    def fwd_hooks(self, model: IterationModel) -> HookList:
+        return [(model.readout_hook_name, _derange)]
+
+    def readout_input(self, states: States) -> Tensor:
+        return _derange(states[-1], None)
+
+
+def _derange(readout_input: Tensor, hook: Any) -> Tensor:
+    """Each batch row's readout input replaced by the next row's (a fixed cyclic derangement)."""
+    return readout_input.roll(-1, dims=0)
+
+
 class Shift(_AtDepth):
     """Full depth with the readout input mapped by the *inverse* of calibrate(truncate(k)):
     full information in a truncated-looking frame (the positive control for S)."""
@@ -337,6 +430,17 @@ def calibrate(condition: Condition, state_map: StateMap) -> Calibrate:
     return Calibrate(condition, state_map)
 
 
+def translate(condition: Condition, translator: Callable[[Tensor], Tensor]) -> Translate:
+    """``condition`` with its readout input moved by a paired ``translator`` (e.g. an
+    `dcp_lens.protocol.translator.AffineTranslator`); see `Translate`."""
+    return Translate(condition, translator)
+
+
+def base_rate() -> BaseRate:
+    """Another example's full-depth readout input at the same position; see `BaseRate`."""
+    return BaseRate()
+
+
 def shift(k: int, truncate_calibration: StateMap) -> Shift:
     """Full depth, readout input mapped by the inverse of calibrate(truncate(k)); see `Shift`."""
     return Shift(k, truncate_calibration)
@@ -344,9 +448,17 @@ def shift(k: int, truncate_calibration: StateMap) -> Shift:
 
 # ------------------------------------------------------------------------------- the sweep
 
-# A builder's second argument: the fitted map from a source condition's readout inputs (on the
-# calibration split) to full depth's, or None where that stream was non-finite.
-MapLookup = Callable[[Condition], StateMap | None]
+
+@runtime_checkable
+class MapLookup(Protocol):
+    """A builder's second argument (`dcp_lens.protocol.fit.FittedMaps`): called with a source
+    condition, the map fitted from its readout inputs (on the calibration split) to full depth's;
+    ``translator(source)``, the paired translator fitted from them to each example's full-depth
+    readout. Either is None where that source's states were non-finite."""
+
+    def __call__(self, source: Condition) -> StateMap | None: ...
+
+    def translator(self, source: Condition) -> Callable[[Tensor], Tensor] | None: ...
 
 
 @dataclass(frozen=True)
@@ -362,6 +474,16 @@ def _calibrated(inner: Callable[[int], Condition]) -> Callable[[int, MapLookup],
     def build(k: int, fitted: MapLookup) -> Condition | None:
         state_map = fitted(inner(k))
         return None if state_map is None else Calibrate(inner(k), state_map)
+
+    return build
+
+
+def _translated(
+    inner: Callable[[int], Condition],
+) -> Callable[[int, MapLookup], Condition | None]:
+    def build(k: int, fitted: MapLookup) -> Condition | None:
+        translator = fitted.translator(inner(k))
+        return None if translator is None else Translate(inner(k), translator)
 
     return build
 
@@ -403,6 +525,9 @@ for _entry in (
     SweepCondition("replay", lambda k, fitted: Replay(k)),
     SweepCondition("calibrate_replay", _calibrated(Replay)),
     SweepCondition("shift", _shift),
+    SweepCondition("translate_truncate", _translated(Truncate)),
+    SweepCondition("translate_replay", _translated(Replay)),
+    SweepCondition("base_rate", lambda k, fitted: BaseRate()),
 ):
     register_sweep_condition(_entry)
 

@@ -63,7 +63,9 @@ class ConfidenceMatching:
                 for k in context.k_grid:
                     read = readouts(context.model, context.r, states, built[k], full_logits)
                     for name, logits in read.items():
-                        kept.setdefault((name, k), []).append(logits[scored].float())
+                        condition = built[k][name]
+                        if condition is None or condition.matches_confidence:
+                            kept.setdefault((name, k), []).append(logits[scored].float())
         self.stash = {}
         reference = mean_entropy(torch.cat(full_kept), 1.0)
         return {

@@ -195,7 +195,7 @@ class DepthControlProtocol:
     @torch.no_grad()
     def fit_temperatures(self, calibration: EvaluationSet) -> Temperatures:
         """The confidence-matching stage (`ConfidenceMatching.fit`) over the fitted maps."""
-        self.temperatures = self.confidence.fit(calibration, self.fitted)
+        self.temperatures = self.confidence.fit(calibration, self._require_maps())
         return self.temperatures
 
     @torch.no_grad()
@@ -215,7 +215,7 @@ class DepthControlProtocol:
         if name not in SWEEP:
             raise ValueError(f"unknown condition {name!r}; expected full or one of {tuple(SWEEP)}.")
         check_k(k, self.r)
-        built = SWEEP[name].build(k, self.fitted)
+        built = SWEEP[name].build(k, self._require_maps())
         if built is None:
             raise ValueError(
                 f"{name}({k}) needs a calibration that could not be fitted: its states were "
@@ -281,19 +281,25 @@ class DepthControlProtocol:
         assert self.sweep is not None
         replay_difference = self.sweep.replay_difference
         flags = identification(probe_summary, self.k_grid, replay_difference)
-        decompositions = {
-            metric: dataclasses.replace(
-                decompose(
-                    swept.values[metric], self.k_grid, n_iterations=self.r, metric=metric,
-                    higher_is_better=HIGHER_IS_BETTER[metric], n_bootstrap=self.n_bootstrap,
-                    seed=self.seed,
-                ),
-                **flags,
+        decompositions = {}
+        for metric in self.metrics:
+            decomposed = decompose(
+                swept.values[metric], self.k_grid, n_iterations=self.r, metric=metric,
+                higher_is_better=HIGHER_IS_BETTER[metric], n_bootstrap=self.n_bootstrap,
+                seed=self.seed,
+            )  # fmt: skip
+            # With a bracket, identification is read from it; the probe's scores stay beside it.
+            kept = {
+                name: value
+                for name, value in flags.items()
+                if decomposed.bracket is None or not name.endswith("_identified")
+            }
+            decompositions[metric] = dataclasses.replace(
+                decomposed,
+                **kept,
                 validated=VALIDATION[metric][0],
                 validation_reason=VALIDATION[metric][1],
             )
-            for metric in self.metrics
-        }  # fmt: skip
         first = decompositions[self.metrics[0]]
         probe_summary["s_rank_correlation"] = s_rank_correlation(
             probe_summary, first.k_grid, first.cells["S"]

@@ -33,6 +33,11 @@ Conventions:
 - *Further conditions.* Conditions registered in the sweep beyond the five
 (`dcp_lens.protocol.conditions`)
   are passed in ``values`` too; they get curves with intervals and take no part in the factors.
+- *The S bracket.* Where ``values`` hold every condition of
+  `dcp_lens.protocol.bracket.BRACKET_CONDITIONS` (the translators and the base rate) and
+  ``n_bootstrap >= 1``, the bracket (docs/bracket.md) is computed from the same means and the same
+  paired bootstrap draws; it sets ``s_identified`` / ``b_identified`` per k (the bracket is
+  narrow) and holds ``S_lower`` / ``S_upper`` and the verdict of the shares.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ import numpy as np
 import torch
 from jaxtyping import Float, Shaped
 
+from dcp_lens.protocol.bracket import BRACKET_CONDITIONS, Bracket, BracketRule, bracket
 from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.protocol.metrics import LOSS_METRICS
-from dcp_lens.protocol.results import FACTORS, QUANTITIES, Decomposition
+from dcp_lens.protocol.results import BRACKET_ROW_KEYS, FACTORS, QUANTITIES, Decomposition
 from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
 
 QualityVector = Shaped[np.ndarray, "_n_examples"] | Shaped[torch.Tensor, "_n_examples"]
@@ -156,6 +162,15 @@ def decompose(
         shares.pop(key, math.nan) for key in ("gap_area", "gap_area_lo", "gap_area_hi")
     )
     slope = _truncation_slope(grid, n_iterations, sign * means, sign * draws, confidence)
+    bracketed = _bracket(conditions, grid, sign * means, sign * draws, confidence)
+    identified: dict[str, object] = {}
+    if bracketed is not None:
+        identified = {
+            "s_identified": bracketed.per_k["S_identified"],
+            "b_identified": bracketed.per_k["B_identified"],
+            "bracket": {key: v for key, v in bracketed.per_k.items() if key in BRACKET_ROW_KEYS},
+            "bracket_shares": bracketed.record(),
+        }
     return Decomposition(
         metric=metric,
         higher_is_better=higher_is_better,
@@ -181,10 +196,35 @@ def decompose(
         gap_area=gap_area,
         gap_area_lo=gap_low,
         gap_area_hi=gap_high,
+        **identified,  # type: ignore[arg-type]
     )
 
 
 # ----------------------------------------------------------------------------- internals
+
+
+def _bracket(
+    conditions: tuple[str, ...],
+    grid: tuple[int, ...],
+    qualities: np.ndarray,
+    draws: np.ndarray,
+    confidence: float,
+) -> Bracket | None:
+    """The S bracket from the decomposition's own cell means ``qualities`` ``[columns]`` and
+    bootstrap draws ``[n_bootstrap, columns]`` (quality units, columns as `_value_matrix`);
+    None where a bracket condition was not swept or there are no draws."""
+    if not set(BRACKET_CONDITIONS) <= set(conditions) or draws.shape[0] < 1:
+        return None
+    n_k = len(grid)
+
+    def cells(array: np.ndarray) -> dict[str, np.ndarray]:
+        split = {"full": np.repeat(array[..., :1], n_k, axis=-1)}
+        for name in BRACKET_CONDITIONS:
+            i = conditions.index(name)
+            split[name] = array[..., 1 + i * n_k : 1 + (i + 1) * n_k]
+        return split
+
+    return bracket(cells(qualities), cells(draws), grid, rule=BracketRule(confidence=confidence))
 
 
 def _check_k_grid(k_grid: Sequence[int], n_iterations: int) -> tuple[int, ...]:

@@ -5,9 +5,11 @@ calibration null, and the probe's reference states. Hands a `FittedMaps` to the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import (
@@ -23,7 +25,18 @@ from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
+
+# The paired translators of the S bracket's upper end (`fit_translators`): each starts at the
+# least-squares affine map from the source's states to the same examples' full-depth states
+# (closed form), then takes a few Adam steps on KL to full depth's readout; the most calibration
+# positions they are fitted on (the leading sequences of the calibration split). Bounded so that
+# the fit stays cheap beside the sweep.
+TRANSLATOR_STEPS = 30
+TRANSLATOR_LR = 0.01
+TRANSLATOR_POINTS = 2048
+TRANSLATOR_RIDGE = 1e-4  # ridge of the least-squares start, relative to the states' mean square
 
 
 @dataclass
@@ -45,6 +58,24 @@ class FittedMaps:
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
+    translators: dict[str, AffineTranslator | None] = field(default_factory=dict)
+
+    def __call__(self, source: Condition) -> StateMap | None:
+        """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
+        return self.fitted(source)
+
+    def translator(self, source: Condition) -> Callable[[Tensor], Tensor] | None:
+        """The paired translator fitted from ``source``'s readout inputs to each example's own
+        full-depth readout (None: non-finite); the identity where ``source`` is full depth."""
+        source = source.at_depth(self.n_iterations)
+        if isinstance(source, Full):
+            return _identity
+        if source.label not in self.translators:
+            raise KeyError(
+                f"no translator was fitted from {source.label}; fitted: {sorted(self.translators)}."
+                " Fit again after changing k_grid or the registered sweep conditions."
+            )
+        return self.translators[source.label]
 
     def fitted(self, source: Condition) -> StateMap | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
@@ -73,17 +104,20 @@ class FittedMaps:
 def sources(context: RunContext) -> dict[str, Condition]:
     """Every condition a map is fitted from, by label at depth r: full depth and whatever the
     registered sweep conditions ask for at the grid's k."""
-    found: dict[str, Condition] = {"full": Full()}
+    return _wanted(context).maps
 
-    def wanted(source: Condition) -> _Pending:
-        source = source.at_depth(context.r)
-        found.setdefault(source.label, source)
-        return _Pending()
 
+def translator_sources(context: RunContext) -> dict[str, Condition]:
+    """Every condition a paired translator is fitted from (full depth needs none), by label."""
+    return _wanted(context).translators
+
+
+def _wanted(context: RunContext) -> _Wanted:
+    wanted = _Wanted(context.r)
     for k in context.k_grid:
         for entry in SWEEP.values():
             entry.build(k, wanted)
-    return found
+    return wanted
 
 
 @torch.no_grad()
@@ -166,8 +200,78 @@ def fit_maps(
         else _fit_map(entry, config, source, reference, samples.get(label), samples.get("full"))
         for label, source in streams.items()
     }
+    translators = fit_translators(context, calibration)
     return FittedMaps(maps, _fit_halves(entry, config, sample), sample.tensor(),
-                      config.calibration_mode, r)  # fmt: skip
+                      config.calibration_mode, r, translators)  # fmt: skip
+
+
+def fit_translators(
+    context: RunContext, calibration: EvaluationSet
+) -> dict[str, AffineTranslator | None]:
+    """A paired `AffineTranslator` per source of `translator_sources`, fitted on the leading
+    calibration sequences (at most `TRANSLATOR_POINTS` positions) by KL from each example's
+    readout input to its own full-depth readout: `TRANSLATOR_STEPS` full-batch Adam steps from
+    the identity. None where the source's states are non-finite.
+
+    Every rank fits the same translators from the same leading sequences (no merge needed)."""
+    wanted = translator_sources(context)
+    if not wanted:
+        return {}
+    length = max(1, int(calibration.tokens.shape[1]))
+    n_rows = max(1, min(len(calibration), TRANSLATOR_POINTS // length))
+    rows = slice(0, n_rows)
+    states, full_logits = capture_states(
+        context.model, calibration.tokens[rows].to(context.device())
+    )
+    mask = context.pooled_positions(calibration, rows)
+    if not bool(mask.any()):
+        mask = torch.ones_like(mask)
+    translators: dict[str, AffineTranslator | None] = {}
+    # The translators' gradients only: the model's parameters are frozen meanwhile.
+    parameters = [p for p in context.model.parameters() if p.requires_grad]
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    try:
+        for label, source in context.each(list(wanted.items()), "translators"):
+            translators[label] = _fit_translator(context, source, states, full_logits, mask)
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+    return translators
+
+
+def _fit_translator(
+    context: RunContext, source: Condition, states: Tensor, full_logits: Tensor, mask: Tensor
+) -> AffineTranslator | None:
+    state = source.readout_input(states)
+    if not (all_finite(state) and all_finite(full_logits)):
+        return None
+    translator = _least_squares_start(state[mask], states[-1][mask])
+    translator.fit(
+        state, full_logits, context.model.readout,
+        steps=TRANSLATOR_STEPS, lr=TRANSLATOR_LR, mask=mask,
+    )  # fmt: skip
+    finite = translator.weight.isfinite().all() and translator.bias.isfinite().all()
+    return translator if bool(finite) else None
+
+
+def _least_squares_start(
+    source: Float[Tensor, "n d_model"], target: Float[Tensor, "n d_model"]
+) -> AffineTranslator:
+    """The affine map h -> h A + c closest to ``target`` in least squares (a small ridge), as an
+    `AffineTranslator` (W = (A - I)^T, b = c): paired, so it can already learn any remaining
+    computation that is affine in the state; the KL steps then fit it to the readout."""
+    x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
+    y = target.double()
+    gram = x.T @ x
+    ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
+    solution = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), x.T @ y)
+    d_model = source.shape[-1]
+    linear, bias = solution[:d_model], solution[d_model]
+    weight = (linear - torch.eye(d_model, dtype=linear.dtype)).T
+    if not bool(weight.isfinite().all() and bias.isfinite().all()):
+        return AffineTranslator(d_model)
+    return AffineTranslator(d_model, weight.float().cpu(), bias.float().cpu())
 
 
 def _fit_map(
@@ -243,3 +347,27 @@ class _Pending:
 
     def inverse(self) -> _Pending:
         return self
+
+
+class _Wanted:
+    """The `MapLookup` `sources` hands the sweep's builders: it records what they ask for."""
+
+    def __init__(self, r: int) -> None:
+        self.r = r
+        self.maps: dict[str, Condition] = {"full": Full()}
+        self.translators: dict[str, Condition] = {}
+
+    def __call__(self, source: Condition) -> _Pending:
+        source = source.at_depth(self.r)
+        self.maps.setdefault(source.label, source)
+        return _Pending()
+
+    def translator(self, source: Condition) -> Callable[[Tensor], Tensor]:
+        source = source.at_depth(self.r)
+        if not isinstance(source, Full):
+            self.translators.setdefault(source.label, source)
+        return _identity
+
+
+def _identity(h: Tensor) -> Tensor:
+    return h

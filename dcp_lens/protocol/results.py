@@ -25,6 +25,22 @@ from dcp_lens.utils.registry import renderer
 FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
 ARCHITECTURES = ("recurrent", "dense")
+# Per k, the S bracket's ends and the B and D brackets (docs/bracket.md), each with its interval,
+# and the upper interval end of each bracket's width: the bracket's columns of a decomposition row.
+BRACKET_ROW_KEYS = (
+    *(
+        f"{name}{suffix}"
+        for name in ("S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
+        for suffix in ("", "_lo", "_hi")
+    ),
+    "S_width_hi",
+    "B_width_hi",
+)
+# The bracket's fields named in ``results.json``'s ``shares[metric]`` (the whole record is in
+# ``bracket[metric]``).
+BRACKET_SHARE_KEYS = (
+    "S_lower", "S_upper", "S_identified", "B_identified", "stable", "verdict", "reason",
+)  # fmt: skip
 REPLAY_NOT_REALIZABLE = "not realizable as the same model"
 # The flag of a row whose S is not identified, in the report and on its figures' hover.
 S_NOT_IDENTIFIED = (
@@ -61,6 +77,14 @@ class Decomposition:
         validated: whether this metric attributes planted factors correctly
         (`dcp_lens.protocol.metrics`),
             with ``validation_reason``.
+        bracket: per k, `BRACKET_ROW_KEYS` (the S bracket ``[S_lower, S_upper]``, the B and D
+            brackets, intervals and widths; quality units), or None where the run swept no
+            translators and base rate. Where present, ``s_identified`` / ``b_identified`` are
+            read from it (the bracket is narrow), and the probe's ``residual_auroc`` is a
+            diagnostic only.
+        bracket_shares: the bracket of the shares (`dcp_lens.protocol.bracket.Bracket.record`):
+            ``S_lower``, ``S_upper`` with intervals, ``S_identified``, ``B_identified``,
+            ``stable``, ``verdict`` (S, B, D, mixed, inconclusive) and ``reason``; or None.
     """
 
     metric: str
@@ -93,9 +117,30 @@ class Decomposition:
     residual_auroc_threshold: Float[np.ndarray, " k"] | None = None
     validated: bool = False
     validation_reason: str = "not validated"
+    bracket: Mapping[str, Float[np.ndarray, " k"]] | None = None
+    bracket_shares: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         n_k = len(self.k_grid)
+        if self.bracket is not None:
+            if set(self.bracket) != set(BRACKET_ROW_KEYS):
+                raise ValueError(
+                    f"Decomposition.bracket has keys {sorted(self.bracket)}; expected"
+                    f" {BRACKET_ROW_KEYS}."
+                )
+            arrays = {key: np.array(self.bracket[key], np.float64) for key in BRACKET_ROW_KEYS}
+            for key, array in arrays.items():
+                if array.shape != (n_k,):
+                    raise ValueError(
+                        f"Decomposition.bracket[{key!r}] has shape {array.shape};"
+                        f" expected ({n_k},)."
+                    )
+                array.flags.writeable = False
+            object.__setattr__(self, "bracket", arrays)
+        if self.bracket_shares is not None:
+            object.__setattr__(
+                self, "bracket_shares", {k: _share_value(v) for k, v in self.bracket_shares.items()}
+            )
         object.__setattr__(self, "conditions", tuple(self.conditions))
         # Flags not measured are not granted: False (not identified) and NaN scores.
         for name, dtype, missing in (
@@ -147,7 +192,11 @@ class Decomposition:
 
     @property
     def stable(self) -> bool:
-        """Whether the gap's area interval excludes 0, so that shares of it mean something."""
+        """Whether the shares mean something: with a bracket, its rule (the gap and full depth
+        over the base rate clearly above zero, every share's interval narrow enough to name a
+        factor; docs/bracket.md); without, whether the gap's area interval excludes 0."""
+        if self.bracket_shares is not None:
+            return bool(self.bracket_shares["stable"])
         low, high = self.gap_area_lo, self.gap_area_hi
         return bool(math.isfinite(low) and math.isfinite(high) and (low > 0 or high < 0))
 
@@ -156,7 +205,9 @@ class Decomposition:
         ``nonfinite`` (any cell at that k flagged), ``S_identified``, ``B_identified``,
         ``residual_auroc`` and ``residual_auroc_threshold``."""
         rows = self._decomposition_rows()
-        return pd.DataFrame(rows, columns=["metric", "k", *_TABLE_COLUMNS, *_FLAG_COLUMNS])
+        bracket = BRACKET_ROW_KEYS if self.bracket is not None else ()
+        columns = ["metric", "k", *_TABLE_COLUMNS, *bracket, *_FLAG_COLUMNS]
+        return pd.DataFrame(rows, columns=columns)
 
     def curves_table(self) -> pd.DataFrame:
         """One row per (condition, k): ``metric, condition, k, value, value_lo, value_hi,
@@ -169,6 +220,7 @@ class Decomposition:
         row = {
             "metric": self.metric,
             **self.shares,
+            **(self.bracket_shares or {}),
             "n_k": len(self.share_k_grid),
             "stable": self.stable,
             "validated": self.validated,
@@ -195,6 +247,8 @@ class Decomposition:
             flagged = self.full_nonfinite or any(bool(self.nonfinite[c][i]) for c in DECOMPOSED)
             row: dict[str, Any] = {"metric": self.metric, "k": k}
             row.update({key: float(self.cells[key][i]) for key in _TABLE_COLUMNS})
+            if self.bracket is not None:
+                row.update({key: float(self.bracket[key][i]) for key in BRACKET_ROW_KEYS})
             row["nonfinite"] = flagged
             row["S_identified"] = bool(self.s_identified[i])  # type: ignore[index]
             row["B_identified"] = bool(self.b_identified[i])  # type: ignore[index]
@@ -240,6 +294,7 @@ class Decomposition:
         decomposition_rows: Sequence[Mapping[str, Any]],
         curve_rows: Sequence[Mapping[str, Any]],
         shares: Mapping[str, Any],
+        bracket_shares: Mapping[str, Any] | None = None,
     ) -> Decomposition:
         grid = tuple(int(k) for k in record["k_grid"])
         by_k = {int(row["k"]): row for row in decomposition_rows}
@@ -254,6 +309,9 @@ class Decomposition:
                 values = [by_k[k][key] for k in grid]
                 is_flag = key.endswith("_identified")
                 flags[name] = np.array(values, bool) if is_flag else _decode_floats(values)
+        bracket = None
+        if bracket_shares is not None and all(key in by_k[grid[0]] for key in BRACKET_ROW_KEYS):
+            bracket = {key: _decode_floats(by_k[k][key] for k in grid) for key in BRACKET_ROW_KEYS}
         curve_at = {(row["condition"], int(row["k"])): row for row in curve_rows}
         full_row = curve_at[("full", n_iterations)]
         named = dict.fromkeys(row["condition"] for row in curve_rows if row["condition"] != "full")
@@ -281,11 +339,7 @@ class Decomposition:
             full_hi=_decode_float(full_row["value_hi"]),
             nonfinite=nonfinite,
             full_nonfinite=bool(full_row["nonfinite"]),
-            shares={
-                key: _decode_float(value)
-                for key, value in shares.items()
-                if key != "stable" and not key.startswith("gap_area")
-            },
+            shares={key: _decode_float(shares[key]) for key in _interval_keys(FACTORS)},
             share_k_grid=tuple(int(k) for k in record["share_k_grid"]),
             truncation_slope=_decode_float(record["truncation_slope"]),
             truncation_slope_lo=_decode_float(record["truncation_slope_lo"]),
@@ -296,6 +350,8 @@ class Decomposition:
             gap_area_hi=_decode_float(shares.get("gap_area_hi")),
             validated=bool(record.get("validated", False)),
             validation_reason=str(record.get("reason", "not validated")),
+            bracket=bracket,
+            bracket_shares=bracket_shares,
             **flags,
         )
 
@@ -407,8 +463,15 @@ class ProtocolResults:
             "replay_realizable": self.replay_realizable,
             "decomposition": [row for d in decompositions for row in d._decomposition_rows()],
             "shares": {
-                d.metric: {**{f: d.shares[f] for f in FACTORS}, "stable": d.stable}
+                d.metric: {
+                    **{f: d.shares[f] for f in FACTORS},
+                    "stable": d.stable,
+                    **{k: d.bracket_shares[k] for k in BRACKET_SHARE_KEYS if d.bracket_shares},
+                }
                 for d in decompositions
+            },
+            "bracket": {
+                d.metric: d.bracket_shares for d in decompositions if d.bracket_shares is not None
             },
             "share_intervals": {
                 d.metric: {
@@ -446,6 +509,7 @@ class ProtocolResults:
                 [row for row in run["decomposition"] if row["metric"] == metric],
                 [row for row in run["curves"] if row["metric"] == metric],
                 {**run["shares"][metric], **run["share_intervals"][metric]},
+                run.get("bracket", {}).get(metric),
             )
             for metric, record in run["metrics"].items()
         }
@@ -590,6 +654,16 @@ _RUN_KEYS = (
     "model", "architecture", "n_iterations", "replay_realizable", "decomposition", "shares",
     "share_intervals", "curves", "null_control", "probe", "metrics", "metadata",
 )  # fmt: skip
+
+
+def _share_value(value: Any) -> Any:
+    """A bracket share's value as `Decomposition` holds it: floats (None read back as NaN),
+    bools and strings as they are."""
+    if value is None or value in ("Infinity", "-Infinity"):
+        return _decode_float(value)
+    if isinstance(value, bool | str):
+        return value
+    return float(value)
 
 
 def _interval_keys(names: Sequence[str]) -> tuple[str, ...]:

@@ -77,7 +77,7 @@ class Sweep:
 
     def conditions_at(self, k: int) -> dict[str, Condition | None]:
         """Every sweep condition at k (None where a map it needs could not be fitted)."""
-        return {name: entry.build(k, self.maps.fitted) for name, entry in SWEEP.items()}
+        return {name: entry.build(k, self.maps) for name, entry in SWEEP.items()}
 
     @torch.no_grad()
     def evaluate(self, evaluation: EvaluationSet, stage: str = "evaluation.0") -> SweepOutput:
@@ -85,7 +85,12 @@ class Sweep:
         context, config, r = self.context, self.context.config, self.context.r
         k_grid, metrics, device = context.k_grid, context.metrics, context.device()
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
-        null: dict[str, float] = {name: 0.0 for name in SWEEP}
+        # The null control: every condition that must reproduce full depth at k = r.
+        null: dict[str, float] = {
+            name: 0.0
+            for name, condition in self.conditions_at(r).items()
+            if condition is None or condition.reproduces_full_at_r
+        }
         n, points = len(evaluation), config.probe_points
         sample = Subsample(points, config.seed + 1)
         trajectory = [Subsample(points, config.seed + 2 + t) for t in range(r + 1)]
@@ -145,7 +150,9 @@ class Sweep:
             if at_r is None:
                 at_r = readouts(context.model, r, states, built[r], full_logits)
             for name, logits in at_r.items():
-                null[name] = nan_max(null[name], _max_diff(logits, full_logits))
+                at_full = built[r][name]
+                if at_full is None or at_full.reproduces_full_at_r:
+                    null[name] = nan_max(null[name], _max_diff(logits, full_logits))
             if null_map is not None:
                 halves = context.model.readout(null_map(states[r]))
                 halves_diff = nan_max(halves_diff, _max_diff(halves, full_logits))
@@ -231,7 +238,7 @@ class Sweep:
         )
         for _, key, chunk in ordered:
             per_example.setdefault(key, []).append(chunk.to(context.device()))
-        null = {name: nan_max_all(part[2][name] for part in gathered) for name in SWEEP}
+        null = {name: nan_max_all(part[2][name] for part in gathered) for name in gathered[0][2]}
         halves_diff = nan_max_all(part[3] for part in gathered)
         halves_change: dict[str, float] = {}
         for part in gathered:

@@ -22,6 +22,14 @@ from dcp_lens.protocol.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolRe
 B_IDENTIFICATION_TOLERANCE = 1e-3
 NULL_TOLERANCE = 1e-4  # max |logit diff| the exact null controls must stay within (float error)
 SMALL_GAP = 1e-3  # a mean gap below this (quality units) leaves shares unstable
+# Confidence matching's temperatures outside this range are reported: the loss metrics of those
+# cells are scored at a temperature that rescales the readout's confidence by more than 20x.
+SANE_TEMPERATURES = (0.05, 20.0)
+# The flag of a row whose S bracket is wide (docs/bracket.md), in the report and on its hover.
+S_BRACKET_WIDE = (
+    "S not identified: marginal matching and a paired translator disagree by more than 0.1 of "
+    "the gap (the truth lies in the bracket [S_lower, S_upper])"
+)
 # The flag of a row whose S is not identified, in the report and on its figures' hover.
 S_NOT_IDENTIFIED = (
     "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
@@ -70,7 +78,13 @@ def flag_lines(results: ProtocolResults) -> list[str]:
     below = [i for i, k in enumerate(first.k_grid) if k < results.n_iterations]
     s_open = [first.k_grid[i] for i in below if not first.s_identified[i]]  # type: ignore[index]
     b_open = [first.k_grid[i] for i in below if not first.b_identified[i]]  # type: ignore[index]
-    if s_open:
+    if s_open and first.bracket is not None:
+        lines.append(
+            f"S not identified at k = {_ks(s_open)} ({first.metric}): the S bracket is wider than"
+            " 0.1 of the gap there (marginal matching and a paired translator disagree); the"
+            " truth lies in [S_lower, S_upper]"
+        )
+    elif s_open:
         lines.append(
             f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
             "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
@@ -87,11 +101,17 @@ def flag_lines(results: ProtocolResults) -> list[str]:
             lines.append(f"{metric}: {OVERSHOOT}")
         if not decomposition.validated:
             lines.append(f"{metric} not validated: {decomposition.validation_reason}")
-        if not decomposition.stable:
+        if decomposition.bracket_shares is not None:
+            record = decomposition.bracket_shares
+            if record["verdict"] == "inconclusive":
+                lines.append(f"{metric} inconclusive: {record['reason']}")
+        elif not decomposition.stable:
             lines.append(
                 f"{metric} shares unstable: the gap's area interval includes 0, so its shares "
                 "mean nothing"
             )
+    if any(m != "accuracy" for m in results.metrics):
+        lines.extend(temperature_flags(results.to_results_json()))
     return lines
 
 
@@ -135,9 +155,17 @@ def below_r(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
 
 
 def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
-    """A plain-language verdict on one metric of one run, and its flags (each a short sentence)."""
-    shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
+    """A plain-language verdict on one metric of one run, and its flags (each a short sentence).
+
+    With the S bracket (``run["bracket"][metric]``, docs/bracket.md) the text follows the
+    bracket's verdict: "inconclusive" says why; S, B or D names the factor with its bracket;
+    "mixed" gives every factor's bracket. Runs written without a bracket get the point shares'
+    verdict."""
     flags = run_flags(run, metric)
+    bracketed = run.get("bracket", {}).get(metric)
+    if bracketed is not None and bracketed.get("verdict") is not None:
+        return _bracket_verdict(bracketed), flags
+    shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
     values = {factor: shares.get(factor, math.nan) for factor in FACTORS}
     gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
     mean_gap = finite_mean(gaps)
@@ -164,6 +192,37 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     return text, flags
 
 
+def bracket_span(bracketed: Mapping[str, Any], factor: str) -> str:
+    """A factor's bracket with its interval, e.g. ``"S in [0.98, 1.01] (interval [0.97, 1.02])"``,
+    as shares of the gap's area."""
+    low, high = (bracketed.get(f"{factor}_{end}") for end in ("lower", "upper"))
+    outer = (bracketed.get(f"{factor}_lower_lo"), bracketed.get(f"{factor}_upper_hi"))
+    return (
+        f"{factor} in [{format_number(low)}, {format_number(high)}]"
+        f" (interval [{format_number(outer[0])}, {format_number(outer[1])}])"
+    )
+
+
+def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
+    """The sentence of the bracket's verdict (`dcp_lens.protocol.bracket.Bracket`)."""
+    decided, reason = str(bracketed["verdict"]), str(bracketed.get("reason") or "")
+    spans = "; ".join(bracket_span(bracketed, factor) for factor in FACTORS)
+    if decided == "inconclusive":
+        return f"Inconclusive: {reason} Brackets (shares of the gap): {spans}."
+    if decided in FACTORS:
+        least = float(bracketed[f"{decided}_lower_lo"])
+        text = (
+            f"At least {least:.0%} of the truncation gap is {FACTOR_WORDS[decided]}:"
+            f" {bracket_span(bracketed, decided)}."
+        )
+        d_upper = bracketed.get("D_upper")
+        if decided != "D" and isinstance(d_upper, float | int) and d_upper < 0.2:
+            text += " Reading the truncation slope as 'the model uses its depth' would overstate"
+            text += " it."
+        return text
+    return f"No single factor carries the gap: {spans}."
+
+
 def _share_of_gap(share: float) -> str:
     """How much of the gap a share of at least 0.5 is, in words: "most" only within [0, 1]; a
     share above 1 overshoots the gap and the other factors' shares sum below 0."""
@@ -188,8 +247,9 @@ def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     if record.get("validated") is False:
         flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
     rows = below_r(run, metric)
+    bracketed = any("S_lower" in row for row in rows)
     for key, words in (
-        ("S_identified", S_NOT_IDENTIFIED),
+        ("S_identified", S_BRACKET_WIDE if bracketed else S_NOT_IDENTIFIED),
         ("B_identified", "B not identified"),
     ):
         ks = [str(row["k"]) for row in rows if row.get(key) is False]
@@ -208,6 +268,27 @@ def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     failures = run.get("metadata", {}).get("calibration_failures") or []
     if failures:
         flags.append(f"calibration could not be fitted from {', '.join(failures)}")
+    if metric != "accuracy":
+        flags.extend(temperature_flags(run))
+    return flags
+
+
+def temperature_flags(run: Mapping[str, Any]) -> list[str]:
+    """Confidence matching's temperatures outside `SANE_TEMPERATURES`, one sentence per
+    condition: the loss metrics of those cells are read at that temperature, and say so."""
+    matching = run.get("calibration", {}).get("confidence_matching", {})
+    low, high = SANE_TEMPERATURES
+    flags = []
+    for condition, per_k in (matching.get("temperatures") or {}).items():
+        extreme = {
+            k: t for k, t in per_k.items() if isinstance(t, float | int) and not low <= t <= high
+        }
+        if extreme:
+            listed = ", ".join(f"k = {k}: T = {t:.3g}" for k, t in extreme.items())
+            flags.append(
+                f"confidence matching fitted {condition} a temperature outside [{low:g}, {high:g}]"
+                f" ({listed}): its loss values there are read at that temperature"
+            )
     return flags
 
 
@@ -215,7 +296,7 @@ def row_flags(row: Mapping[str, Any]) -> list[str]:
     """The validity flags of one decomposition row, in words (absent keys: no flag)."""
     flags = []
     if row.get("S_identified") is False:
-        flags.append(S_NOT_IDENTIFIED)
+        flags.append(S_BRACKET_WIDE if "S_lower" in row else S_NOT_IDENTIFIED)
     if row.get("B_identified") is False:
         flags.append("B not identified")
     if row.get("nonfinite"):

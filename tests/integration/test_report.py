@@ -13,8 +13,10 @@ import torch
 from helpers import make_model
 
 from dcp_lens import DepthControlProtocol, EvaluationSet, load
+from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import ProtocolResults
+from dcp_lens.protocol.verdicts import S_BRACKET_WIDE
 from dcp_lens.report.assets import PLOTLY_JS
 from dcp_lens.report.html import render_report, run_record, verdict
 from dcp_lens.tasks import task_of
@@ -39,8 +41,9 @@ def test_figures_draw_every_condition_and_factor(planted_results) -> None:
     }
     assert all(isinstance(figure, go.Figure) for figure in figures.values())
     lines = {trace.name for trace in figures["quality_accuracy"].data if trace.showlegend}
-    assert lines == {"full", "truncate", "replay", "calibrate_truncate", "calibrate_replay",
-                     "shift"}  # fmt: skip
+    # Every registered sweep condition, the S bracket's translators and base rate included.
+    assert lines == {"full", *SWEEP}
+    assert {"translate_truncate", "translate_replay", "base_rate"} <= lines
     bars = [trace for trace in figures["decomposition_accuracy"].data if trace.type == "bar"]
     table = planted_results.table()
     accuracy = table[table["metric"] == "accuracy"]
@@ -52,7 +55,8 @@ def test_the_headline_reads_the_planted_factor(planted_results) -> None:
     html = planted_results._repr_html_()
     assert "<script" not in html and "S share" in html
     text, flags = verdict(run_record(planted_results), "accuracy")
-    assert text.startswith(("Most of the truncation gap", "All of the truncation gap"))
+    # The bracket's verdict: S, named with its bracket.
+    assert text.startswith("At least") and "S in [" in text
     assert "readout shift" in text
     assert not any("lower bound" in flag or "not validated" in flag for flag in flags)
 
@@ -65,10 +69,8 @@ def test_validity_flags_are_shown_when_results_carry_them(planted_results) -> No
     run["shares"]["accuracy"]["stable"] = False
     run["metrics"]["accuracy"].update(validated=False, reason="misses the planted B factor")
     _, flags = verdict(run, "accuracy")
-    assert (
-        "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
-        "still differ from full depth) at k = 1, 2"
-    ) in flags
+    # Rows that carry the S bracket say why S is not identified in its words.
+    assert f"{S_BRACKET_WIDE} at k = 1, 2" in flags
     assert "B not identified at k = 1, 2" in flags
     assert any(flag.startswith("unstable share") for flag in flags)
     assert "metric not validated: misses the planted B factor" in flags

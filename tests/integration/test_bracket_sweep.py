@@ -1,0 +1,84 @@
+"""The S bracket wired into the sweep (docs/bracket.md): `DepthControlProtocol.run` on planted
+models reports brackets, identification read from them, and verdicts, in results.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dcp_lens.protocol.dcp import DepthControlProtocol
+from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.verdicts import verdict
+from dcp_lens.zoo import planted
+
+N = 256
+SLACK = 0.05  # the truth's own sampling, as docs/bracket.md's evidence table allows
+
+
+def run_planted(name: str, evaluation: EvaluationSet | None = None) -> dict:
+    """One run of planted ``name`` on accuracy; its results.json run element (JSON round trip)."""
+    model = planted.load_planted(name, seed=0)
+    task = model.planted_task
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=100, probe="none", progress=False, seed=0
+    )
+    results = protocol.run(evaluation or task.evaluation(N), task.calibration(N))
+    return json.loads(json.dumps(results.to_results_json()))
+
+
+def test_the_new_conditions_are_curves_of_the_run():
+    run = run_planted("readout_shift")
+    conditions = {row["condition"] for row in run["curves"]}
+    assert {"translate_truncate", "translate_replay", "base_rate"} <= conditions
+    row = run["decomposition"][0]
+    for key in ("S_lower", "S_upper", "S_lower_lo", "S_lower_hi", "S_upper_lo", "S_upper_hi"):
+        assert isinstance(row[key], float), key
+    assert row["S_lower"] <= row["S_upper"]
+    # readout_shift: S only, identified, the bracket narrow at S = 1.
+    shares = run["shares"]["accuracy"]
+    assert shares["verdict"] == "S" and shares["S_identified"] and shares["stable"]
+    assert shares["S_upper"] - shares["S_lower"] <= 0.1
+    assert shares["S_lower"] == pytest.approx(1.0, abs=0.05)
+    text, _ = verdict(run, "accuracy")
+    assert "readout shift" in text and "S in [" in text
+
+
+@pytest.mark.parametrize("name", ["frame_flip", "distinct_computation_skewed"])
+def test_an_ambiguous_model_has_its_truth_inside_and_s_not_identified(name):
+    run = run_planted(name)
+    truth = planted.EXPECTED_FACTOR[name]
+    truth_s = 1.0 if truth == "S" else 0.0
+    shares = run["shares"]["accuracy"]
+    assert shares["S_lower"] - SLACK <= truth_s <= shares["S_upper"] + SLACK, shares
+    assert shares["S_identified"] is False
+    assert shares["verdict"] == "inconclusive" and "not identified" in shares["reason"]
+    below = [row for row in run["decomposition"] if row["k"] < run["n_iterations"]]
+    assert not any(row["S_identified"] for row in below if row["gap"] > 0.05)
+    text, _ = verdict(run, "accuracy")
+    assert text.startswith("Inconclusive") and "readout shift is not identified" in text
+
+
+def test_the_context_dependent_d_model_gets_a_narrow_bracket_at_d_one():
+    run = run_planted("distinct_computation_context")
+    bracket = run["bracket"]["accuracy"]
+    assert bracket["S_upper"] - bracket["S_lower"] <= 0.1
+    assert bracket["D_lower"] >= 0.9 - SLACK and bracket["D_upper"] <= 1.0 + SLACK
+    assert run["shares"]["accuracy"]["verdict"] == "D"
+
+
+def test_a_gap_near_chance_is_inconclusive_in_results_json():
+    # Targets drawn at random: full depth is no better than the base rate, whatever the model.
+    model = planted.load_planted("readout_shift", seed=0)
+    evaluation = model.planted_task.evaluation(N)
+    generator = torch.Generator().manual_seed(3)
+    targets = torch.randint(0, model.cfg.d_vocab, evaluation.targets.shape, generator=generator)
+    targets[evaluation.targets == IGNORE_INDEX] = IGNORE_INDEX
+    run = run_planted("readout_shift", EvaluationSet(evaluation.tokens, targets))
+    shares = run["shares"]["accuracy"]
+    assert shares["verdict"] == "inconclusive" and shares["stable"] is False
+    assert "near chance" in shares["reason"] or "not clearly above zero" in shares["reason"]
+    text, _ = verdict(run, "accuracy")
+    assert text.startswith("Inconclusive")
