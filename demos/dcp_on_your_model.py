@@ -57,7 +57,8 @@ results = DepthControlProtocol(planted, n_bootstrap=BOOTSTRAP, probe="none", pro
     task.evaluation(N), task.calibration(N)
 )
 shares = results.shares()
-print(shares.round(3).to_string())
+COLUMNS = ["metric", "S", "B", "D", "S_lower", "S_upper", "S_identified", "verdict"]
+print(shares[COLUMNS].round(3).to_string(index=False))
 
 # %%
 s_share = float(shares.set_index("metric").loc["accuracy", "S"])
@@ -96,16 +97,19 @@ results = protocol.run(evaluation, calibration)
 # - The null control (every condition at k = r must equal full depth) and the probe (how far
 #   each s_t is from the full-depth readout inputs: relative Mahalanobis, noise floor 1; C2ST
 #   AUROC, 0.5 = indistinguishable).
-# - S from an affine calibration is a lower bound: a shift that differs between inputs, or a
-#   frame that turns, is not repaired and is booked as D (D is the residual), or as B where
-#   replaying the update repairs it. `S_identified` says where (the probe's residual AUROC).
+# - S is a bracket: `S_lower` from the label-free calibration (minus what a base-rate control
+#   explains), `S_upper` from a paired affine translator fitted on the calibration split.
+#   `S_identified` is true where the two agree within 0.1 of the gap; where they do not, the
+#   verdict is "inconclusive" with its reason (docs/bracket.md). `results.summary()` prints the
+#   verdict per metric, as `dcp-lens run` does.
 
 # %%
 table = results.table()
-print(table[table["metric"] == "accuracy"].round(3).to_string(index=False))
+ROW = ["k", "gap", "S", "B", "D", "I_BS", "S_lower", "S_upper", "S_identified", "B_identified"]
+print(table[table["metric"] == "accuracy"][ROW].round(3).to_string(index=False))
 
 # %%
-print(results.shares().round(3).to_string())
+print(results.summary())
 print("null control, max |logit difference| at k = r:", results.null_control["max_abs_logit_diff"])
 for row in results.probe["trajectory"]:  # empty when the probe is off (quick runs)
     t, distance, auroc = row["iteration"], row["mahalanobis"], row["auroc"]

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 from jaxtyping import Bool, Float
 
-from dcp_lens.protocol.conditions import DECOMPOSED
+from dcp_lens.protocol.conditions import DECOMPOSED, SWEEP
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import DamagedFileError
 from dcp_lens.utils.files import check_complete, write_text_atomically
@@ -141,7 +141,11 @@ class Decomposition:
             object.__setattr__(
                 self, "bracket_shares", {k: _share_value(v) for k, v in self.bracket_shares.items()}
             )
-        object.__setattr__(self, "conditions", tuple(self.conditions))
+        # One order whatever assembled the curves (one process or several): the sweep
+        # registry's, conditions it does not hold after them in the order given.
+        order = {name: i for i, name in enumerate(SWEEP)}
+        conditions = sorted(self.conditions, key=lambda name: order.get(name, len(order)))
+        object.__setattr__(self, "conditions", tuple(conditions))
         # Flags not measured are not granted: False (not identified) and NaN scores.
         for name, dtype, missing in (
             ("s_identified", np.bool_, False),

@@ -211,10 +211,14 @@ def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
         return f"Inconclusive: {reason} Brackets (shares of the gap): {spans}."
     if decided in FACTORS:
         least = float(bracketed[f"{decided}_lower_lo"])
-        text = (
-            f"At least {least:.0%} of the truncation gap is {FACTOR_WORDS[decided]}:"
-            f" {bracket_span(bracketed, decided)}."
+        # A share past the whole gap is an overshoot (the other factors sum below 0), not "most".
+        share = (
+            f"At least {least:.0%} of the truncation gap"
+            if least < 1.005
+            else f"More than the whole truncation gap (at least {least:.0%}; the other factors "
+            "sum below 0)"
         )
+        text = f"{share} is {FACTOR_WORDS[decided]}: {bracket_span(bracketed, decided)}."
         d_upper = bracketed.get("D_upper")
         if decided != "D" and isinstance(d_upper, float | int) and d_upper < 0.2:
             text += " Reading the truncation slope as 'the model uses its depth' would overstate"

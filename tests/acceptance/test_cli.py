@@ -41,7 +41,9 @@ def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, facto
         assert {"metric", "k", "gap", "S", "B", "D", "I_BS", "S_lo", "S_hi"} <= set(row)
     conditions = {row["condition"] for row in run["curves"]}
     assert conditions == {"full", "truncate", "replay", "calibrate_truncate",
-                          "calibrate_replay", "shift"}  # fmt: skip
+                          "calibrate_replay", "shift", "translate_truncate", "translate_replay",
+                          "base_rate"}  # fmt: skip
+    assert run["shares"]["accuracy"]["verdict"] == factor  # the bracket names the planted factor
     assert run["null_control"]["max_abs_logit_diff"] <= 1e-5
     (loaded,) = read_results_json(tmp_path / "results.json")
     assert loaded.shares()["S"].notna().all()
@@ -298,4 +300,6 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
         progress=False,
     )  # fmt: skip
     protocol.run(evaluation, calibration)
-    assert len(calls) == 16 // 8 + 24 // 8
+    # The calibration pass, the translators' paired pass over the calibration split, the
+    # evaluation pass: one release per batch of each.
+    assert len(calls) == 2 * (16 // 8) + 24 // 8

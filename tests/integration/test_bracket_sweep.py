@@ -82,3 +82,24 @@ def test_a_gap_near_chance_is_inconclusive_in_results_json():
     assert "near chance" in shares["reason"] or "not clearly above zero" in shares["reason"]
     text, _ = verdict(run, "accuracy")
     assert text.startswith("Inconclusive")
+
+
+def test_a_gap_near_chance_is_inconclusive_on_the_console_and_in_the_report(tmp_path):
+    """The near-chance case of issue 25 item 8 reads "inconclusive", with its reason, wherever a
+    user looks: `results.summary()` (what `dcp-lens run` prints) and report.html."""
+    model = planted.load_planted("readout_shift", seed=0)
+    evaluation = model.planted_task.evaluation(N)
+    generator = torch.Generator().manual_seed(3)
+    targets = torch.randint(0, model.cfg.d_vocab, evaluation.targets.shape, generator=generator)
+    targets[evaluation.targets == IGNORE_INDEX] = IGNORE_INDEX
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=100, probe="none", progress=False, seed=0
+    )
+    results = protocol.run(
+        EvaluationSet(evaluation.tokens, targets), model.planted_task.calibration(N)
+    )
+    summary = results.summary()
+    assert "Inconclusive" in summary
+    assert max(len(line) for line in summary.splitlines()) <= 100
+    page = results.report(tmp_path).read_text()
+    assert "Inconclusive" in page

@@ -10,6 +10,7 @@ from html import unescape
 import pytest
 
 from dcp_lens import DepthControlProtocol, load
+from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.report.html import render_report, run_record, verdict
 
 
@@ -39,7 +40,8 @@ def test_null_controls_are_a_table_with_a_mark_per_check(planted_run) -> None:
         "calibrate(full), fitted onto itself, is the identity map",
     ]
     metrics = list(planted_run["null_control"]["calibrate_full_halves_metric_change"])
-    assert [check.split(")")[0] for check in checks[4:]] == [
+    halves = [check for check in checks[4:] if check.startswith("calibration null")]
+    assert [check.split(")")[0] for check in halves] == [
         f"calibration null ({metric}" for metric in metrics
     ]
     for row in rows:  # check, criterion, one run's value with its mark
@@ -64,7 +66,7 @@ def test_full_depth_is_drawn_over_the_other_curves(planted_run) -> None:
     figure = quality_figure([planted_run, planted_run], "accuracy")
     for axis in ("x", "x2"):
         lines = [t for t in figure.data if t.mode == "lines+markers" and t.xaxis == axis]
-        assert len(lines) == 6 and lines[-1].name == "full", [t.name for t in lines]
+        assert len(lines) == len(SWEEP) + 1 and lines[-1].name == "full", [t.name for t in lines]
         assert lines[-1].line.dash == "dash" and lines[-1].line.width > lines[0].line.width
     legend = sorted((t for t in figure.data if t.showlegend), key=lambda t: t.legendrank)
     assert legend[0].name == "full"  # still first in the legend
@@ -73,13 +75,14 @@ def test_full_depth_is_drawn_over_the_other_curves(planted_run) -> None:
 @pytest.mark.parametrize(
     ("share", "start"),
     [
-        (0.7, "Most of the truncation gap (70%)"),
-        (1.0, "All of the truncation gap (100%)"),
-        (1.71, "More than the whole truncation gap (171%; the other factors sum to -71%)"),
+        (0.7, "At least 70% of the truncation gap"),
+        (1.0, "At least 100% of the truncation gap"),
+        (1.71, "More than the whole truncation gap (at least 171%; the other factors sum below"),
     ],
 )
 def test_a_share_above_one_is_not_called_most_of_the_gap(planted_run, share, start) -> None:
     run = copy.deepcopy(planted_run)
     run["shares"]["accuracy"].update(S=share, B=(1 - share) / 2, D=(1 - share) / 2)
+    run["bracket"]["accuracy"].update(verdict="S", S_lower_lo=share)
     text, _ = verdict(run, "accuracy")
     assert text.startswith(start), text
