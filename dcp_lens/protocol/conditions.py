@@ -20,14 +20,16 @@ condition              what reaches the readout                               B 
 ``calibrate(c, map)``  map(readout input of c), an affine moment-matching map  c    c    ~0
 ``shift(k, map)``      map^-1(s_r), map = the calibration of truncate(k)      r    r    ~S_trunc
 ``translate(c, T)``    T(readout input of c), a paired affine translator      c    c    >= S
-``base_rate``          s_r of another example of the batch (a derangement)    r    r    none
+``base_rate(table)``   no state: the calibration split's mean full-depth       r    r    none
+                       distribution at the position (`BaseRate`)
 =====================  =====================================================  ===  ===  =========
 
 ``translate`` and ``base_rate`` are the two further controls of the S bracket (docs/bracket.md):
 the translator is fitted on the calibration split from each example's readout input to its own
 full-depth readout (it can do missing affine computation, so it bounds S from above), and the
-base rate reads full depth's state of *another* example at the same position (the next row of
-the batch, cyclically), so it carries full depth's marginal and no information about the example.
+base rate is the best readout that knows nothing about the example: full depth's mean predicted
+distribution at the same position over the calibration split (for accuracy its most frequent
+answer there), so it is what a map can gain with no information at all.
 
 The protocol's sweep measures every entry of `SWEEP` at every k: a name and a builder that makes
 the condition at k from the fitted calibration maps. `register_sweep_condition` adds one (a new
@@ -47,7 +49,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from jaxtyping import Float
+import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.utils.registry import add_entry
@@ -351,15 +354,30 @@ class Translate(Condition):
 
 
 class BaseRate(Condition):
-    """Full depth's readout input of another example at the same position: row i of the batch
-    reads row i + 1's s_r (cyclically), scored against row i's own target. It has full depth's
-    marginal and no information about the example: what a map can reach knowing nothing.
+    """The readout that knows nothing about the example: at each position, the log of full
+    depth's mean predicted distribution over the calibration split at that position (its bucket,
+    `position_bucket`), the same for every example, scored against the example's own target.
 
-    A batch of one example has no other example: its readout is its own (no derangement)."""
+    It is the best constant readout under a proper scoring rule (for accuracy, the most frequent
+    full-depth answer at the position), so no map without information about the example reads
+    out better on average: the base-rate control of the S bracket (docs/bracket.md). It has no
+    readout input; `logits` gives its readout and its hook form replaces the logits.
+
+    Args:
+        log_probs: ``[n_buckets, d_vocab]`` log mean distribution per position bucket.
+    """
 
     name = "base_rate"
     reproduces_full_at_r = False
-    matches_confidence = False  # full depth's own readouts
+    matches_confidence = False  # full depth's own (mean) distribution
+
+    def __init__(self, log_probs: Float[Tensor, "n_buckets d_vocab"]) -> None:
+        if not isinstance(log_probs, Tensor) or log_probs.ndim != 2:
+            raise TypeError(
+                "base_rate needs a [n_buckets, d_vocab] tensor of log-probabilities, got "
+                f"{getattr(log_probs, 'shape', type(log_probs).__name__)}."
+            )
+        self.log_probs = log_probs
 
     @property
     def label(self) -> str:
@@ -368,16 +386,41 @@ class BaseRate(Condition):
     def coordinates(self, r: int) -> tuple[int, int]:
         return r, r
 
+    def logits(self, positions: int, batch: int, device: torch.device) -> Tensor:
+        """``[batch, positions, d_vocab]``: the table's row of each position's bucket."""
+        buckets = position_bucket(torch.arange(positions)).clamp(max=len(self.log_probs) - 1)
+        rows = self.log_probs.to(device)[buckets.to(device)]
+        return rows[None].expand(batch, -1, -1)
+
     def fwd_hooks(self, model: IterationModel) -> HookList:
-        return [(model.readout_hook_name, _derange)]
+        def hook(logits: Tensor, hook: Any) -> Tensor:
+            table = self.logits(logits.shape[1], logits.shape[0], logits.device)
+            return table.to(logits.dtype)
+
+        return [("hook_logits", hook)]
 
     def readout_input(self, states: States) -> Tensor:
-        return _derange(states[-1], None)
+        raise TypeError(
+            "base_rate has no readout input: it is a distribution per position, not a state;"
+            " use BaseRate.logits(positions, batch, device) for its readout."
+        )
+
+    def _key(self) -> tuple[Any, ...]:
+        return type(self), self.label, id(self.log_probs)
 
 
-def _derange(readout_input: Tensor, hook: Any) -> Tensor:
-    """Each batch row's readout input replaced by the next row's (a fixed cyclic derangement)."""
-    return readout_input.roll(-1, dims=0)
+# Positions below this are their own bucket; later ones share buckets 4 per doubling.
+EXACT_POSITIONS = 16
+
+
+def position_bucket(positions: Int[Tensor, "*shape"]) -> Int[Tensor, "*shape"]:
+    """The base rate's bucket of each position: itself below `EXACT_POSITIONS`, then four
+    buckets per doubling (long contexts pool their late positions, whose distributions differ
+    little, so the table stays small)."""
+    positions = positions.to(torch.int64)
+    late = positions.clamp(min=EXACT_POSITIONS).double()
+    bucket = EXACT_POSITIONS + torch.floor(4 * torch.log2(late / EXACT_POSITIONS)).to(torch.int64)
+    return torch.where(positions < EXACT_POSITIONS, positions, bucket)
 
 
 class Shift(_AtDepth):
@@ -436,9 +479,11 @@ def translate(condition: Condition, translator: Callable[[Tensor], Tensor]) -> T
     return Translate(condition, translator)
 
 
-def base_rate() -> BaseRate:
-    """Another example's full-depth readout input at the same position; see `BaseRate`."""
-    return BaseRate()
+def base_rate(log_probs: Tensor) -> BaseRate:
+    """The no-information readout: ``log_probs`` ``[n_buckets, d_vocab]`` per position bucket
+    (the protocol fits it as full depth's mean distribution on the calibration split); see
+    `BaseRate`."""
+    return BaseRate(log_probs)
 
 
 def shift(k: int, truncate_calibration: StateMap) -> Shift:
@@ -459,6 +504,10 @@ class MapLookup(Protocol):
     def __call__(self, source: Condition) -> StateMap | None: ...
 
     def translator(self, source: Condition) -> Callable[[Tensor], Tensor] | None: ...
+
+    @property
+    def base_rate(self) -> Tensor | None:
+        """``[n_buckets, d_vocab]`` log mean full-depth distribution per position bucket."""
 
 
 @dataclass(frozen=True)
@@ -491,6 +540,11 @@ def _translated(
 def _shift(k: int, fitted: MapLookup) -> Condition | None:
     state_map = fitted(Truncate(k))
     return None if state_map is None else Shift(k, state_map)
+
+
+def _base_rate(k: int, fitted: MapLookup) -> Condition | None:
+    table = fitted.base_rate
+    return None if table is None else BaseRate(table)
 
 
 # The five conditions of the decomposition, in the column order used by results and tables.
@@ -527,7 +581,7 @@ for _entry in (
     SweepCondition("shift", _shift),
     SweepCondition("translate_truncate", _translated(Truncate)),
     SweepCondition("translate_replay", _translated(Replay)),
-    SweepCondition("base_rate", lambda k, fitted: BaseRate()),
+    SweepCondition("base_rate", _base_rate),
 ):
     register_sweep_condition(_entry)
 

@@ -53,6 +53,11 @@ class ProtocolConfig:
             pooled affine; ``mixture``: optimal transport between Gaussian mixtures).
         mixture_components: clusters of a map fitted to state samples (``mixture``).
         calibration_points: states per condition kept to fit a map fitted to state samples.
+        calibration_groups: G, the calibration split's groups (example key mod G) of the
+            leave-one-group-out jackknife: every map, translator and the base rate is refitted
+            G times without one group, the mapped conditions are read under each on a tenth of
+            the evaluation examples, and the intervals widen by the spread (0: off, intervals
+            then ignore the calibration split; 1 is refused).
         match_confidence: score the loss metrics on readouts whose temperature is matched,
             label-free on the calibration split, to full depth's mean entropy.
         noise_draws: with a noisy initial state, evaluations averaged per example.
@@ -78,6 +83,10 @@ class ProtocolConfig:
     calibration_points: int = _option(
         4096, "--calibration-points", "states per condition kept to fit the mixture map"
     )
+    calibration_groups: int = _option(
+        10, "--calibration-groups", "calibration groups of the jackknife that puts the "
+        "calibration split's variability into the intervals (0: off)",
+    )  # fmt: skip
     match_confidence: bool = _option(
         True, "--match-confidence", "score loss metrics at full depth's mean entropy"
     )
@@ -158,9 +167,15 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
         ("n_bootstrap", 0),
         ("seed", 0),
         ("probe_points", 1),
+        ("calibration_groups", 0),
     ):
         _check_int(values[name], name, minimum)
         values[name] = int(values[name])
+    if values["calibration_groups"] == 1:
+        raise ConfigError(
+            "calibration_groups=1 leaves no group to refit without; pass 0 (no jackknife) or"
+            " at least 2 (default 10)."
+        )
     for name in ("match_confidence", "skip_first_position"):
         if not isinstance(values[name], bool):
             raise ConfigTypeError(

@@ -36,7 +36,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import CALIBRATION_MAPS, StateMap
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
+from dcp_lens.protocol.conditions import SWEEP, BaseRate, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching, Temperatures
 from dcp_lens.protocol.config import ProtocolConfig, check_k
 from dcp_lens.protocol.context import RunContext
@@ -249,6 +249,8 @@ class DepthControlProtocol:
         states, logits = self.states(tokens)
         if isinstance(built, Full):
             return logits
+        if isinstance(built, BaseRate):
+            return built.logits(logits.shape[1], logits.shape[0], logits.device).to(logits.dtype)
         return self.model.readout(built.readout_input(states))
 
     # ------------------------------------------------------------------------ stages
@@ -286,7 +288,8 @@ class DepthControlProtocol:
             decomposed = decompose(
                 swept.values[metric], self.k_grid, n_iterations=self.r, metric=metric,
                 higher_is_better=HIGHER_IS_BETTER[metric], n_bootstrap=self.n_bootstrap,
-                seed=self.seed,
+                seed=self.seed, walked=swept.walked, jackknife_rows=swept.jackknife_rows,
+                jackknife=[cells.get(metric, {}) for cells in swept.jackknife],
             )  # fmt: skip
             # With a bracket, identification is read from it; the probe's scores stay beside it.
             kept = {

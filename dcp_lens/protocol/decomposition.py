@@ -94,6 +94,9 @@ def decompose(
     n_bootstrap: int = 1000,
     seed: int = 0,
     confidence: float = 0.95,
+    walked: Mapping[int, QualityVector] | None = None,
+    jackknife: Sequence[Mapping[str, Mapping[int, QualityVector]]] = (),
+    jackknife_rows: QualityVector | None = None,
 ) -> Decomposition:
     """Decompose the truncation gap of one metric into S, B and D, with paired bootstrap intervals.
 
@@ -116,6 +119,15 @@ def decompose(
             each condition of `DECOMPOSED` in that order with its k in ascending order, then any
             further condition in the order of ``values``.
         confidence: coverage of the percentile intervals.
+        walked: per k, each example's fraction of positions where replay walks ``[n]``
+            (`dcp_lens.protocol.sweep.walk_fractions`): replay's gain over truncate weighted by
+            it is the bracket's ``walk_gain`` (None: not measured).
+        jackknife: per left-out calibration group G, ``{condition: {k: [m]}}``: the conditions
+            whose maps were refitted without the group, on the ``m`` examples ``jackknife_rows``
+            (indices into the ``n``). Every bootstrap draw b is shifted by group ``b mod G``'s
+            deviation of the cell means from the groups' mean, times ``sqrt(G - 1)``, so that
+            the draws' spread adds the jackknife variance of the fit to the resampling of the
+            examples (docs/bracket.md, "The calibration split in the intervals").
 
     Returns:
         A `Decomposition`.
@@ -131,7 +143,20 @@ def decompose(
     means = np.where(finite, matrix, 0.0).mean(axis=0)
     means[~finite] = np.nan
     draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    if jackknife and n_bootstrap:
+        deviations = _jackknife_deviations(matrix, conditions, grid, jackknife, jackknife_rows)
+        draws = draws + deviations[np.arange(n_bootstrap) % len(deviations)]
     sign = 1.0 if higher_is_better else -1.0
+    walk_gain = None
+    if walked is not None and all(k in walked for k in grid):
+        walk_gain = np.array([
+            sign * float(np.mean(
+                (_column(matrix, conditions, "replay", grid, k)
+                 - _column(matrix, conditions, "truncate", grid, k))
+                * _as_vector(walked[k], f"walked[{k}]")
+            ))
+            for k in grid
+        ])  # fmt: skip
 
     decomposed_columns = slice(1, 1 + len(DECOMPOSED) * n_k)
     point = _quantities(
@@ -162,7 +187,7 @@ def decompose(
         shares.pop(key, math.nan) for key in ("gap_area", "gap_area_lo", "gap_area_hi")
     )
     slope = _truncation_slope(grid, n_iterations, sign * means, sign * draws, confidence)
-    bracketed = _bracket(conditions, grid, sign * means, sign * draws, confidence)
+    bracketed = _bracket(conditions, grid, sign * means, sign * draws, confidence, walk_gain)
     identified: dict[str, object] = {}
     if bracketed is not None:
         identified = {
@@ -209,6 +234,7 @@ def _bracket(
     qualities: np.ndarray,
     draws: np.ndarray,
     confidence: float,
+    walk_gain: np.ndarray | None = None,
 ) -> Bracket | None:
     """The S bracket from the decomposition's own cell means ``qualities`` ``[columns]`` and
     bootstrap draws ``[n_bootstrap, columns]`` (quality units, columns as `_value_matrix`);
@@ -224,7 +250,45 @@ def _bracket(
             split[name] = array[..., 1 + i * n_k : 1 + (i + 1) * n_k]
         return split
 
-    return bracket(cells(qualities), cells(draws), grid, rule=BracketRule(confidence=confidence))
+    rule = BracketRule(confidence=confidence)
+    return bracket(cells(qualities), cells(draws), grid, rule=rule, walk_gain=walk_gain)
+
+
+def _column(
+    matrix: np.ndarray, conditions: tuple[str, ...], name: str, grid: tuple[int, ...], k: int
+) -> np.ndarray:
+    """The ``[n]`` column of condition ``name`` at ``k`` in `_value_matrix`'s layout."""
+    return matrix[:, 1 + conditions.index(name) * len(grid) + grid.index(k)]
+
+
+def _jackknife_deviations(
+    matrix: np.ndarray,
+    conditions: tuple[str, ...],
+    grid: tuple[int, ...],
+    jackknife: Sequence[Mapping[str, Mapping[int, QualityVector]]],
+    rows: QualityVector | None,
+) -> np.ndarray:
+    """``[G, columns]``: per left-out group, ``sqrt(G - 1)`` times the deviation of each
+    refitted column's mean (on the jackknife's rows) from the groups' mean; 0 for columns no
+    group refits. Its mean square over groups is the jackknife variance of the column means."""
+    n_groups = len(jackknife)
+    deviations = np.zeros((n_groups, matrix.shape[1]))
+    if n_groups < 2 or rows is None:
+        return deviations
+    m = len(_as_vector(rows, "jackknife_rows"))
+    for i, condition in enumerate(conditions):
+        for j, k in enumerate(grid):
+            vectors = [group.get(condition, {}).get(k) for group in jackknife]
+            if any(vector is None for vector in vectors):
+                continue
+            means = np.array([
+                float(np.mean(_as_vector(vector, f"jackknife[{condition}][{k}]")))
+                for vector in vectors
+            ])  # fmt: skip
+            if len(_as_vector(vectors[0], "jackknife")) != m or not np.isfinite(means).all():
+                continue
+            deviations[:, 1 + i * len(grid) + j] = math.sqrt(n_groups - 1) * (means - means.mean())
+    return deviations
 
 
 def _check_k_grid(k_grid: Sequence[int], n_iterations: int) -> tuple[int, ...]:

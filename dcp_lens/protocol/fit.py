@@ -19,10 +19,11 @@ from dcp_lens.protocol.calibration import (
     StreamingMoments,
     all_finite,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full, position_bucket
 from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.protocol.translator import AffineTranslator
@@ -36,7 +37,9 @@ from dcp_lens.utils import distributed
 TRANSLATOR_STEPS = 30
 TRANSLATOR_LR = 0.01
 TRANSLATOR_POINTS = 2048
-TRANSLATOR_RIDGE = 1e-4  # ridge of the least-squares start, relative to the states' mean square
+TRANSLATOR_RIDGE = 1e-4
+# A calibration group's states are folded into its moments once this many have come.
+GROUP_BUFFER_ROWS = 4096  # ridge of the least-squares start, relative to the states' mean square
 
 
 @dataclass
@@ -51,6 +54,13 @@ class FittedMaps:
         probe_reference: the probe's reference subsample of full-depth readout inputs ``[n, d]``.
         mode: the calibration mode asked for (a map fitted in another mode fell back).
         n_iterations: r, the depth the source labels are taken at.
+        translators: per source label, the paired translator of the S bracket's upper end.
+        base_rate: ``[n_buckets, d_vocab]`` log of full depth's mean distribution per position
+            bucket on the calibration split (the base-rate control), None where not swept.
+        jackknife: the same maps, translators and base rate fitted with one calibration group
+            left out, one per group (``config.calibration_groups``; empty when 0): the sweep
+            reads the mapped conditions under each so the intervals carry the calibration
+            split's variability (docs/bracket.md, "The calibration split in the intervals").
     """
 
     maps: dict[str, StateMap | None]
@@ -59,6 +69,8 @@ class FittedMaps:
     mode: str
     n_iterations: int
     translators: dict[str, AffineTranslator | None] = field(default_factory=dict)
+    base_rate: Tensor | None = None
+    jackknife: list[FittedMaps] = field(default_factory=list)
 
     def __call__(self, source: Condition) -> StateMap | None:
         """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
@@ -131,28 +143,39 @@ def fit_maps(
     the states it will read, so that it needs no forward pass of its own."""
     config, r, device = context.config, context.r, context.device()
     entry = CALIBRATION_MAPS[config.calibration_mode]
-    conditions = sources(context)
-    # One stream of moments per source; a stream that ever turns non-finite (replay can
-    # explode) is dropped, and the conditions that need it are reported as non-finite.
-    streams: dict[str, StreamingMoments | None] = {
-        label: StreamingMoments() for label in conditions
+    wanted = _wanted(context)
+    conditions = wanted.maps
+    n_groups = max(1, config.calibration_groups)
+    # One stream of moments per source and calibration group (example key mod n_groups; the
+    # groups' moments merge into the whole split's); a stream that ever turns non-finite
+    # (replay can explode) is dropped, and the conditions that need it reported non-finite.
+    streams: dict[str, list[StreamingMoments] | None] = {
+        label: [StreamingMoments() for _ in range(n_groups)] for label in conditions
     }
     samples = {
         label: Subsample(config.calibration_points, config.seed + 7 + i)
         for i, label in enumerate(conditions if entry.needs_states else ())
     }
     sample = Subsample(config.probe_points, config.seed)
+    base = _BaseRateSums(n_groups, calibration) if wanted.wants_base_rate else None
+    # Each group's states wait here until there are enough for one update (small groups of a
+    # batch would make many tiny updates).
+    pending: dict[str, list[list[Tensor]]] = {
+        label: [[] for _ in range(n_groups)] for label in conditions
+    }
     calibration_keys = calibration.example_keys()
     batches = distributed.assigned(calibration.batches(config.batch_size))
     done, saved = context.restore("calibration")
     if saved is not None:
         streams = {
-            label: None if state is None else StreamingMoments.from_state(state)
-            for label, state in saved["streams"].items()
+            label: None if states is None else [StreamingMoments.from_state(s) for s in states]
+            for label, states in saved["streams"].items()
         }
         for label, state in saved["samples"].items():
             samples[label].restore(state)
         sample.restore(saved["sample"])
+        if base is not None and saved.get("base") is not None:
+            base.restore(saved["base"])
     matching = confidence is not None
     if confidence is not None:
         confidence.stash = {}
@@ -169,16 +192,24 @@ def fit_maps(
             matching = pieces is not None  # past the budget, later batches are not read
             if pieces:
                 confidence.stash[index] = confidence.keep(states, pieces, rows.start)
+        if base is not None:
+            base.add(context.model.readout(states[r]), calibration_keys[rows], rows)
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
         example, position = row_ids(calibration_keys[rows], keep)
         sample.add(pooled[r], example, position)
+        group = (example % n_groups).to(pooled.device)
+        present = [(g, group == g) for g in range(n_groups) if bool((group == g).any())]
         for label, moments in streams.items():
             if moments is None:
                 continue
             state = conditions[label].readout_input(pooled)
             if all_finite(state):
-                moments.update(state)
+                for g, rows_of_group in present:
+                    pending[label][g].append(state[rows_of_group])
+                    if sum(len(x) for x in pending[label][g]) >= GROUP_BUFFER_ROWS:
+                        moments[g].update(torch.cat(pending[label][g]))
+                        pending[label][g] = []
                 if entry.needs_states:
                     samples[label].add(state, example, position)
             else:
@@ -186,37 +217,168 @@ def fit_maps(
         context.snapshot(
             "calibration", batch_number + 1, len(batches),
             lambda: {
-                "streams": {n: None if m is None else m.state() for n, m in streams.items()},
+                "streams": _flushed(streams, pending) and {
+                    n: None if m is None else [g.state() for g in m] for n, m in streams.items()
+                },
                 "samples": {label: s.state() for label, s in samples.items()},
                 "sample": sample.state(),
+                "base": None if base is None else base.state(),
             },
         )  # fmt: skip
+    _flushed(streams, pending)
     if distributed.rank_and_world()[1] > 1:
-        streams, samples, sample = _merged_fit(streams, samples, sample, device)
-    reference = streams["full"]
-    maps = {
-        label: None
-        if source is None or reference is None
-        else _fit_map(entry, config, source, reference, samples.get(label), samples.get("full"))
-        for label, source in streams.items()
-    }
-    translators = fit_translators(context, calibration)
-    return FittedMaps(maps, _fit_halves(entry, config, sample), sample.tensor(),
-                      config.calibration_mode, r, translators)  # fmt: skip
+        streams, samples, sample, base = _merged_fit(streams, samples, sample, base, device)
+
+    def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
+        merged = {label: _merge_groups(groups, left_out) for label, groups in streams.items()}
+        reference = merged["full"]
+        return {
+            label: None
+            if source is None or reference is None
+            else _fit_map(
+                entry, config, source, reference,
+                _without(samples.get(label), left_out, n_groups),
+                _without(samples.get("full"), left_out, n_groups),
+            )
+            for label, source in merged.items()
+        }  # fmt: skip
+
+    translators, left_out_translators = fit_translators(context, calibration)
+    maps = FittedMaps(
+        fitted_maps(None), _fit_halves(entry, config, sample), sample.tensor(),
+        config.calibration_mode, r, translators, None if base is None else base.table(None),
+    )  # fmt: skip
+    if config.calibration_groups >= 2:
+        for g in context.each(range(n_groups), "jackknife fits"):
+            maps.jackknife.append(
+                FittedMaps(
+                    fitted_maps(g),
+                    None,
+                    None,
+                    config.calibration_mode,
+                    r,
+                    left_out_translators[g],
+                    None if base is None else base.table(g),
+                )  # fmt: skip
+            )
+    return maps
+
+
+def _flushed(
+    streams: dict[str, list[StreamingMoments] | None], pending: dict[str, list[list[Tensor]]]
+) -> bool:
+    """Fold every group's waiting states into its moments (dropped for a non-finite stream)."""
+    for label, groups in pending.items():
+        moments = streams[label]
+        for g, waiting in enumerate(groups):
+            if waiting and moments is not None:
+                moments[g].update(torch.cat(waiting))
+            groups[g] = []
+    return True
+
+
+class _BaseRateSums:
+    """Full depth's predicted distributions summed per calibration group and position bucket
+    (`position_bucket`) over scored positions: the base rate's table, whole or with one group
+    left out."""
+
+    def __init__(self, n_groups: int, calibration: EvaluationSet) -> None:
+        self.n_groups = n_groups
+        self.targets = calibration.targets
+        length = int(calibration.tokens.shape[1])
+        self.buckets = position_bucket(torch.arange(length))
+        self.n_buckets = int(self.buckets.max()) + 1 if length else 1
+        self.sums: Tensor | None = None  # [n_groups, n_buckets, d_vocab] float64
+        self.counts = torch.zeros(n_groups, self.n_buckets, dtype=torch.float64)
+
+    def add(self, full_logits: Tensor, keys: Tensor, rows: slice) -> None:
+        probs = full_logits.float().softmax(-1).cpu()
+        scored = (self.targets[rows] != IGNORE_INDEX).cpu()
+        if self.sums is None:
+            self.sums = torch.zeros(
+                self.n_groups, self.n_buckets, probs.shape[-1], dtype=torch.float64
+            )
+        buckets = self.buckets[: probs.shape[1]]
+        for g in range(self.n_groups):
+            weight = (scored & (keys.cpu() % self.n_groups == g)[:, None]).to(probs.dtype)
+            total = (probs * weight[..., None]).sum(0).double()  # [pos, d_vocab]
+            self.sums[g].index_add_(0, buckets, total)
+            self.counts[g].index_add_(0, buckets, weight.sum(0).double())
+
+    def table(self, left_out: int | None) -> Tensor | None:
+        """``[n_buckets, d_vocab]`` log mean distribution (groups but ``left_out``); a bucket
+        with no scored position takes the mean over every position."""
+        if self.sums is None:
+            return None
+        keep = [g for g in range(self.n_groups) if g != left_out] or list(range(self.n_groups))
+        sums, counts = self.sums[keep].sum(0), self.counts[keep].sum(0)
+        overall = sums.sum(0) / counts.sum().clamp(min=1.0)
+        mean = torch.where(
+            counts[:, None] > 0, sums / counts.clamp(min=1.0)[:, None], overall[None]
+        )
+        return mean.clamp(min=1e-12).log().float()
+
+    def state(self) -> dict[str, Tensor | None]:
+        return {"sums": self.sums, "counts": self.counts}
+
+    def restore(self, state: dict[str, Tensor | None]) -> None:
+        self.sums, counts = state["sums"], state["counts"]
+        assert counts is not None
+        self.counts = counts
+
+    def merge(self, other: _BaseRateSums) -> None:
+        if other.sums is None:
+            return
+        self.sums = other.sums.clone() if self.sums is None else self.sums + other.sums
+        self.counts = self.counts + other.counts
+
+
+def _merge_groups(
+    groups: list[StreamingMoments] | None, left_out: int | None
+) -> StreamingMoments | None:
+    """The moments of every group but ``left_out`` (None: all), merged."""
+    if groups is None:
+        return None
+    total = StreamingMoments()
+    for g, moments in enumerate(groups):
+        if g != left_out:
+            total.merge(moments)
+    return total
+
+
+def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> Subsample | None:
+    """``sample`` less the rows of calibration group ``left_out`` (None: as it is)."""
+    if sample is None or left_out is None or sample.tensor() is None:
+        return sample
+    rows, keys = sample.tensor(), sample.groups()
+    assert rows is not None and keys is not None
+    kept = Subsample(1, 0)
+    keep = keys % n_groups != left_out
+    kept.rows, kept.keys = rows[keep.to(rows.device)], keys[keep]
+    return kept
 
 
 def fit_translators(
     context: RunContext, calibration: EvaluationSet
-) -> dict[str, AffineTranslator | None]:
+) -> tuple[dict[str, AffineTranslator | None], list[dict[str, AffineTranslator | None]]]:
     """A paired `AffineTranslator` per source of `translator_sources`, fitted on the leading
     calibration sequences (at most `TRANSLATOR_POINTS` positions) by KL from each example's
     readout input to its own full-depth readout: `TRANSLATOR_STEPS` full-batch Adam steps from
-    the identity. None where the source's states are non-finite.
+    the least-squares map. None where the source's states are non-finite.
+
+    Returns:
+        The translators, and per calibration group (``config.calibration_groups`` >= 2, else
+        none) the least-squares translators fitted with that group's positions left out (the
+        jackknife's: least squares only, whose spread over groups is the fit's variability).
 
     Every rank fits the same translators from the same leading sequences (no merge needed)."""
     wanted = translator_sources(context)
+    n_groups = context.config.calibration_groups
+    left_out: list[dict[str, AffineTranslator | None]] = [{} for _ in range(max(0, n_groups))]
+    if n_groups < 2:
+        left_out = []
     if not wanted:
-        return {}
+        return {}, left_out
     length = max(1, int(calibration.tokens.shape[1]))
     n_rows = max(1, min(len(calibration), TRANSLATOR_POINTS // length))
     rows = slice(0, n_rows)
@@ -226,6 +388,8 @@ def fit_translators(
     mask = context.pooled_positions(calibration, rows)
     if not bool(mask.any()):
         mask = torch.ones_like(mask)
+    group = calibration.example_keys()[rows][:, None].expand(mask.shape).to(mask.device)
+    group = group[mask] % max(1, n_groups)
     translators: dict[str, AffineTranslator | None] = {}
     # The translators' gradients only: the model's parameters are frozen meanwhile.
     parameters = [p for p in context.model.parameters() if p.requires_grad]
@@ -234,10 +398,18 @@ def fit_translators(
     try:
         for label, source in context.each(list(wanted.items()), "translators"):
             translators[label] = _fit_translator(context, source, states, full_logits, mask)
+            state = source.readout_input(states)
+            for g, fitted in enumerate(left_out):
+                keep = group != g
+                fitted[label] = (
+                    _least_squares_start(state[mask][keep], states[-1][mask][keep])
+                    if translators[label] is not None and bool(keep.any())
+                    else None
+                )
     finally:
         for parameter in parameters:
             parameter.requires_grad_(True)
-    return translators
+    return translators, left_out
 
 
 def _fit_translator(
@@ -313,30 +485,38 @@ def apply_map(mapping: StateMap | None, state: Tensor) -> Tensor:
 
 
 def _merged_fit(
-    streams: dict[str, StreamingMoments | None],
+    streams: dict[str, list[StreamingMoments] | None],
     samples: dict[str, Subsample],
     sample: Subsample,
+    base: _BaseRateSums | None,
     device: torch.device,
-) -> tuple[dict[str, StreamingMoments | None], dict[str, Subsample], Subsample]:
-    """`fit_maps`'s moments and subsamples merged over every rank, in rank order on every rank
-    (so every rank fits the same maps), on ``device``. A stream that turned non-finite on any
-    rank is dropped."""
-    parts = distributed.all_gather((streams, samples, sample))
-    merged: dict[str, StreamingMoments | None] = {}
+) -> tuple[
+    dict[str, list[StreamingMoments] | None], dict[str, Subsample], Subsample, _BaseRateSums | None
+]:
+    """`fit_maps`'s moments (per group), subsamples and base-rate sums merged over every rank, in
+    rank order on every rank (so every rank fits the same maps), on ``device``. A stream that
+    turned non-finite on any rank is dropped."""
+    parts = distributed.all_gather((streams, samples, sample, base))
+    merged: dict[str, list[StreamingMoments] | None] = {}
     for label in streams:
         each = [part[0][label] for part in parts]
-        total: StreamingMoments | None = None
-        if all(moments is not None for moments in each):
-            total = StreamingMoments()
-            for moments in each:
-                total.merge(moments)
+        total: list[StreamingMoments] | None = None
+        if all(groups is not None for groups in each):
+            total = [StreamingMoments() for _ in each[0]]
+            for groups in each:
+                for g, moments in enumerate(groups):
+                    total[g].merge(moments)
         merged[label] = distributed.moved(total, device)
     merged_samples = {
         label: distributed.moved(Subsample.merged([part[1][label] for part in parts]), device)
         for label in samples
     }
     probe = distributed.moved(Subsample.merged([part[2] for part in parts]), device)
-    return merged, merged_samples, probe
+    merged_base = parts[0][3]  # every part is a copy: merge into the first
+    for part in parts[1:]:
+        if merged_base is not None:
+            merged_base.merge(part[3])
+    return merged, merged_samples, probe, merged_base
 
 
 class _Pending:
@@ -356,6 +536,7 @@ class _Wanted:
         self.r = r
         self.maps: dict[str, Condition] = {"full": Full()}
         self.translators: dict[str, Condition] = {}
+        self.wants_base_rate = False
 
     def __call__(self, source: Condition) -> _Pending:
         source = source.at_depth(self.r)
@@ -367,6 +548,11 @@ class _Wanted:
         if not isinstance(source, Full):
             self.translators.setdefault(source.label, source)
         return _identity
+
+    @property
+    def base_rate(self) -> Tensor:
+        self.wants_base_rate = True
+        return torch.zeros(1, 1)
 
 
 def _identity(h: Tensor) -> Tensor:

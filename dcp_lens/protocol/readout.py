@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from dcp_lens.protocol.conditions import Condition, Full, ProtocolModel
+from dcp_lens.protocol.conditions import BaseRate, Condition, Full, ProtocolModel
 
 # The most positions one CPU readout call takes when it groups several conditions.
 CPU_READOUT_ROWS = 2048
@@ -35,6 +35,11 @@ def readouts(
     distinct = list(dict.fromkeys(c.at_depth(r) for c in conditions.values() if c is not None))
     # Full depth's logits are already known (truncate(r) = replay(r) = full).
     logits: dict[Condition, Tensor] = {c: full_logits for c in distinct if isinstance(c, Full)}
+    # The base rate has no state to read out: its logits are its table's rows.
+    batch, positions = full_logits.shape[:2]
+    for c in distinct:
+        if isinstance(c, BaseRate):
+            logits[c] = c.logits(positions, batch, full_logits.device).to(full_logits.dtype)
     to_read = [c for c in distinct if c not in logits]
     positions = states[0].numel() // states.shape[-1]
     group = len(to_read)

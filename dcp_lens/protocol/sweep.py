@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit import FittedMaps, apply_map
-from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
+from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol.probe import ProbeSamples
 from dcp_lens.protocol.readout import readouts
 from dcp_lens.protocol.states import capture_states
@@ -31,14 +31,32 @@ from dcp_lens.utils import distributed
 Values = dict[str, dict[str, Any]]
 
 
+# The jackknife reads the mapped conditions on the evaluation examples whose key is 0 mod this.
+JACKKNIFE_EVALUATION_STRIDE = 10
+# Per-example records that are not a metric's cells: keys of `Sweep.evaluate`'s accumulators.
+_WALK, _JACKKNIFE_ROWS = "_walk", "_jackknife_rows"
+
+
 @dataclass
 class SweepOutput:
     """The sweep stage's hand-off: per-example `Values`, the null control's record and the
-    probe's samples (empty on a process other than rank 0)."""
+    probe's samples (empty on a process other than rank 0).
+
+    Attributes:
+        walked: per k, each example's fraction of scored positions whose replay *walks* (its
+            top-1 is neither truncate(k)'s nor full depth's but one a later truncation of the
+            grid reads; docs/bracket.md) ``[n]``.
+        jackknife: per left-out calibration group, ``{metric: {condition: {k: [m]}}}`` for the
+            conditions whose maps the jackknife refits, on the ``m`` evaluation examples of
+            ``jackknife_rows`` (indices into ``values``' example order).
+    """
 
     values: Values
     null_control: dict[str, Any]
     probe_samples: ProbeSamples
+    walked: dict[int, Tensor] = field(default_factory=dict)
+    jackknife: list[Values] = field(default_factory=list)
+    jackknife_rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,12 @@ class _Reference:
     def of(cls, full_logits: Tensor, targets: Tensor) -> _Reference:
         log_probs = reference_log_probs(full_logits)
         return cls(log_probs, log_probs.exp(), log_probs.argmax(-1), targets)
+
+    def repeated(self, times: int) -> _Reference:
+        """This reference for ``times`` stacked copies of the batch (one per condition)."""
+        return _Reference(*(t.repeat(times, *[1] * (t.ndim - 1)) for t in (
+            self.log_probs, self.probs, self.top1, self.targets
+        )))  # fmt: skip
 
     def score(self, logits: Tensor, metrics: Sequence[str]) -> dict[str, Tensor]:
         """`per_example_metrics` of ``logits`` against this reference: [batch] per metric."""
@@ -97,6 +121,8 @@ class Sweep:
         calibrated = {k: Subsample(points, config.seed + 1000 + k) for k in k_grid}
         evaluation_keys = evaluation.example_keys()
         built = {k: self.conditions_at(k) for k in {*k_grid, r}}
+        # Under each left-out group's maps, only the conditions those maps change.
+        left_out = [_changed(built, maps, k_grid) for maps in self.maps.jackknife]
         halves_diff, halves_change = 0.0, dict[str, float]()
         null_map = self.maps.null
         batches = distributed.assigned(evaluation.batches(config.batch_size))
@@ -136,16 +162,44 @@ class Sweep:
             scoring = _Reference.of(full_logits, targets)
             reference = record(("full", 0), full_logits, scoring)
             at_r: dict[str, Tensor] | None = None
+            top1: dict[str, dict[int, Tensor]] = {"truncate": {}, "replay": {}}
             for k in k_grid:
                 read = readouts(context.model, r, states, built[k], full_logits)
                 if k == r:
                     at_r = read
                 for name, logits in read.items():
-                    temperature = self.temperatures.get((name, k), 1.0)
-                    tempered = logits if temperature == 1.0 else logits / temperature
-                    record((name, k), tempered, scoring)
+                    record((name, k), self._tempered(logits, name, k), scoring)
                 difference = _max_diff(read["replay"], read["truncate"])
                 self.replay_difference[k] = nan_max(self.replay_difference.get(k, 0.0), difference)
+                for name in top1:
+                    top1[name][k] = read[name].argmax(-1)
+            for k, fraction in walk_fractions(top1, full_logits.argmax(-1), targets, r).items():
+                per_example.setdefault((_WALK, "replay", k), []).append(fraction)
+            # The jackknife's cells: the mapped conditions under each left-out group's maps, on
+            # a fixed tenth of the examples (by key), scored like the others.
+            chosen = evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
+            if left_out and bool(chosen.any()):
+                local = chosen.to(device)
+                sub_states, sub_logits = states[:, local], full_logits[local]
+                sub_scoring = _Reference.of(sub_logits, targets[local])
+                index = torch.arange(rows.start, rows.stop)[chosen].double()
+                per_example.setdefault((_JACKKNIFE_ROWS, "rows", 0), []).append(index)
+                for k in k_grid:
+                    # Every group's conditions at k in one `readouts` call (few rows each).
+                    each = {
+                        f"{name}@{g}": condition
+                        for g, conditions in enumerate(left_out)
+                        for name, condition in conditions[k].items()
+                    }
+                    read = readouts(context.model, r, sub_states, each, sub_logits)
+                    labels = list(read)
+                    stacked = torch.cat(
+                        [self._tempered(read[n], n.rsplit("@", 1)[0], k) for n in labels]
+                    )
+                    scored = sub_scoring.repeated(len(labels)).score(stacked, metrics)
+                    for metric, value in scored.items():
+                        for label, part in zip(labels, value.chunk(len(labels)), strict=True):
+                            per_example.setdefault((metric, label, k), []).append(part)
             # The null control: at k = r every condition must reproduce full depth.
             if at_r is None:
                 at_r = readouts(context.model, r, states, built[r], full_logits)
@@ -191,9 +245,20 @@ class Sweep:
                 self._merged(gathered)
             )
         values: Values = {}
+        walked: dict[int, Tensor] = {}
+        jackknife: list[Values] = [{} for _ in left_out]
+        jackknife_rows: Tensor | None = None
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
-            if condition == "full":
+            if metric == _WALK:
+                walked[k] = vector
+            elif metric == _JACKKNIFE_ROWS:
+                jackknife_rows = vector.long()
+            elif "@" in condition:
+                name, group = condition.rsplit("@", 1)
+                cells = jackknife[int(group)].setdefault(metric, {})
+                cells.setdefault(name, {})[k] = vector
+            elif condition == "full":
                 values.setdefault(metric, {})["full"] = vector
             else:
                 values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
@@ -223,7 +288,15 @@ class Sweep:
                 k: (calibrated[k].tensor(), calibrated[k].groups()) for k in k_grid
             },
         )
-        return SweepOutput(values, null_control, probe_samples)
+        return SweepOutput(
+            values, null_control, probe_samples, walked,
+            jackknife if jackknife_rows is not None else [], jackknife_rows,
+        )  # fmt: skip
+
+    def _tempered(self, logits: Tensor, name: str, k: int) -> Tensor:
+        """``logits`` at the temperature confidence matching fitted for ``(name, k)``."""
+        temperature = self.temperatures.get((name, k), 1.0)
+        return logits if temperature == 1.0 else logits / temperature
 
     def _merged(self, gathered: list[Any]) -> tuple[Any, ...]:
         """Every rank's `evaluate` accumulators combined on rank 0, as one process would have
@@ -278,8 +351,50 @@ def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     if draws > 1:
         values = _scale(values, 1.0 / draws)
     # The bootstrap resamples positions in this order: make it the examples' own.
-    output.values = _reorder(values, torch.argsort(evaluation.example_keys(), stable=True))
+    order = torch.argsort(evaluation.example_keys(), stable=True)
+    output.values = _reorder(values, order)
+    output.walked = _reorder(output.walked, order)
+    if output.jackknife_rows is not None:
+        position = torch.empty_like(order)
+        position[order] = torch.arange(len(order))
+        output.jackknife_rows = position[output.jackknife_rows]
     return output
+
+
+def _changed(
+    built: dict[int, dict[str, Condition | None]], maps: FittedMaps, k_grid: Sequence[int]
+) -> dict[int, dict[str, Condition | None]]:
+    """Per k, the sweep conditions built from ``maps`` that differ from ``built``'s."""
+    changed: dict[int, dict[str, Condition | None]] = {}
+    for k in k_grid:
+        conditions = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
+        changed[k] = {n: c for n, c in conditions.items() if c != built[k][n]}
+    return changed
+
+
+def walk_fractions(
+    top1: dict[str, dict[int, Int[Tensor, "batch pos"]]],
+    full_top1: Int[Tensor, "batch pos"],
+    targets: Int[Tensor, "batch pos"],
+    n_iterations: int,
+) -> dict[int, Tensor]:
+    """Per k, each example's fraction of scored positions where replay(k) *walks*: its top-1 is
+    neither truncate(k)'s nor full depth's, but one that truncate(k') reads for some k' of the
+    grid with k < k' < r (the repeated update did later iterations' work). ``[batch]`` float64
+    per k of ``top1["replay"]``."""
+    scored = targets != IGNORE_INDEX
+    count = scored.sum(-1).clamp(min=1).double()
+    grid = sorted(top1["truncate"])
+    fractions = {}
+    for k in sorted(top1["replay"]):
+        replayed = top1["replay"][k]
+        later = [top1["truncate"][j] for j in grid if k < j < n_iterations]
+        walks = torch.zeros_like(scored)
+        if later:
+            read_later = torch.stack([replayed == t for t in later]).any(0)
+            walks = (replayed != top1["truncate"][k]) & (replayed != full_top1) & read_later
+        fractions[k] = ((walks & scored).sum(-1).double() / count).cpu()
+    return fractions
 
 
 def nan_max(a: float, b: float) -> float:
