@@ -191,6 +191,8 @@ class Sweep:
                         for g, conditions in enumerate(left_out)
                         for name, condition in conditions[k].items()
                     }
+                    if not each:  # no map fitted, or none that changes without a group
+                        continue
                     read = readouts(context.model, r, sub_states, each, sub_logits)
                     labels = list(read)
                     stacked = torch.cat(

@@ -1,0 +1,100 @@
+"""The calibration split in the intervals (issue 25 item 8): the leave-one-group-out jackknife's
+deviations widen the paired bootstrap's intervals by the fit's spread and by nothing else, and
+the walk statistic of replay (docs/bracket.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dcp_lens.protocol.conditions import BaseRate, position_bucket
+from dcp_lens.protocol.decomposition import DECOMPOSED, decompose
+from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.sweep import walk_fractions
+
+N, R, GRID = 400, 4, (1, 2, 3, 4)
+
+
+def _values(rng: np.random.Generator) -> dict:
+    """Accuracy-like values with a readout-shift gap: calibration repairs truncation."""
+    full = (rng.random(N) < 0.9).astype(float)
+    values: dict = {"full": full}
+    for name in DECOMPOSED:
+        values[name] = {}
+        for k in GRID:
+            repaired = name in ("calibrate_truncate", "calibrate_replay", "shift")
+            p = 0.9 if repaired or k == R else 0.3
+            values[name][k] = (rng.random(N) < p).astype(float)
+    return values
+
+
+def _jackknife(values: dict, rows: np.ndarray, spread: float, groups: int = 10) -> list:
+    """Per group, calibrate_truncate on ``rows`` moved by a deviation of size ``spread``."""
+    offsets = np.linspace(-spread, spread, groups)
+    return [
+        {"calibrate_truncate": {k: values["calibrate_truncate"][k][rows] + o for k in GRID}}
+        for o in offsets
+    ]
+
+
+def test_identical_groups_leave_the_intervals_as_they_are():
+    values = _values(np.random.default_rng(0))
+    rows = np.arange(0, N, 10)
+    plain = decompose(values, GRID, n_iterations=R, n_bootstrap=300, seed=1)
+    same = decompose(
+        values, GRID, n_iterations=R, n_bootstrap=300, seed=1,
+        jackknife=_jackknife(values, rows, 0.0), jackknife_rows=rows,
+    )  # fmt: skip
+    assert same.shares["S_lo"] == pytest.approx(plain.shares["S_lo"])
+    assert same.shares["S_hi"] == pytest.approx(plain.shares["S_hi"])
+    assert same.shares["S"] == plain.shares["S"]  # the point never moves
+
+
+def test_a_spread_fit_widens_the_interval_of_s_by_its_jackknife_variance():
+    values = _values(np.random.default_rng(0))
+    rows = np.arange(0, N, 10)
+    plain = decompose(values, GRID, n_iterations=R, n_bootstrap=1000, seed=1)
+    spread = 0.1
+    widened = decompose(
+        values, GRID, n_iterations=R, n_bootstrap=1000, seed=1,
+        jackknife=_jackknife(values, rows, spread), jackknife_rows=rows,
+    )  # fmt: skip
+    width = lambda d: d.shares["S_hi"] - d.shares["S_lo"]  # noqa: E731
+    assert widened.shares["S"] == plain.shares["S"]
+    assert width(widened) > 1.5 * width(plain)
+    # The jackknife variance of the cell, (G - 1) / G * sum(dev^2), carried into the draws: the
+    # variance of S's draws grows by it times (dS / d cell)^2. S's area moves by half the shift
+    # at every k of the grid; the share divides by the gap's area.
+    offsets = np.linspace(-spread, spread, 10)
+    jackknife_var = 9 / 10 * float(np.sum((offsets - offsets.mean()) ** 2))
+    gap_area = sum(values["full"].mean() - values["truncate"][k].mean() for k in GRID)
+    added = jackknife_var * (0.5 * len(GRID) / gap_area) ** 2
+    sd_plain, sd_widened = width(plain) / 3.92, width(widened) / 3.92
+    assert sd_widened**2 - sd_plain**2 == pytest.approx(added, rel=0.5)
+
+
+def test_replay_walks_only_to_an_answer_a_later_truncation_reads():
+    truncate = {
+        1: torch.tensor([[0, 0, 0]]), 2: torch.tensor([[1, 1, 0]]), 4: torch.tensor([[2, 2, 2]])
+    }  # fmt: skip
+    replay = {1: torch.tensor([[1, 2, 5]]), 2: torch.tensor([[1, 0, 0]]), 4: truncate[4]}
+    full = torch.tensor([[2, 2, 2]])
+    targets = torch.tensor([[2, 2, IGNORE_INDEX]])
+    fractions = walk_fractions({"truncate": truncate, "replay": replay}, full, targets, 4)
+    # k = 1: position 0 walks to truncate(2)'s answer; position 1 reads full depth's (not a walk);
+    # position 2 is not scored. k = 2: nothing later than 2 but r, so no walk.
+    assert fractions[1].tolist() == [0.5]
+    assert fractions[2].tolist() == [0.0]
+    assert fractions[4].tolist() == [0.0]
+
+
+def test_the_base_rate_reads_its_table_row_per_position_bucket():
+    table = torch.randn(position_bucket(torch.tensor(40)).item() + 1, 5).log_softmax(-1)
+    condition = BaseRate(table)
+    logits = condition.logits(40, 3, torch.device("cpu"))
+    assert logits.shape == (3, 40, 5)
+    for position in (0, 15, 16, 39):
+        assert torch.equal(logits[2, position], table[position_bucket(torch.tensor(position))])
+    with pytest.raises(TypeError, match="no readout input"):
+        condition.readout_input(torch.zeros(2, 1, 4, 3))
