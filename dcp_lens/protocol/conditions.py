@@ -135,6 +135,13 @@ class Condition(ABC):
         """False where the condition is not the model in another configuration."""
         return True
 
+    def logits_from_full(
+        self, full_logits: Float[Tensor, "batch pos d_vocab"]
+    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        """This condition's logits rearranged from full depth's of the same batch, where no
+        readout is needed for them (`BaseRate`); None (the default): read them out."""
+        return None
+
     def _key(self) -> tuple[Any, ...]:
         """What makes two conditions the same: class and label (and map, where there is one)."""
         return type(self), self.label
@@ -373,6 +380,11 @@ class BaseRate(Condition):
 
     def readout_input(self, states: States) -> Tensor:
         return _derange(states[-1], None)
+
+    def logits_from_full(self, full_logits: Tensor) -> Tensor:
+        # The readout treats each batch row alone, so readout(deranged s_r) is full depth's
+        # logits deranged the same way: no readout is needed.
+        return _derange(full_logits, None)
 
 
 def _derange(readout_input: Tensor, hook: Any) -> Tensor:
