@@ -138,6 +138,13 @@ class Condition(ABC):
         """False where the condition is not the model in another configuration."""
         return True
 
+    def logits_from_full(
+        self, full_logits: Float[Tensor, "batch pos d_vocab"]
+    ) -> Float[Tensor, "batch pos d_vocab"] | None:
+        """This condition's logits rearranged from full depth's of the same batch, where no
+        readout is needed for them (`BaseRate`); None (the default): read them out."""
+        return None
+
     def _key(self) -> tuple[Any, ...]:
         """What makes two conditions the same: class and label (and map, where there is one)."""
         return type(self), self.label
@@ -407,6 +414,13 @@ class BaseRate(Condition):
 
     def _key(self) -> tuple[Any, ...]:
         return type(self), self.label, id(self.log_probs)
+
+    def logits_from_full(self, full_logits: Tensor) -> Tensor:
+        # No readout: the table's rows, one per position, the same for every example.
+        batch, positions = full_logits.shape[:2]
+        if full_logits.device.type == "meta":
+            return full_logits
+        return self.logits(positions, batch, full_logits.device).to(full_logits.dtype)
 
 
 # Positions below this are their own bucket; later ones share buckets 4 per doubling.

@@ -11,7 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import all_finite
-from dcp_lens.protocol.conditions import SWEEP, MapLookup
+from dcp_lens.protocol.conditions import SWEEP, Condition, MapLookup
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX
@@ -43,7 +43,9 @@ class ConfidenceMatching:
         context = self.context
         kept: dict[tuple[str, int], list[Tensor]] = {}
         full_kept: list[Tensor] = []
-        built = {k: {name: e.build(k, fitted) for name, e in SWEEP.items()} for k in context.k_grid}
+        # Only the conditions given a temperature are read out (not the translators, fitted to
+        # full depth's confidence already, nor the base rate).
+        built = {k: matched(k, fitted) for k in context.k_grid}
         # The positions read: the first `budget` scored positions of the leading calibration
         # sequences, in order. Their states were kept by the fit stage (or, after a resume or on
         # another rank, are recomputed in the same batches, so the same bytes).
@@ -63,9 +65,7 @@ class ConfidenceMatching:
                 for k in context.k_grid:
                     read = readouts(context.model, context.r, states, built[k], full_logits)
                     for name, logits in read.items():
-                        condition = built[k][name]
-                        if condition is None or condition.matches_confidence:
-                            kept.setdefault((name, k), []).append(logits[scored].float())
+                        kept.setdefault((name, k), []).append(logits[scored].float())
         self.stash = {}
         reference = mean_entropy(torch.cat(full_kept), 1.0)
         return {
@@ -116,6 +116,17 @@ class ConfidenceMatching:
         # positions x vocabulary, so wide vocabularies get fewer positions.
         vocabulary = int(getattr(getattr(self.context.model, "cfg", None), "d_vocab", 1))
         return max(64, min(256, (1 << 18) // max(1, vocabulary)))
+
+
+def matched(k: int, fitted: MapLookup) -> dict[str, Condition | None]:
+    """The sweep conditions at ``k`` that confidence matching fits a temperature to (None: a map
+    it needs could not be fitted; its temperature is then 1.0)."""
+    built = {name: entry.build(k, fitted) for name, entry in SWEEP.items()}
+    return {
+        name: condition
+        for name, condition in built.items()
+        if condition is None or condition.matches_confidence
+    }
 
 
 def mean_entropy(logits: Float[Tensor, "n d_vocab"], temperature: float) -> float:

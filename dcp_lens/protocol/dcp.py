@@ -36,7 +36,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import CALIBRATION_MAPS, StateMap
-from dcp_lens.protocol.conditions import SWEEP, BaseRate, Condition, Full, ProtocolModel
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching, Temperatures
 from dcp_lens.protocol.config import ProtocolConfig, check_k
 from dcp_lens.protocol.context import RunContext
@@ -247,11 +247,8 @@ class DepthControlProtocol:
             fwd_hooks = built.fwd_hooks(self.model)
             return self.model.run_with_hooks(tokens.to(self.context.device()), fwd_hooks=fwd_hooks)
         states, logits = self.states(tokens)
-        if isinstance(built, Full):
-            return logits
-        if isinstance(built, BaseRate):
-            return built.logits(logits.shape[1], logits.shape[0], logits.device).to(logits.dtype)
-        return self.model.readout(built.readout_input(states))
+        known = logits if isinstance(built, Full) else built.logits_from_full(logits)
+        return known if known is not None else self.model.readout(built.readout_input(states))
 
     # ------------------------------------------------------------------------ stages
 

@@ -29,17 +29,14 @@ from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
 
-# The paired translators of the S bracket's upper end (`fit_translators`): each starts at the
-# least-squares affine map from the source's states to the same examples' full-depth states
-# (closed form), then takes a few Adam steps on KL to full depth's readout; the most calibration
-# positions they are fitted on (the leading sequences of the calibration split). Bounded so that
-# the fit stays cheap beside the sweep.
-TRANSLATOR_STEPS = 30
-TRANSLATOR_LR = 0.01
+# The paired translators of the S bracket's upper end (`fit_translators`): the least-squares
+# affine map from each source's readout inputs to the same positions' full-depth states (closed
+# form), on at most this many calibration positions (the leading sequences of the calibration
+# split, kept from the fit stage's own pass).
 TRANSLATOR_POINTS = 2048
-TRANSLATOR_RIDGE = 1e-4
+TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
 # A calibration group's states are folded into its moments once this many have come.
-GROUP_BUFFER_ROWS = 4096  # ridge of the least-squares start, relative to the states' mean square
+GROUP_BUFFER_ROWS = 4096
 
 
 @dataclass
@@ -179,6 +176,9 @@ def fit_maps(
     matching = confidence is not None
     if confidence is not None:
         confidence.stash = {}
+    # The translators' leading positions of each batch this pass reads (`fit_translators`).
+    leading: dict[int, Tensor] = {}
+    n_leading = translator_rows(calibration)
     for batch_number, (index, rows) in enumerate(
         context.each(batches[done:], "calibration"), start=done
     ):
@@ -194,6 +194,8 @@ def fit_maps(
                 confidence.stash[index] = confidence.keep(states, pieces, rows.start)
         if base is not None:
             base.add(context.model.readout(states[r]), calibration_keys[rows], rows)
+        if rows.start < n_leading:
+            leading[index] = _leading_states(context, calibration, rows, states, n_leading)
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
         example, position = row_ids(calibration_keys[rows], keep)
@@ -243,7 +245,7 @@ def fit_maps(
             for label, source in merged.items()
         }  # fmt: skip
 
-    translators, left_out_translators = fit_translators(context, calibration)
+    translators, left_out_translators = fit_translators(context, calibration, leading)
     maps = FittedMaps(
         fitted_maps(None), _fit_halves(entry, config, sample), sample.tensor(),
         config.calibration_mode, r, translators, None if base is None else base.table(),
@@ -362,19 +364,22 @@ def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> S
 
 
 def fit_translators(
-    context: RunContext, calibration: EvaluationSet
+    context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor] | None = None
 ) -> tuple[dict[str, AffineTranslator | None], list[dict[str, AffineTranslator | None]]]:
-    """A paired `AffineTranslator` per source of `translator_sources`, fitted on the leading
-    calibration sequences (at most `TRANSLATOR_POINTS` positions) by KL from each example's
-    readout input to its own full-depth readout: `TRANSLATOR_STEPS` full-batch Adam steps from
-    the least-squares map. None where the source's states are non-finite.
+    """A paired `AffineTranslator` per source of `translator_sources`: the ridge least-squares
+    affine map from the source's readout inputs to full depth's states s_r at the same positions
+    (`_least_squares`), over the pooled positions of the leading calibration sequences (at most
+    `TRANSLATOR_POINTS` positions, `translator_rows`). None where the source's states are
+    non-finite.
 
     Returns:
         The translators, and per calibration group (``config.calibration_groups`` >= 2, else
-        none) the least-squares translators fitted with that group's positions left out (the
-        jackknife's: least squares only, whose spread over groups is the fit's variability).
+        none) the translators fitted with that group's positions left out (the jackknife's).
 
-    Every rank fits the same translators from the same leading sequences (no merge needed)."""
+    ``leading`` holds, by calibration batch index, those positions' states [r + 1, n, d_model]
+    as the fit stage's pass kept them (`_leading_states`); a batch missing from it (after a
+    resume, or read by another rank) is recomputed in the same batch, so every rank fits the
+    same translators from the same bytes (no merge needed)."""
     wanted = translator_sources(context)
     n_groups = context.config.calibration_groups
     left_out: list[dict[str, AffineTranslator | None]] = [{} for _ in range(max(0, n_groups))]
@@ -382,70 +387,88 @@ def fit_translators(
         left_out = []
     if not wanted:
         return {}, left_out
-    length = max(1, int(calibration.tokens.shape[1]))
-    n_rows = max(1, min(len(calibration), TRANSLATOR_POINTS // length))
-    rows = slice(0, n_rows)
-    states, full_logits = capture_states(
-        context.model, calibration.tokens[rows].to(context.device())
-    )
-    mask = context.pooled_positions(calibration, rows)
-    if not bool(mask.any()):
-        mask = torch.ones_like(mask)
-    group = calibration.example_keys()[rows][:, None].expand(mask.shape).to(mask.device)
-    group = group[mask] % max(1, n_groups)
+    n_rows, leading = translator_rows(calibration), leading or {}
+    pieces, keys = [], []
+    for index, rows in enumerate(calibration.batches(context.config.batch_size)):
+        if rows.start >= n_rows:
+            break
+        piece = leading.get(index)
+        if piece is None:
+            tokens = calibration.tokens[rows].to(context.device())
+            states, _ = capture_states(context.model, tokens, stop_after_last=True)
+            piece = _leading_states(context, calibration, rows, states, n_rows)
+        pieces.append(piece)
+        keys.append(_leading_keys(context, calibration, rows, n_rows))
+    states = torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
+    group = torch.cat(keys).to(states.device) % max(1, n_groups)
+    target = states[-1]
     translators: dict[str, AffineTranslator | None] = {}
-    # The translators' gradients only: the model's parameters are frozen meanwhile.
-    parameters = [p for p in context.model.parameters() if p.requires_grad]
-    for parameter in parameters:
-        parameter.requires_grad_(False)
-    try:
-        for label, source in context.each(list(wanted.items()), "translators"):
-            translators[label] = _fit_translator(context, source, states, full_logits, mask)
-            state = source.readout_input(states)
-            for g, fitted in enumerate(left_out):
-                keep = group != g
-                fitted[label] = (
-                    _least_squares_start(state[mask][keep], states[-1][mask][keep])
-                    if translators[label] is not None and bool(keep.any())
-                    else None
-                )
-    finally:
-        for parameter in parameters:
-            parameter.requires_grad_(True)
+    for label, source in wanted.items():
+        state = source.readout_input(states)
+        finite = all_finite(state) and all_finite(target)
+        translators[label] = _least_squares(state, target) if finite else None
+        for g, fitted in enumerate(left_out):
+            keep = group != g
+            fitted[label] = (
+                _least_squares(state[keep], target[keep])
+                if translators[label] is not None and bool(keep.any())
+                else None
+            )
     return translators, left_out
 
 
-def _fit_translator(
-    context: RunContext, source: Condition, states: Tensor, full_logits: Tensor, mask: Tensor
-) -> AffineTranslator | None:
-    state = source.readout_input(states)
-    if not (all_finite(state) and all_finite(full_logits)):
-        return None
-    translator = _least_squares_start(state[mask], states[-1][mask])
-    translator.fit(
-        state, full_logits, context.model.readout,
-        steps=TRANSLATOR_STEPS, lr=TRANSLATOR_LR, mask=mask,
-    )  # fmt: skip
-    finite = translator.weight.isfinite().all() and translator.bias.isfinite().all()
-    return translator if bool(finite) else None
+def translator_rows(calibration: EvaluationSet) -> int:
+    """How many leading calibration sequences the translators are fitted on: as many whole
+    sequences as `TRANSLATOR_POINTS` positions hold (at least one)."""
+    length = max(1, int(calibration.tokens.shape[1]))
+    return max(1, min(len(calibration), TRANSLATOR_POINTS // length))
 
 
-def _least_squares_start(
+def _leading_states(
+    context: RunContext,
+    calibration: EvaluationSet,
+    rows: slice,
+    states: Float[Tensor, "r_plus_1 batch pos d_model"],
+    n_rows: int,
+) -> Float[Tensor, "r_plus_1 n d_model"]:
+    """The states of ``rows``' (one calibration batch) sequences below ``n_rows`` at their pooled
+    positions (every position where none is pooled), a copy."""
+    rows = slice(rows.start, min(rows.stop, n_rows))
+    keep = context.pooled_positions(calibration, rows)
+    if not bool(keep.any()):
+        keep = torch.ones_like(keep)
+    return states[:, : rows.stop - rows.start][:, keep]
+
+
+def _leading_keys(
+    context: RunContext, calibration: EvaluationSet, rows: slice, n_rows: int
+) -> Tensor:
+    """The example key of every position `_leading_states` keeps of ``rows`` (same order)."""
+    rows = slice(rows.start, min(rows.stop, n_rows))
+    keep = context.pooled_positions(calibration, rows)
+    if not bool(keep.any()):
+        keep = torch.ones_like(keep)
+    keys = calibration.example_keys()[rows][:, None].expand(keep.shape)
+    return keys[keep.cpu()]
+
+
+def _least_squares(
     source: Float[Tensor, "n d_model"], target: Float[Tensor, "n d_model"]
-) -> AffineTranslator:
-    """The affine map h -> h A + c closest to ``target`` in least squares (a small ridge), as an
-    `AffineTranslator` (W = (A - I)^T, b = c): paired, so it can already learn any remaining
-    computation that is affine in the state; the KL steps then fit it to the readout."""
+) -> AffineTranslator | None:
+    """The affine map h -> h A + c closest to ``target`` in least squares (a ridge of
+    `TRANSLATOR_RIDGE` times the mean square of ``source``'s columns), as an `AffineTranslator`
+    (W = (A - I)^T, b = c); None where the solution is not finite. Paired, so it can learn any
+    remaining computation that is affine in the state: an upper end for S."""
     x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
-    y = target.double()
     gram = x.T @ x
     ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
-    solution = torch.linalg.solve(gram + ridge * torch.eye(len(gram), dtype=gram.dtype), x.T @ y)
+    gram.diagonal().add_(ridge)
+    solution = torch.linalg.solve(gram, x.T @ target.double())
     d_model = source.shape[-1]
     linear, bias = solution[:d_model], solution[d_model]
-    weight = (linear - torch.eye(d_model, dtype=linear.dtype)).T
+    weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):
-        return AffineTranslator(d_model)
+        return None
     return AffineTranslator(d_model, weight.float().cpu(), bias.float().cpu())
 
 

@@ -82,11 +82,27 @@ def test_bench_json_reports_the_design_keys(capsys):
     )
     assert math.isfinite(result["sweep_memory_per_batch_token_mb"])
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
-    # One sweep, timed between two forwards.
-    assert result["repeats"] == {"forward": 2, "plain": 1, "sweep": 1}
+    # One sweep, timed between two forwards and between two runs of its irreducible work.
+    assert result["repeats"] == {"forward": 2, "plain": 1, "irreducible": 2, "sweep": 1}
     assert result["sweep_over_forward_fastest"] == pytest.approx(
         result["sweep_seconds"] / result["forward_seconds"]
     )
+    sweep, irreducible = result["rounds_seconds"]["sweep"], result["rounds_seconds"]["irreducible"]
+    assert result["sweep_over_irreducible"] == pytest.approx(
+        sweep[0] / ((irreducible[0] + irreducible[1]) / 2)
+    )
+    assert result["irreducible_seconds"] == min(irreducible)
+    parts = result["irreducible_parts_seconds"]
+    assert set(parts) == {
+        "calibration_pass", "matching_readouts", "evaluation_pass", "evaluation_readouts"
+    }  # fmt: skip
+    assert all(seconds > 0 for seconds in parts.values()), parts
+    assert sum(parts.values()) <= result["irreducible_seconds_median"] * 1.01
+    # k grid 1, 2, 3 of r = 3: five conditions and two translators need a readout below r (not
+    # the base rate, which is full depth's logits rearranged), calibrate(full) and shift(3) at r.
+    readouts = result["irreducible_readouts"]
+    assert readouts["evaluation"] == {"1": 7, "2": 7, "3": 2}
+    assert readouts["matching"] == {"1": 5, "2": 5, "3": 2}
 
 
 def test_the_paired_ratio_cancels_a_drifting_machine():
@@ -307,6 +323,6 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
         progress=False,
     )  # fmt: skip
     protocol.run(evaluation, calibration)
-    # The calibration pass, the translators' paired pass over the calibration split, the
-    # evaluation pass: one release per batch of each.
-    assert len(calls) == 2 * (16 // 8) + 24 // 8
+    # The calibration pass and the evaluation pass: one release per batch of each (the
+    # translators are fitted from states the calibration pass kept, with no pass of their own).
+    assert len(calls) == 16 // 8 + 24 // 8
