@@ -225,7 +225,8 @@ def test_coverage_replicates_a_model_with_successive_seeds(tmp_path):
     for name, entry in entries.items():
         # a fraction of 3 replicates
         assert entry["covers_truth"] in (0.0, 1 / 3, 2 / 3, 1.0), (name, entry)
-    assert entries["S_bracket"]["covers_truth"] >= 2 / 3  # S = 1 is this model's whole gap
+    # Each seed builds another model and data set: the estimates differ between replicates.
+    assert 0 < entries["S"]["spread_ratio"] < float("inf"), entries["S"]
     assert table["passed"] == all(
         entries[q]["covers_truth"] >= 0.9 for q in ("S", "B", "D", "S_bracket", "B_bracket",
                                                     "D_bracket")
