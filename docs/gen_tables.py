@@ -71,33 +71,84 @@ def _validation_files() -> list[tuple[int, Any]]:
     return sorted(found, key=lambda pair: pair[0])
 
 
+def _why(row: dict[str, Any]) -> str:
+    """pass, or FAIL with the bracket rule's failed tests (docs/validation.md)."""
+    if row["passed"]:
+        return "pass"
+    judgement = row["judgement"]
+    why = [f"truth outside {','.join(judgement['outside'])}"] if judgement["outside"] else []
+    if row["identifiable"]:
+        why += [] if judgement["narrow"] else ["S bracket wide"]
+        why += [] if judgement["point_ok"] else ["point off"]
+    elif not judgement["flagged_every_k"]:
+        why.append(f"unflagged at k={judgement['unflagged_ks']}")
+    return f"FAIL ({'; '.join(why)})"
+
+
+def _brackets(row: dict[str, Any]) -> str:
+    """Each factor's bracket, lower end's interval start to upper end's interval end."""
+    bracket = row["bracket"]
+    return " / ".join(
+        f"[{_num(bracket[f'{f}_lower_lo'], 2)}, {_num(bracket[f'{f}_upper_hi'], 2)}]"
+        for f in ("S", "B", "D")
+    )
+
+
+def _alarms(summary: dict[str, Any]) -> str:
+    """A metric's false alarms: identifiable k's flagged S not identified, of all, and the rate."""
+    rate = _num(100 * summary["false_alarm_rate"], 1)
+    return f"{summary['false_alarms']} of {summary['alarm_ks']} ({rate}%)"
+
+
 def validation_table() -> str:
-    """The planted suite: truth, each seed's shares, pass / fail and where S is identified."""
+    """The planted suite under the bracket rule: per row the truth, each seed's brackets and
+    result; then per metric the rows passed and the flag's false-alarm rate at each seed."""
     runs = _validation_files()
     first_seed, first = runs[0]
     by_seed = [{(r["model"], r["metric"]): r for r in data["rows"]} for _, data in runs]
     seeds = [seed for seed, _ in runs]
+    listed = ", ".join(map(str, seeds))
     head = [
         "planted model",
         "metric",
+        "identifiable",
         f"truth S / B / D (seed {first_seed})",
-        *[f"seed {seed}: S / B / D" for seed in seeds],
-        f"result ({', '.join(map(str, seeds))})",
-        f"S identified below r (seed {first_seed})",
+        *[f"seed {seed}: S / B / D bracket" for seed in seeds],
+        f"S width ({listed})",
+        f"result ({listed})",
     ]
     rows = []
     for row in first["rows"]:
         key = (row["model"], row["metric"])
         found = [rows_of_seed.get(key) for rows_of_seed in by_seed]
-        results = ["pass" if r is not None and r["passed"] else "fail" for r in found]
         rows.append(
             [
                 row["model"],
                 row["metric"],
+                "yes" if row["identifiable"] else "no",
                 _sbd(row["expected"]),
-                *[_sbd(r["shares"]) if r is not None else "-" for r in found],
-                ", ".join(results),
-                row["flags"]["S_identified"],
+                *[_brackets(r) if r is not None else "-" for r in found],
+                ", ".join(_num(r["bracket"]["S_width_hi"], 2) if r else "-" for r in found),
+                "; ".join(_why(r) if r is not None else "-" for r in found),
+            ]
+        )
+    summary_head = [
+        "metric",
+        "counted",
+        *[f"seed {seed}: rows passed" for seed in seeds],
+        *[f"seed {seed}: false alarms" for seed in seeds],
+        "passes",
+    ]
+    summary = []
+    for metric, record in first["summary"].items():
+        per_seed = [data["summary"].get(metric) for _, data in runs]
+        summary.append(
+            [
+                metric,
+                "yes" if record["counted"] else "no (not validated)",
+                *[f"{s['rows_passed']} of {s['rows']}" if s else "-" for s in per_seed],
+                *[_alarms(s) if s else "-" for s in per_seed],
+                "yes" if all(s and s["passed"] for s in per_seed) else "no",
             ]
         )
     settings = first["settings"]
@@ -106,7 +157,7 @@ def validation_table() -> str:
         f"({settings['n_eval']} + {settings['n_calibration']} sequences, "
         f"{settings['n_bootstrap']} bootstrap draws).*\n"
     )
-    return _table(head, rows) + note
+    return _table(head, rows) + "\n" + _table(summary_head, summary) + note
 
 
 def _accuracy_table(name: str) -> str:

@@ -1,24 +1,36 @@
-"""`dcp-lens validate`: DCP on every planted model of known ground truth, on every metric.
+"""`dcp-lens validate`: DCP on every planted model of known ground truth, on every metric, judged
+by the bracket rule of issue 25 (docs/bracket.md, docs/validation.md).
 
-A row per (planted model, metric): the planted factor(s), each share with its interval, the
-true shares (`dcp_lens.zoo.planted.expected_shares`) and whether DCP recovered them:
+A row per (planted model, metric), judged from the run's results alone (`judge_run`, a pure
+function of a ``results.json`` run):
 
-- a single-factor model passes when its factor carries >= 0.9 of the gap's area and every other
-  factor lies within +-0.1 (the contract of `dcp_lens.zoo.planted`: S 1.4 with B -0.4 is no
-  recovery);
-- a mixture passes when every share is within 0.1 of the true share.
+- **in bracket**: the truth (`dcp_lens.zoo.planted.expected_shares`) lies inside the bracket of
+  every factor, intervals included: S in ``[S_lower_lo, S_upper_hi]``, B in
+  ``[B_lower_lo, B_upper_hi]``, D in ``[D_lower_lo, D_upper_hi]``, with `TRUTH_SLACK` for the
+  truth's own sampling (it is measured on the same evaluation examples, from truncation alone);
+- **narrow** and **point** (identifiable models, ``planted.IDENTIFIABLE``): the S bracket's width
+  at the upper end of its interval (``S_width_hi``) is at most `NARROW_WIDTH` of the gap, and each
+  point share (S, B, D) is within `POINT_TOLERANCE` of the truth;
+- **flagged at every k** (ambiguous models): at every k < r whose gap is clearly above zero (the
+  row's ``gap_lo`` > 0), ``S_identified`` or ``B_identified`` is false.
 
-A metric the results mark ``validated: false`` (``runs[].metrics[metric]``) is reported with its
-verdict but not counted as a failure of the suite. Flags the results carry (``stable`` beside the
-shares, ``S_identified`` / ``B_identified`` in the decomposition rows) are read when present and
-shown. This module runs the protocol and judges; the numbers come from `DepthControlProtocol`.
+Per metric, the flag's **false-alarm rate**: over the identifiable rows' k < r with a gap clearly
+above zero, the fraction where ``S_identified`` is false; at most `FALSE_ALARM_RATE`. A metric
+passes when every counted row passes and its false-alarm rate holds; a metric the results mark
+``validated: false`` (``runs[].metrics[metric]``) is reported, not counted. The older point rule
+(a single factor >= 0.9 of the gap, a mixture's shares within 0.1) is kept beside it as
+``point_rule_passed``, information only.
+
+`coverage` replicates planted models with different seeds and reports how often each 95%
+interval covers the truth (issue 25, item 8).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +39,38 @@ from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import FACTORS, encode_json
+from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo import planted
 
+TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may lie
+NARROW_WIDTH = 0.1  # an identifiable model's largest S bracket width (upper interval end)
+POINT_TOLERANCE = 0.1  # an identifiable model's largest |point share - truth|
+FALSE_ALARM_RATE = 0.05  # the largest fraction of identifiable k's flagged S not identified
+COVERAGE_TARGET = 0.9  # the least fraction of replicates whose 95% interval covers the truth
+# The older point rule, information only.
 SINGLE_FACTOR_PASS = 0.9  # the planted factor's least share of the gap's area
 MIXTURE_TOLERANCE = 0.1  # the largest |share - true share| of a mixture
+
+# The share-level bracket quantities a row keeps (each with _lo / _hi), and the per-k fields.
+BRACKET_KEYS = ("S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
+PER_K_KEYS = ("k", "gap", "gap_lo", "S_width_hi", "S_identified", "B_identified")
+# The planted mixtures, the models `coverage` replicates by default.
+MIXTURES = tuple(name for name in planted.BRACKET_PLANTED if "+" in planted.EXPECTED_FACTOR[name])
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The bracket rule on one (model, metric) row; None where a test does not apply."""
+
+    in_bracket: bool
+    outside: list[str]  # factors whose truth lies outside their bracket (slack included)
+    narrow: bool | None  # identifiable models: S_width_hi <= NARROW_WIDTH
+    point_ok: bool | None  # identifiable models: every point share within POINT_TOLERANCE
+    flagged_every_k: bool | None  # ambiguous models: S or B flagged at every k with a gap
+    unflagged_ks: list[int]  # ambiguous models: the k's with a gap and neither flag raised
+    false_alarms: int  # identifiable models: k's with a gap where S_identified is false
+    alarm_ks: int  # identifiable models: k's < r whose gap is clearly above zero
+    passed: bool  # in bracket, and narrow and point (identifiable) or flagged (ambiguous)
 
 
 @dataclass(frozen=True)
@@ -40,16 +80,21 @@ class ValidationRow:
     model: str
     metric: str
     planted: str  # "S", "B", "D", or a mixture's "S+D"
-    shares: dict[str, float]  # S, B, D and each _lo / _hi
+    identifiable: bool
+    shares: dict[str, float]  # point S, B, D and each _lo / _hi
+    bracket: dict[str, float]  # BRACKET_KEYS with _lo / _hi, S_width_hi, B_width_hi
     expected: dict[str, float]  # the true S, B, D
+    per_k: list[dict[str, Any]]  # PER_K_KEYS of every k < r
+    judgement: Judgement
     passed: bool
+    point_rule_passed: bool  # the older rule, information only
     counted: bool  # False where the results mark the metric not validated
     flags: dict[str, Any] = field(default_factory=dict)
 
 
-def judge(planted_factor: str, shares: dict[str, float], expected: dict[str, float]) -> bool:
-    """The suite's rule: a single factor >= 0.9 of the gap and the others within +-0.1; a
-    mixture's shares each within 0.1 of the truth."""
+def judge(planted_factor: str, shares: Mapping[str, float], expected: Mapping[str, float]) -> bool:
+    """The older point rule (information only): a single factor >= 0.9 of the gap and the others
+    within +-0.1; a mixture's shares each within 0.1 of the truth."""
     if planted_factor in FACTORS:
         others = [f for f in FACTORS if f != planted_factor]
         return shares[planted_factor] >= SINGLE_FACTOR_PASS and all(
@@ -58,7 +103,121 @@ def judge(planted_factor: str, shares: dict[str, float], expected: dict[str, flo
     return all(abs(shares[f] - expected[f]) <= MIXTURE_TOLERANCE for f in FACTORS)
 
 
-# The protocol settings of `dcp-lens validate`: eleven models on every metric, so fewer bootstrap
+def judge_bracket(
+    bracket: Mapping[str, float],
+    shares: Mapping[str, float],
+    per_k: Sequence[Mapping[str, Any]],
+    expected: Mapping[str, float],
+    identifiable: bool,
+) -> Judgement:
+    """The bracket rule on one row (module docstring): ``bracket`` the share-level bracket
+    (`BRACKET_KEYS` with ``_lo`` / ``_hi``, ``S_width_hi``), ``shares`` the point S, B, D,
+    ``per_k`` the decomposition rows of the k < r (``gap_lo``, ``S_identified``,
+    ``B_identified``), ``expected`` the true S, B, D. A missing or NaN value fails its test."""
+    outside = [
+        factor
+        for factor in FACTORS
+        if not (
+            _get(bracket, f"{factor}_lower_lo") - TRUTH_SLACK
+            <= expected[factor]
+            <= _get(bracket, f"{factor}_upper_hi") + TRUTH_SLACK
+        )
+    ]
+    gapped = [row for row in per_k if _get(row, "gap_lo") > 0]
+    narrow = point_ok = flagged = None
+    unflagged: list[int] = []
+    false_alarms = alarm_ks = 0
+    if identifiable:
+        narrow = _get(bracket, "S_width_hi") <= NARROW_WIDTH
+        point_ok = all(
+            abs(_get(shares, factor) - expected[factor]) <= POINT_TOLERANCE for factor in FACTORS
+        )
+        alarm_ks = len(gapped)
+        false_alarms = sum(row.get("S_identified") is not True for row in gapped)
+    else:
+        unflagged = [
+            int(row["k"])
+            for row in gapped
+            if row.get("S_identified") is not False and row.get("B_identified") is not False
+        ]
+        flagged = not unflagged
+    passed = not outside and (bool(narrow and point_ok) if identifiable else bool(flagged))
+    return Judgement(
+        in_bracket=not outside, outside=outside, narrow=narrow, point_ok=point_ok,
+        flagged_every_k=flagged, unflagged_ks=unflagged, false_alarms=false_alarms,
+        alarm_ks=alarm_ks, passed=passed,
+    )  # fmt: skip
+
+
+def judge_run(
+    run: Mapping[str, Any],
+    metric: str,
+    expected: Mapping[str, float],
+    identifiable: bool,
+) -> Judgement:
+    """`judge_bracket` on ``metric`` of one ``results.json`` run."""
+    return judge_bracket(
+        bracket_of(run, metric), shares_of(run, metric), per_k_of(run, metric), expected,
+        identifiable,
+    )  # fmt: skip
+
+
+def shares_of(run: Mapping[str, Any], metric: str) -> dict[str, float]:
+    """The point S, B, D of ``metric`` with each ``_lo`` / ``_hi`` (``run["share_intervals"]``)."""
+    point, interval = run["shares"][metric], run.get("share_intervals", {}).get(metric, {})
+    keys = [*FACTORS, *(f"{f}_{end}" for f in FACTORS for end in ("lo", "hi"))]
+    return {key: _float({**point, **interval}.get(key)) for key in keys}
+
+
+def bracket_of(run: Mapping[str, Any], metric: str) -> dict[str, float]:
+    """The share-level bracket of ``metric``: `BRACKET_KEYS` with ``_lo`` / ``_hi`` and the
+    widths, from ``run["bracket"]`` where the results carry it, else ``run["shares"]`` (NaN
+    where neither has a key)."""
+    source = {**run["shares"][metric], **run.get("bracket", {}).get(metric, {})}
+    keys = [f"{key}{end}" for key in BRACKET_KEYS for end in ("", "_lo", "_hi")]
+    return {key: _float(source.get(key)) for key in (*keys, "S_width_hi", "B_width_hi")}
+
+
+def per_k_of(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
+    """`PER_K_KEYS` of ``metric``'s decomposition rows at k < r (at k = r every factor is 0 by
+    construction; the flags speak of the k below it)."""
+    return [
+        {key: row.get(key) for key in PER_K_KEYS}
+        for row in run["decomposition"]
+        if row["metric"] == metric and row["k"] < run["n_iterations"]
+    ]
+
+
+def summarize(rows: Sequence[ValidationRow]) -> dict[str, dict[str, Any]]:
+    """Per metric: rows and rows passed, the false-alarm count and rate over identifiable k's,
+    whether the rate holds, whether the metric is counted and whether it passes."""
+    summary: dict[str, dict[str, Any]] = {}
+    for metric in dict.fromkeys(row.metric for row in rows):
+        mine = [row for row in rows if row.metric == metric]
+        alarms = sum(row.judgement.false_alarms for row in mine)
+        ks = sum(row.judgement.alarm_ks for row in mine)
+        rate = alarms / ks if ks else 0.0
+        passed_rows = sum(row.passed for row in mine)
+        summary[metric] = {
+            "rows": len(mine),
+            "rows_passed": passed_rows,
+            "failing": [row.model for row in mine if not row.passed],
+            "false_alarms": alarms,
+            "alarm_ks": ks,
+            "false_alarm_rate": rate,
+            "false_alarm_ok": rate <= FALSE_ALARM_RATE,
+            "counted": all(row.counted for row in mine),
+            "passed": passed_rows == len(mine) and rate <= FALSE_ALARM_RATE,
+        }
+    return summary
+
+
+def suite_passed(rows: Sequence[ValidationRow]) -> bool:
+    """True when every counted metric passes: each of its rows, and its false-alarm rate."""
+    return all(s["passed"] for s in summarize(rows).values() if s["counted"])
+
+
+# The protocol settings of `dcp-lens validate`: sixteen models on every metric, so fewer bootstrap
 # draws and probe points than a single run (`COMMAND_DEFAULTS`).
 VALIDATE_CONFIG = ProtocolConfig(**COMMAND_DEFAULTS["validate"])
 
@@ -73,9 +232,9 @@ def validate(
     progress: bool = False,
     **settings: Any,
 ) -> list[ValidationRow]:
-    """Run DCP on each planted model (default: all of `dcp_lens.zoo.planted.PLANTED`, built with
-    the config's seed) on each metric (default: every metric of
-    `dcp_lens.protocol.metrics.METRICS`).
+    """Run DCP on each planted model (default: all of `dcp_lens.zoo.planted.BRACKET_PLANTED`,
+    built with the config's seed) on each metric (default: every metric of
+    `dcp_lens.protocol.metrics.METRICS`) and judge each row by the bracket rule.
 
     Args:
         models: planted model names.
@@ -89,111 +248,265 @@ def validate(
     Returns:
         One `ValidationRow` per (model, metric), models in the given order.
     """
-    names = tuple(models) if models else planted.PLANTED
-    unknown = [name for name in names if name not in planted.BUILDERS]
-    if unknown:
-        raise ValueError(f"unknown planted models {unknown}; choose from {planted.PLANTED}.")
-    config = (config or VALIDATE_CONFIG).replace(**settings)
-    wanted = tuple(metrics) if metrics else (config.metrics or tuple(METRICS))
-    if any(metric not in METRICS for metric in wanted):
-        raise ValueError(f"metrics {list(wanted)} must be a subset of {METRICS}.")
-    config = config.replace(metrics=wanted)
+    names = _models(models)
+    config = _config(config, metrics, settings)
     rows = []
     for name in names:
-        model = planted.BUILDERS[name](seed=config.seed)
-        task = model.planted_task
-        evaluation, calibration = task.evaluation(n_eval), task.calibration(n_calibration)
-        protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)
-        run = protocol.run(evaluation, calibration).to_results_json()
-        for metric in wanted:
-            shares = _shares(run, metric)
-            expected = planted.expected_shares(name, model, evaluation, metric, protocol.k_grid)
-            validated = run.get("metrics", {}).get(metric, {}).get("validated", True)
-            rows.append(
-                ValidationRow(
-                    model=name,
-                    metric=metric,
-                    planted=planted.EXPECTED_FACTOR[name],
-                    shares=shares,
-                    expected=expected,
-                    passed=judge(planted.EXPECTED_FACTOR[name], shares, expected),
-                    counted=validated is not False,
-                    flags=_flags(run, metric),
-                )
-            )
+        run, expected = _run_planted(name, config, n_eval, n_calibration, progress)
+        for metric in config.metrics or ():
+            rows.append(_row(name, metric, run, expected[metric]))
     return rows
 
 
-def suite_passed(rows: Sequence[ValidationRow]) -> bool:
-    """True when every counted row passed."""
-    return all(row.passed for row in rows if row.counted)
+def coverage(
+    models: Sequence[str] | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    replicates: int,
+    config: ProtocolConfig | None = None,
+    n_eval: int = 512,
+    n_calibration: int = 512,
+    progress: bool = False,
+    **settings: Any,
+) -> dict[str, Any]:
+    """How often each 95% interval covers the truth over ``replicates`` runs of each planted
+    model (default: the mixtures of `planted.BRACKET_PLANTED`), replicate i built and run with
+    seed ``config.seed + i`` (model weights, data and bootstrap alike).
 
-
-def save(rows: Sequence[ValidationRow], out: Path, settings: dict[str, Any]) -> None:
-    """Write ``out/validation.json`` (settings, rows, verdict) and ``out/validation.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    document = {
-        "settings": settings,
-        "rules": {"single_factor_min": SINGLE_FACTOR_PASS, "mixture_tolerance": MIXTURE_TOLERANCE},
-        "rows": [asdict(row) for row in rows],
-        "passed": suite_passed(rows),
+    Returns:
+        ``{"replicates", "seeds", "target", "models": {model: {metric: {quantity: {...}}}},
+        "passed"}``: per quantity (the point S, B, D; each bracket end ``S_lower`` ... ``D_upper``;
+        each whole bracket ``S_bracket`` ... from its lower end's ``_lo`` to its upper end's
+        ``_hi``), ``covers_truth`` (the fraction of replicates whose interval holds that
+        replicate's truth), ``covers_mean`` (the fraction that holds the mean estimate over the
+        replicates, the estimator's own target), ``spread_ratio`` (the estimates' standard
+        deviation over the replicates against the mean bootstrap standard error, half the
+        interval's width / 1.96; 1 when the interval is honest). ``passed``: every counted
+        quantity (`coverage_counted`) of every validated metric covers the truth at least
+        `COVERAGE_TARGET` of the time.
+    """
+    if replicates < 2:
+        raise ConfigError(
+            f"coverage needs at least 2 replicates, got {replicates}; pass --coverage 2 or more."
+        )
+    names = _models(models or MIXTURES)
+    config = _config(config, metrics, settings)
+    seeds = [config.seed + i for i in range(replicates)]
+    found: dict[str, dict[str, list[dict[str, float]]]] = {}
+    validated: dict[str, bool] = {}
+    for name in names:
+        for seed in seeds:
+            run, expected = _run_planted(name, config.replace(seed=seed), n_eval, n_calibration,
+                                         progress)  # fmt: skip
+            for metric in config.metrics or ():
+                record = run.get("metrics", {}).get(metric, {})
+                validated[metric] = record.get("validated", True) is not False
+                found.setdefault(name, {}).setdefault(metric, []).append(
+                    {
+                        **shares_of(run, metric),
+                        **bracket_of(run, metric),
+                        **{f"truth_{f}": expected[metric][f] for f in FACTORS},
+                    }
+                )
+    table = {
+        name: {metric: coverage_of(draws) for metric, draws in per_metric.items()}
+        for name, per_metric in found.items()
     }
+    passed = all(
+        entry["covers_truth"] >= COVERAGE_TARGET
+        for name, per_metric in table.items()
+        for metric, quantities in per_metric.items()
+        if validated[metric]
+        for quantity, entry in quantities.items()
+        if quantity in coverage_counted(name)
+    )
+    return {
+        "replicates": replicates, "seeds": seeds, "target": COVERAGE_TARGET,
+        "validated_metrics": [m for m, ok in validated.items() if ok],
+        "models": table, "passed": passed,
+    }  # fmt: skip
+
+
+def coverage_counted(name: str) -> tuple[str, ...]:
+    """The quantities whose coverage of the truth ``validate --coverage`` requires on planted
+    model ``name``: each whole bracket, and on identifiable models the point S, B, D too (on an
+    ambiguous model the point share estimates the bracket's lower end, not the truth)."""
+    brackets = tuple(f"{factor}_bracket" for factor in FACTORS)
+    return (*FACTORS, *brackets) if planted.IDENTIFIABLE.get(name, False) else brackets
+
+
+def coverage_of(replicates: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Coverage per quantity over replicated runs of one model and metric (`coverage`'s
+    ``"models"`` entries); each replicate: `shares_of` and `bracket_of` merged, with the truth
+    as ``truth_S``, ``truth_B``, ``truth_D``."""
+    table: dict[str, dict[str, float]] = {}
+    for factor in FACTORS:
+        quantities = {
+            factor: (factor, f"{factor}_lo", f"{factor}_hi"),
+            f"{factor}_lower": (f"{factor}_lower", f"{factor}_lower_lo", f"{factor}_lower_hi"),
+            f"{factor}_upper": (f"{factor}_upper", f"{factor}_upper_lo", f"{factor}_upper_hi"),
+            f"{factor}_bracket": (None, f"{factor}_lower_lo", f"{factor}_upper_hi"),
+        }
+        for name, (point, low, high) in quantities.items():
+            truths = [r[f"truth_{factor}"] for r in replicates]
+            lows, highs = [r[low] for r in replicates], [r[high] for r in replicates]
+            entry = {"covers_truth": _fraction(lows, highs, truths)}
+            if point is not None:
+                estimates = [r[point] for r in replicates]
+                mean = statistics.fmean(estimates)
+                entry["covers_mean"] = _fraction(lows, highs, [mean] * len(estimates))
+                error = statistics.fmean(
+                    (h - lo) / (2 * 1.96) for lo, h in zip(lows, highs, strict=True)
+                )
+                spread = statistics.stdev(estimates)
+                entry["spread_ratio"] = spread / error if error > 0 else math.inf
+            table[name] = entry
+    return table
+
+
+def save(
+    rows: Sequence[ValidationRow],
+    out: Path,
+    settings: dict[str, Any],
+    coverage_table: dict[str, Any] | None = None,
+) -> None:
+    """Write ``out/validation.json`` (settings, rules, rows, the summary per metric, coverage
+    where measured, verdict) and ``out/validation.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    document: dict[str, Any] = {
+        "settings": settings,
+        "rules": {
+            "truth_slack": TRUTH_SLACK, "narrow_width": NARROW_WIDTH,
+            "point_tolerance": POINT_TOLERANCE, "false_alarm_rate": FALSE_ALARM_RATE,
+            "coverage_target": COVERAGE_TARGET,
+        },
+        "rows": [asdict(row) for row in rows],
+        "summary": summarize(rows),
+        "passed": suite_passed(rows) and (coverage_table or {}).get("passed", True),
+    }  # fmt: skip
+    if coverage_table is not None:
+        document["coverage"] = coverage_table
     text = json.dumps(encode_json(document), indent=2, allow_nan=False)
     (out / "validation.json").write_text(text + "\n")
-    (out / "validation.md").write_text("\n".join(markdown(rows)) + "\n")
+    lines = markdown(rows) if rows else []
+    if coverage_table is not None:
+        lines += ([""] if lines else []) + coverage_markdown(coverage_table)
+    (out / "validation.md").write_text("\n".join(lines) + "\n")
 
 
 def markdown(rows: Sequence[ValidationRow]) -> list[str]:
-    """The lines of the validation table in markdown."""
+    """The lines of the validation table in markdown, then one summary line per metric."""
     lines = [
-        "| planted model | metric | planted | S [lo, hi] | B [lo, hi] | D [lo, hi] "
-        "| expected S / B / D | result | flags |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| planted model | metric | identifiable | truth S / B / D | point S / B / D "
+        "| S bracket | B bracket | D bracket | S width | flags below r | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        cells = [_interval(row.shares, factor) for factor in FACTORS]
-        expected = " / ".join(_number(row.expected[factor]) for factor in FACTORS)
-        result = ("pass" if row.passed else "FAIL") + ("" if row.counted else " (not validated)")
-        flags = ", ".join(f"{key}={value}" for key, value in row.flags.items()) or "-"
+        truth = " / ".join(_number(row.expected[f], 2) for f in FACTORS)
+        point = " / ".join(_number(row.shares[f], 2) for f in FACTORS)
+        brackets = [_bracket(row.bracket, f) for f in FACTORS]
+        width = _number(row.bracket["S_width_hi"], 2)
         lines.append(
-            f"| {row.model} | {row.metric} | {row.planted} | " + " | ".join(cells)
-            + f" | {expected} | {result} | {flags} |"
+            f"| {row.model} | {row.metric} | {'yes' if row.identifiable else 'no'} | {truth} "
+            f"| {point} | " + " | ".join(brackets) + f" | {width} | {_flag_cell(row)} "
+            f"| {_result(row)} |"
         )  # fmt: skip
-    counted = [row for row in rows if row.counted]
-    failed = [row for row in counted if not row.passed]
     lines.append("")
-    lines.append(
-        f"{len(counted) - len(failed)} of {len(counted)} counted rows pass"
-        + (f"; failing: {', '.join(f'{r.model}/{r.metric}' for r in failed)}" if failed else "")
-        + (f"; {len(rows) - len(counted)} not validated" if len(rows) > len(counted) else "")
-        + "."
-    )
+    for metric, s in summarize(rows).items():
+        lines.append(
+            f"{metric}: {s['rows_passed']} of {s['rows']} rows pass"
+            + (f" (failing: {', '.join(s['failing'])})" if s["failing"] else "")
+            + f"; false alarms {s['false_alarms']} of {s['alarm_ks']} identifiable k's"
+            f" ({s['false_alarm_rate']:.1%}, at most {FALSE_ALARM_RATE:.0%})"
+            + ("" if s["counted"] else "; not validated, not counted")
+            + f": {'pass' if s['passed'] else 'FAIL'}."
+        )
     return lines
 
 
-def _shares(run: dict[str, Any], metric: str) -> dict[str, float]:
-    point = run["shares"][metric]
-    interval = run["share_intervals"][metric]
-    return {key: _float(value) for key, value in {**point, **interval}.items() if key[0] in "SBD"}
-
-
-def _flags(run: dict[str, Any], metric: str) -> dict[str, Any]:
-    """The flags the results carry for ``metric``, where the protocol writes them."""
-    flags: dict[str, Any] = {}
-    stable = run["shares"][metric].get("stable")
-    if stable is not None:
-        flags["stable"] = stable
-    # At k = r every factor is 0 by construction; the flags speak of the k below r.
-    rows = [
-        row
-        for row in run["decomposition"]
-        if row["metric"] == metric and row["k"] < run["n_iterations"]
+def coverage_markdown(table: Mapping[str, Any]) -> list[str]:
+    """The coverage table in markdown: per model and metric, each quantity's coverage of the
+    truth (and of the replicates' mean estimate, with the spread ratio, where it has a point)."""
+    lines = [
+        f"Coverage of the 95% intervals over {table['replicates']} replicates (seeds "
+        f"{table['seeds'][0]}-{table['seeds'][-1]}; target {table['target']:.0%} on the starred "
+        "quantities of validated metrics): covers truth / covers the mean estimate / spread ratio.",
+        "",
+        "| planted model | metric | quantity | covers truth | covers mean | spread ratio |",
+        "|---|---|---|---|---|---|",
     ]
-    for name in ("S_identified", "B_identified"):
-        values = [row[name] for row in rows if name in row]
-        if values:
-            unidentified = [row["k"] for row in rows if row.get(name) is False]
-            flags[name] = "all k" if not unidentified else f"not at k={unidentified}"
+    for name, per_metric in table["models"].items():
+        for metric, quantities in per_metric.items():
+            for quantity, entry in quantities.items():
+                star = "*" if quantity in coverage_counted(name) else ""
+                mean = entry.get("covers_mean")
+                ratio = entry.get("spread_ratio")
+                lines.append(
+                    f"| {name} | {metric} | {quantity}{star} | {entry['covers_truth']:.2f} "
+                    f"| {'-' if mean is None else f'{mean:.2f}'} "
+                    f"| {'-' if ratio is None else _number(ratio, 1)} |"
+                )
+    lines.append("")
+    lines.append(f"coverage: {'pass' if table['passed'] else 'FAIL'}.")
+    return lines
+
+
+def _models(models: Sequence[str] | None) -> tuple[str, ...]:
+    names = tuple(models) if models else planted.BRACKET_PLANTED
+    unknown = [name for name in names if name not in planted.BUILDERS]
+    if unknown:
+        raise ConfigError(
+            f"unknown planted models {unknown}; choose from {planted.BRACKET_PLANTED}."
+        )
+    return names
+
+
+def _config(
+    config: ProtocolConfig | None, metrics: Sequence[str] | None, settings: dict[str, Any]
+) -> ProtocolConfig:
+    config = (config or VALIDATE_CONFIG).replace(**settings)
+    wanted = tuple(metrics) if metrics else (config.metrics or tuple(METRICS))
+    if any(metric not in METRICS for metric in wanted):
+        raise ConfigError(f"metrics {list(wanted)} must be a subset of {METRICS}.")
+    return config.replace(metrics=wanted)
+
+
+def _run_planted(
+    name: str, config: ProtocolConfig, n_eval: int, n_calibration: int, progress: bool
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """One planted model built and run with ``config.seed``: its results.json run and the true
+    shares per metric."""
+    model = planted.BUILDERS[name](seed=config.seed)
+    task = model.planted_task
+    evaluation, calibration = task.evaluation(n_eval), task.calibration(n_calibration)
+    protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)
+    run = protocol.run(evaluation, calibration).to_results_json()
+    expected = {
+        metric: planted.expected_shares(name, model, evaluation, metric, protocol.k_grid)
+        for metric in config.metrics or ()
+    }
+    return run, expected
+
+
+def _row(name: str, metric: str, run: dict[str, Any], expected: dict[str, float]) -> ValidationRow:
+    identifiable = planted.IDENTIFIABLE[name]
+    shares = shares_of(run, metric)
+    judgement = judge_run(run, metric, expected, identifiable)
+    validated = run.get("metrics", {}).get(metric, {}).get("validated", True)
+    return ValidationRow(
+        model=name, metric=metric, planted=planted.EXPECTED_FACTOR[name],
+        identifiable=identifiable, shares=shares, bracket=bracket_of(run, metric),
+        expected=expected, per_k=per_k_of(run, metric), judgement=judgement,
+        passed=judgement.passed,
+        point_rule_passed=judge(planted.EXPECTED_FACTOR[name], shares, expected),
+        counted=validated is not False, flags=_flags(run, metric),
+    )  # fmt: skip
+
+
+def _flags(run: Mapping[str, Any], metric: str) -> dict[str, Any]:
+    """The verdict, stability and validation record the results carry for ``metric``."""
+    shares = {**run["shares"][metric], **run.get("bracket", {}).get(metric, {})}
+    flags = {key: shares[key] for key in ("verdict", "stable") if key in shares}
     record = run.get("metrics", {}).get(metric, {})
     if "validated" in record:
         flags["validated"] = record["validated"]
@@ -202,14 +515,42 @@ def _flags(run: dict[str, Any], metric: str) -> dict[str, Any]:
     return flags
 
 
+def _flag_cell(row: ValidationRow) -> str:
+    j = row.judgement
+    if row.identifiable:
+        return f"S unidentified at {j.false_alarms} of {j.alarm_ks} k"
+    return "flagged at every k" if j.flagged_every_k else f"unflagged at k={j.unflagged_ks}"
+
+
+def _result(row: ValidationRow) -> str:
+    """pass / FAIL with the failed tests, and whether the row is counted."""
+    j = row.judgement
+    why = [f"truth outside {','.join(j.outside)}"] if j.outside else []
+    if row.identifiable:
+        why += [] if j.narrow else ["S bracket wide"]
+        why += [] if j.point_ok else ["point off"]
+    elif not j.flagged_every_k:
+        why.append("not flagged")
+    text = "pass" if row.passed else f"FAIL ({'; '.join(why)})"
+    return text + ("" if row.counted else " (not validated)")
+
+
+def _fraction(lows: Sequence[float], highs: Sequence[float], values: Sequence[float]) -> float:
+    return sum(lo <= v <= h for lo, h, v in zip(lows, highs, values, strict=True)) / len(values)
+
+
+def _get(values: Mapping[str, Any], key: str) -> float:
+    return _float(values.get(key))
+
+
 def _float(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
-def _number(value: float) -> str:
-    return "nan" if math.isnan(value) else f"{value:.3f}"
+def _number(value: float, digits: int = 3) -> str:
+    return "nan" if math.isnan(value) else f"{round(value, digits) + 0.0:.{digits}f}"
 
 
-def _interval(shares: dict[str, float], factor: str) -> str:
-    low, high = shares.get(f"{factor}_lo", math.nan), shares.get(f"{factor}_hi", math.nan)
-    return f"{_number(shares[factor])} [{_number(low)}, {_number(high)}]"
+def _bracket(bracket: Mapping[str, float], factor: str) -> str:
+    low, high = bracket[f"{factor}_lower_lo"], bracket[f"{factor}_upper_hi"]
+    return f"[{_number(low, 2)}, {_number(high, 2)}]"

@@ -12,7 +12,7 @@ from dcp_lens.cli import main
 from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.studies.validate import judge, validate
+from dcp_lens.studies.validate import coverage, judge, suite_passed, validate
 from dcp_lens.zoo import planted
 
 NEW = [name for name in planted.PLANTED if name not in ("readout_shift", "distinct_computation",
@@ -145,9 +145,11 @@ def test_the_type_dependent_shift_is_all_S_on_cross_entropy():
 @pytest.mark.parametrize("metric", ["cross_entropy", "kl_to_full"])
 def test_the_soft_distinct_model_is_all_D_on_the_losses(metric):
     # Raw, 0.2 of the gap leaked into B (replay's readout is less confidently wrong than
-    # truncation's); scored at matched confidence it stays with D.
+    # truncation's); scored at matched confidence the point shares stay with D (the older point
+    # rule), and the bracket holds the truth D = 1.
     (row,) = validate(["distinct_computation_soft"], [metric], n_eval=N, n_calibration=N)
-    assert row.passed, row
+    assert row.point_rule_passed, row
+    assert row.judgement.in_bracket, row
 
 
 def test_expected_shares_of_a_mixture_add_up_and_split_the_gap():
@@ -180,7 +182,8 @@ def test_validate_command_writes_its_files(tmp_path, capsys):
          "--quiet", "--out", str(tmp_path)]
     )  # fmt: skip
     printed = capsys.readouterr().out
-    assert "| readout_shift | accuracy | S |" in printed
+    assert "| readout_shift | accuracy | yes |" in printed
+    assert "false alarms" in printed
     document = json.loads((tmp_path / "validation.json").read_text())
     rows = {(row["model"], row["metric"]): row for row in document["rows"]}
     assert set(rows) == {
@@ -188,8 +191,13 @@ def test_validate_command_writes_its_files(tmp_path, capsys):
         for m in ("readout_shift", "mixture_shift_distinct")
         for k in ("accuracy", "kl_to_full")
     }
-    assert rows[("readout_shift", "accuracy")]["passed"] is True
-    assert rows[("mixture_shift_distinct", "accuracy")]["planted"] == "S+D"
+    shift = rows[("readout_shift", "accuracy")]
+    assert shift["passed"] is True and shift["judgement"]["narrow"] is True
+    assert shift["judgement"]["alarm_ks"] == len(shift["per_k"]) > 0
+    mixture = rows[("mixture_shift_distinct", "accuracy")]
+    assert mixture["planted"] == "S+D" and mixture["identifiable"] is False
+    assert mixture["judgement"]["narrow"] is None  # ambiguous: the flag is judged instead
+    assert document["summary"]["accuracy"]["rows"] == 2
     assert code == (0 if document["passed"] else 1)
     assert (tmp_path / "validation.md").read_text().startswith("| planted model |")
     assert main(["validate", "--models", "nothing", "--quiet"]) == 2
@@ -200,6 +208,27 @@ def test_validate_command_writes_its_files(tmp_path, capsys):
 def test_the_whole_validation_suite_passes(seed):
     # Rows of metrics marked validated: false are reported but not counted.
     rows = validate(seed=seed)
-    assert len(rows) == len(planted.PLANTED) * len(METRICS)
-    failed = [(r.model, r.metric, r.shares) for r in rows if r.counted and not r.passed]
+    assert len(rows) == len(planted.BRACKET_PLANTED) * len(METRICS)
+    failed = [(r.model, r.metric, r.judgement) for r in rows if r.counted and not r.passed]
     assert not failed, failed
+    assert suite_passed(rows)
+
+
+def test_coverage_replicates_a_model_with_successive_seeds(tmp_path):
+    table = coverage(
+        ["readout_shift"], ["accuracy"], replicates=3, n_eval=32, n_calibration=32,
+        n_bootstrap=20, probe="none",
+    )  # fmt: skip
+    assert table["seeds"] == [0, 1, 2] and table["replicates"] == 3
+    entries = table["models"]["readout_shift"]["accuracy"]
+    assert set(entries) >= {"S", "B", "D", "S_lower", "S_upper", "S_bracket", "D_bracket"}
+    for name, entry in entries.items():
+        # a fraction of 3 replicates
+        assert entry["covers_truth"] in (0.0, 1 / 3, 2 / 3, 1.0), (name, entry)
+    # Each seed builds another model and data set: the estimates differ between replicates.
+    assert 0 < entries["S"]["spread_ratio"] < float("inf"), entries["S"]
+    assert table["passed"] == all(
+        entries[q]["covers_truth"] >= 0.9 for q in ("S", "B", "D", "S_bracket", "B_bracket",
+                                                    "D_bracket")
+    )  # fmt: skip
+    assert main(["validate", "--coverage", "1", "--quiet"]) == 2  # one replicate has no spread

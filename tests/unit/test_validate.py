@@ -1,0 +1,187 @@
+"""`dcp-lens validate`'s bracket rule (issue 25 item 5) and its coverage count on synthetic
+results: every test of a row, the false-alarm rate and the coverage fractions."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from dcp_lens.studies import validate as validation
+from dcp_lens.studies.validate import (
+    ValidationRow,
+    coverage_of,
+    judge_bracket,
+    judge_run,
+    suite_passed,
+    summarize,
+)
+
+R = 4  # iterations of the synthetic runs; decomposition rows at k = 1..R
+TRUTH_S = {"S": 1.0, "B": 0.0, "D": 0.0}
+
+
+def bracket(s=(0.98, 1.01), b=(-0.01, 0.01), d=(0.0, 0.02), width=0.02) -> dict[str, float]:
+    """A share-level bracket: each factor's [lower_lo, upper_hi], the ends between them."""
+    values: dict[str, float] = {"S_width_hi": width, "B_width_hi": 0.01}
+    for factor, (low, high) in zip("SBD", (s, b, d), strict=True):
+        values |= {f"{factor}_lower_lo": low, f"{factor}_upper_hi": high}
+        values |= {f"{factor}_lower": low, f"{factor}_upper": high}
+        values |= {f"{factor}_lower_hi": high, f"{factor}_upper_lo": low}
+    return values
+
+
+def per_k(s_identified=(True, True, True), b_identified=(True, True, True), gap_lo=(0.2,) * 3):
+    return [
+        {"k": k, "gap_lo": g, "S_identified": s, "B_identified": b}
+        for k, (s, b, g) in enumerate(zip(s_identified, b_identified, gap_lo, strict=True), 1)
+    ]
+
+
+POINT = {"S": 1.0, "B": 0.0, "D": 0.0}
+
+
+def test_an_identifiable_row_passes_inside_a_narrow_bracket_with_the_point_near_the_truth():
+    judgement = judge_bracket(bracket(), POINT, per_k(), TRUTH_S, identifiable=True)
+    assert judgement.passed and judgement.in_bracket and judgement.narrow and judgement.point_ok
+    assert (judgement.false_alarms, judgement.alarm_ks) == (0, 3)
+    assert judgement.flagged_every_k is None
+
+
+@pytest.mark.parametrize(
+    ("changed", "failed"),
+    [
+        ({"b": (0.08, 0.2)}, "outside"),  # B's bracket above the truth 0 by more than the slack
+        ({"width": 0.11}, "narrow"),
+        ({}, "point"),
+    ],
+)
+def test_an_identifiable_row_fails_each_test_on_its_own(changed, failed):
+    point = {"S": 0.85, "B": 0.0, "D": 0.15} if failed == "point" else POINT
+    judgement = judge_bracket(bracket(**changed), point, per_k(), TRUTH_S, identifiable=True)
+    assert not judgement.passed
+    assert judgement.in_bracket == (failed != "outside")
+    assert judgement.outside == (["B"] if failed == "outside" else [])
+    assert judgement.narrow == (failed != "narrow")
+    assert judgement.point_ok == (failed != "point")
+
+
+def test_the_slack_lets_the_truth_lie_just_outside_and_no_further():
+    near = judge_bracket(bracket(s=(0.5, 0.96)), POINT, per_k(), TRUTH_S, identifiable=False)
+    far = judge_bracket(bracket(s=(0.5, 0.94)), POINT, per_k(), TRUTH_S, identifiable=False)
+    assert near.in_bracket and not far.in_bracket and far.outside == ["S"]
+
+
+def test_a_nan_bracket_end_fails_instead_of_passing_silently():
+    values = bracket() | {"D_upper_hi": math.nan}
+    judgement = judge_bracket(values, POINT, per_k(), TRUTH_S, identifiable=True)
+    assert judgement.outside == ["D"] and not judgement.passed
+
+
+def test_false_alarms_count_only_k_with_a_gap_clearly_above_zero():
+    rows = per_k(s_identified=(False, False, True), gap_lo=(-0.01, 0.2, 0.2))
+    judgement = judge_bracket(bracket(), POINT, rows, TRUTH_S, identifiable=True)
+    # k = 1 has no clear gap: its unidentified S is no false alarm.
+    assert (judgement.false_alarms, judgement.alarm_ks) == (1, 2)
+    assert judgement.passed  # a false alarm is counted per metric, not against the row
+
+
+def test_an_ambiguous_row_must_be_flagged_at_every_k_with_a_gap():
+    wide = bracket(s=(0.0, 1.0), d=(0.0, 1.0), width=1.0)
+    truth = {"S": 0.0, "B": 0.0, "D": 1.0}
+    flagged = per_k(s_identified=(False, True, True), b_identified=(True, False, False))
+    judgement = judge_bracket(wide, POINT, flagged, truth, identifiable=False)
+    assert judgement.passed and judgement.flagged_every_k and judgement.unflagged_ks == []
+    assert judgement.narrow is None and judgement.point_ok is None and judgement.alarm_ks == 0
+    # k = 3 identified on both: a confident answer where the truth cannot be told apart.
+    quiet = per_k(s_identified=(False, False, True), gap_lo=(0.2, 0.2, 0.2))
+    judgement = judge_bracket(wide, POINT, quiet, truth, identifiable=False)
+    assert not judgement.passed and judgement.unflagged_ks == [3]
+    # ... unless k = 3 has no gap to speak of.
+    quiet = per_k(s_identified=(False, False, True), gap_lo=(0.2, 0.2, 0.0))
+    assert judge_bracket(wide, POINT, quiet, truth, identifiable=False).passed
+
+
+def run(metric: str = "accuracy", **bracket_values: Any) -> dict[str, Any]:
+    """A results.json run as the protocol writes it: the point shares, their intervals, the
+    share-level bracket and one decomposition row per k (the row at k = r carries no flags)."""
+    rows = [
+        {"metric": metric, "k": k, "gap": 0.5, "gap_lo": 0.4 if k < R else 0.0,
+         "S_identified": k < R, "B_identified": k < R, "S_width_hi": 0.01}
+        for k in range(1, R + 1)
+    ]  # fmt: skip
+    return {
+        "n_iterations": R,
+        "decomposition": rows,
+        "shares": {metric: {**POINT, "verdict": "S", "stable": True}},
+        "share_intervals": {metric: {"S_lo": 0.97, "S_hi": 1.02, "B_lo": -0.01, "B_hi": 0.01}},
+        "bracket": {metric: bracket(**bracket_values)},
+        "metrics": {metric: {"validated": True}},
+    }
+
+
+def test_judge_run_reads_the_bracket_and_the_rows_below_r():
+    judgement = judge_run(run(), "accuracy", TRUTH_S, identifiable=True)
+    assert judgement.passed and judgement.alarm_ks == R - 1  # k = r is left out
+    assert validation.per_k_of(run(), "accuracy")[-1]["k"] == R - 1
+    shares = validation.shares_of(run(), "accuracy")
+    assert shares["S_lo"] == 0.97 and math.isnan(shares["D_lo"])  # absent: NaN, not 0
+    assert not judge_run(run(width=0.3), "accuracy", TRUTH_S, identifiable=True).passed
+
+
+def row(metric: str, passed: bool, false_alarms: int, alarm_ks: int, counted=True):
+    judgement = validation.Judgement(
+        in_bracket=passed, outside=[], narrow=True, point_ok=True, flagged_every_k=None,
+        unflagged_ks=[], false_alarms=false_alarms, alarm_ks=alarm_ks, passed=passed,
+    )  # fmt: skip
+    return ValidationRow(
+        model="m", metric=metric, planted="S", identifiable=True, shares={}, bracket={},
+        expected=TRUTH_S, per_k=[], judgement=judgement, passed=passed, point_rule_passed=True,
+        counted=counted,
+    )  # fmt: skip
+
+
+def test_the_false_alarm_rate_is_pooled_over_the_suite_and_can_fail_a_metric():
+    rows = [row("accuracy", True, 1, 10), row("accuracy", True, 0, 10)]
+    summary = summarize(rows)["accuracy"]
+    assert summary["false_alarm_rate"] == pytest.approx(0.05) and summary["passed"]
+    rows.append(row("accuracy", True, 1, 1))
+    summary = summarize(rows)["accuracy"]
+    assert summary["false_alarm_rate"] == pytest.approx(2 / 21) and not summary["passed"]
+    assert summary["rows_passed"] == 3 and not suite_passed(rows)
+
+
+def test_a_metric_not_validated_is_reported_but_not_counted():
+    rows = [row("accuracy", True, 0, 5), row("cross_entropy", False, 5, 5, counted=False)]
+    summary = summarize(rows)
+    assert not summary["cross_entropy"]["passed"] and summary["cross_entropy"]["failing"] == ["m"]
+    assert suite_passed(rows)
+    assert not suite_passed([*rows, row("accuracy", False, 0, 5)])
+
+
+def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
+    replicates = [
+        {**bracket(s=(s - 0.1, s + 0.3)), "S": s, "S_lo": s - 0.05, "S_hi": s + 0.05,
+         "B": 0.0, "B_lo": -0.01, "B_hi": 0.01, "D": 1 - s, "D_lo": 0.9 - s, "D_hi": 1.1 - s,
+         "truth_S": 0.5, "truth_B": 0.0, "truth_D": 0.5}
+        for s in (0.45, 0.52, 0.70, 0.30)
+    ]  # fmt: skip
+    table = coverage_of(replicates)
+    assert table["S"]["covers_truth"] == 0.5  # 0.45 and 0.52 hold 0.5; 0.70 and 0.30 do not
+    assert table["S_bracket"]["covers_truth"] == 0.75  # only [0.6, 1.0] misses 0.5
+    assert table["D"]["covers_truth"] == 0.5 and table["B"]["covers_truth"] == 1.0
+    assert table["S"]["covers_mean"] == 0.5  # the mean estimate 0.4925
+    # Estimates spread far more than their intervals say: standard deviation 0.166 against
+    # the bootstrap's 0.1 / 3.92.
+    assert table["S"]["spread_ratio"] == pytest.approx(0.16601 / (0.1 / 3.92), rel=1e-3)
+    assert "covers_mean" not in table["S_bracket"]
+
+
+def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable():
+    assert validation.coverage_counted("mixture_three_way") == ("S_bracket", "B_bracket",
+                                                                "D_bracket")  # fmt: skip
+    assert "S" in validation.coverage_counted("mixture_shift_blocks")
+    assert set(validation.MIXTURES) == {
+        "mixture_shift_distinct", "mixture_shift_blocks", "mixture_three_way"
+    }  # fmt: skip
