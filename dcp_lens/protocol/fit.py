@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from dcp_lens.protocol.calibration import (
@@ -407,13 +407,14 @@ def fit_translators(
         state = source.readout_input(states)
         finite = all_finite(state) and all_finite(target)
         translators[label] = _least_squares(state, target) if finite else None
-        for g, fitted in enumerate(left_out):
-            keep = group != g
-            fitted[label] = (
-                _least_squares(state[keep], target[keep])
-                if translators[label] is not None and bool(keep.any())
-                else None
-            )
+        if left_out and translators[label] is not None:
+            for fitted, translator in zip(
+                left_out, _least_squares_left_out(state, target, group, n_groups), strict=True
+            ):
+                fitted[label] = translator
+        else:
+            for fitted in left_out:
+                fitted[label] = None
     return translators, left_out
 
 
@@ -460,11 +461,33 @@ def _least_squares(
     (W = (A - I)^T, b = c); None where the solution is not finite. Paired, so it can learn any
     remaining computation that is affine in the state: an upper end for S."""
     x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
-    gram = x.T @ x
+    return _solved(x.T @ x, x.T @ target.double(), source.shape[-1])
+
+
+def _least_squares_left_out(
+    source: Float[Tensor, "n d_model"],
+    target: Float[Tensor, "n d_model"],
+    group: Int[Tensor, " n"],
+    n_groups: int,
+) -> list[AffineTranslator | None]:
+    """`_least_squares` with each group's rows left out in turn, from per-group normal
+    equations (each row's products are formed once, not once per group)."""
+    x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
+    y = target.double()
+    grams = [x[group == g].T @ x[group == g] for g in range(n_groups)]
+    moments = [x[group == g].T @ y[group == g] for g in range(n_groups)]
+    gram, moment = sum(grams), sum(moments)
+    return [
+        _solved(gram - grams[g], moment - moments[g], source.shape[-1]) for g in range(n_groups)
+    ]
+
+
+def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | None:
+    """The ridge solution of the normal equations ``gram @ A = moment`` as a translator."""
+    gram = gram.clone()
     ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
     gram.diagonal().add_(ridge)
-    solution = torch.linalg.solve(gram, x.T @ target.double())
-    d_model = source.shape[-1]
+    solution = torch.linalg.solve(gram, moment)
     linear, bias = solution[:d_model], solution[d_model]
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):
