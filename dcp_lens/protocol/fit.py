@@ -234,8 +234,8 @@ def fit_translators(
             states, _ = capture_states(context.model, tokens, stop_after_last=True)
             piece = _leading_states(context, calibration, rows, states, n_rows)
         pieces.append(piece)
-    states = torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
-    target = states[-1]
+    states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
+    target = states[-1].double()
     translators: dict[str, AffineTranslator | None] = {}
     for label, source in wanted.items():
         state = source.readout_input(states)
@@ -275,12 +275,14 @@ def _least_squares(
     `TRANSLATOR_RIDGE` times the mean square of ``source``'s columns), as an `AffineTranslator`
     (W = (A - I)^T, b = c); None where the solution is not finite. Paired, so it can learn any
     remaining computation that is affine in the state: an upper end for S."""
+    d_model = source.shape[-1]
     x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
-    gram = x.T @ x
+    # The normal equations' two products in one (one pass over x).
+    products = x.T @ torch.cat([x, target.double()], dim=1)  # [d + 1, d + 1 + d]
+    gram, cross = products[:, : d_model + 1], products[:, d_model + 1 :]
     ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
     gram.diagonal().add_(ridge)
-    solution = torch.linalg.solve(gram, x.T @ target.double())
-    d_model = source.shape[-1]
+    solution = torch.linalg.solve(gram, cross)
     linear, bias = solution[:d_model], solution[d_model]
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):
