@@ -26,7 +26,8 @@ condition              what reaches the readout                               B 
 
 ``translate`` and ``base_rate`` are the two further controls of the S bracket (docs/bracket.md):
 the translator is fitted on the calibration split from each example's readout input to its own
-full-depth readout (it can do missing affine computation, so it bounds S from above), and the
+full-depth state (least squares; it can do missing affine computation, so it bounds S from
+above), and the
 base rate is the best readout that knows nothing about the example: full depth's mean predicted
 distribution at the same position over the calibration split (for accuracy its most frequent
 answer there), so it is what a map can gain with no information at all.
@@ -107,8 +108,9 @@ class Condition(ABC):
     name: str
     # Whether this condition at k = r must reproduce full depth (the null control checks it).
     reproduces_full_at_r: bool = True
-    # Whether confidence matching fits this condition's readout a temperature: not where the
-    # readout already has full depth's confidence (a translator fitted to it, the base rate).
+    # Whether confidence matching fits this condition's readout a temperature: not for the upper
+    # end's translators (fitted to each example's own full-depth state) nor the base rate (full
+    # depth's own readouts).
     matches_confidence: bool = True
 
     @property
@@ -313,13 +315,14 @@ class Calibrate(Condition):
 class Translate(Condition):
     """``inner`` with its readout input moved by a paired translator (fitted by the protocol on
     the calibration split from ``inner``'s readout inputs to each example's own full-depth
-    readout, `dcp_lens.protocol.translator.AffineTranslator`). Same B and D as inner.
+    state, by least squares: `dcp_lens.protocol.fit.fit_translators`, an
+    `dcp_lens.protocol.translator.AffineTranslator`). Same B and D as inner.
 
     Unlike `Calibrate`, the translator saw the answers' distribution per example: it may carry out
     remaining computation that is affine in the state, so its cell bounds S from above."""
 
     name = "translate"
-    matches_confidence = False  # fitted by KL to full depth's readouts, confidence included
+    matches_confidence = False  # the upper end reads the translator as fitted, untempered
 
     def __init__(self, inner: Condition, translator: Callable[[Tensor], Tensor]) -> None:
         if not isinstance(inner, Condition):

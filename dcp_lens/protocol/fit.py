@@ -399,7 +399,7 @@ def fit_translators(
             piece = _leading_states(context, calibration, rows, states, n_rows)
         pieces.append(piece)
         keys.append(_leading_keys(context, calibration, rows, n_rows))
-    states = torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
+    states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
     group = torch.cat(keys).to(states.device) % max(1, n_groups)
     target = states[-1]
     translators: dict[str, AffineTranslator | None] = {}

@@ -3,8 +3,11 @@ that a readout of the moved state matches target logits (KL), as tuned-lens's tr
 
 Self-contained (torch and safetensors only) so the lenses (a tuned lens per iteration) and the
 protocol (paired translators of a bracketed S) use the same object. It starts at the identity
-(W = 0, b = 0). Being fitted to outputs, it can carry out missing *linear* computation: report it
-as an upper bound on a readout shift, never as a label-free calibration.
+(W = 0, b = 0). The tuned lens fits it by KL (`AffineTranslator.fit`); the protocol solves its
+paired translators in closed form instead (ridge least squares onto full depth's states,
+`dcp_lens.protocol.fit.fit_translators`). Fitted to each example's own full-depth output either way,
+it can carry out missing *linear* computation: report it as an upper bound on a readout shift, never
+as a label-free calibration.
 """
 
 from __future__ import annotations

@@ -2,15 +2,20 @@
 
 Reported (times: the fastest of the repeats, as `timeit` advises: on a shared machine
 interference only slows a run down, so the fastest is the best estimate of what the code costs;
-the medians come too, as ``*_median``. Each of the forward, the plain loop and the sweep is timed
-after one warm-up call, and the three alternate, round by round, so that a machine whose speed
-drifts or jitters slows them alike and their ratios compare like with like):
+the medians come too, as ``*_median``. Each of the forward, the plain loop, the irreducible work
+and the sweep is timed after one warm-up call, and the four alternate, round by round, so that a
+machine whose speed drifts or jitters slows them alike and their ratios compare like with like):
 - ``sweep_over_forward``: the whole fast sweep (calibration fit + every condition at every k on the
   evaluation batch) against one full-depth forward of the evaluation batch, as the median over
   rounds of each sweep's time over the mean of the two forwards timed just before and just after
   it (`paired_ratio`). The fastest sweep over the fastest forward
   (``sweep_over_forward_fastest``) is biased upwards on a busy machine: a sweep lasts about four
   forwards, so it is less often run through without interference than a forward is;
+- ``sweep_over_irreducible``: the sweep against its irreducible work (`irreducible_work`: the
+  calibration and evaluation passes and the readouts the conditions need), paired the same way
+  (each sweep between two runs of it); ``irreducible_seconds`` (and ``*_median``),
+  ``irreducible_parts_seconds`` (each part's median), ``irreducible_readouts`` (the readouts
+  counted) and ``irreducible_over_forward`` beside it;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
