@@ -79,6 +79,10 @@ class BracketRule:
         walk_tolerance: largest share of the gap that replay may gain on examples whose replay
             walks (its top-1 is neither truncate(k)'s nor full depth's but one a later truncation
             reads: the repeated update performed later steps) for B to count as identified.
+        gap_floor: per k, the width is compared with ``tolerance`` times the larger of gap(k) and
+            this share of the largest gap over the grid: where truncation costs almost nothing
+            (the last k before r) a width of a few thousandths is the bootstrap's noise, not an
+            unidentified share.
         confidence: coverage of the percentile intervals.
     """
 
@@ -86,10 +90,12 @@ class BracketRule:
     max_share_interval: float = 0.3
     named_share: float = 0.75
     walk_tolerance: float = 0.05
+    gap_floor: float = 0.25
     confidence: float = 0.95
 
     def __post_init__(self) -> None:
-        for name in ("tolerance", "max_share_interval", "named_share", "walk_tolerance"):
+        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor")
+        for name in names:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
                 raise BracketInputError(
@@ -221,18 +227,22 @@ def bracket(
     n_draws = _draw_count(draws)
     draw_cells = _checked(draws, (n_draws, len(grid)), "draws")
     ends, sampled = bracket_ends(point_cells), bracket_ends(draw_cells)
+    walk = _walk(walk_gain, len(grid))
+    # Replay's gain on walking examples may be the readout's computation, not the block's: it
+    # may be D as well as B, so the B bracket reaches down and the D bracket up by it.
+    for quantities in (ends, sampled):
+        quantities["B_lower"] = quantities["B_lower"] - np.maximum(walk, 0.0)
+        quantities["D_upper"] = quantities["D_upper"] + np.maximum(walk, 0.0)
     per_k = _with_intervals(ends, sampled, rule.confidence)
     gap_clear = per_k["gap_lo"] > 0
-    walk = _walk(walk_gain, len(grid))
     per_k["S_width_hi"] = _upper(sampled["S_upper"] - sampled["S_lower"], rule.confidence)
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
     with np.errstate(invalid="ignore"):
-        per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= rule.tolerance * ends["gap"])
-        # Replay's gain on walking examples may be the readout's computation, not the block's.
+        largest = np.nanmax(ends["gap"]) if np.isfinite(ends["gap"]).any() else np.nan
+        allowed = rule.tolerance * np.maximum(ends["gap"], rule.gap_floor * largest)
+        per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= allowed)
         walked = walk > rule.walk_tolerance * ends["gap"]
-        per_k["B_identified"] = (
-            gap_clear & (per_k["B_width_hi"] <= rule.tolerance * ends["gap"]) & ~walked
-        )
+        per_k["B_identified"] = gap_clear & (per_k["B_width_hi"] <= allowed) & ~walked
 
     used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
     shares = _shares(ends, sampled, point_cells, draw_cells, used, rule.confidence)

@@ -58,6 +58,7 @@ from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.readout import needed_readouts, readout_groups
 from dcp_lens.protocol.states import capture_states
+from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
@@ -215,7 +216,10 @@ def irreducible_work(
       logits;
     - ``evaluation_readouts``: per evaluation batch, per k of the grid (and r), the readouts the
       sweep's conditions need (`needed_readouts`: each distinct condition once, none for full
-      depth or the base rate), and the calibration null's.
+      depth or the base rate), the calibration null's, and the jackknife's (the conditions each
+      left-out calibration group's maps change, on the tenth of the examples it reads).
+
+    The calibration pass includes the base rate's one readout of s_r per batch.
 
     A readout is ``model.readout`` of a captured state, grouped into calls as the sweep groups
     them (`readout_groups`): its cost does not depend on the state's values, so the maps and
@@ -226,6 +230,8 @@ def irreducible_work(
     plan = irreducible_readouts(protocol)
     sweep_reads, matched_reads = plan["evaluation"], plan["matching"]
     null_reads, matching = plan["null"], context.matches_confidence()
+    jackknife_reads, base_reads = plan["jackknife"], plan["base_rate"]
+    evaluation_keys = evaluation.example_keys()
     confidence = protocol.confidence
 
     def read(states: Tensor, state: Tensor, n: int) -> None:
@@ -247,6 +253,8 @@ def irreducible_work(
         for index, rows in enumerate(calibration.batches(size)):
             tokens = calibration.tokens[rows].to(device)
             states, _ = capture_states(model, tokens, stop_after_last=True)
+            if base_reads:  # the base rate's table: full depth's readout of the batch
+                read(states, states[r], 1)
             start = clock("calibration_pass", start)
             pieces = confidence.pieces(calibration, index, rows) if budget_left else None
             budget_left = pieces is not None
@@ -263,6 +271,10 @@ def irreducible_work(
             for k, n in sweep_reads.items():
                 read(states, states[k], n)
             read(states, states[r], null_reads)
+            chosen = (evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
+            if bool(chosen.any()):
+                for k, n in jackknife_reads.items():
+                    read(states[:, chosen], states[k][chosen], n)
             start = clock("evaluation_readouts", start)
         return seconds
 
@@ -287,6 +299,25 @@ def irreducible_readouts(protocol: DepthControlProtocol) -> dict[str, Any]:
             for k in grid
         },
         "null": int(maps.null is not None),
+        # The jackknife's: per k, the conditions each left-out group's maps change, read on the
+        # evaluation examples `JACKKNIFE_EVALUATION_STRIDE` picks.
+        "jackknife": {
+            k: sum(
+                len(
+                    needed_readouts(
+                        r,
+                        {
+                            n: c
+                            for n, e in SWEEP.items()
+                            if (c := e.build(k, left_out)) != e.build(k, maps)
+                        },
+                    )
+                )
+                for left_out in maps.jackknife
+            )
+            for k in context.k_grid
+        },
+        "base_rate": int(maps.base_rate is not None),
         "matching": {
             k: len(needed_readouts(r, matched(k, maps))) if matching else 0 for k in context.k_grid
         },

@@ -223,3 +223,35 @@ def test_missing_cells_and_bad_shapes_are_refused():
         bracket(point, draws, GRID, walk_gain=np.zeros(1))
     with pytest.raises(BracketInputError, match="tolerance"):
         BracketRule(tolerance=2.0)
+
+
+# ------------------------------------------------------- walking replay and small gaps
+
+
+def test_a_walking_replay_widens_b_down_and_d_up_by_its_gain_so_the_truth_d_stays_inside():
+    # Replay gains 0.3 over truncation at every k, all of it on walking examples (the readout
+    # extrapolates along the answers): the truth is D = 1, B = 0.
+    a = np.array([0.1, 0.3, 0.5, 1.0])
+    c = np.minimum(a + 0.3, 1.0)
+    walk = c - a
+    point, draws = cells(**curves(a, 1.0, c=c, z=0.0))
+    plain = bracket(point, draws, GRID)
+    walked = bracket(point, draws, GRID, walk_gain=walk)
+    assert plain.shares["B_lower_lo"] > 0.1  # without the walk, B excludes its truth 0
+    assert walked.shares["B_lower_lo"] <= 0.0 <= walked.shares["B_upper_hi"]
+    assert walked.shares["D_lower_lo"] <= 1.0 <= walked.shares["D_upper_hi"] + 1e-9
+    assert not walked.B_identified and walked.verdict == "inconclusive"
+
+
+def test_a_width_of_bootstrap_noise_at_an_almost_free_k_is_not_an_alarm():
+    # Truncation costs 0.6 at k = 1 and 0.004 at k = 3: a bracket 0.003 wide there is noise.
+    a = np.array([0.4, 0.8, 0.996, 1.0])
+    ta = a + np.array([0.0, 0.0, 0.003, 0.0])
+    point, draws = cells(noise=0.0005, **curves(a, 1.0, b=a, ta=ta, z=0.0))
+    floored = bracket(point, draws, GRID)
+    strict = bracket(point, draws, GRID, rule=BracketRule(gap_floor=0.0))
+    assert bool(floored.per_k["S_identified"][2]) and not bool(strict.per_k["S_identified"][2])
+    # A bracket as wide as that k's gap is flagged with the floor too (the floor is 0.25 of the
+    # largest gap times the tolerance: 0.015 here).
+    wide = bracket(*cells(noise=0.0005, **curves(a, 1.0, b=a, ta=a + (1.0 - a) * 0.9)), GRID)
+    assert not bool(wide.per_k["S_identified"][0]) and not bool(wide.per_k["S_identified"][1])
