@@ -359,7 +359,10 @@ def coverage_of(replicates: Sequence[Mapping[str, float]]) -> dict[str, dict[str
                     (h - lo) / (2 * 1.96) for lo, h in zip(lows, highs, strict=True)
                 )
                 spread = statistics.stdev(estimates)
-                entry["spread_ratio"] = spread / error if error > 0 else math.inf
+                # An interval of width 0 is honest only where the estimates do not move.
+                entry["spread_ratio"] = (
+                    spread / error if error > 0 else (1.0 if spread == 0 else math.inf)
+                )
             table[name] = entry
     return table
 

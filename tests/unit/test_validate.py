@@ -176,6 +176,11 @@ def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
     # the bootstrap's 0.1 / 3.92.
     assert table["S"]["spread_ratio"] == pytest.approx(0.16601 / (0.1 / 3.92), rel=1e-3)
     assert "covers_mean" not in table["S_bracket"]
+    # B never moves and its interval has width 0.02: no spread; a zero-width interval around
+    # estimates that do move would be infinitely overconfident.
+    assert table["B"]["spread_ratio"] == 0.0
+    frozen = [{**r, "D_lo": r["D"], "D_hi": r["D"]} for r in replicates]
+    assert coverage_of(frozen)["D"]["spread_ratio"] == math.inf
 
 
 def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable():
