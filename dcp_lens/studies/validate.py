@@ -278,12 +278,13 @@ def coverage(
         "passed"}``: per quantity (the point S, B, D; each bracket end ``S_lower`` ... ``D_upper``;
         each whole bracket ``S_bracket`` ... from its lower end's ``_lo`` to its upper end's
         ``_hi``), ``covers_truth`` (the fraction of replicates whose interval holds that
-        replicate's truth), ``covers_mean`` (the fraction that holds the mean estimate over the
-        replicates, the estimator's own target), ``spread_ratio`` (the estimates' standard
-        deviation over the replicates against the mean bootstrap standard error, half the
-        interval's width / 1.96; 1 when the interval is honest). ``passed``: every counted
-        quantity (`coverage_counted`) of every validated metric covers the truth at least
-        `COVERAGE_TARGET` of the time.
+        replicate's truth) and, where the quantity has a point estimate, ``covers_debiased``
+        (the fraction that holds the truth plus the estimate's mean error over the replicates:
+        coverage of the estimator's own target, bias aside) and ``spread_ratio`` (the standard
+        deviation of the estimate's error over the replicates against the mean bootstrap standard
+        error, the interval's width / 3.92; about 1 when the interval is honest). ``passed``:
+        every counted quantity (`coverage_counted`) of every validated metric covers the truth
+        at least `COVERAGE_TARGET` of the time.
     """
     if replicates < 2:
         raise ConfigError(
@@ -352,14 +353,20 @@ def coverage_of(replicates: Sequence[Mapping[str, float]]) -> dict[str, dict[str
             lows, highs = [r[low] for r in replicates], [r[high] for r in replicates]
             entry = {"covers_truth": _fraction(lows, highs, truths)}
             if point is not None:
-                estimates = [r[point] for r in replicates]
-                mean = statistics.fmean(estimates)
-                entry["covers_mean"] = _fraction(lows, highs, [mean] * len(estimates))
-                error = statistics.fmean(
+                # Each replicate has its own model and truth: judge the estimates by their errors.
+                errors = [r[point] - t for r, t in zip(replicates, truths, strict=True)]
+                bias = statistics.fmean(errors)
+                entry["covers_debiased"] = _fraction(lows, highs, [t + bias for t in truths])
+                standard_error = statistics.fmean(
                     (h - lo) / (2 * 1.96) for lo, h in zip(lows, highs, strict=True)
                 )
-                spread = statistics.stdev(estimates)
-                entry["spread_ratio"] = spread / error if error > 0 else math.inf
+                spread = statistics.stdev(errors)
+                # An interval of width 0 is honest only where the errors do not move.
+                entry["spread_ratio"] = (
+                    spread / standard_error
+                    if standard_error > 0
+                    else (1.0 if spread == 0 else math.inf)
+                )
             table[name] = entry
     return table
 
@@ -426,20 +433,22 @@ def markdown(rows: Sequence[ValidationRow]) -> list[str]:
 
 def coverage_markdown(table: Mapping[str, Any]) -> list[str]:
     """The coverage table in markdown: per model and metric, each quantity's coverage of the
-    truth (and of the replicates' mean estimate, with the spread ratio, where it has a point)."""
+    truth (and, where it has a point estimate, of the truth plus its mean error, with the spread
+    ratio)."""
     lines = [
         f"Coverage of the 95% intervals over {table['replicates']} replicates (seeds "
         f"{table['seeds'][0]}-{table['seeds'][-1]}; target {table['target']:.0%} on the starred "
-        "quantities of validated metrics): covers truth / covers the mean estimate / spread ratio.",
+        "quantities of validated metrics): covers truth / covers truth + mean error / spread "
+        "ratio.",
         "",
-        "| planted model | metric | quantity | covers truth | covers mean | spread ratio |",
+        "| planted model | metric | quantity | covers truth | covers debiased | spread ratio |",
         "|---|---|---|---|---|---|",
     ]
     for name, per_metric in table["models"].items():
         for metric, quantities in per_metric.items():
             for quantity, entry in quantities.items():
                 star = "*" if quantity in coverage_counted(name) else ""
-                mean = entry.get("covers_mean")
+                mean = entry.get("covers_debiased")
                 ratio = entry.get("spread_ratio")
                 lines.append(
                     f"| {name} | {metric} | {quantity}{star} | {entry['covers_truth']:.2f} "

@@ -724,8 +724,8 @@ IDENTIFIABLE = {
     "distinct_computation_smooth": False,
 }
 
-# The suite today's point decomposition is validated on (`dcp-lens validate`); the models for
-# the bracket join it when the sweep reports brackets (issue 25).
+# The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
+# judges every model of BRACKET_PLANTED by the bracket rule (docs/validation.md).
 PLANTED = tuple(name for name in BUILDERS if name not in ("distinct_computation_context",
     "block_count_context", "frame_flip", "distinct_computation_skewed", "mixture_three_way",
     "distinct_computation_smooth"))  # fmt: skip

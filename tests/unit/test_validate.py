@@ -171,11 +171,32 @@ def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
     assert table["S"]["covers_truth"] == 0.5  # 0.45 and 0.52 hold 0.5; 0.70 and 0.30 do not
     assert table["S_bracket"]["covers_truth"] == 0.75  # only [0.6, 1.0] misses 0.5
     assert table["D"]["covers_truth"] == 0.5 and table["B"]["covers_truth"] == 1.0
-    assert table["S"]["covers_mean"] == 0.5  # the mean estimate 0.4925
+    # The truth plus the mean error -0.0075: 0.4925, held by the intervals around 0.45 and 0.52.
+    assert table["S"]["covers_debiased"] == 0.5
     # Estimates spread far more than their intervals say: standard deviation 0.166 against
     # the bootstrap's 0.1 / 3.92.
     assert table["S"]["spread_ratio"] == pytest.approx(0.16601 / (0.1 / 3.92), rel=1e-3)
-    assert "covers_mean" not in table["S_bracket"]
+    assert "covers_debiased" not in table["S_bracket"]
+    # B never moves and its interval has width 0.02: no spread; a zero-width interval around
+    # estimates that do move would be infinitely overconfident.
+    assert table["B"]["spread_ratio"] == 0.0
+    frozen = [{**r, "D_lo": r["D"], "D_hi": r["D"]} for r in replicates]
+    assert coverage_of(frozen)["D"]["spread_ratio"] == math.inf
+
+
+def test_coverage_judges_errors_so_that_a_truth_that_moves_with_the_model_is_no_spread():
+    # Each replicate's estimate sits 0.1 above its own truth: a constant bias, no spread.
+    replicates = [
+        {**bracket(), "S": t + 0.1, "S_lo": t + 0.05, "S_hi": t + 0.15, "B": 0.0, "B_lo": 0.0,
+         "B_hi": 0.0, "D": 0.0, "D_lo": 0.0, "D_hi": 0.0, "truth_S": t, "truth_B": 0.0,
+         "truth_D": 0.0}
+        for t in (0.2, 0.5, 0.8)
+    ]  # fmt: skip
+    table = coverage_of(replicates)
+    assert table["S"]["covers_truth"] == 0.0 and table["S"]["covers_debiased"] == 1.0
+    assert table["S"]["spread_ratio"] == pytest.approx(0.0, abs=1e-9)
+    # B has width 0 and never moves: an honest interval, ratio 1.
+    assert table["B"]["spread_ratio"] == 1.0
 
 
 def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable():
