@@ -94,7 +94,7 @@ def decompose(
     n_bootstrap: int = 1000,
     seed: int = 0,
     confidence: float = 0.95,
-    walked: Mapping[int, QualityVector] | None = None,
+    walked: Mapping[str, Mapping[int, QualityVector]] | None = None,
     jackknife: Sequence[Mapping[str, Mapping[int, QualityVector]]] = (),
     jackknife_rows: QualityVector | None = None,
 ) -> Decomposition:
@@ -119,9 +119,9 @@ def decompose(
             each condition of `DECOMPOSED` in that order with its k in ascending order, then any
             further condition in the order of ``values``.
         confidence: coverage of the percentile intervals.
-        walked: per k, each example's fraction of positions where replay walks ``[n]``
-            (`dcp_lens.protocol.sweep.walk_fractions`): replay's gain over truncate weighted by
-            it is the bracket's ``walk_gain`` (None: not measured).
+        walked: `dcp_lens.protocol.sweep.walk_fractions`' records (``fraction`` and per top-1
+            metric, ``{k: [n]}``): replay's gain over truncate on the positions where replay
+            walks is the bracket's ``walk_gain`` (None: not measured).
         jackknife: per left-out calibration group G, ``{condition: {k: [m]}}``: the conditions
             whose maps were refitted without the group, on the ``m`` examples ``jackknife_rows``
             (indices into the ``n``). Every bootstrap draw b is shifted by group ``b mod G``'s
@@ -148,15 +148,17 @@ def decompose(
         draws = draws + deviations[np.arange(n_bootstrap) % len(deviations)]
     sign = 1.0 if higher_is_better else -1.0
     walk_gain = None
-    if walked is not None and all(k in walked for k in grid):
-        walk_gain = np.array([
-            sign * float(np.mean(
-                (_column(matrix, conditions, "replay", grid, k)
-                 - _column(matrix, conditions, "truncate", grid, k))
-                * _as_vector(walked[k], f"walked[{k}]")
-            ))
-            for k in grid
-        ])  # fmt: skip
+    if walked is not None and all(k in walked.get("fraction", {}) for k in grid):
+        # Replay's gain on walking positions: counted per position for the top-1 metrics, and
+        # as the walking fraction of the example's gain for the others.
+        def gain(k: int) -> np.ndarray:
+            if metric in walked:
+                return _as_vector(walked[metric][k], f"walked[{metric!r}][{k}]")
+            replayed = _column(matrix, conditions, "replay", grid, k)
+            truncated = _column(matrix, conditions, "truncate", grid, k)
+            return (replayed - truncated) * _as_vector(walked["fraction"][k], "walked")
+
+        walk_gain = np.array([sign * float(np.mean(gain(k))) for k in grid])
 
     decomposed_columns = slice(1, 1 + len(DECOMPOSED) * n_k)
     point = _quantities(

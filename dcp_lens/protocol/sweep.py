@@ -43,9 +43,8 @@ class SweepOutput:
     probe's samples (empty on a process other than rank 0).
 
     Attributes:
-        walked: per k, each example's fraction of scored positions whose replay *walks* (its
-            top-1 is neither truncate(k)'s nor full depth's but one a later truncation of the
-            grid reads; docs/bracket.md) ``[n]``.
+        walked: `walk_fractions`' records, ``[n]`` per kind and k: where replay *walks* (its
+            top-1 moves to one a later truncation of the grid reads; docs/bracket.md).
         jackknife: per left-out calibration group, ``{metric: {condition: {k: [m]}}}`` for the
             conditions whose maps the jackknife refits, on the ``m`` evaluation examples of
             ``jackknife_rows`` (indices into ``values``' example order).
@@ -54,7 +53,7 @@ class SweepOutput:
     values: Values
     null_control: dict[str, Any]
     probe_samples: ProbeSamples
-    walked: dict[int, Tensor] = field(default_factory=dict)
+    walked: dict[str, dict[int, Tensor]] = field(default_factory=dict)
     jackknife: list[Values] = field(default_factory=list)
     jackknife_rows: Tensor | None = None
 
@@ -173,8 +172,10 @@ class Sweep:
                 self.replay_difference[k] = nan_max(self.replay_difference.get(k, 0.0), difference)
                 for name in top1:
                     top1[name][k] = read[name].argmax(-1)
-            for k, fraction in walk_fractions(top1, full_logits.argmax(-1), targets, r).items():
-                per_example.setdefault((_WALK, "replay", k), []).append(fraction)
+            walk_records = walk_fractions(top1, full_logits.argmax(-1), targets, r)
+            for kind, per_k in walk_records.items():
+                for k, value in per_k.items():
+                    per_example.setdefault((_WALK, kind, k), []).append(value)
             # The jackknife's cells: the mapped conditions under each left-out group's maps, on
             # a fixed tenth of the examples (by key), scored like the others.
             chosen = evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
@@ -247,13 +248,13 @@ class Sweep:
                 self._merged(gathered)
             )
         values: Values = {}
-        walked: dict[int, Tensor] = {}
+        walked: dict[str, dict[int, Tensor]] = {}
         jackknife: list[Values] = [{} for _ in left_out]
         jackknife_rows: Tensor | None = None
         for (metric, condition, k), chunks in per_example.items():
             vector = torch.cat(chunks).double().cpu()
             if metric == _WALK:
-                walked[k] = vector
+                walked.setdefault(condition, {})[k] = vector
             elif metric == _JACKKNIFE_ROWS:
                 jackknife_rows = vector.long()
             elif "@" in condition:
@@ -379,24 +380,42 @@ def walk_fractions(
     full_top1: Int[Tensor, "batch pos"],
     targets: Int[Tensor, "batch pos"],
     n_iterations: int,
-) -> dict[int, Tensor]:
-    """Per k, each example's fraction of scored positions where replay(k) *walks*: its top-1 is
-    neither truncate(k)'s nor full depth's, but one that truncate(k') reads for some k' of the
-    grid with k < k' < r (the repeated update did later iterations' work). ``[batch]`` float64
-    per k of ``top1["replay"]``."""
+) -> dict[str, dict[int, Tensor]]:
+    """Where replay *walks*, per example: a position walks when at some k of the grid replay(k)'s
+    top-1 is neither truncate(k)'s nor full depth's, but one that truncate(k') reads for some k'
+    of the grid with k < k' < r (the repeated update did later iterations' work). Such a position
+    extrapolates along its own trajectory, so replay's gain there at every k (reaching full
+    depth's answer early included) may be computation.
+
+    Returns:
+        ``{"fraction": {k: [batch]}}``, each example's fraction of scored positions that walk
+        (the same at every k), and, for the top-1 metrics, ``{metric: {k: [batch]}}``: replay's
+        gain over truncate(k) on the walking positions, summed and divided by the scored
+        positions (``accuracy`` against the targets, ``top1_agreement`` against full depth).
+    """
     scored = targets != IGNORE_INDEX
     count = scored.sum(-1).clamp(min=1).double()
     grid = sorted(top1["truncate"])
-    fractions = {}
+    walks = torch.zeros_like(scored)
     for k in sorted(top1["replay"]):
         replayed = top1["replay"][k]
         later = [top1["truncate"][j] for j in grid if k < j < n_iterations]
-        walks = torch.zeros_like(scored)
         if later:
             read_later = torch.stack([replayed == t for t in later]).any(0)
-            walks = (replayed != top1["truncate"][k]) & (replayed != full_top1) & read_later
-        fractions[k] = ((walks & scored).sum(-1).double() / count).cpu()
-    return fractions
+            walks |= (replayed != top1["truncate"][k]) & (replayed != full_top1) & read_later
+    walking = walks & scored
+
+    def per_example(values: Tensor) -> Tensor:
+        return ((values * walking).sum(-1).double() / count).cpu()
+
+    out: dict[str, dict[int, Tensor]] = {"fraction": {}, "accuracy": {}, "top1_agreement": {}}
+    for k in sorted(top1["replay"]):
+        replayed, truncated = top1["replay"][k], top1["truncate"][k]
+        out["fraction"][k] = per_example(torch.ones_like(walking))
+        for metric, reference in (("accuracy", targets), ("top1_agreement", full_top1)):
+            gain = (replayed == reference).double() - (truncated == reference).double()
+            out[metric][k] = per_example(gain)
+    return out
 
 
 def nan_max(a: float, b: float) -> float:

@@ -74,19 +74,23 @@ def test_a_spread_fit_widens_the_interval_of_s_by_its_jackknife_variance():
     assert sd_widened**2 - sd_plain**2 == pytest.approx(added, rel=0.5)
 
 
-def test_replay_walks_only_to_an_answer_a_later_truncation_reads():
+def test_a_position_that_walks_once_counts_its_replay_gain_at_every_k():
     truncate = {
         1: torch.tensor([[0, 0, 0]]), 2: torch.tensor([[1, 1, 0]]), 4: torch.tensor([[2, 2, 2]])
     }  # fmt: skip
     replay = {1: torch.tensor([[1, 2, 5]]), 2: torch.tensor([[1, 0, 0]]), 4: truncate[4]}
     full = torch.tensor([[2, 2, 2]])
     targets = torch.tensor([[2, 2, IGNORE_INDEX]])
-    fractions = walk_fractions({"truncate": truncate, "replay": replay}, full, targets, 4)
-    # k = 1: position 0 walks to truncate(2)'s answer; position 1 reads full depth's (not a walk);
-    # position 2 is not scored. k = 2: nothing later than 2 but r, so no walk.
-    assert fractions[1].tolist() == [0.5]
-    assert fractions[2].tolist() == [0.0]
-    assert fractions[4].tolist() == [0.0]
+    walked = walk_fractions({"truncate": truncate, "replay": replay}, full, targets, 4)
+    # Position 0 walks at k = 1 (to truncate(2)'s answer); position 1 reads full depth's answer
+    # there and position 2 is not scored. A walking position counts at every k.
+    assert [walked["fraction"][k].tolist() for k in (1, 2, 4)] == [[0.5], [0.5], [0.5]]
+    # Replay's accuracy gain on the walking position: k = 1 reads 1 (target 2): 0 - 0; k = 2
+    # reads 1 where truncate(2) read 1: 0. Against full depth (top1_agreement) the same.
+    assert walked["accuracy"][1].tolist() == [0.0] and walked["accuracy"][2].tolist() == [0.0]
+    gaining = {**replay, 2: torch.tensor([[2, 0, 0]])}
+    walked = walk_fractions({"truncate": truncate, "replay": gaining}, full, targets, 4)
+    assert walked["accuracy"][2].tolist() == [0.5]  # position 0: 1 - 0, over 2 scored positions
 
 
 def test_the_base_rate_reads_its_table_row_per_position_bucket():
