@@ -85,7 +85,7 @@ EXAMPLES = {
     "dcp-lens run --model runs/tiny/model --out runs/tiny/dcp",
     "experiment": "example:\n  dcp-lens experiment training-intervention --preset tiny "
     "--seeds 0,1 --out runs/intervention",
-    "validate": "examples:\n  dcp-lens validate --models readout_shift,block_count "
+    "validate": "example:\n  dcp-lens validate --models readout_shift,block_count "
     "--out out/validate\n  dcp-lens validate --coverage 10 --out out/coverage",
     "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch-size 4 --seq 32 "
     "--json",

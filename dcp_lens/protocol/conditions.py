@@ -403,11 +403,22 @@ class BaseRate(Condition):
         return rows[None].expand(batch, -1, -1)
 
     def fwd_hooks(self, model: IterationModel) -> HookList:
+        if not self.realizable(model):
+            raise ValueError(
+                f"{type(model).__name__} has no hook_logits (its logits may be transformed after"
+                " the unembedding), so base_rate has no hook form there; read it with"
+                " BaseRate.logits(positions, batch, device) or protocol.condition_logits(...)."
+            )
+
         def hook(logits: Tensor, hook: Any) -> Tensor:
             table = self.logits(logits.shape[1], logits.shape[0], logits.device)
             return table.to(logits.dtype)
 
         return [("hook_logits", hook)]
+
+    def realizable(self, model: IterationModel) -> bool:
+        """Its hook form replaces the model's final logits: only where ``hook_logits`` is."""
+        return "hook_logits" in getattr(model, "hook_dict", {})
 
     def readout_input(self, states: States) -> Tensor:
         raise TypeError(

@@ -289,7 +289,10 @@ def _jackknife_deviations(
             ])  # fmt: skip
             if len(_as_vector(vectors[0], "jackknife")) != m or not np.isfinite(means).all():
                 continue
-            deviations[:, 1 + i * len(grid) + j] = math.sqrt(n_groups - 1) * (means - means.mean())
+            spread = means - means.mean()
+            # Groups that agree to rounding add nothing (no interval moves off its point).
+            spread[np.abs(spread) <= 1e-12 * max(1.0, float(np.abs(means).max()))] = 0.0
+            deviations[:, 1 + i * len(grid) + j] = math.sqrt(n_groups - 1) * spread
     return deviations
 
 

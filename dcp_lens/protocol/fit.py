@@ -5,6 +5,7 @@ calibration null, and the probe's reference states. Hands a `FittedMaps` to the 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -234,27 +235,34 @@ def fit_maps(
     def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
         merged = {label: _merge_groups(groups, left_out) for label, groups in streams.items()}
         reference = merged["full"]
-        return {
-            label: None
-            if source is None or reference is None
-            else _fit_map(
-                entry, config, source, reference,
-                _without(samples.get(label), left_out, n_groups),
-                _without(samples.get("full"), left_out, n_groups),
-            )
-            for label, source in merged.items()
-        }  # fmt: skip
+        maps: dict[str, StateMap | None] = {}
+        for label, source in merged.items():
+            try:
+                maps[label] = None if source is None or reference is None else _fit_map(
+                    entry, config, source, reference,
+                    _without(samples.get(label), left_out, n_groups),
+                    _without(samples.get("full"), left_out, n_groups),
+                )  # fmt: skip
+            except ValueError:
+                if left_out is None:
+                    raise
+                maps[label] = None  # too few states without the group: no jackknife cell
+        return maps
 
     translators, left_out_translators = fit_translators(context, calibration, leading)
     maps = FittedMaps(
         fitted_maps(None), _fit_halves(entry, config, sample), sample.tensor(),
         config.calibration_mode, r, translators, None if base is None else base.table(),
     )  # fmt: skip
-    if config.calibration_groups >= 2:
+    populated = sum(bool(m.count) for m in (streams.get("full") or []))
+    if config.calibration_groups >= 2 and populated >= 2:
         for g in context.each(range(n_groups), "jackknife fits"):
+            with warnings.catch_warnings():  # the whole split's fit already said so
+                warnings.simplefilter("ignore")
+                left_out_maps = fitted_maps(g)
             maps.jackknife.append(
                 FittedMaps(
-                    fitted_maps(g),
+                    left_out_maps,
                     None,
                     None,
                     config.calibration_mode,
@@ -348,7 +356,7 @@ def _merge_groups(
     for g, moments in enumerate(groups):
         if g != left_out:
             total.merge(moments)
-    return total
+    return total if total.count else None
 
 
 def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> Subsample | None:

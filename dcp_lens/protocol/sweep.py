@@ -179,7 +179,18 @@ class Sweep:
             # The jackknife's cells: the mapped conditions under each left-out group's maps, on
             # a fixed tenth of the examples (by key), scored like the others.
             chosen = evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
-            if left_out and bool(chosen.any()):
+            if left_out and not bool(chosen.any()):
+                # A chunk for every key in every batch, empty here: the merge over processes
+                # lines chunks up by batch.
+                empty = torch.zeros(0, dtype=torch.float64)
+                per_example.setdefault((_JACKKNIFE_ROWS, "rows", 0), []).append(empty)
+                for k in k_grid:
+                    for g, conditions in enumerate(left_out):
+                        for name in conditions[k]:
+                            for metric in metrics:
+                                key = (metric, f"{name}@{g}", k)
+                                per_example.setdefault(key, []).append(empty.to(device))
+            elif left_out:
                 local = chosen.to(device)
                 sub_states, sub_logits = states[:, local], full_logits[local]
                 sub_scoring = _Reference.of(sub_logits, targets[local])
