@@ -166,7 +166,7 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
     bench JSON it writes holds the figures it prints, per million tokens and peak memory."""
     environment = {
         **os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-        "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch 1 --seq 8 --repeats 1",
+        "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch-size 1 --seq 8 --repeats 1",
     }  # fmt: skip
     completed = subprocess.run(
         ["bash", str(REPO / "demos" / "gpu_check.sh"), str(tmp_path)],
