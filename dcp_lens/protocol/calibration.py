@@ -844,6 +844,11 @@ class CalibrationMap:
         from_states: ``(source [n, d], reference [m, d], settings) -> map``.
         from_moments: ``(source, reference, settings) -> map`` from `StreamingMoments`, or None.
         describe: ``settings -> dict``: what results record of the map beyond its mode.
+        lower_bound: whether the map's gain bounds readout shift from below (docs/bracket.md):
+            an affine moment-matching map cannot add information about the example; a map that
+            can move each state anywhere on the other marginal (optimal transport between
+            mixtures) can carry out the remaining computation itself, so with it S is never
+            identified and the verdict stays inconclusive.
     """
 
     name: str
@@ -852,6 +857,7 @@ class CalibrationMap:
         None
     )
     describe: Callable[[MapSettings], dict[str, Any]] = lambda settings: {}
+    lower_bound: bool = True
 
     @property
     def needs_states(self) -> bool:
@@ -891,5 +897,6 @@ register_calibration_map(
             "calibration_points": settings.calibration_points,
             "plan": "optimal transport between cluster weights, Wasserstein-2 (Bures) cost",
         },
+        lower_bound=False,
     )
 )

@@ -50,7 +50,7 @@ from dcp_lens.protocol.probe import ResidualOODProbe, probe_run, s_rank_correlat
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
-from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, identification
+from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, bounded, identification
 from dcp_lens.utils import distributed
 from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.errors import ConfigError, InputTypeError
@@ -294,12 +294,10 @@ class DepthControlProtocol:
                 for name, value in flags.items()
                 if decomposed.bracket is None or not name.endswith("_identified")
             }
-            decompositions[metric] = dataclasses.replace(
-                decomposed,
-                **kept,
-                validated=VALIDATION[metric][0],
+            decompositions[metric] = bounded(dataclasses.replace(
+                decomposed, **kept, validated=VALIDATION[metric][0],
                 validation_reason=VALIDATION[metric][1],
-            )
+            ), self.calibration_mode)  # fmt: skip
         first = decompositions[self.metrics[0]]
         probe_summary["s_rank_correlation"] = s_rank_correlation(
             probe_summary, first.k_grid, first.cells["S"]

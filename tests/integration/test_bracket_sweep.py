@@ -103,3 +103,20 @@ def test_a_gap_near_chance_is_inconclusive_on_the_console_and_in_the_report(tmp_
     assert max(len(line) for line in summary.splitlines()) <= 100
     page = results.report(tmp_path).read_text()
     assert "Inconclusive" in page
+
+
+def test_a_map_that_can_compute_never_identifies_s():
+    """Issue 25 item 5: optimal transport between mixtures can send each truncated state to the
+    node its answer is, so its gain is no lower bound: with it the verdict stays inconclusive."""
+    model = planted.load_planted("readout_shift", seed=0)
+    task = model.planted_task
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=50, probe="none", progress=False, seed=0,
+        calibration_mode="mixture", calibration_groups=0,
+    )  # fmt: skip
+    run = protocol.run(task.evaluation(N), task.calibration(N)).to_results_json()
+    run = run["runs"][0] if "runs" in run else run
+    shares = run["shares"]["accuracy"]
+    assert shares["verdict"] == "inconclusive" and shares["S_identified"] is False
+    assert "no lower bound" in shares["reason"]
+    assert not any(row["S_identified"] for row in run["decomposition"] if row["k"] < 8)
