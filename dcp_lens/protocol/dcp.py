@@ -44,13 +44,13 @@ from dcp_lens.protocol.decomposition import decompose
 from dcp_lens.protocol.evaluation_set import EvaluationSet as EvaluationSet
 from dcp_lens.protocol.evaluation_set import as_evaluation_set
 from dcp_lens.protocol.evaluation_set import task_data as task_data
-from dcp_lens.protocol.fit import FittedMaps, fit_maps
+from dcp_lens.protocol.fit import FittedMaps, bounded, fit_maps
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, METRICS, NEEDS_ANSWERS, VALIDATION
 from dcp_lens.protocol.probe import ResidualOODProbe, probe_run, s_rank_correlation
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
-from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, bounded, identification
+from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, identification
 from dcp_lens.utils import distributed
 from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.errors import ConfigError, InputTypeError

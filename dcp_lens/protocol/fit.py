@@ -4,11 +4,14 @@ calibration null, and the probe's reference states. Hands a `FittedMaps` to the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -614,3 +617,23 @@ class _Wanted:
 
 def _identity(h: Tensor) -> Tensor:
     return h
+
+
+UNBOUNDED_MAP_REASON = (
+    "the calibration map {mode!r} can carry out remaining computation itself (it moves each state"
+    " anywhere on full depth's marginal), so its gain is no lower bound on readout shift and S is"
+    " not identified; run with an affine map (--calibration-mode full) for a verdict."
+)
+
+
+def bounded(decomposition: Any, mode: str) -> Any:
+    """``decomposition`` as it is where calibration map ``mode`` bounds S from below; else with
+    S unidentified at every k and the verdict inconclusive (`CalibrationMap.lower_bound`)."""
+    shares = decomposition.bracket_shares
+    if shares is None or CALIBRATION_MAPS[mode].lower_bound:
+        return decomposition
+    reason = UNBOUNDED_MAP_REASON.format(mode=mode)
+    shares = {**shares, "S_identified": False, "verdict": "inconclusive",
+              "reason": f"{reason} {shares.get('reason', '')}".strip()}  # fmt: skip
+    unidentified = np.zeros_like(np.asarray(decomposition.s_identified, dtype=bool))
+    return dataclasses.replace(decomposition, bracket_shares=shares, s_identified=unidentified)

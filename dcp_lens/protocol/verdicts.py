@@ -317,27 +317,3 @@ def finite_mean(values: Sequence[float]) -> float:
 def format_number(value: float | None) -> str:
     """A number with three decimals; ``nan`` for None or NaN."""
     return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
-
-
-UNBOUNDED_MAP_REASON = (
-    "the calibration map {mode!r} can carry out remaining computation itself (it moves each state"
-    " anywhere on full depth's marginal), so its gain is no lower bound on readout shift and S is"
-    " not identified; run with an affine map (--calibration-mode full) for a verdict."
-)
-
-
-def bounded(decomposition: Any, mode: str) -> Any:
-    """``decomposition`` as it is where calibration map ``mode`` bounds S from below; else with
-    S unidentified at every k and the verdict inconclusive (`CalibrationMap.lower_bound`)."""
-    import dataclasses
-
-    from dcp_lens.protocol.calibration import CALIBRATION_MAPS
-
-    shares = decomposition.bracket_shares
-    if shares is None or CALIBRATION_MAPS[mode].lower_bound:
-        return decomposition
-    reason = UNBOUNDED_MAP_REASON.format(mode=mode)
-    shares = {**shares, "S_identified": False, "verdict": "inconclusive",
-              "reason": f"{reason} {shares.get('reason', '')}".strip()}  # fmt: skip
-    unidentified = np.zeros_like(np.asarray(decomposition.s_identified, dtype=bool))
-    return dataclasses.replace(decomposition, bracket_shares=shares, s_identified=unidentified)
