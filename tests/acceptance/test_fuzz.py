@@ -549,19 +549,18 @@ def test_a_kill_at_a_random_moment_leaves_a_folder_that_finishes(
     seed = fault_seed()
     rng = random.Random(seed)
     print(f"DCP_LENS_FUZZ_SEED={seed}")
-    if scenario == "run":
-        check_killed_run(tmp_path, rng, reference_run)
-    elif scenario == "overwrite":
-        check_killed_overwrite(tmp_path, rng, reference_run)
-    else:
-        check_killed_train(tmp_path, rng)
+    check_killed(scenario, tmp_path, rng, reference_run)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(6))
 @pytest.mark.parametrize("scenario", ["run", "overwrite", "train"])
 def test_kills_long(tmp_path, capsys, reference_run, scenario, attempt):
-    rng = random.Random(fault_seed() + attempt)
+    check_killed(scenario, tmp_path, random.Random(fault_seed() + attempt), reference_run)
+
+
+def check_killed(scenario: str, tmp_path, rng: random.Random, reference_run) -> None:
+    """The kill scenario ``scenario`` ("run", "overwrite" or "train") with ``rng``."""
     if scenario == "run":
         check_killed_run(tmp_path, rng, reference_run)
     elif scenario == "overwrite":
