@@ -323,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed rounds of forward, plain loop and sweep, alternated (times: the fastest; "
         "sweep / forward: the median of the rounds' paired ratios)",
     )  # fmt: skip
+    bench.add_argument(
+        "--batches", type=int, default=1,
+        help="calibration and evaluation batches each (default 1); the sweep's fixed costs "
+        "(solves, the jackknife's refits) weigh less as it grows, as in a run's 512 + 512 "
+        "sequences",
+    )  # fmt: skip
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
@@ -466,7 +472,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
         batch=args.batch_size, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,
         device=args.device, naive=not args.no_naive, preset=args.preset, dtype=args.dtype,
-        config=protocol_config(args, "bench"),
+        config=protocol_config(args, "bench"), batches=args.batches,
     )  # fmt: skip
     threshold = fixed_threshold()
     result["allocator"] = (

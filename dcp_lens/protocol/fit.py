@@ -235,8 +235,12 @@ def fit_maps(
     if distributed.rank_and_world()[1] > 1:
         streams, samples, sample, base = _merged_fit(streams, samples, sample, base, device)
 
+    totals = {label: _merge_groups(groups, None) for label, groups in streams.items()}
+
     def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
-        merged = {label: _merge_groups(groups, left_out) for label, groups in streams.items()}
+        merged = {
+            label: _left_out(totals[label], groups, left_out) for label, groups in streams.items()
+        }
         reference = merged["full"]
         maps: dict[str, StateMap | None] = {}
         for label, source in merged.items():
@@ -360,6 +364,18 @@ def _merge_groups(
         if g != left_out:
             total.merge(moments)
     return total if total.count else None
+
+
+def _left_out(
+    total: StreamingMoments | None, groups: list[StreamingMoments] | None, left_out: int | None
+) -> StreamingMoments | None:
+    """``total`` (every group merged) less group ``left_out``'s moments, to be decomposed in float32
+    (`StreamingMoments.for_refit`): the jackknife's refit of one stream. ``total`` itself where
+    ``left_out`` is None."""
+    if total is None or groups is None or left_out is None:
+        return total
+    rest = total.without(groups[left_out])
+    return None if rest is None else rest.for_refit()
 
 
 def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> Subsample | None:
@@ -498,7 +514,12 @@ def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | No
     gram = gram.clone()
     ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
     gram.diagonal().add_(ridge)
-    solution = torch.linalg.solve(gram, moment)
+    # The ridged gram is positive definite: a Cholesky solve, about half an LU solve's time.
+    factor, info = torch.linalg.cholesky_ex(gram)
+    if int(info) == 0:
+        solution = torch.cholesky_solve(moment, factor)
+    else:  # lost definiteness to rounding
+        solution = torch.linalg.solve(gram, moment)
     linear, bias = solution[:d_model], solution[d_model]
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):

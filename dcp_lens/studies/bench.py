@@ -349,12 +349,17 @@ def run_bench(
     preset: str = "small",
     dtype: str = "float32",
     config: ProtocolConfig | None = None,
+    batches: int = 1,
 ) -> dict[str, Any]:
     """Measure the figures above on a random model of ``preset``'s shape (arguments left None
     take the preset's defaults, `PRESET_DEFAULTS`), computing in ``dtype``, with the protocol
     settings ``config`` (default `BENCH_CONFIG`; its batch size is replaced by ``batch``, its k
     grid by ``k_grid`` when given). ``repeats`` rounds
     each time the forward, the plain loop and the sweep (``sweep_repeats`` sweeps, if given).
+    ``batches``: calibration and evaluation batches each (the forward and the plain loop read
+    the evaluation batches one by one). The sweep's fixed costs (the maps' and translators'
+    solves, the jackknife's refits) do not grow with it; its passes and readouts do, so its
+    ratios at a `run`'s 512 + 512 sequences are those of a large ``batches``.
 
     Raises:
         DeviceError: ``device`` is not available here.
@@ -362,6 +367,11 @@ def run_bench(
             device's memory (checked before anything is allocated).
     """
     target = check_device(device)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ConfigError(
+            f"batches={batches!r} must be an int >= 1 (calibration and evaluation batches each); "
+            "pass --batches 1 or more."
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
     cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq, seed)
@@ -386,9 +396,12 @@ def run_bench(
         )
     model = HookedRecurrentTransformer(cfg).to(device=target, dtype=getattr(torch, dtype)).eval()
     generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.d_vocab, (2 * batch, seq), generator=generator).to(target)
-    evaluation = EvaluationSet.from_tokens(tokens[:batch])
-    calibration = EvaluationSet.from_tokens(tokens[batch:])
+    tokens = torch.randint(0, cfg.d_vocab, (2 * batches * batch, seq), generator=generator).to(
+        target
+    )
+    evaluation = EvaluationSet.from_tokens(tokens[: batches * batch])
+    calibration = EvaluationSet.from_tokens(tokens[batches * batch :])
+    evaluation_batches = [evaluation.tokens[rows] for rows in evaluation.batches(batch)]
     weights = {k: v.detach() for k, v in model.canonical_state_dict().items()}
     config = (config or BENCH_CONFIG).replace(batch_size=batch)
     if k_grid is not None:
@@ -409,12 +422,17 @@ def run_bench(
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
-        runs: dict[str, Callable[[], Any]] = {"forward": lambda: model(evaluation.tokens)}
+        runs: dict[str, Callable[[], Any]] = {
+            "forward": lambda: [model(tokens) for tokens in evaluation_batches]
+        }
         check = math.nan
         if has_plain:
-            plain_logits = plain_forward(weights, cfg, evaluation.tokens, r)
-            check = float((plain_logits - model(evaluation.tokens)).abs().max())
-            runs["plain"] = lambda: plain_forward(weights, cfg, evaluation.tokens, r)
+            first = evaluation_batches[0]
+            plain_logits = plain_forward(weights, cfg, first, r)
+            check = float((plain_logits - model(first)).abs().max())
+            runs["plain"] = lambda: [
+                plain_forward(weights, cfg, tokens, r) for tokens in evaluation_batches
+            ]
         # One warm-up call each (first-call allocations are not what is measured); then the
         # forward, the plain loop, the irreducible work and the sweep alternate, timed under the
         # same load. The memory held before the sweep's first call is the base of its per-token
@@ -445,8 +463,8 @@ def run_bench(
         if naive:
             naive_seconds = _timings({"naive": naive_sweep}, {"naive": 1}, target)["naive"][0]
     batch_tokens = batch * seq
-    sweep_rate = 2 * batch_tokens / sweep_seconds  # calibration + evaluation tokens
-    forward_rate = batch_tokens / forward
+    sweep_rate = 2 * batches * batch_tokens / sweep_seconds  # calibration + evaluation tokens
+    forward_rate = batches * batch_tokens / forward
     return {
         "preset": preset,
         "model": {
@@ -454,7 +472,8 @@ def run_bench(
             "n_iterations": r, "n_coda": cfg.n_coda, "n_layers": n_blocks,
             "d_vocab": cfg.d_vocab, "parameters": n_weights,
         },
-        "dtype": dtype, "batch": batch, "seq": seq, "k_grid": list(protocol.k_grid),
+        "dtype": dtype, "batch": batch, "batches": batches, "seq": seq,
+        "k_grid": list(protocol.k_grid),
         "device": str(target), "threads": torch.get_num_threads(),
         "forward_seconds": forward, "plain_seconds": plain, "sweep_seconds": sweep_seconds,
         "naive_seconds": naive_seconds,
@@ -580,7 +599,8 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
         f"{result['preset']} model {shape['n_prelude']} + {shape['n_core']} x "
         f"{shape['n_iterations']} + {shape['n_coda']}, d_model={shape['d_model']}, vocabulary "
         f"{shape['d_vocab']}, {shape['parameters']:,} parameters, {result['dtype']}; batch "
-        f"{result['batch']} x {result['seq']}, k grid {result['k_grid']}, {result['device']}, "
+        f"{result['batch']} x {result['seq']} ({result.get('batches', 1)} calibration and "
+        f"evaluation batches each), k grid {result['k_grid']}, {result['device']}, "
         f"{result['threads']} threads; allocator: {allocator}"
     )
     rounds = result.get("repeats", {}).get("sweep", "?")

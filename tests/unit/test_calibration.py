@@ -268,3 +268,44 @@ def test_bad_calibration_inputs_raise_with_the_value() -> None:
             reference_mean=torch.zeros(2, dtype=torch.float64),
             linear=torch.ones(2, dtype=torch.float64),
         )
+
+
+def test_without_is_merge_run_backwards() -> None:
+    """The jackknife's leave-one-group-out moments by subtraction: the same sums (to float64
+    rounding) as merging every other group, with a large common offset; nothing left is None."""
+    mean, mixing = random_frame(6, seed=21, scale=3.0)
+    samples = gaussian(900, mean + 1e3, mixing, seed=22)
+    groups = [StreamingMoments.from_samples(samples[g::5]) for g in range(5)]
+    whole = StreamingMoments()
+    for group in groups:
+        whole.merge(group)
+    for left_out in range(5):
+        expected = StreamingMoments()
+        for g, group in enumerate(groups):
+            if g != left_out:
+                expected.merge(group)
+        rest = whole.without(groups[left_out])
+        assert rest is not None and rest.count == expected.count
+        got, want = rest.state(), expected.state()
+        for key in ("mean", "scatter", "norm_weighted_sum", "fourth_sum"):
+            scale = float(want[key].abs().max())
+            assert float((got[key] - want[key]).abs().max()) <= 1e-9 * scale, key
+    assert whole.without(whole) is None
+    empty = whole.without(StreamingMoments())
+    assert empty is not None and torch.equal(empty.covariance, whole.covariance)
+
+
+def test_a_refit_decomposes_in_float32_to_float64_powers() -> None:
+    """`for_refit`: the shrunk covariance's powers from a float32 eigendecomposition, within
+    float32 rounding of the float64 ones and far inside a group's leave-out deviation."""
+    mean, mixing = random_frame(24, seed=23)
+    samples = gaussian(2000, mean, mixing, seed=24)
+    exact = StreamingMoments.from_samples(samples[200:])
+    refit = StreamingMoments.from_samples(samples[200:]).for_refit()
+    whole = StreamingMoments.from_samples(samples)
+    for exponent in (0.5, -0.5):
+        want, got = exact.shrunk_power(exponent), refit.shrunk_power(exponent)
+        assert got.dtype == torch.float64
+        error = float((got - want).norm() / want.norm())
+        deviation = float((whole.shrunk_power(exponent) - want).norm() / want.norm())
+        assert error < 1e-5 and error < 1e-2 * deviation

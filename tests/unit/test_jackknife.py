@@ -102,3 +102,22 @@ def test_the_base_rate_reads_its_table_row_per_position_bucket():
         assert torch.equal(logits[2, position], table[position_bucket(torch.tensor(position))])
     with pytest.raises(TypeError, match="no readout input"):
         condition.readout_input(torch.zeros(2, 1, 4, 3))
+
+
+def test_translator_solve_matches_a_general_solve() -> None:
+    """`_solved`'s Cholesky solve of the ridged normal equations gives the LU solve's translator."""
+    from dcp_lens.protocol import fit
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(400, 9, generator=generator, dtype=torch.float64)
+    x = torch.cat([x, torch.ones(400, 1, dtype=torch.float64)], dim=1)
+    y = x[:, :9] @ torch.randn(9, 9, generator=generator, dtype=torch.float64) + 0.1
+    gram, moment = x.T @ x, x.T @ y
+    translator = fit._solved(gram, moment, 9)
+    ridged = gram.clone()
+    ridged.diagonal().add_(fit.TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12)
+    solution = torch.linalg.solve(ridged, moment)
+    assert translator is not None
+    want_weight = (solution[:9] - torch.eye(9, dtype=torch.float64)).T.float()
+    assert torch.allclose(translator.weight, want_weight, atol=1e-5)
+    assert torch.allclose(translator.bias, solution[9].float(), atol=1e-5)
