@@ -275,7 +275,7 @@ def coverage(
 
     Returns:
         ``{"replicates", "seeds", "target", "models": {model: {metric: {quantity: {...}}}},
-        "passed"}``: per quantity (the point S, B, D; each bracket end ``S_lower`` ... ``D_upper``;
+        "passed", "draws"}``: per quantity (the point S, B, D; each bracket end ``S_lower`` ... ``D_upper``;
         each whole bracket ``S_bracket`` ... from its lower end's ``_lo`` to its upper end's
         ``_hi``), ``covers_truth`` (the fraction of replicates whose interval holds that
         replicate's truth) and, where the quantity has a point estimate, ``covers_debiased``
@@ -284,7 +284,9 @@ def coverage(
         deviation of the estimate's error over the replicates against the mean bootstrap standard
         error, the interval's width / 3.92; about 1 when the interval is honest). ``passed``:
         every counted quantity (`coverage_counted`) of every validated metric covers the truth
-        at least `COVERAGE_TARGET` of the time.
+        at least `COVERAGE_TARGET` of the time. ``draws``: every replicate's record, per model
+        and metric in seed order (its shares, bracket ends with their intervals and truths), to
+        see which replicates an interval missed and by how much.
     """
     if replicates < 2:
         raise ConfigError(
@@ -324,7 +326,7 @@ def coverage(
     return {
         "replicates": replicates, "seeds": seeds, "target": COVERAGE_TARGET,
         "validated_metrics": [m for m, ok in validated.items() if ok],
-        "models": table, "passed": passed,
+        "models": table, "passed": passed, "draws": found,
     }  # fmt: skip
 
 

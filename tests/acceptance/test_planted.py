@@ -220,6 +220,9 @@ def test_coverage_replicates_a_model_with_successive_seeds(tmp_path):
         n_bootstrap=20, probe="none",
     )  # fmt: skip
     assert table["seeds"] == [0, 1, 2] and table["replicates"] == 3
+    # Every replicate's record is kept, with its truth, so a miss can be traced to its seed.
+    draws = table["draws"]["readout_shift"]["accuracy"]
+    assert len(draws) == 3 and all(d["truth_S"] == 1.0 and "S_lower_lo" in d for d in draws)
     entries = table["models"]["readout_shift"]["accuracy"]
     assert set(entries) >= {"S", "B", "D", "S_lower", "S_upper", "S_bracket", "D_bracket"}
     for name, entry in entries.items():
