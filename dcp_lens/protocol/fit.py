@@ -32,6 +32,8 @@ from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
+from dcp_lens.utils.errors import ResourceLimitError
+from dcp_lens.utils.memory import available_memory_bytes
 
 # The paired translators of the S bracket's upper end (`fit_translators`): the least-squares
 # affine map from each source's readout inputs to the same positions' full-depth states (closed
@@ -39,8 +41,13 @@ from dcp_lens.utils import distributed
 # split, kept from the fit stage's own pass).
 TRANSLATOR_POINTS = 2048
 TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
-# A calibration group's states are folded into its moments once this many have come.
+# A calibration group's states are folded into its moments once this many have come: fewer
+# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
+# is then small beside its product).
 GROUP_BUFFER_ROWS = 4096
+GROUP_BUFFER_ELEMENTS = 2**18
+# The fit refuses to start when its moments would take more than this share of the free memory.
+MOMENT_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -164,6 +171,9 @@ def fit_maps(
     pending: dict[str, list[list[Tensor]]] = {
         label: [[] for _ in range(n_groups)] for label in conditions
     }
+    width = int(context.model.cfg.d_model)
+    buffer_rows = max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
+    check_moment_memory(len(conditions), n_groups, width, buffer_rows, device)
     calibration_keys = calibration.example_keys()
     batches = distributed.assigned(calibration.batches(config.batch_size))
     done, saved = context.restore("calibration")
@@ -213,7 +223,7 @@ def fit_maps(
             if all_finite(state):
                 for g, rows_of_group in present:
                     pending[label][g].append(state[rows_of_group])
-                    if sum(len(x) for x in pending[label][g]) >= GROUP_BUFFER_ROWS:
+                    if sum(len(x) for x in pending[label][g]) >= buffer_rows:
                         moments[g].update(torch.cat(pending[label][g]))
                         pending[label][g] = []
                 if entry.needs_states:
@@ -279,6 +289,38 @@ def fit_maps(
                 )  # fmt: skip
             )
     return maps
+
+
+def moment_bytes(n_streams: int, n_groups: int, width: int, buffer_rows: int) -> int:
+    """Bytes the fit stage's moments hold: per stream and calibration group, a float64 d x d
+    scatter and its vectors, and up to ``buffer_rows`` float32 states waiting; per stream the
+    whole split's merged moments once more."""
+    per_moments = 8 * (width * width + 3 * width)
+    waiting = 4 * buffer_rows * width
+    return n_streams * (n_groups * (per_moments + waiting) + per_moments)
+
+
+def check_moment_memory(
+    n_streams: int, n_groups: int, width: int, buffer_rows: int, device: torch.device
+) -> None:
+    """Refuse, before the calibration pass, a fit whose moments (`moment_bytes`) would take more
+    than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
+    needed = moment_bytes(n_streams, n_groups, width, buffer_rows)
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+    elif device.type == "cpu":
+        free = available_memory_bytes() or 0
+    else:
+        return  # no free-memory figure for this device
+    if free and needed > MOMENT_MEMORY_SHARE * free:
+        single = moment_bytes(n_streams, 1, width, buffer_rows)
+        raise ResourceLimitError(
+            f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
+            f"conditions x {n_groups} calibration groups of {width} x {width} float64), more "
+            f"than {MOMENT_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device}. "
+            f"Pass fewer calibration groups (--calibration-groups 0 turns the jackknife off: "
+            f"{single / 2**30:.1f} GiB) or a shorter --k grid."
+        )
 
 
 def _flushed(

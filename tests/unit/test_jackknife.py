@@ -121,3 +121,18 @@ def test_translator_solve_matches_a_general_solve() -> None:
     want_weight = (solution[:9] - torch.eye(9, dtype=torch.float64)).T.float()
     assert torch.allclose(translator.weight, want_weight, atol=1e-5)
     assert torch.allclose(translator.bias, solution[9].float(), atol=1e-5)
+
+
+def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None:
+    """Each calibration group holds a float64 d x d moment per condition: at a Huginn-sized
+    width the jackknife's moments run to tens of GiB, refused up front with the way out."""
+    from dcp_lens.protocol import fit
+    from dcp_lens.utils.errors import ResourceLimitError
+
+    huge = fit.moment_bytes(21, 10, 5280, 64)
+    assert huge > 10 * fit.moment_bytes(21, 0, 5280, 64)  # the groups are most of it
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fit, "available_memory_bytes", lambda: 8 * 2**30)
+        with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
+            fit.check_moment_memory(21, 10, 5280, 64, torch.device("cpu"))
+        fit.check_moment_memory(21, 10, 256, 1024, torch.device("cpu"))  # small: passes
