@@ -22,6 +22,7 @@ from dcp_lens.report.assets import PLOTLY_JS, plotly_script, write_plotly_js
 from dcp_lens.training.outcomes import (
     AGGREGATED,
     BASELINE,
+    BRACKET_ABSOLUTE,
     CONFIDENCE,
     NEGATIVE_CONTROL,
     mean_over_seeds,
@@ -106,10 +107,12 @@ def _metric_section(
         "single-seed rows have no interval for these). Each is the mean over the seeds where it is "
         f"defined, with a {CONFIDENCE:.0%} t-interval over them (defined in one seed only: that "
         "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
-        "truncation gap has zero area (the same predictions at every depth). Seeds marked "
-        '"S bound" have a k where S is not identified (the calibrated states stay '
-        "distinguishable from full depth): there S is a lower bound, D an upper bound, and B "
-        "may hold the shift the map missed.",
+        "truncation gap has zero area (the same predictions at every depth). S and D brackets, "
+        "units: the means over seeds of each run's bracket ends (docs/bracket.md), then the "
+        "lower end's interval low and the upper end's interval high; the verdict compares "
+        'these, so that a bound cannot reverse it. Seeds marked "S bound" have an S bracket '
+        "wider than the tolerance (S not identified: the truth lies anywhere in it). DCP verdict "
+        "per seed: each run's own verdict on its shares (S, B, D, mixed or inconclusive).",
     ]
     if NEGATIVE_CONTROL in regimes:
         lines.append(
@@ -135,11 +138,15 @@ def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
     full depth and at k = 1 (means over seeds)."""
     lines = [
         "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-        "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| gap, units | S, units | B, units | D, units | S bracket, units | D bracket, units "
+        "| DCP verdict per seed | accuracy full / k=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for regime, row in regimes.items():
-        cells = [_interval(row, name) for name in AGGREGATED]
+        cells = [_interval(row, name) for name in AGGREGATED if name not in BRACKET_ABSOLUTE]
+        for factor in ("S", "D"):
+            cells.append(_bracket_cell(row, factor))
+        cells.append(", ".join(str(v) if v else "-" for v in row.get("verdicts", [])) or "-")
         seeds = ",".join(str(seed) for seed in row["seeds"])
         if row["undefined_seeds"]:
             seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
@@ -149,6 +156,16 @@ def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
         cells.append(" / ".join(accuracy))
         lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _bracket_cell(row: dict[str, Any], factor: str) -> str:
+    """``[lower, upper]`` of a regime's ``factor`` bracket in units (means over seeds), with the
+    lower end's interval low and the upper end's interval high after it; "-" without one."""
+    low, high = row.get(f"{factor}_lower_abs"), row.get(f"{factor}_upper_abs")
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return "-"
+    outer = (_number(row[f"{factor}_lower_abs_lo"]), _number(row[f"{factor}_upper_abs_hi"]))
+    return f"[{_number(low)}, {_number(high)}] ({outer[0]} to {outer[1]})"
 
 
 def _compared(
@@ -162,7 +179,11 @@ def _compared(
         )
     factor = {"S_lower": "S", "D_stays": "D"}[check_name]
     name = f"{factor}_abs"
-    return f"{factor} {_interval(tested, name)} against fixed {_interval(fixed, name)}"
+    said = f"{factor} {_interval(tested, name)} against fixed {_interval(fixed, name)}"
+    brackets = _bracket_cell(tested, factor), _bracket_cell(fixed, factor)
+    if "-" in brackets:
+        return said
+    return f"{said}; {factor} bracket {brackets[0]} against fixed {brackets[1]}"
 
 
 def _interval(row: dict[str, Any], name: str) -> str:

@@ -38,7 +38,10 @@ PREDICTION = (
 # The verdict reads the absolute ones: a share of a gap near zero (a model that needs no depth)
 # is unstable, while its absolute S is simply near zero.
 ABSOLUTE = ("gap_abs", "S_abs", "B_abs", "D_abs")
-AGGREGATED = (*FACTORS, "slope", *ABSOLUTE)
+# The ends of each run's S and D brackets (docs/bracket.md) in the metric's units, means over the
+# share k grid like the above: the verdict compares brackets, so that a bound cannot reverse it.
+BRACKET_ABSOLUTE = ("S_lower_abs", "S_upper_abs", "D_lower_abs", "D_upper_abs")
+AGGREGATED = (*FACTORS, "slope", *ABSOLUTE, *BRACKET_ABSOLUTE)
 
 
 def shared_metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
@@ -83,10 +86,20 @@ def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, 
         value = float(used[column].mean()) if len(used) else math.nan
         # No bootstrap interval for these: over seeds they get the t-interval.
         row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
-    # Where S is not identified (the calibrated states stay distinguishable from full depth),
-    # S(k) is a lower bound and D(k) an upper bound: the verdict must not read them as values.
-    identified = decomposition.s_identified
     in_grid = [k in decomposition.share_k_grid for k in decomposition.k_grid]
+    for name in BRACKET_ABSOLUTE:
+        end = name.removesuffix("_abs")
+        if decomposition.bracket is None or not any(in_grid):
+            value = math.nan
+        else:
+            value = float(np.asarray(decomposition.bracket[end], np.float64)[in_grid].mean())
+        row.update({name: value, f"{name}_lo": math.nan, f"{name}_hi": math.nan})
+    shares = decomposition.bracket_shares or {}
+    row["dcp_verdict"] = shares.get("verdict")
+    row["S_identified"] = shares.get("S_identified")
+    # Where S is not identified (a wide bracket; before brackets: calibrated states that stay
+    # distinguishable from full depth), S(k) is a lower bound and D(k) an upper bound.
+    identified = decomposition.s_identified
     row["S_unidentified_k"] = (
         []
         if identified is None
@@ -144,7 +157,13 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         summary.update({name: mean, f"{name}_lo": low, f"{name}_hi": high})
     summary["n_seeds"] = counts
     summary["seeds"] = [int(row["seed"]) for row in per_seed]
-    summary["S_bound_seeds"] = [int(row["seed"]) for row in per_seed if row.get("S_unidentified_k")]
+    summary["S_bound_seeds"] = [
+        int(row["seed"])
+        for row in per_seed
+        if (row.get("S_identified") is False)
+        or (row.get("S_identified") is None and row.get("S_unidentified_k"))
+    ]
+    summary["verdicts"] = [row.get("dcp_verdict") for row in per_seed]
     summary["undefined_seeds"] = sorted(undefined)
     summary["per_seed"] = [dict(row) for row in per_seed]
     return summary
@@ -159,6 +178,9 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
 
+    Where both regimes carry S brackets (``S_lower_abs``, ``S_upper_abs``: runs made with the
+    bracket, docs/bracket.md) the brackets decide (`_s_on_brackets`); otherwise, on the point
+    values:
     ``supported``: lower, and the intervals do not overlap (``S_abs_hi < fixed S_abs_lo``);
     ``not resolved``: lower but the intervals overlap, or a value is NaN, or lower while the
     tested regime's S is a lower bound (not identified in some seed), or not lower while
@@ -171,6 +193,8 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """
     if not _finite(tested, fixed, "S_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
+    if _bracketed(tested, fixed, "S"):
+        return _s_on_brackets(tested, fixed)
     if tested["S_abs"] >= fixed["S_abs"]:
         measured = _check("not supported", "not lower")
         if fixed.get("S_bound_seeds"):  # fixed's S may be larger than measured
@@ -186,7 +210,9 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
 
 
 def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
-    """Does D (in the metric's units, ``D_abs``) stay? ``supported`` when the intervals of
+    """Does D (in the metric's units, ``D_abs``) stay? With D brackets in both regimes:
+    ``supported`` when the brackets, their outer intervals included, overlap, ``not supported``
+    when they are apart. Without: ``supported`` when the intervals of
     ``tested`` and ``fixed`` overlap, ``not supported`` when they do not, ``not resolved`` when a
     value is NaN or either regime's S is not identified in some seed (its D is then an upper
     bound, which neither claim can rest on).
@@ -196,6 +222,11 @@ def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     """
     if not _finite(tested, fixed, "D_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
+    if _bracketed(tested, fixed, "D"):
+        low, high = (tested["D_lower_abs_lo"], tested["D_upper_abs_hi"])
+        if low <= fixed["D_upper_abs_hi"] and fixed["D_lower_abs_lo"] <= high:
+            return _check("supported", "the D brackets (intervals included) overlap")
+        return _check("not supported", "the D brackets (intervals included) are apart")
     if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
         measured = _check("supported", "the intervals overlap")
     else:
@@ -277,6 +308,39 @@ def _decoded(row: dict[str, Any]) -> dict[str, Any]:
 def _finite(tested: dict[str, Any], fixed: dict[str, Any], name: str) -> bool:
     keys = (name, f"{name}_lo", f"{name}_hi")
     return all(math.isfinite(float(row[key])) for row in (tested, fixed) for key in keys)
+
+
+def _bracketed(tested: dict[str, Any], fixed: dict[str, Any], factor: str) -> bool:
+    """Both regimes carry the ``factor`` bracket's ends in units, with intervals."""
+    names = (f"{factor}_lower_abs", f"{factor}_upper_abs")
+    keys = [f"{name}{suffix}" for name in names for suffix in ("", "_lo", "_hi")]
+    if not all(key in row for row in (tested, fixed) for key in keys):
+        return False  # runs made before the bracket
+    return all(_finite(tested, fixed, name) for name in names)
+
+
+def _s_on_brackets(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+    """*S lower* on the S brackets in units: ``supported`` when the tested regime's whole bracket
+    (its upper end's interval included) lies below fixed's (its lower end's interval included)
+    and fixed's S is clearly above zero (a negative S, a map that costs quality, is not a shift
+    that shrank);
+    ``not supported`` when the tested bracket's lower end is at least fixed's upper end (no
+    value in one bracket is lower than any in the other); otherwise ``not resolved``, with what
+    the lower ends alone (the point estimates) say beside it."""
+    if tested["S_lower_abs"] >= fixed["S_upper_abs"]:
+        return _check("not supported", "the whole S bracket is at least fixed's")
+    no_shift = not fixed["S_lower_abs_lo"] > 0
+    if tested["S_upper_abs_hi"] < fixed["S_lower_abs_lo"] and not no_shift:
+        return _check("supported", "the whole S bracket is lower, intervals included")
+    if tested["S_abs"] >= fixed["S_abs"]:
+        measured = _check("not supported", "not lower")
+    elif tested["S_abs_hi"] < fixed["S_abs_lo"]:
+        measured = _check("supported", "lower, the intervals do not overlap")
+    else:
+        measured = _check("not resolved", "lower, but the intervals overlap")
+    if no_shift:  # a negative S (a map that costs accuracy) is not a readout shift that shrank
+        return _on_bounds(measured, "fixed's S bracket reaches zero: it has no S to shrink")
+    return _on_bounds(measured, "the S brackets overlap")
 
 
 def _check(label: str, why: str) -> dict[str, str]:

@@ -134,7 +134,16 @@ def test_the_markdown_states_prediction_table_and_verdict(experiment):
     text = (out / "intervention.md").read_text()
     assert PREDICTION in text.replace("**Prediction.** R", "**Prediction.** r")
     header = "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-    assert header + "| gap, units | S, units | B, units | D, units | accuracy full / k=1 |" in text
+    assert header + (
+        "| gap, units | S, units | B, units | D, units | S bracket, units | D bracket, units "
+        "| DCP verdict per seed | accuracy full / k=1 |"
+    ) in text
+    # Each run's bracket ends in units and its own verdict reach the summary.
+    for row in _document(out)["regimes"].values():
+        assert len(row["verdicts"]) == len(row["seeds"])
+        for entry in row["per_seed"]:
+            assert entry["dcp_verdict"] in ("S", "B", "D", "mixed", "inconclusive")
+            assert entry["S_lower_abs"] <= entry["S_upper_abs"] + 1e-12
     for regime in REGIMES:
         assert f"| {regime} | 0,1" in text
     assert "## Verdict" in text and "negative control" in text
@@ -395,3 +404,56 @@ def test_the_lm_intervention_finds_readout_shift_in_the_fixed_regime(tmp_path):
     _check_lm_document(document, out, [0, 1, 2])
     fixed = document["regimes"]["fixed"]
     assert fixed["S_lo"] > 0 and fixed["S_abs_lo"] > 0, fixed
+
+
+FIXED_BRACKETED = {
+    **FIXED,
+    **_row(S_lower_abs=(0.6, 0.5, 0.7), S_upper_abs=(0.65, 0.55, 0.75)),
+    **_row(D_lower_abs=(0.15, 0.05, 0.25), D_upper_abs=(0.2, 0.1, 0.3)),
+}
+
+
+@pytest.mark.parametrize(
+    "s_lower,s_upper,label",
+    [
+        # The whole tested bracket (interval included) below fixed's lower end's interval.
+        ((0.1, 0.05, 0.15), (0.2, 0.15, 0.45), "supported"),
+        # The point is lower, but the tested bracket's upper end reaches fixed's bracket.
+        ((0.1, 0.05, 0.15), (0.55, 0.45, 0.6), "not resolved"),
+        # Every value of the tested bracket is at least every value of fixed's.
+        ((0.7, 0.6, 0.8), (0.8, 0.7, 0.9), "not supported"),
+    ],
+)
+def test_s_verdict_compares_brackets_where_both_runs_have_them(s_lower, s_upper, label):
+    """With brackets, a comparison is decided only where no value of one bracket could reverse
+    it: a wide bracket leaves it open whatever the point values say."""
+    tested = {
+        **_row(S_abs=s_lower, D_abs=(0.2, 0.1, 0.3)),
+        **_row(S_lower_abs=s_lower, S_upper_abs=s_upper),
+    }
+    result = s_verdict(tested, FIXED_BRACKETED)
+    assert result["label"] == label
+    if label == "not resolved":  # the point values alone would have said "supported"
+        assert result["measured"] == "supported" and "brackets overlap" in result["why"]
+
+
+def test_s_lower_needs_a_readout_shift_in_fixed_to_shrink():
+    """A fixed regime whose S bracket reaches zero has no S to shrink: a tested regime whose S
+    is negative (calibration costs quality) is not 'lower' in the prediction's sense."""
+    fixed = {**FIXED_BRACKETED, **_row(S_lower_abs=(0.0, -0.002, 0.003),
+                                       S_upper_abs=(0.002, 0.0, 0.007))}  # fmt: skip
+    tested = {**_row(S_abs=(-0.008, -0.011, -0.004), D_abs=(0.2, 0.1, 0.3)),
+              **_row(S_lower_abs=(-0.008, -0.011, -0.004),
+                     S_upper_abs=(-0.008, -0.011, -0.004))}  # fmt: skip
+    result = s_verdict(tested, fixed)
+    assert result["label"] == "not resolved" and "no S to shrink" in result["why"]
+
+
+def test_d_verdict_compares_brackets_where_both_runs_have_them():
+    near = {**_row(S_abs=(0.2, 0.1, 0.3), D_abs=(0.35, 0.32, 0.4)),
+            **_row(D_lower_abs=(0.3, 0.28, 0.4), D_upper_abs=(0.35, 0.3, 0.45))}  # fmt: skip
+    # Point intervals apart (0.32 > fixed's 0.3), brackets with their intervals overlapping.
+    assert d_verdict(near, FIXED)["label"] == "not supported"
+    assert d_verdict(near, FIXED_BRACKETED)["label"] == "supported"
+    far = {**near, **_row(D_lower_abs=(0.6, 0.5, 0.7), D_upper_abs=(0.7, 0.6, 0.8))}
+    assert d_verdict(far, FIXED_BRACKETED)["label"] == "not supported"
