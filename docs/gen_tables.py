@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -255,23 +256,59 @@ def run_default_table() -> str:
                 for f in ("S", "B", "D")
             ]
             flags = _flags_below_r(run, metric)
-            rows.append([f"`{run['model']}`", f"{metric} ({validated})", *cells, flags])
+            ends = run.get("bracket", {}).get(metric, {})
+            brackets = [
+                f"[{_num(ends.get(f + '_lower', math.nan), 3)}, "
+                f"{_num(ends.get(f + '_upper', math.nan), 3)}]"
+                for f in ("S", "D")
+            ]
+            verdict = shares.get("verdict", "-")
+            rows.append(
+                [f"`{run['model']}`", f"{metric} ({validated})", *cells, *brackets, verdict, flags]
+            )
     meta = runs[0]["metadata"]
     note = (
         f"\n*Generated from `docs/data/run_default.json` (the `results.json` of "
         f"`dcp-lens run --out DIR`: {meta['n_evaluation']} + {meta['n_calibration']} sequences, "
         f"seed {meta['seed']}, calibration `{meta['calibration_mode']}`).*\n"
     )
-    head = ["model", "metric (validated)", "S [95%]", "B [95%]", "D [95%]", "flags below r"]
+    head = ["model", "metric (validated)", "S [95%]", "B [95%]", "D [95%]", "S bracket",
+            "D bracket", "verdict", "flags below r"]  # fmt: skip
     return _table(head, rows) + note
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "run-default": run_default_table,
+    "intervention-default": lambda: _intervention("default"),
+    "intervention-lm": lambda: _intervention("lm"),
     "validation": validation_table,
     "accuracy-default": lambda: _accuracy_table("default"),
     "bench": bench_table,
 }
+
+
+def _intervention(name: str) -> str:
+    """The training intervention's table and verdict on its first metric (accuracy), as
+    `dcp_lens.report.html` writes them into ``intervention.md``, from a committed
+    ``intervention.json``."""
+    from dcp_lens.report.html import markdown_table
+
+    document = _read(DATA / f"intervention_{name}.json")
+    lines = [*markdown_table(document["regimes"]), ""]
+    names = {"S_lower": "S lower than fixed", "D_stays": "D stays",
+             "slope_follows_S": "slope flattens by about the change in S"}  # fmt: skip
+    for regime, checks in document["verdict"].items():
+        lines.append(f"- **{regime}**")
+        for key, check in checks.items():
+            lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
+    settings = document["settings"]
+    lines.append(
+        f"\n*Generated from `docs/data/intervention_{name}.json` (`OUT/intervention.json` of "
+        f"`dcp-lens experiment training-intervention --preset {document['preset']}`; metric "
+        f"`{document['metric']}`, {settings.get('n_eval', '?')} + "
+        f"{settings.get('n_calibration', '?')} sequences).*\n"
+    )
+    return "\n".join(lines)
 
 
 def render(text: str) -> str:
