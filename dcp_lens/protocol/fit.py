@@ -171,9 +171,7 @@ def fit_maps(
     pending: dict[str, list[list[Tensor]]] = {
         label: [[] for _ in range(n_groups)] for label in conditions
     }
-    width = int(context.model.cfg.d_model)
-    buffer_rows = max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
-    check_moment_memory(len(conditions), n_groups, width, buffer_rows, device)
+    buffer_rows = 0  # set from the states' width on the first batch, with the memory check
     calibration_keys = calibration.example_keys()
     batches = distributed.assigned(calibration.batches(config.batch_size))
     done, saved = context.restore("calibration")
@@ -200,6 +198,10 @@ def fit_maps(
         states, _ = capture_states(
             context.model, calibration.tokens[rows].to(device), stop_after_last=True
         )
+        if not buffer_rows:  # before any moments are held
+            width = int(states.shape[-1])
+            buffer_rows = max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
+            check_moment_memory(len(conditions), n_groups, width, buffer_rows, device)
         pieces = None
         if confidence is not None and matching:
             pieces = confidence.pieces(calibration, index, rows)

@@ -278,9 +278,10 @@ def coverage(
         "passed", "draws"}``: per quantity (the point S, B, D; each bracket end ``S_lower``
         ... ``D_upper``; each whole bracket ``S_bracket`` ... from its lower end's ``_lo`` to
         its upper end's ``_hi``), ``covers_truth`` (the fraction of replicates whose interval
-        holds that replicate's truth) and, where the quantity has a point estimate, ``covers_debiased``
-        (the fraction that holds the truth plus the estimate's mean error over the replicates:
-        coverage of the estimator's own target, bias aside) and ``spread_ratio`` (the standard
+        holds that replicate's truth) and, where the quantity has a point estimate,
+        ``covers_debiased`` (the fraction that holds the truth plus the estimate's mean error
+        over the replicates: coverage of the estimator's own target, bias aside) and
+        ``spread_ratio`` (the standard
         deviation of the estimate's error over the replicates against the mean bootstrap standard
         error, the interval's width / 3.92; about 1 when the interval is honest). ``passed``:
         every counted quantity (`coverage_counted`) of every validated metric covers the truth

@@ -134,10 +134,14 @@ def test_the_markdown_states_prediction_table_and_verdict(experiment):
     text = (out / "intervention.md").read_text()
     assert PREDICTION in text.replace("**Prediction.** R", "**Prediction.** r")
     header = "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-    assert header + (
-        "| gap, units | S, units | B, units | D, units | S bracket, units | D bracket, units "
-        "| DCP verdict per seed | accuracy full / k=1 |"
-    ) in text
+    assert (
+        header
+        + (
+            "| gap, units | S, units | B, units | D, units | S bracket, units | D bracket, units "
+            "| DCP verdict per seed | accuracy full / k=1 |"
+        )
+        in text
+    )
     # Each run's bracket ends in units and its own verdict reach the summary.
     for row in _document(out)["regimes"].values():
         assert len(row["verdicts"]) == len(row["seeds"])
