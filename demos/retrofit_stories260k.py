@@ -22,7 +22,7 @@ import torch
 
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.protocol.dcp import EvaluationSet
-from dcp_lens.protocol.decomposition import write_results_json
+from dcp_lens.protocol.results import write_results_json
 from dcp_lens.zoo.loaders.llama2c import find_llama2c_files
 from dcp_lens.zoo.retrofit import (
     ORIGINAL_DIR,
