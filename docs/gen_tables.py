@@ -197,6 +197,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 BENCH_COLUMNS: list[tuple[str, str, int]] = [
     ("threads", "threads", 0),
+    ("batches", "batches", 0),
     ("forward_seconds", "forward, s", 2),
     ("sweep_seconds", "sweep, s", 2),
     ("sweep_over_forward", "sweep / forward (paired)", 2),
@@ -216,9 +217,12 @@ def bench_table() -> str:
     """One row per committed ``dcp-lens bench --json`` output."""
     runs = _bench_runs()
     columns = [c for c in BENCH_COLUMNS if any(c[0] in data for _, data in runs)]
-    rows = [[_fmt(data.get(key), digits) for key, _, digits in columns] for _, data in runs]
-    names = ", ".join(f"`docs/data/{name}`" for name, _ in runs)
-    return _table([label for _, label, _ in columns], rows) + f"\n*Generated from {names}.*\n"
+    rows = [
+        [f"`{name}`", *(_fmt(data.get(key), digits) for key, _, digits in columns)]
+        for name, data in runs
+    ]
+    head = ["file (docs/data)", *(label for _, label, _ in columns)]
+    return _table(head, rows) + "\n*Generated from the `bench_*.json` files of `docs/data`.*\n"
 
 
 def _k_list(ks: list[int]) -> str:
