@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -309,3 +310,19 @@ def test_a_refit_decomposes_in_float32_to_float64_powers() -> None:
         error = float((got - want).norm() / want.norm())
         deviation = float((whole.shrunk_power(exponent) - want).norm() / want.norm())
         assert error < 1e-5 and error < 1e-2 * deviation
+
+
+def test_an_ill_conditioned_refit_falls_back_to_float64() -> None:
+    """Past a condition number of 1e3 float32 would move the inverse root by 4e-4 and more, a
+    sizeable part of a group's leave-out deviation: the refit decomposes in float64 there."""
+    from dcp_lens.protocol.calibration import _power_of, symmetric_eigh
+
+    generator = torch.Generator().manual_seed(5)
+    basis, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator, dtype=torch.float64))
+    for condition, exact in ((1e2, False), (1e5, True)):
+        values = torch.logspace(0, math.log10(condition), 32, dtype=torch.float64)
+        matrix = (basis * values) @ basis.T
+        want = _power_of(*symmetric_eigh(matrix), -0.5)
+        got = _power_of(*symmetric_eigh(matrix, dtype=torch.float32), -0.5)
+        error = float((got - want).norm() / want.norm())
+        assert (error < 1e-12) if exact else (0 < error < 1e-4), (condition, error)
