@@ -143,8 +143,10 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     counts: dict[str, int] = {}
     undefined: set[int] = set()
     for name in AGGREGATED:
-        defined = [row for row in per_seed if math.isfinite(float(row[name]))]
-        undefined |= {int(row["seed"]) for row in per_seed if not math.isfinite(float(row[name]))}
+        # A run made before the bracket has no bracket ends: NaN there, and not "undefined".
+        defined = [row for row in per_seed if math.isfinite(float(row.get(name, math.nan)))]
+        if name not in BRACKET_ABSOLUTE:
+            undefined |= {int(row["seed"]) for row in per_seed if row not in defined}
         values = np.array([float(row[name]) for row in defined])
         counts[name] = len(defined)
         if not defined:
