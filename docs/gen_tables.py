@@ -295,16 +295,10 @@ def _intervention(name: str) -> str:
     """The training intervention's table and verdict on its first metric (accuracy), as
     `dcp_lens.report.html` writes them into ``intervention.md``, from a committed
     ``intervention.json``."""
-    from dcp_lens.report.html import markdown_table
+    from dcp_lens.report.html import markdown_table, verdict_lines
 
     document = _read(DATA / f"intervention_{name}.json")
-    lines = [*markdown_table(document["regimes"]), ""]
-    names = {"S_lower": "S lower than fixed", "D_stays": "D stays",
-             "slope_follows_S": "slope flattens by about the change in S"}  # fmt: skip
-    for regime, checks in document["verdict"].items():
-        lines.append(f"- **{regime}**")
-        for key, check in checks.items():
-            lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
+    lines = [*markdown_table(document["regimes"]), "", *verdict_lines(document["verdict"])]
     settings = document["settings"]
     lines.append(
         f"\n*Generated from `docs/data/intervention_{name}.json` (`OUT/intervention.json` of "

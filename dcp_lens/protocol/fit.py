@@ -247,7 +247,7 @@ def fit_maps(
     if distributed.rank_and_world()[1] > 1:
         streams, samples, sample, base = _merged_fit(streams, samples, sample, base, device)
 
-    totals = {label: _merge_groups(groups, None) for label, groups in streams.items()}
+    totals = {label: _merge_groups(groups) for label, groups in streams.items()}
 
     def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
         merged = {
@@ -397,16 +397,14 @@ class _BaseRateSums:
         self.counts = self.counts + other.counts
 
 
-def _merge_groups(
-    groups: list[StreamingMoments] | None, left_out: int | None
-) -> StreamingMoments | None:
-    """The moments of every group but ``left_out`` (None: all), merged."""
+def _merge_groups(groups: list[StreamingMoments] | None) -> StreamingMoments | None:
+    """Every group's moments merged (None where there are none); a group is left out later by
+    subtraction (`_left_out`)."""
     if groups is None:
         return None
     total = StreamingMoments()
-    for g, moments in enumerate(groups):
-        if g != left_out:
-            total.merge(moments)
+    for moments in groups:
+        total.merge(moments)
     return total if total.count else None
 
 

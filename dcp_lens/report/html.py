@@ -119,16 +119,24 @@ def _metric_section(
             "The dense row is the negative control: a dense model of distinct layers, whose S is "
             "that of truncating its own layers."
         )
-    lines += ["", f"## Verdict ({metric})", ""]
-    names = {
-        "S_lower": "S lower than fixed",
-        "D_stays": "D stays",
-        "slope_follows_S": "slope flattens by about the change in S",
-    }
+    return [*lines, "", f"## Verdict ({metric})", "", *verdict_lines(verdict)]
+
+
+CHECK_NAMES = {
+    "S_lower": "S lower than fixed",
+    "D_stays": "D stays",
+    "slope_follows_S": "slope flattens by about the change in S",
+}
+
+
+def verdict_lines(verdict: dict[str, dict[str, Any]]) -> list[str]:
+    """The explained verdict (`explain_verdict`) as markdown bullets: per tested regime, each
+    check's label and reason."""
+    lines = []
     for regime, checks in verdict.items():
         lines.append(f"- **{regime}**")
         for key, check in checks.items():
-            lines.append(f"  - {names[key]}: **{check['label']}** ({check['reason']})")
+            lines.append(f"  - {CHECK_NAMES[key]}: **{check['label']}** ({check['reason']})")
     return lines
 
 

@@ -146,7 +146,7 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # A run made before the bracket has no bracket ends: NaN there, and not "undefined".
         defined = [row for row in per_seed if math.isfinite(float(row.get(name, math.nan)))]
         if name not in BRACKET_ABSOLUTE:
-            undefined |= {int(row["seed"]) for row in per_seed if row not in defined}
+            undefined |= {int(row["seed"]) for row in per_seed} - {int(r["seed"]) for r in defined}
         values = np.array([float(row[name]) for row in defined])
         counts[name] = len(defined)
         if not defined:
