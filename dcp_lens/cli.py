@@ -70,7 +70,10 @@ model specs (--model, --dense):
   planted:NAME      a planted model whose answer is known; NAME is one of readout_shift,
                     distinct_computation, block_count, readout_shift_by_token_type,
                     readout_shift_by_position, mixture_shift_distinct, mixture_shift_blocks,
-                    readout_shift_soft, distinct_computation_soft, block_count_soft
+                    readout_shift_soft, distinct_computation_soft, block_count_soft,
+                    distinct_computation_context, block_count_context, frame_flip,
+                    distinct_computation_skewed, mixture_three_way,
+                    distinct_computation_smooth, readout_shift_step
   huginn:PATH       a local Huginn-0125 checkpoint folder (config.json and safetensors)
   ouro:PATH         a local Ouro checkpoint folder
   llama2c:PATH      a llama2.c checkpoint (.bin, or a folder with it and its tokenizer); dense

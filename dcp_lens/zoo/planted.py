@@ -21,8 +21,11 @@ model                            mechanism                                      
 ``readout_shift_by_token_type``  the answer's logits shifted by a turning clock, in    S
                                  opposite directions for two token types
 ``readout_shift_by_position``    the same, the type set by the position's parity       S
-``mixture_shift_distinct``       half the tokens ``readout_shift``, half a 32-cycle    S + D
-``mixture_shift_blocks``         half the tokens ``readout_shift``, half               S + B
+``readout_shift_step``           ``readout_shift`` with the clock turned once, at the  S
+                                 last iteration: replay's readout is truncation's
+``mixture_shift_distinct``       half the tokens ``readout_shift_step``, half a        S + D
+                                 32-cycle
+``mixture_shift_blocks``         half the tokens ``readout_shift_step``, half          S + B
                                  ``block_count``
 ``*_soft``                       the first three with answers drawn from the full-     S, D, B
                                  depth prediction (cross-entropy = KL to full)
@@ -206,6 +209,68 @@ def readout_shift(
         W_U[constant, :n_answers] = -strength * (final_clock @ directions)
         W_U[constant, n_answers:] = -100.0  # input-only tokens are never answers
         model.unembedding.copy_(W_U)
+    model.planted_task = PlantedTask(answers, n_inputs, seed)
+    return model
+
+
+def readout_shift_step(size: int = 8, n_iterations: int = 8, seed: int = 0) -> PlantedModel:
+    """S only, with replay exactly neutral: the clock turns once, at the last iteration.
+
+    `readout_shift` turns its clock a little every iteration, and replaying the k-th update
+    extrapolates along the chord, which for k near r lands near c_r: replay then repairs part of
+    the shift (B 0.02 of its gap, more on some seeds), an interaction the mixtures' planted truth
+    cannot book. Here the state is [answer one-hot (size), clock (2), counter q, carrier C]. Each
+    iteration adds 1 to q (from the carrier), and a sharp GELU unit that fires only when q = r - 1
+    turns the clock from c_0 to c_r = -c_0 at iteration r. So s_k, k < r, holds the answer in
+    full with the clock at c_0 (the readout biases the answer logits by lambda <w_j, c_0 - c_r>,
+    the same wrong class for every token: a translation that mean matching undoes, S = gap),
+    and the k-th update, k < r, moves q only, so replay's readout is truncation's (B = 0), and
+    calibrated replay is full depth (D = 0).
+    """
+    n_answers = _at_least(size, 2, "size")
+    r = _at_least(n_iterations, 2, "n_iterations")
+    d_model = n_answers + 4
+    n_inputs = 4 * n_answers
+    cfg = _base_config(d_model, n_inputs, r, 4)
+    model = _blank(cfg)
+    clock, counter, carrier = slice(n_answers, n_answers + 2), n_answers + 2, n_answers + 3
+    carrier_size = 100.0  # dominates the norm: the counter moves the RMS by < 0.4%
+    start = torch.tensor([1.0, 0.0])
+    final = -start
+    answers = torch.arange(n_inputs) % n_answers
+    rms = math.sqrt((1.0 + 1.0 + carrier_size**2) / d_model)  # at q = 0
+    with torch.no_grad():
+        W_E = model.embed.W_E
+        W_E[torch.arange(n_inputs), answers] = 1.0
+        W_E[:, clock] = start
+        W_E[:, carrier] = carrier_size
+        mlp = model._core[0][0].mlp
+        # Units 0, 1: gelu(u_C) - gelu(-u_C) = C / rms, scaled to add 1 to q every iteration.
+        mlp.W_in[carrier, 0], mlp.W_in[carrier, 1] = 1.0, -1.0
+        mlp.W_out[0, counter] = rms / carrier_size
+        mlp.W_out[1, counter] = -rms / carrier_size
+        # Unit 2: preactivation 100 (q - r + 1.5), times rms / RMS(s): +50 at q = r - 1, -50
+        # (gelu ~ 0) at q <= r - 2; its output turns the clock by final - start.
+        sharpness = 100.0 * rms
+        mlp.W_in[counter, 2] = sharpness
+        mlp.W_in[carrier, 2] = -sharpness * (r - 1.5) / carrier_size
+        mlp.W_out[2, clock] = (final - start) / 50.0
+        generator = torch.Generator().manual_seed(seed)
+        directions = torch.randn(2, n_answers, generator=generator)
+        directions = directions / directions.norm(dim=0, keepdim=True)
+        strength = 20.0
+        # The readout sees s / RMS(s): scale by rms so that answer j's logit is about
+        # s_j + strength <w_j, clock - c_r>.
+        W_U = torch.zeros(d_model, n_inputs)
+        W_U[torch.arange(n_answers), torch.arange(n_answers)] = rms
+        W_U[clock, :n_answers] = strength * rms * directions
+        W_U[carrier, :n_answers] = -strength * rms * (final @ directions) / carrier_size
+        W_U[carrier, n_answers:] = -rms  # input-only tokens are never answers (logit -100)
+        model.unembedding.copy_(W_U)
+        # The RMS grows with q, so the unit fires a little below 50: rescale its output so that
+        # the clock lands on c_r exactly (every token has the same norm, so one factor does).
+        reached = capture_states(model, torch.zeros(1, 1, dtype=torch.long))[0][r][0, 0, clock]
+        mlp.W_out[2, clock] *= (final - start).norm() / (reached - start).norm()
     model.planted_task = PlantedTask(answers, n_inputs, seed)
     return model
 
@@ -406,24 +471,28 @@ def _mixture(first: PlantedModel, second: PlantedModel, factors: tuple[str, str]
 
 
 def mixture_shift_distinct(n_iterations: int = 8, seed: int = 0) -> PlantedModel:
-    """S + D: half the tokens are `readout_shift` (size 8, 32 tokens), half
+    """S + D: half the tokens are `readout_shift_step` (size 8, 32 tokens), half
     `distinct_computation` (a 32-cycle). The true shares are the two halves' truncation gaps:
-    `expected_shares` measures them on the evaluation set (S about 0.43 of the accuracy gap)."""
+    `expected_shares` measures them on the evaluation set (S about 0.47 of the accuracy gap).
+    The S half is the step clock, not `readout_shift`'s turning one, because a mixture's truth
+    books each half's gap to its own factor: that holds only where replay leaves the S half's
+    readout as truncation left it (docs/validation.md, "Coverage of the intervals")."""
     return _mixture(
-        readout_shift(8, n_iterations, seed),
+        readout_shift_step(8, n_iterations, seed),
         distinct_computation(32, n_iterations, seed),
         ("S", "D"),
     )
 
 
 def mixture_shift_blocks(n_iterations: int = 8, seed: int = 0) -> PlantedModel:
-    """S + B: half the tokens are `readout_shift` (size 8, 32 tokens), half `block_count`
+    """S + B: half the tokens are `readout_shift_step` (size 8, 32 tokens), half `block_count`
     (32 tokens, its readout scaled by 50 so that its answer coordinate is the logit and its gap
-    shows on the losses too). True shares as for `mixture_shift_distinct`."""
+    shows on the losses too). True shares as for `mixture_shift_distinct`, and the S half is
+    the step clock for the same reason."""
     blocks = block_count(32, n_iterations, seed)
     with torch.no_grad():
         blocks.unembedding.mul_(50.0)
-    return _mixture(readout_shift(8, n_iterations, seed), blocks, ("S", "B"))
+    return _mixture(readout_shift_step(8, n_iterations, seed), blocks, ("S", "B"))
 
 
 def _soft(model: PlantedModel, readout_scale: float) -> PlantedModel:
@@ -681,6 +750,7 @@ BUILDERS: dict[str, Callable[..., PlantedModel]] = {
     "distinct_computation_skewed": distinct_computation_skewed,
     "mixture_three_way": mixture_three_way,
     "distinct_computation_smooth": distinct_computation_smooth,
+    "readout_shift_step": readout_shift_step,
 }
 # The factor behind the whole gap of each single-factor model; mixtures name both.
 EXPECTED_FACTOR = {
@@ -700,6 +770,7 @@ EXPECTED_FACTOR = {
     "distinct_computation_skewed": "D",
     "mixture_three_way": "S+B+D",
     "distinct_computation_smooth": "D",
+    "readout_shift_step": "S",
 }
 # Whether the S and B brackets can identify the truth on the evaluation data (docs/bracket.md):
 # False where a paired map can do the remaining computation (a permutation or flip of the state),
@@ -722,13 +793,14 @@ IDENTIFIABLE = {
     "distinct_computation_skewed": False,
     "mixture_three_way": False,
     "distinct_computation_smooth": False,
+    "readout_shift_step": True,
 }
 
 # The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
 # judges every model of BRACKET_PLANTED by the bracket rule (docs/validation.md).
 PLANTED = tuple(name for name in BUILDERS if name not in ("distinct_computation_context",
     "block_count_context", "frame_flip", "distinct_computation_skewed", "mixture_three_way",
-    "distinct_computation_smooth"))  # fmt: skip
+    "distinct_computation_smooth", "readout_shift_step"))  # fmt: skip
 BRACKET_PLANTED = tuple(BUILDERS)
 
 
@@ -746,7 +818,7 @@ def expected_shares(
     if task.factors is None:
         factor = EXPECTED_FACTOR.get(name)
         if factor not in FACTORS:
-            raise ValueError(f"{name!r} is not a single-factor planted model of {PLANTED}.")
+            raise ValueError(f"{name!r} is not a single-factor planted model of {BRACKET_PLANTED}.")
         return {f: float(f == factor) for f in FACTORS}
     masks = task.factor_masks(evaluation.tokens)
     sign = 1.0 if HIGHER_IS_BETTER[metric] else -1.0
@@ -772,7 +844,7 @@ def expected_shares(
 def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:
-        raise ConfigError(f"unknown planted model {name!r}; choose one of {PLANTED}.")
+        raise ConfigError(f"unknown planted model {name!r}; choose one of {BRACKET_PLANTED}.")
     fields = dict(overrides)
     device, dtype = fields.pop("device", None), fields.pop("dtype", None)
     builder = BUILDERS[name]

@@ -190,7 +190,7 @@ def test_help_lists_every_registered_model_spec(capsys):
     _import_builtin_kinds()
     for kind in LOADERS:
         assert f"{kind}:" in text, kind
-    for name in [*NAMED, *planted.PLANTED]:
+    for name in [*NAMED, *planted.BRACKET_PLANTED]:
         assert name in text, name
 
 

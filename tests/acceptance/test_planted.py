@@ -71,7 +71,7 @@ def test_the_distinct_half_of_the_mixture_sees_the_same_states_at_every_depth():
 
 def test_a_mixture_reproduces_its_components_exactly():
     model = planted.mixture_shift_distinct(seed=2)
-    shift, distinct = planted.readout_shift(8, 8, 2), planted.distinct_computation(32, 8, 2)
+    shift, distinct = planted.readout_shift_step(8, 8, 2), planted.distinct_computation(32, 8, 2)
     tokens = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for k in (1, 3, 8):
@@ -82,6 +82,30 @@ def test_a_mixture_reproduces_its_components_exactly():
                 torch.testing.assert_close(
                     model(tokens + 32)[..., 32:], distinct(tokens), atol=1e-4, rtol=0
                 )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_step_clock_is_s_only_with_replay_exactly_neutral(seed):
+    """`readout_shift_step`: full depth solves the task, every truncation reads the same wrong
+    class, replay's readout is truncation's at every k (B = 0, no S/B interaction), and the
+    mean-only map (truncated clock moved to full depth's) repairs both (D = 0)."""
+    model = planted.readout_shift_step(seed=seed)
+    evaluation = model.planted_task.evaluation(N)
+    with torch.no_grad():
+        states, logits = capture_states(model, evaluation.tokens)
+    r = model.n_iterations
+    assert accuracy(logits, evaluation.targets) == 1.0
+    shift = states[r].mean((0, 1)) - states[1].mean((0, 1))
+    for k in range(1, r):
+        replayed = states[k] + (r - k) * (states[k] - states[k - 1])
+        truncated = model.readout(states[k])
+        assert accuracy(truncated, evaluation.targets) < 0.3, k
+        assert torch.equal(model.readout(replayed).argmax(-1), truncated.argmax(-1)), k
+        for source in (states[k], replayed):
+            # The clock sits at c_0 below r, whatever replay adds: one translation repairs it.
+            moved = source.clone()
+            moved[..., 8:10] += shift[8:10]
+            assert accuracy(model.readout(moved), evaluation.targets) == 1.0, k
 
 
 @pytest.mark.parametrize("name", ["readout_shift_by_token_type", "readout_shift_by_position"])
