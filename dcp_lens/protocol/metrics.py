@@ -246,10 +246,10 @@ register_metric(
         higher_is_better=False,
         needs_answers=False,
         validated=False,
-        validation_reason="fails `dcp-lens validate`'s bracket rule (3-4 of 16 planted rows pass, "
-        "S flagged on ~60% of identifiable k's): the S bracket is wide on every readout shift "
-        "(the repair up to the base rate is ambiguous), and confidence rescaling books 0.23-0.26 "
-        "of block_count's gap as S inside a narrow bracket",
+        validation_reason="fails `dcp-lens validate`'s bracket rule (3-6 of 17 planted rows pass "
+        "at seeds 0 and 1, S flagged on 71-73% of identifiable k's): the S bracket is wide on "
+        "every readout shift (the repair up to the base rate is ambiguous), and confidence "
+        "rescaling books 0.23-0.27 of block_count's gap as S inside a narrow bracket",
     )
 )
 register_metric(
@@ -258,10 +258,10 @@ register_metric(
         _kl_to_full,
         higher_is_better=False,
         validated=False,
-        validation_reason="fails `dcp-lens validate`'s bracket rule (3-4 of 16 planted rows pass, "
-        "S flagged on ~62% of identifiable k's): the S bracket is wide on every readout shift "
-        "(the repair up to the base rate is ambiguous), and confidence rescaling books 0.08-0.17 "
-        "of block_count's gap as S inside a narrow bracket",
+        validation_reason="fails `dcp-lens validate`'s bracket rule (5-7 of 17 planted rows pass "
+        "at seeds 0 and 1, S flagged on 66-74% of identifiable k's): the S bracket is wide on "
+        "every readout shift (the repair up to the base rate is ambiguous), and confidence "
+        "rescaling books 0.08-0.17 of block_count's gap as S inside a narrow bracket",
     )
 )
 
