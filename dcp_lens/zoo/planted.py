@@ -222,8 +222,8 @@ def readout_shift_step(size: int = 8, n_iterations: int = 8, seed: int = 0) -> P
     cannot book. Here the state is [answer one-hot (size), clock (2), counter q, carrier C]. Each
     iteration adds 1 to q (from the carrier), and a sharp GELU unit that fires only when q = r - 1
     turns the clock from c_0 to c_r = -c_0 at iteration r. So s_k, k < r, holds the answer in
-    full with the clock at c_0 (the readout biases the answer logits by lambda <w_j, c_0 - c_r>,
-    the same wrong class for every token: a translation that mean matching undoes, S = gap),
+    full with the clock at c_0 (the readout biases answer j's logit by lambda <w_j, c_0 - c_r>,
+    the same bias for every token: a translation that mean matching undoes, S = gap),
     and the k-th update, k < r, moves q only, so replay's readout is truncation's (B = 0), and
     calibrated replay is full depth (D = 0).
     """
