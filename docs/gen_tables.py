@@ -11,7 +11,9 @@ says how each file was produced, and the bundled models' own ``accuracy_table.js
 figure in a page cannot drift from its source: change the source (rerun the command, copy its
 JSON here), run ``python docs/gen_tables.py``, commit both. ``--check`` changes nothing and
 exits 1 when a page differs from what it would write; ``tests/acceptance/test_docs.py`` runs the
-same check. Standard library only, so that it runs without the package installed.
+same check. The validation, bench and training tables need only the standard library; the
+intervention and coverage blocks import the package for what it already defines (the verdict's
+renderer, the quantities `validate --coverage` counts) rather than restating it here.
 """
 
 from __future__ import annotations
