@@ -536,8 +536,11 @@ class AffineCalibration:
             )
         source_mean, reference_mean, linear = self._cast[key]
         centred = h.to(dtype) - source_mean
-        mapped = centred * linear if linear.ndim == 1 else centred @ linear.T
-        return mapped.add_(reference_mean).to(h.dtype)
+        if linear.ndim == 1:
+            return torch.addcmul(reference_mean, centred, linear).to(h.dtype)
+        # One fused product and sum (addmm) over the flattened positions.
+        flat = torch.addmm(reference_mean, centred.reshape(-1, self.width), linear.T)
+        return flat.reshape(centred.shape).to(h.dtype)
 
     def inverse(self) -> AffineCalibration:
         """The inverse map ``h -> source_mean + A^{-1} (h - reference_mean)`` (same mode)."""

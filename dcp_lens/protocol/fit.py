@@ -475,11 +475,13 @@ def fit_translators(
     for label, source in wanted.items():
         state = source.readout_input(states)
         finite = all_finite(state) and all_finite(target)
-        translators[label] = _least_squares(state, target) if finite else None
+        if finite and left_out:
+            # The whole split's normal equations are the groups' summed: formed once for both.
+            translators[label], each = _least_squares_left_out(state, target, group, n_groups)
+        else:
+            translators[label], each = (_least_squares(state, target) if finite else None), []
         if left_out and translators[label] is not None:
-            for fitted, translator in zip(
-                left_out, _least_squares_left_out(state, target, group, n_groups), strict=True
-            ):
+            for fitted, translator in zip(left_out, each, strict=True):
                 fitted[label] = translator
         else:
             for fitted in left_out:
@@ -538,17 +540,22 @@ def _least_squares_left_out(
     target: Float[Tensor, "n d_model"],
     group: Int[Tensor, " n"],
     n_groups: int,
-) -> list[AffineTranslator | None]:
-    """`_least_squares` with each group's rows left out in turn, from per-group normal
-    equations (each row's products are formed once, not once per group)."""
+) -> tuple[AffineTranslator | None, list[AffineTranslator | None]]:
+    """`_least_squares` on every row, and with each group's rows left out in turn, from
+    per-group normal equations (each row's products are formed once, not once per group, and
+    the whole split's are their sum)."""
     x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
     y = target.double()
-    grams = [x[group == g].T @ x[group == g] for g in range(n_groups)]
-    moments = [x[group == g].T @ y[group == g] for g in range(n_groups)]
-    gram, moment = sum(grams), sum(moments)
-    return [
-        _solved(gram - grams[g], moment - moments[g], source.shape[-1]) for g in range(n_groups)
-    ]
+    grams, moments = [], []
+    for g in range(n_groups):
+        rows = (group == g).nonzero().squeeze(1)
+        x_g = x.index_select(0, rows)
+        grams.append(x_g.T @ x_g)
+        moments.append(x_g.T @ y.index_select(0, rows))
+    gram, moment = torch.stack(grams).sum(0), torch.stack(moments).sum(0)
+    d_model = source.shape[-1]
+    whole = _solved(gram, moment, d_model)
+    return whole, [_solved(gram - grams[g], moment - moments[g], d_model) for g in range(n_groups)]
 
 
 def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | None:

@@ -22,7 +22,7 @@ from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit import FittedMaps, apply_map
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol.probe import ProbeSamples
-from dcp_lens.protocol.readout import readouts
+from dcp_lens.protocol.readout import readout_groups, readouts
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.utils import distributed
@@ -194,10 +194,11 @@ class Sweep:
                 local = chosen.to(device)
                 sub_states, sub_logits = states[:, local], full_logits[local]
                 sub_scoring = _Reference.of(sub_logits, targets[local])
+                stacked_references: dict[int, _Reference] = {}
                 index = torch.arange(rows.start, rows.stop)[chosen].double()
                 per_example.setdefault((_JACKKNIFE_ROWS, "rows", 0), []).append(index)
                 for k in k_grid:
-                    # Every group's conditions at k in one `readouts` call (few rows each).
+                    # Every group's conditions at k through one `readouts` call (few rows each).
                     each = {
                         f"{name}@{g}": condition
                         for g, conditions in enumerate(left_out)
@@ -207,13 +208,20 @@ class Sweep:
                         continue
                     read = readouts(context.model, r, sub_states, each, sub_logits)
                     labels = list(read)
-                    stacked = torch.cat(
-                        [self._tempered(read[n], n.rsplit("@", 1)[0], k) for n in labels]
-                    )
-                    scored = sub_scoring.repeated(len(labels)).score(stacked, metrics)
-                    for metric, value in scored.items():
-                        for label, part in zip(labels, value.chunk(len(labels)), strict=True):
-                            per_example.setdefault((metric, label, k), []).append(part)
+                    # Scored in the readout's own groups: a stack of every label's logits is
+                    # several times a batch's, and the metrics' passes over it leave the cache;
+                    # the reference stacked for a group's size is made once per batch.
+                    for piece in readout_groups(sub_states, len(labels)):
+                        names = labels[piece]
+                        if len(names) not in stacked_references:
+                            stacked_references[len(names)] = sub_scoring.repeated(len(names))
+                        stacked = torch.cat(
+                            [self._tempered(read[n], n.rsplit("@", 1)[0], k) for n in names]
+                        )
+                        scored = stacked_references[len(names)].score(stacked, metrics)
+                        for metric, value in scored.items():
+                            for label, part in zip(names, value.chunk(len(names)), strict=True):
+                                per_example.setdefault((metric, label, k), []).append(part)
             # The null control: at k = r every condition must reproduce full depth.
             if at_r is None:
                 at_r = readouts(context.model, r, states, built[r], full_logits)

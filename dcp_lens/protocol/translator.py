@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -42,6 +43,9 @@ class AffineTranslator:
         self.d_model = d_model
         self.weight = torch.zeros(d_model, d_model) if weight is None else weight.detach().clone()
         self.bias = torch.zeros(d_model) if bias is None else bias.detach().clone()
+        # (I + W)^T and b per device and dtype, keyed on the tensors' identity and version (a
+        # refit or an in-place edit of weight or bias makes a new entry).
+        self._cast: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
         if self.weight.shape != (d_model, d_model) or self.bias.shape != (d_model,):
             raise TranslatorError(
                 f"weight {tuple(self.weight.shape)} / bias {tuple(self.bias.shape)} do not fit "
@@ -59,8 +63,18 @@ class AffineTranslator:
             )
         if self.is_identity:
             return state
-        weight = self.weight.to(state.device, state.dtype)
-        return state + state @ weight.T + self.bias.to(state.device, state.dtype)
+        # h + h W^T + b as one fused product and sum: h (I + W)^T + b (the identity added once
+        # per device and dtype, not once per call).
+        key = (state.device, state.dtype, id(self.weight), self.weight._version,
+               id(self.bias), self.bias._version)  # fmt: skip
+        if key not in self._cast:
+            self._cast.clear()
+            weight = self.weight.to(state.device, state.dtype)
+            weight = weight + torch.eye(self.d_model, device=state.device, dtype=state.dtype)
+            self._cast[key] = (weight.T, self.bias.to(state.device, state.dtype))
+        transposed, bias = self._cast[key]
+        flat = torch.addmm(bias, state.reshape(-1, self.d_model), transposed)
+        return flat.reshape(state.shape)
 
     def fit(
         self,

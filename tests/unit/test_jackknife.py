@@ -123,6 +123,51 @@ def test_translator_solve_matches_a_general_solve() -> None:
     assert torch.allclose(translator.bias, solution[9].float(), atol=1e-5)
 
 
+def test_left_out_translators_equal_direct_fits_without_the_group() -> None:
+    """The whole split's and each left-out group's translators, solved from the groups' summed
+    normal equations, are the least-squares fits on exactly those rows."""
+    from dcp_lens.protocol import fit
+
+    generator = torch.Generator().manual_seed(5)
+    source = torch.randn(300, 6, generator=generator) * 3 + 1
+    target = source @ torch.randn(6, 6, generator=generator) + 0.5 * torch.randn(300, 6)
+    group = torch.randint(0, 4, (300,), generator=generator)
+    whole, left_out = fit._least_squares_left_out(source, target, group, 4)
+    direct = fit._least_squares(source, target)
+    assert whole is not None and direct is not None
+    assert torch.allclose(whole.weight, direct.weight, atol=1e-5)
+    assert torch.allclose(whole.bias, direct.bias, atol=1e-5)
+    for g, translator in enumerate(left_out):
+        keep = group != g
+        alone = fit._least_squares(source[keep], target[keep])
+        assert translator is not None and alone is not None
+        assert torch.allclose(translator.weight, alone.weight, atol=1e-5)
+        assert not torch.allclose(translator.weight, whole.weight, atol=1e-4)  # a group matters
+
+
+def test_maps_and_translators_apply_as_written() -> None:
+    """The fused products (addmm) give h + h W^T + b and m_ref + A (h - m_src), on any batch
+    shape, and an in-place edit of a translator's weight is not served from a stale cast."""
+    from dcp_lens.protocol.calibration import AffineCalibration
+    from dcp_lens.protocol.translator import AffineTranslator
+
+    generator = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 3, 5, 8, generator=generator)
+    weight, bias = torch.randn(8, 8, generator=generator), torch.randn(8, generator=generator)
+    translator = AffineTranslator(8, weight, bias)
+    assert torch.allclose(translator(h), h + h @ weight.T + bias, atol=1e-5)
+    translator.weight.mul_(2.0)
+    assert torch.allclose(translator(h), h + h @ (2 * weight).T + bias, atol=1e-5)
+    means = torch.randn(8, generator=generator), torch.randn(8, generator=generator)
+    linear = torch.randn(8, 8, generator=generator)
+    full = AffineCalibration("full", means[0], means[1], linear)
+    want = means[1] + (h - means[0]) @ linear.T
+    assert torch.allclose(full(h), want, atol=1e-5)
+    diag = AffineCalibration("diag", means[0], means[1], linear[0].abs())
+    assert torch.allclose(diag(h), means[1] + (h - means[0]) * linear[0].abs(), atol=1e-5)
+    assert full(h.double()).dtype == torch.float64 and full(h).shape == h.shape
+
+
 def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None:
     """Each calibration group holds a float64 d x d moment per condition: at a Huginn-sized
     width the jackknife's moments run to tens of GiB, refused up front with the way out."""
