@@ -83,6 +83,11 @@ class BracketRule:
             this share of the largest gap over the grid: where truncation costs almost nothing
             (the last k before r) a width of a few thousandths is the bootstrap's noise, not an
             unidentified share.
+        negligible_gap: per k, a gap whose interval's lower end is at most this share of the
+            grid's largest gap is no gap: float rounding (a loss metric's 1e-9 nats where
+            truncation already reads full depth's answer) is not a gap whose bracket could be
+            narrow, so such a k is not identified, like one whose gap may be zero
+            (`has_gap`).
         confidence: coverage of the percentile intervals.
     """
 
@@ -91,10 +96,12 @@ class BracketRule:
     named_share: float = 0.75
     walk_tolerance: float = 0.05
     gap_floor: float = 0.25
+    negligible_gap: float = 1e-6
     confidence: float = 0.95
 
     def __post_init__(self) -> None:
-        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor")
+        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor",
+                 "negligible_gap")  # fmt: skip
         for name in names:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
@@ -234,7 +241,7 @@ def bracket(
         quantities["B_lower"] = quantities["B_lower"] - np.maximum(walk, 0.0)
         quantities["D_upper"] = quantities["D_upper"] + np.maximum(walk, 0.0)
     per_k = _with_intervals(ends, sampled, rule.confidence)
-    gap_clear = per_k["gap_lo"] > 0
+    gap_clear = has_gap(per_k["gap_lo"], ends["gap"], rule)
     per_k["S_width_hi"] = _upper(sampled["S_upper"] - sampled["S_lower"], rule.confidence)
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
     with np.errstate(invalid="ignore"):
@@ -425,6 +432,19 @@ def _shares(
         low, high = percentile_interval(share(sampled, end)[:, None], confidence)
         shares[f"{factor}_point_interval"] = float(high[0] - low[0])
     return shares
+
+
+def has_gap(
+    gap_lo: np.ndarray | Sequence[float], gap: np.ndarray | Sequence[float], rule: BracketRule
+) -> np.ndarray:
+    """``[K]`` bool: the k's with a gap to decompose: the lower end of gap(k)'s interval
+    ``gap_lo`` above zero and above `BracketRule.negligible_gap` times the largest of the grid's
+    point gaps ``gap`` (NaN gaps ignored). `dcp-lens validate` counts flags over these k's."""
+    lower, gaps = np.asarray(gap_lo, dtype=float), np.asarray(gap, dtype=float)
+    finite = gaps[np.isfinite(gaps)]
+    largest = float(finite.max()) if finite.size else 0.0
+    with np.errstate(invalid="ignore"):
+        return (lower > 0) & (lower > rule.negligible_gap * max(largest, 0.0))
 
 
 def _verdict(shares: dict[str, float], rule: BracketRule) -> tuple[str, str, bool, bool, bool]:

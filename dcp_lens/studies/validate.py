@@ -12,7 +12,8 @@ function of a ``results.json`` run):
   at the upper end of its interval (``S_width_hi``) is at most `NARROW_WIDTH` of the gap, and each
   point share (S, B, D) is within `POINT_TOLERANCE` of the truth;
 - **flagged at every k** (ambiguous models): at every k < r whose gap is clearly above zero (the
-  row's ``gap_lo`` > 0), ``S_identified`` or ``B_identified`` is false.
+  row's ``gap_lo`` > 0 and above float rounding: `dcp_lens.protocol.bracket.has_gap`),
+  ``S_identified`` or ``B_identified`` is false.
 
 Per metric, the flag's **false-alarm rate**: over the identifiable rows' k < r with a gap clearly
 above zero, the fraction where ``S_identified`` is false; at most `FALSE_ALARM_RATE`. A metric
@@ -35,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dcp_lens.protocol.bracket import BracketRule, has_gap
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
@@ -123,7 +125,10 @@ def judge_bracket(
             <= _get(bracket, f"{factor}_upper_hi") + TRUTH_SLACK
         )
     ]
-    gapped = [row for row in per_k if _get(row, "gap_lo") > 0]
+    clear = has_gap(
+        [_get(row, "gap_lo") for row in per_k], [_get(row, "gap") for row in per_k], BracketRule()
+    )
+    gapped = [row for row, gapped in zip(per_k, clear, strict=True) if gapped]
     narrow = point_ok = flagged = None
     unflagged: list[int] = []
     false_alarms = alarm_ks = 0

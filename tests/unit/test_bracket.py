@@ -14,6 +14,7 @@ from dcp_lens.protocol.bracket import (
     bracket_ends,
     bracket_from_values,
     discounted_gain,
+    has_gap,
 )
 
 K = 4
@@ -255,3 +256,22 @@ def test_a_width_of_bootstrap_noise_at_an_almost_free_k_is_not_an_alarm():
     # largest gap times the tolerance: 0.015 here).
     wide = bracket(*cells(noise=0.0005, **curves(a, 1.0, b=a, ta=a + (1.0 - a) * 0.9)), GRID)
     assert not bool(wide.per_k["S_identified"][0]) and not bool(wide.per_k["S_identified"][1])
+
+
+def test_a_gap_of_float_rounding_is_no_gap_to_identify():
+    # A loss metric where truncation at k = 4 already reads full depth's answer: its gap is 1e-9
+    # (rounding), clear of zero by a tight interval, and its bracket "narrow" against the floor.
+    a = np.array([0.2, 0.2, 0.2, 1.0 - 1e-9])
+    ta = np.array([1.0, 1.0, 1.0, 1.0])  # the translator repairs k = 1..3: S not identified
+    point, draws = cells(noise=1e-12, **curves(a, 1.0, ta=ta, z=0.0))
+    result = bracket(point, draws, GRID)
+    assert result.per_k["gap_lo"][3] > 0
+    assert result.per_k["S_identified"].tolist() == [False, False, False, False]
+    assert not bool(result.per_k["B_identified"][3])
+    # The rule's floor is stated and can be turned off: then k = 4 counts as a narrow bracket.
+    exact = bracket(point, draws, GRID, rule=BracketRule(negligible_gap=0.0))
+    assert bool(exact.per_k["S_identified"][3])
+    # A real gap of a millionth of the largest and up is still a gap.
+    assert has_gap([1e-6, 1e-9, 0.0, 0.5], [1e-6, 1e-9, 0.0, 0.5], BracketRule()).tolist() == [
+        True, False, False, True
+    ]  # fmt: skip

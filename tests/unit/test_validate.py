@@ -101,6 +101,15 @@ def test_an_ambiguous_row_must_be_flagged_at_every_k_with_a_gap():
     # ... unless k = 3 has no gap to speak of.
     quiet = per_k(s_identified=(False, False, True), gap_lo=(0.2, 0.2, 0.0))
     assert judge_bracket(wide, POINT, quiet, truth, identifiable=False).passed
+    # A gap of float rounding (1e-9 against 0.2, clear of zero by its tight interval) is no gap
+    # either, while one a millionth of the largest and up still is.
+    for tiny, counted in ((1e-9, False), (1e-5, True)):
+        rows = [row | {"gap": row["gap_lo"]} for row in per_k(
+            s_identified=(False, False, True), gap_lo=(0.2, 0.2, tiny)
+        )]  # fmt: skip
+        judgement = judge_bracket(wide, POINT, rows, truth, identifiable=False)
+        assert judgement.passed is not counted
+        assert judgement.unflagged_ks == ([3] if counted else [])
 
 
 def run(metric: str = "accuracy", **bracket_values: Any) -> dict[str, Any]:
