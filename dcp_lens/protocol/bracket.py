@@ -443,8 +443,8 @@ def has_gap(
     lower, gaps = np.asarray(gap_lo, dtype=float), np.asarray(gap, dtype=float)
     finite = gaps[np.isfinite(gaps)]
     largest = float(finite.max()) if finite.size else 0.0
-    with np.errstate(invalid="ignore"):
-        return (lower > 0) & (lower > rule.negligible_gap * max(largest, 0.0))
+    with np.errstate(invalid="ignore"):  # the threshold is >= 0: above it is above zero
+        return lower > rule.negligible_gap * max(largest, 0.0)
 
 
 def _verdict(shares: dict[str, float], rule: BracketRule) -> tuple[str, str, bool, bool, bool]:

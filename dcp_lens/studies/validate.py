@@ -128,7 +128,7 @@ def judge_bracket(
     clear = has_gap(
         [_get(row, "gap_lo") for row in per_k], [_get(row, "gap") for row in per_k], BracketRule()
     )
-    gapped = [row for row, gapped in zip(per_k, clear, strict=True) if gapped]
+    gapped = [row for row, has in zip(per_k, clear, strict=True) if has]
     narrow = point_ok = flagged = None
     unflagged: list[int] = []
     false_alarms = alarm_ks = 0

@@ -87,13 +87,9 @@ def test_an_unseen_planted_kind_is_bracketed_or_flagged_never_confidently_wrong(
             [r["gap_lo"] for r in rows], [r["gap"] for r in rows], BracketRule()
         ).tolist()
         assert any(clear), f"{name}: no k with a gap, nothing was tested"
-        flagged = all(
-            r["S_identified"] is False or r["B_identified"] is False
-            for r, gapped in zip(rows, clear, strict=True)
-            if gapped
-        )
+        # Judged as ambiguous: flagged_every_k says whether every k with a gap is flagged.
         judgement = validate.judge_run(run, metric, truth, identifiable=False)
-        assert judgement.in_bracket or flagged, (name, metric, judgement)
+        assert judgement.in_bracket or judgement.flagged_every_k, (name, metric, judgement)
         verdict = run["shares"][metric]["verdict"]
         assert verdict in ("inconclusive", "mixed") or verdict in factors, (name, metric, verdict)
         # Where the truth is outside the bracket, the share-level flag must say so too.
