@@ -140,8 +140,9 @@ def reference_log_probs(
 class Readout:
     """One batch of a readout's logits against full depth, what every `Metric` scores.
 
-    What several metrics share (the log-softmax, the top-1 prediction, full depth's top-1 and
-    probabilities) is computed once, on first use. Everything is in `metric_precision`.
+    What several metrics share (the log-softmax, the top-1 prediction's largest logit and ties,
+    full depth's top-1 and probabilities) is computed once, on first use. Everything is in
+    `metric_precision`.
     """
 
     def __init__(
@@ -166,15 +167,37 @@ class Readout:
         return self.logits.log_softmax(-1)
 
     @cached_property
-    def prediction(self) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
-        """The top-1 prediction at each position, and whether all its logits are finite."""
-        # The prediction is the argmax, the first index among tied maxima, which max's indices
-        # are too (documented, and tested on inputs full of ties): one pass, where amax with a
-        # count of tied maxima took two. All logits are finite exactly when the largest and the
-        # smallest are (max and amin propagate NaN): two reductions, not a mask of the logits.
-        largest, predicted = self.logits.max(-1)
+    def _top(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What the top-1 hits read: the largest logit ``[batch, pos]``, whether all logits are
+        finite ``[batch, pos]``, where the largest is tied ``[batch, pos]``, and the argmax of
+        the tied positions only ``[n_tied]``."""
+        # PyTorch's CPU max with indices (and argmax) is about ten times slower than amax, a
+        # fast enough pass to take twice: the largest, then the number of logits below it (the
+        # sum of the signs of logit - largest, -1 below and 0 at a tie). Where the largest is
+        # unique, a reference is the prediction exactly when its logit is the largest; only
+        # tied positions need the argmax (the first index among tied maxima), taken on those
+        # rows alone. A difference rounds to 0 only at equal logits (no flush to zero), and if
+        # it did, the position would only be sent to the exact argmax.
+        largest = self.logits.amax(-1, keepdim=True)
+        below = (self.logits - largest).sign_().sum(-1)
+        largest = largest.squeeze(-1)
+        # All logits are finite exactly when the largest and the smallest are (amax and amin
+        # propagate NaN): two reductions, not a mask of the logits.
         finite = torch.isfinite(largest) & torch.isfinite(self.logits.amin(-1))
-        return predicted, finite
+        tied = finite & (below + self.logits.shape[-1] > 1.5)
+        return largest, finite, tied, self.logits[tied].argmax(-1)
+
+    def hits(self, reference: Int[Tensor, "batch pos"]) -> Bool[Tensor, "batch pos"]:
+        """Whether the top-1 prediction (the argmax: the first index among tied maxima) is
+        ``reference`` at each position; False where ``reference`` is no class (IGNORE_INDEX)."""
+        largest, _, tied, tied_top = self._top
+        vocabulary = self.logits.shape[-1]
+        is_class = (reference >= 0) & (reference < vocabulary)
+        index = reference.clamp(0, vocabulary - 1).unsqueeze(-1)
+        hit = is_class & (self.logits.gather(-1, index).squeeze(-1) == largest)
+        if tied_top.numel():
+            hit[tied] = tied_top == reference[tied]
+        return hit
 
     @property
     def full_top1(self) -> Int[Tensor, "batch pos"]:
@@ -195,9 +218,8 @@ class Readout:
     def hit_rate(self, reference: Int[Tensor, "batch pos"]) -> Float[Tensor, " batch"]:
         """The share of scored positions whose prediction is ``reference``; NaN for an example
         with a non-finite readout at a scored position (it has no prediction)."""
-        predicted, finite = self.prediction
-        # IGNORE_INDEX is no class: never a hit.
-        hit = torch.where(finite, (predicted == reference).to(self.logits.dtype), torch.nan)
+        finite = self._top[1]
+        hit = torch.where(finite, self.hits(reference).to(self.logits.dtype), torch.nan)
         bad = (torch.isnan(hit) & self.scored).any(-1)
         return torch.where(bad, torch.nan, (hit * self.scored).nansum(-1) / self.count)
 
