@@ -206,6 +206,7 @@ BENCH_COLUMNS: list[tuple[str, str, int]] = [
     ("sweep_over_forward_fastest", "fastest / fastest", 2),
     ("irreducible_seconds", "irreducible, s", 2),
     ("sweep_over_irreducible", "sweep / irreducible (paired)", 2),
+    ("sweep_floor_over_irreducible", "floor / irreducible (maps, metrics)", 2),
     ("naive_over_sweep", "naive / sweep", 1),
     ("hooks_off_over_plain", "hooks-off / plain", 2),
     ("forward_tokens_per_second", "tokens/s forward", 0),

@@ -16,6 +16,11 @@ machine whose speed drifts or jitters slows them alike and their ratios compare 
   (each sweep between two runs of it); ``irreducible_seconds`` (and ``*_median``),
   ``irreducible_parts_seconds`` (each part's median), ``irreducible_readouts`` (the readouts
   counted) and ``irreducible_over_forward`` beside it;
+- ``sweep_floor_over_irreducible``: one plus the seconds of the work beyond the irreducible work
+  that the sweep's definition asks of any implementation (`overhead_floor`: the maps and
+  translators applied before their readouts, and the metrics of every readout) over the median
+  irreducible work: a floor under ``sweep_over_irreducible`` (the solves, refits and moments are
+  not in it); ``floor_parts_seconds`` and ``floor_calls`` (the calls timed on one batch) beside it;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
@@ -36,6 +41,7 @@ blocks, vocabulary 65536, r = 32) with random weights, for GPU runs (no plain ba
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -52,10 +58,11 @@ from torch import Tensor
 
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.protocol.conditions import SWEEP
+from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Shift, Translate
 from dcp_lens.protocol.confidence import matched
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
+from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
 from dcp_lens.protocol.readout import needed_readouts, readout_groups
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
@@ -324,6 +331,109 @@ def irreducible_readouts(protocol: DepthControlProtocol) -> dict[str, Any]:
     }
 
 
+FLOOR_PARTS = ("maps", "metrics")
+
+
+def overhead_floor(
+    protocol: DepthControlProtocol, evaluation: EvaluationSet
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds, over all of ``evaluation``, of the work beyond `irreducible_work` that the sweep's
+    definition asks of any implementation (`FLOOR_PARTS`):
+
+    - ``maps``: each mapped condition's map or translator applied to its readout input (one
+      d x d product over the batch's positions: `Calibrate`, `Translate`, `Shift` and the
+      calibration null), the jackknife's left-out maps on the tenth of the examples they read;
+    - ``metrics``: every readout of the sweep scored by the run's metrics against full depth's
+      reference (made once per batch), full depth's own and the jackknife's included.
+
+    Conditions whose logits are full depth's (full depth itself past its own score, truncate(r),
+    the base rate's rearranged logits) are not scored here. Neither the maps' and translators'
+    solves, the jackknife's refits, the streamed moments nor
+    the temperatures are in it, so the sweep's true floor lies above ``1 + floor /
+    irreducible``. Measured on the first evaluation batch (its readouts computed untimed) and
+    scaled by the examples: every batch does the same work per example. Returns the seconds per
+    part and how many calls each part timed on that batch (the jackknife's on its tenth).
+    ``protocol`` must be fitted.
+
+    Raises:
+        ValueError: ``protocol`` is not fitted yet.
+    """
+    context, model, r, maps = protocol.context, protocol.model, protocol.r, protocol.maps
+    if maps is None:
+        raise ValueError("the overhead floor needs a fitted protocol: call protocol.fit first.")
+    device, metrics = context.device(), context.metrics
+    seconds = dict.fromkeys(FLOOR_PARTS, 0.0)
+    calls = dict.fromkeys(FLOOR_PARTS, 0)
+    rows = next(iter(evaluation.batches(context.config.batch_size)))
+    states, full_logits = capture_states(model, evaluation.tokens[rows].to(device))
+    targets = evaluation.targets[rows].to(device)
+
+    def timed(part: str, fn: Callable[[], Any]) -> Any:
+        _synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        _synchronize(device)
+        seconds[part] += time.perf_counter() - start
+        return out
+
+    def counted(part: str, fn: Callable[[], Any]) -> Any:
+        calls[part] += 1
+        return timed(part, fn)
+
+    def reference(logits: Tensor, answers: Tensor) -> Callable[[Tensor], Any]:
+        log_probs = timed("metrics", lambda: reference_log_probs(logits))
+        probs, top1 = timed("metrics", lambda: (log_probs.exp(), log_probs.argmax(-1)))
+        return lambda scored: per_example_metrics(scored, log_probs, answers, metrics, top1, probs)
+
+    def read(at: Tensor, conditions: list[Condition], score: Callable[[Tensor], Any]) -> None:
+        for condition in conditions:
+            mapped = _mapped(condition, at)
+            if mapped is None:
+                state = condition.readout_input(at)
+            else:
+                state = counted("maps", mapped)
+            logits: Tensor = model.readout(state)
+            counted("metrics", functools.partial(score, logits))
+
+    score = reference(full_logits, targets)
+    counted("metrics", lambda: score(full_logits))
+    chosen = (evaluation.example_keys()[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
+    if bool(chosen.any()):
+        sub_states = states[:, chosen]
+        sub_score = reference(full_logits[chosen], targets[chosen])
+    for k in [*context.k_grid, *([] if r in context.k_grid else [r])]:
+        built = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
+        read(states, needed_readouts(r, built), score)
+        if k not in context.k_grid or not bool(chosen.any()):
+            continue
+        for left_out in maps.jackknife:
+            changed = {
+                name: condition
+                for name, entry in SWEEP.items()
+                if (condition := entry.build(k, left_out)) != built[name]
+            }
+            read(sub_states, needed_readouts(r, changed), sub_score)
+    if maps.null is not None:
+        null_map = maps.null
+        halves = model.readout(counted("maps", lambda: null_map(states[r])))
+        counted("metrics", lambda: score(halves))
+    scale = len(evaluation) / (rows.stop - rows.start)
+    return {part: value * scale for part, value in seconds.items()}, calls
+
+
+def _mapped(condition: Condition, states: Tensor) -> Callable[[], Tensor] | None:
+    """What moves ``condition``'s readout input by a fitted map, as a call whose input is
+    computed before it (None for a condition that maps nothing)."""
+    if isinstance(condition, Calibrate | Translate):
+        inner = condition.inner.readout_input(states)
+        move = condition.state_map if isinstance(condition, Calibrate) else condition.translator
+        return lambda: move(inner)
+    if isinstance(condition, Shift):
+        inverse, last = condition.state_map.inverse(), states[-1]
+        return lambda: inverse(last)
+    return None
+
+
 IRREDUCIBLE_PARTS = ("calibration_pass", "matching_readouts", "evaluation_pass",
                      "evaluation_readouts")  # fmt: skip
 
@@ -459,6 +569,7 @@ def run_bench(
         medians = {name: statistics.median(values) for name, values in times.items()}
         forward, plain = seconds["forward"], seconds.get("plain", math.nan)
         sweep_seconds = seconds["sweep"]
+        floor, floor_calls = overhead_floor(protocol, evaluation)
         naive_seconds = math.nan
         if naive:
             naive_seconds = _timings({"naive": naive_sweep}, {"naive": 1}, target)["naive"][0]
@@ -492,6 +603,9 @@ def run_bench(
             for part in IRREDUCIBLE_PARTS
         },
         "irreducible_readouts": irreducible_readouts(protocol),
+        "floor_parts_seconds": floor,
+        "floor_calls": floor_calls,
+        "sweep_floor_over_irreducible": 1.0 + sum(floor.values()) / medians["irreducible"],
         "repeats": {name: len(values) for name, values in times.items()},
         "rounds_seconds": times,
         "naive_over_sweep": naive_seconds / sweep_seconds,
@@ -627,6 +741,13 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
             "(target <= 1.15; median of each round's sweep over the irreducible work around it)"
         )
         print(f"  {'irreducible_over_forward':<34} {result['irreducible_over_forward']:.2f}")
+    if "sweep_floor_over_irreducible" in result:
+        for part, seconds in result["floor_parts_seconds"].items():
+            print(f"    floor: {part:<25} {seconds:.3f}")
+        print(
+            f"  {'sweep_floor_over_irreducible':<34} {result['sweep_floor_over_irreducible']:.2f}"
+            "   (the maps applied and the metrics, over the median irreducible work)"
+        )
     for key, target in (("naive_over_sweep", ">= 10"), ("hooks_off_over_plain", "<= 1.10")):
         print(f"  {key:<34} {result[key]:.2f}   (target {target})")
     for key in ("forward_tokens_per_second", "sweep_tokens_per_second"):

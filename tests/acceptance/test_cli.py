@@ -103,6 +103,31 @@ def test_bench_json_reports_the_design_keys(capsys):
     readouts = result["irreducible_readouts"]
     assert readouts["evaluation"] == {"1": 7, "2": 7, "3": 2}
     assert readouts["matching"] == {"1": 5, "2": 5, "3": 2}
+    # The floor: the maps before those readouts (five mapped conditions at k < r, calibrate(full)
+    # and shift(r) at r, the calibration null's map, the jackknife's) and every readout scored
+    # (full depth's, the sixteen above, the null's and the jackknife's).
+    others = readouts["null"] + sum(readouts["jackknife"].values())
+    assert result["floor_calls"] == {"maps": 5 + 5 + 2 + others, "metrics": 1 + 16 + others}
+    assert set(result["floor_parts_seconds"]) == {"maps", "metrics"}
+    assert all(seconds > 0 for seconds in result["floor_parts_seconds"].values())
+    assert result["sweep_floor_over_irreducible"] == pytest.approx(
+        1 + sum(result["floor_parts_seconds"].values()) / result["irreducible_seconds_median"]
+    )
+
+
+def test_the_bench_floor_times_every_map_and_score_the_sweep_does_with_the_jackknife():
+    from dcp_lens.studies.bench import run_bench
+
+    result = run_bench(d_model=32, n_iterations=3, batch=24, seq=8, repeats=1, naive=False)
+    readouts = result["irreducible_readouts"]
+    jackknife = sum(readouts["jackknife"].values())
+    assert readouts["null"] == 1 and jackknife > 0  # the null and the jackknife are on here
+    # Every jackknife readout is a left-out group's map or translator, then its score.
+    assert result["floor_calls"] == {
+        "maps": 5 + 5 + 2 + 1 + jackknife,
+        "metrics": 1 + 16 + 1 + jackknife,
+    }
+    assert result["sweep_floor_over_irreducible"] > 1.0
 
 
 def test_the_paired_ratio_cancels_a_drifting_machine():
