@@ -118,7 +118,7 @@ def test_bench_json_reports_the_design_keys(capsys):
 def test_the_bench_floor_times_every_map_and_score_the_sweep_does_with_the_jackknife():
     from dcp_lens.studies.bench import run_bench
 
-    result = run_bench(d_model=32, n_iterations=3, batch=24, seq=8, repeats=1, naive=False)
+    result = run_bench(d_model=16, n_iterations=3, batch=20, seq=4, repeats=1, naive=False)
     readouts = result["irreducible_readouts"]
     jackknife = sum(readouts["jackknife"].values())
     assert readouts["null"] == 1 and jackknife > 0  # the null and the jackknife are on here
