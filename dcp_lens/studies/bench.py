@@ -41,7 +41,6 @@ blocks, vocabulary 65536, r = 32) with random weights, for GPU runs (no plain ba
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -351,8 +350,10 @@ def overhead_floor(
     solves, the jackknife's refits, the streamed moments nor
     the temperatures are in it, so the sweep's true floor lies above ``1 + floor /
     irreducible``. Measured on the first evaluation batch (its readouts computed untimed) and
-    scaled by the examples: every batch does the same work per example. Returns the seconds per
-    part and how many calls each part timed on that batch (the jackknife's on its tenth).
+    scaled by the examples: every batch does the same work per example. The jackknife's cells are
+    scored as the sweep scores them, stacked in the readout's groups. Returns the seconds per
+    part and how many maps and readouts each part timed on that batch (the jackknife's on its
+    tenth).
     ``protocol`` must be fitted.
 
     Raises:
@@ -376,47 +377,62 @@ def overhead_floor(
         seconds[part] += time.perf_counter() - start
         return out
 
-    def counted(part: str, fn: Callable[[], Any]) -> Any:
-        calls[part] += 1
-        return timed(part, fn)
-
-    def reference(logits: Tensor, answers: Tensor) -> Callable[[Tensor], Any]:
+    def reference(logits: Tensor, answers: Tensor) -> tuple[Tensor, ...]:
         log_probs = timed("metrics", lambda: reference_log_probs(logits))
         probs, top1 = timed("metrics", lambda: (log_probs.exp(), log_probs.argmax(-1)))
-        return lambda scored: per_example_metrics(scored, log_probs, answers, metrics, top1, probs)
+        return log_probs, answers, top1, probs
 
-    def read(at: Tensor, conditions: list[Condition], score: Callable[[Tensor], Any]) -> None:
+    def score(logits: Tensor, against: tuple[Tensor, ...], n: int = 1) -> None:
+        log_probs, answers, top1, probs = against
+        calls["metrics"] += n
+        timed(
+            "metrics", lambda: per_example_metrics(logits, log_probs, answers, metrics, top1, probs)
+        )
+
+    def mapped_logits(at: Tensor, conditions: list[Condition]) -> list[Tensor]:
+        out = []
         for condition in conditions:
             mapped = _mapped(condition, at)
             if mapped is None:
                 state = condition.readout_input(at)
             else:
-                state = counted("maps", mapped)
-            logits: Tensor = model.readout(state)
-            counted("metrics", functools.partial(score, logits))
+                calls["maps"] += 1
+                state = timed("maps", mapped)
+            out.append(model.readout(state))
+        return out
 
-    score = reference(full_logits, targets)
-    counted("metrics", lambda: score(full_logits))
+    full = reference(full_logits, targets)
+    score(full_logits, full)
     chosen = (evaluation.example_keys()[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
     if bool(chosen.any()):
         sub_states = states[:, chosen]
-        sub_score = reference(full_logits[chosen], targets[chosen])
+        sub = reference(full_logits[chosen], targets[chosen])
     for k in [*context.k_grid, *([] if r in context.k_grid else [r])]:
         built = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
-        read(states, needed_readouts(r, built), score)
+        for logits in mapped_logits(states, needed_readouts(r, built)):
+            score(logits, full)
         if k not in context.k_grid or not bool(chosen.any()):
             continue
+        # The jackknife's cells, scored as the sweep scores them: stacked in the readout's
+        # groups against a reference repeated as often (the stacking is not timed).
+        changed: list[Condition] = []
         for left_out in maps.jackknife:
-            changed = {
+            moved = {
                 name: condition
                 for name, entry in SWEEP.items()
                 if (condition := entry.build(k, left_out)) != built[name]
             }
-            read(sub_states, needed_readouts(r, changed), sub_score)
+            changed.extend(needed_readouts(r, moved))
+        cells = mapped_logits(sub_states, changed)
+        for piece in readout_groups(sub_states, len(cells)):
+            stacked = cells[piece]
+            repeated = tuple(t.repeat(len(stacked), *[1] * (t.ndim - 1)) for t in sub)
+            score(torch.cat(stacked), repeated, len(stacked))
     if maps.null is not None:
         null_map = maps.null
-        halves = model.readout(counted("maps", lambda: null_map(states[r])))
-        counted("metrics", lambda: score(halves))
+        calls["maps"] += 1
+        halves = model.readout(timed("maps", lambda: null_map(states[r])))
+        score(halves, full)
     scale = len(evaluation) / (rows.stop - rows.start)
     return {part: value * scale for part, value in seconds.items()}, calls
 
