@@ -20,7 +20,8 @@ machine whose speed drifts or jitters slows them alike and their ratios compare 
   that the sweep's definition asks of any implementation (`overhead_floor`: the maps and
   translators applied before their readouts, and the metrics of every readout) over the median
   irreducible work: a floor under ``sweep_over_irreducible`` (the solves, refits and moments are
-  not in it); ``floor_parts_seconds`` and ``floor_calls`` (the calls timed on one batch) beside it;
+  not in it); ``floor_parts_seconds`` and ``floor_calls`` (the calls timed, over all batches)
+  beside it;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
@@ -41,6 +42,7 @@ blocks, vocabulary 65536, r = 32) with random weights, for GPU runs (no plain ba
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -349,11 +351,13 @@ def overhead_floor(
     the base rate's rearranged logits) are not scored here. Neither the maps' and translators'
     solves, the jackknife's refits, the streamed moments nor
     the temperatures are in it, so the sweep's true floor lies above ``1 + floor /
-    irreducible``. Measured on the first evaluation batch (its readouts computed untimed) and
-    scaled by the examples: every batch does the same work per example. The jackknife's cells are
-    scored as the sweep scores them, stacked in the readout's groups. Returns the seconds per
-    part and how many maps and readouts each part timed on that batch (the jackknife's on its
-    tenth).
+    irreducible``. Timed on every evaluation batch (its states and readouts computed untimed):
+    the jackknife reads the examples whose key is 0 mod `JACKKNIFE_EVALUATION_STRIDE`, so its
+    share differs from batch to batch, and one batch scaled up misstates it (at eight batches of
+    the bench the first held one such example in 16, the set 19 in 128). The jackknife's cells
+    are scored as the sweep scores them, stacked in the readout's groups. Returns the seconds per
+    part and how many maps and readouts each part timed over all batches (the jackknife's on the
+    examples it reads).
     ``protocol`` must be fitted.
 
     Raises:
@@ -365,9 +369,6 @@ def overhead_floor(
     device, metrics = context.device(), context.metrics
     seconds = dict.fromkeys(FLOOR_PARTS, 0.0)
     calls = dict.fromkeys(FLOOR_PARTS, 0)
-    rows = next(iter(evaluation.batches(context.config.batch_size)))
-    states, full_logits = capture_states(model, evaluation.tokens[rows].to(device))
-    targets = evaluation.targets[rows].to(device)
 
     def timed(part: str, fn: Callable[[], Any]) -> Any:
         _synchronize(device)
@@ -401,40 +402,47 @@ def overhead_floor(
             out.append(model.readout(state))
         return out
 
-    full = reference(full_logits, targets)
-    score(full_logits, full)
-    chosen = (evaluation.example_keys()[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
-    if bool(chosen.any()):
-        sub_states = states[:, chosen]
-        sub = reference(full_logits[chosen], targets[chosen])
+    # Per k: the readouts the sweep's conditions need, and those the left-out groups' maps change.
+    plan: dict[int, tuple[list[Condition], list[Condition]]] = {}
     for k in [*context.k_grid, *([] if r in context.k_grid else [r])]:
         built = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
-        for logits in mapped_logits(states, needed_readouts(r, built)):
-            score(logits, full)
-        if k not in context.k_grid or not bool(chosen.any()):
-            continue
-        # The jackknife's cells, scored as the sweep scores them: stacked in the readout's
-        # groups against a reference repeated as often (the stacking is not timed).
         changed: list[Condition] = []
-        for left_out in maps.jackknife:
+        for left_out in maps.jackknife if k in context.k_grid else []:
             moved = {
                 name: condition
                 for name, entry in SWEEP.items()
                 if (condition := entry.build(k, left_out)) != built[name]
             }
             changed.extend(needed_readouts(r, moved))
-        cells = mapped_logits(sub_states, changed)
-        for piece in readout_groups(sub_states, len(cells)):
-            stacked = cells[piece]
-            repeated = tuple(t.repeat(len(stacked), *[1] * (t.ndim - 1)) for t in sub)
-            score(torch.cat(stacked), repeated, len(stacked))
-    if maps.null is not None:
-        null_map = maps.null
-        calls["maps"] += 1
-        halves = model.readout(timed("maps", lambda: null_map(states[r])))
-        score(halves, full)
-    scale = len(evaluation) / (rows.stop - rows.start)
-    return {part: value * scale for part, value in seconds.items()}, calls
+        plan[k] = needed_readouts(r, built), changed
+    keys = evaluation.example_keys()
+    for rows in evaluation.batches(context.config.batch_size):
+        states, full_logits = capture_states(model, evaluation.tokens[rows].to(device))
+        targets = evaluation.targets[rows].to(device)
+        full = reference(full_logits, targets)
+        score(full_logits, full)
+        chosen = (keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
+        jackknifed = bool(chosen.any())
+        if jackknifed:
+            sub_states = states[:, chosen]
+            sub = reference(full_logits[chosen], targets[chosen])
+        for needed, changed in plan.values():
+            for logits in mapped_logits(states, needed):
+                score(logits, full)
+            if not (jackknifed and changed):
+                continue
+            # The jackknife's cells, scored as the sweep scores them: stacked in the readout's
+            # groups against a reference repeated as often (the stacking is not timed).
+            cells = mapped_logits(sub_states, changed)
+            for piece in readout_groups(sub_states, len(cells)):
+                stacked = cells[piece]
+                repeated = tuple(t.repeat(len(stacked), *[1] * (t.ndim - 1)) for t in sub)
+                score(torch.cat(stacked), repeated, len(stacked))
+        if maps.null is not None:
+            calls["maps"] += 1
+            halves = model.readout(timed("maps", functools.partial(maps.null, states[r])))
+            score(halves, full)
+    return seconds, calls
 
 
 def _mapped(condition: Condition, states: Tensor) -> Callable[[], Tensor] | None:

@@ -130,6 +130,44 @@ def test_the_bench_floor_times_every_map_and_score_the_sweep_does_with_the_jackk
     assert result["sweep_floor_over_irreducible"] > 1.0
 
 
+def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_are():
+    # The jackknife reads the examples whose key is 0 mod its stride, a share that differs from
+    # batch to batch: the floor must time each batch, not scale the first one up.
+    from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+    from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
+    from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
+    from dcp_lens.studies.bench import (
+        BENCH_CONFIG,
+        bench_config,
+        irreducible_readouts,
+        overhead_floor,
+    )
+
+    cfg = bench_config("small", 16, None, 3, None, 4, 0)
+    model = HookedRecurrentTransformer(cfg).eval()
+    tokens = torch.randint(0, cfg.d_vocab, (90, 4), generator=torch.Generator().manual_seed(3))
+    calibration = EvaluationSet.from_tokens(tokens[:30])
+    evaluation = EvaluationSet.from_tokens(tokens[30:])
+    size = 12  # five batches, the last of twelve
+    protocol = DepthControlProtocol(model, BENCH_CONFIG.replace(batch_size=size), progress=False)
+    with torch.no_grad():
+        protocol.fit(calibration)
+        seconds, calls = overhead_floor(protocol, evaluation)
+    chosen = evaluation.example_keys() % JACKKNIFE_EVALUATION_STRIDE == 0
+    batches = [chosen[start : start + size] for start in range(0, len(evaluation), size)]
+    with_jackknife = sum(bool(part.any()) for part in batches)
+    # This draw has batches with and without the jackknife's examples, in uneven numbers.
+    assert 0 < with_jackknife < len(batches)
+    assert len({int(part.sum()) for part in batches}) > 1
+    jackknife = sum(irreducible_readouts(protocol)["jackknife"].values())
+    assert jackknife > 0
+    assert calls == {
+        "maps": len(batches) * (5 + 5 + 2 + 1) + with_jackknife * jackknife,
+        "metrics": len(batches) * (1 + 16 + 1) + with_jackknife * jackknife,
+    }
+    assert all(value > 0 for value in seconds.values())
+
+
 def test_the_paired_ratio_cancels_a_drifting_machine():
     from dcp_lens.studies.bench import paired_ratio
 
