@@ -76,6 +76,9 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
 # bootstrap and no probe; its batch is the preset's (or ``batch``).
 BENCH_CONFIG = ProtocolConfig(**COMMAND_DEFAULTS["bench"])
+# A `run`'s 512 + 512 sequences as the small preset's batches of 16, each split: where the
+# sweep's fixed costs (solves, the jackknife's refits) weigh what they weigh in use.
+RUN_BATCHES = 32
 PRESET_DEFAULTS: dict[str, dict[str, int]] = {
     "small": {"d_model": 256, "n_core": 2, "n_iterations": 16, "d_vocab": 512, "batch": 16,
               "seq": 128},
@@ -764,6 +767,12 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
             f"  {'sweep_over_irreducible':<34} {result['sweep_over_irreducible']:.2f}   "
             "(target <= 1.15; median of each round's sweep over the irreducible work around it)"
         )
+        if result.get("batches", 1) < RUN_BATCHES:
+            print(
+                f"    (on {result.get('batches', 1)} batch(es) the sweep's fixed solves and "
+                "refits weigh more than in a run's 512 + 512 sequences: with the small preset's "
+                f"batch of 16, --batches {RUN_BATCHES} measures that; docs/bench.md)"
+            )
         print(f"  {'irreducible_over_forward':<34} {result['irreducible_over_forward']:.2f}")
     if "sweep_floor_over_irreducible" in result:
         for part, seconds in result["floor_parts_seconds"].items():

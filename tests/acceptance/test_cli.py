@@ -168,6 +168,18 @@ def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_
     assert all(value > 0 for value in seconds.values())
 
 
+def test_the_bench_printout_says_when_its_batches_are_fewer_than_a_runs(capsys):
+    from dcp_lens.studies.bench import RUN_BATCHES, print_bench
+
+    data = Path(__file__).parents[2] / "docs" / "data" / "bench_threads1.json"
+    result = json.loads(data.read_text())
+    for batches, hinted in ((1, True), (RUN_BATCHES, False)):
+        print_bench({**result, "batches": batches}, as_json=False)
+        out = capsys.readouterr().out
+        assert "sweep_over_irreducible" in out
+        assert (f"--batches {RUN_BATCHES} measures that" in out) is hinted
+
+
 def test_the_paired_ratio_cancels_a_drifting_machine():
     from dcp_lens.studies.bench import paired_ratio
 
