@@ -186,7 +186,11 @@ def _bench_runs() -> list[Any]:
     paths = sorted(DATA.glob("bench_*.json"))
     if not paths:
         raise SystemExit(f"no bench_*.json under {DATA}: run `dcp-lens bench --json`.")
-    return [(path.name, _read(path)) for path in paths]
+    runs = [(path.name, _read(path)) for path in paths]
+    # Threads, then batches (1, 4, 8, 32 rather than the names' 1, 32, 4, 8), then the name.
+    return sorted(
+        runs, key=lambda run: (run[1].get("threads") or 0, run[1].get("batches") or 1, run[0])
+    )
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
