@@ -183,7 +183,7 @@ def _accuracy_table(name: str) -> str:
 
 
 def _bench_runs() -> list[Any]:
-    paths = sorted(DATA.glob("bench_*.json"))
+    paths = list(DATA.glob("bench_*.json"))
     if not paths:
         raise SystemExit(f"no bench_*.json under {DATA}: run `dcp-lens bench --json`.")
     runs = [(path.name, _read(path)) for path in paths]
