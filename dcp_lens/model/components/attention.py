@@ -7,6 +7,7 @@ import math
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
+from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.components.rotary import apply_rotary
@@ -92,6 +93,9 @@ class Attention(nn.Module):
         self.hook_attn_scores = HookPoint()  # [batch, head, query_pos, key_pos]
         self.hook_pattern = HookPoint()  # [batch, head, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head, d_head]
+        # Fused scaled-dot-product attention whenever no hook or cache reads the scores or the
+        # pattern (`forward`); False always materialises them (tests compare the two paths).
+        self.fused = True
 
     def forward(
         self,
@@ -124,15 +128,46 @@ class Attention(nn.Module):
             group = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
-        scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
-        n_query, n_key = scores.shape[-2], scores.shape[-1]
-        future = torch.ones(n_query, n_key, dtype=torch.bool, device=x.device).triu(past + 1)
-        scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
-        pattern = self.hook_pattern(scores.softmax(dim=-1))
-        z = self.hook_z((pattern @ v.transpose(1, 2)).transpose(1, 2))  # [batch, pos, head, d_head]
+        n_query, n_key = q.shape[1], k.shape[1]
+        if self.fused and not (_watched(self.hook_attn_scores) or _watched(self.hook_pattern)):
+            # Nobody reads the scores or the pattern: one fused kernel that never forms them.
+            mask = None if past == 0 else _causal(n_query, n_key, past, x.device).logical_not()
+            z = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=past == 0,
+            ).transpose(1, 2)  # fmt: skip
+        else:
+            scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
+            future = _causal(n_query, n_key, past, x.device)
+            scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
+            pattern = self.hook_pattern(scores.softmax(dim=-1))
+            z = (pattern @ v.transpose(1, 2)).transpose(1, 2)
+        z = self.hook_z(z)  # [batch, pos, head, d_head]
         return z.reshape(batch, n_pos, -1) @ self.W_O.reshape(-1, self.W_O.shape[-1])
+
+
+def _causal(n_query: int, n_key: int, past: int, device: torch.device) -> Tensor:
+    """``[query, key]``: True where the key lies in the query's future (queries from ``past``)."""
+    return torch.ones(n_query, n_key, dtype=torch.bool, device=device).triu(past + 1)
+
+
+def _watched(point: HookPoint) -> bool:
+    """Whether anything reads ``point``: a TransformerLens hook, a cache, or a plain PyTorch
+    forward or backward hook registered on it."""
+    return bool(
+        point.fwd_hooks or point.bwd_hooks or point._forward_hooks
+        or point._forward_pre_hooks or point._backward_hooks or point._backward_pre_hooks
+    )  # fmt: skip
 
 
 def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_model head_d_head"]:
     """[head, d_model, d_head] -> [d_model, head * d_head], heads major (as x @ W_Q[h])."""
     return weight.permute(1, 0, 2).reshape(weight.shape[1], -1)
+
+
+def set_fused_attention(model: nn.Module, enabled: bool) -> None:
+    """Turn the fused attention path on or off in every `Attention` of ``model`` (on by default;
+    off, the scores and the pattern are always materialised, as a hook on them would make them)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.fused = enabled
