@@ -13,6 +13,7 @@ config is built.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class ProtocolConfig:
         probe: ``"trajectory"`` (probe s_t for every t and calibrate(truncate(k))) or ``"none"``.
         probe_points: states per side kept for the probe (a random subsample).
         skip_first_position: leave position 0 out of the calibration statistics.
+        memory_budget: GiB of device memory the run plans to use (None: a share of what the
+            device can give, `dcp_lens.protocol.budget.budget_bytes`); also given as text
+            (``"40"``, ``"40GiB"``). It sizes the readout chunks and is checked against the
+            run's estimated peak before the first batch.
     """
 
     k_grid: Sequence[int] | None = _option(
@@ -105,6 +110,11 @@ class ProtocolConfig:
     skip_first_position: bool = _option(
         False, "--skip-first-position", "leave position 0 out of the calibration statistics"
     )
+    memory_budget: float | None = _option(
+        None, "--memory-budget", "GiB of device memory the run plans to use (readouts are "
+        "scored in chunks that fit; default: 85%% of what the device can give, its cache "
+        "included)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         checked = _checked({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
@@ -171,6 +181,7 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     ):
         _check_int(values[name], name, minimum)
         values[name] = int(values[name])
+    values["memory_budget"] = _gib(values["memory_budget"])
     if values["calibration_groups"] == 1:
         raise ConfigError(
             "calibration_groups=1 leaves no group to refit without; pass 0 (no jackknife) or"
@@ -195,6 +206,27 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
                 f"metrics {unknown} are not registered; expected a non-empty subset of {known}."
             )
     return values
+
+
+def _gib(value: Any) -> float | None:
+    """A memory budget in GiB: None, a positive number, or text such as ``"40"`` / ``"40GiB"``."""
+    if value is None:
+        return None
+    text = (
+        value.strip().lower().removesuffix("gib").removesuffix("gb").removesuffix("g").strip()
+        if isinstance(value, str)
+        else value
+    )
+    try:
+        number = float(text)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0 or number > 2**20:
+        raise ConfigError(
+            f"memory_budget={value!r} must be a number of GiB above 0 (e.g. 40 or '40GiB'), or "
+            "None for a share of what the device can give."
+        )
+    return number
 
 
 def check_k(k: int, n_iterations: int) -> None:

@@ -12,6 +12,15 @@ from jaxtyping import Bool
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from dcp_lens.protocol.budget import (
+    CPU_READOUT_ROWS,
+    MIN_ACCELERATOR_ROWS,
+    MemoryEstimate,
+    ModelShape,
+    ReadoutPlan,
+    budget_bytes,
+    estimate_run_memory,
+)
 from dcp_lens.protocol.conditions import ProtocolModel
 from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.evaluation_set import EvaluationSet
@@ -65,6 +74,39 @@ class RunContext:
     def snapshot(self, stage: str, done: int, total: int, state: Any) -> None:
         if self.checkpoint is not None:
             self.checkpoint.save(stage, done, total, state)
+
+    def budget(self) -> int | None:
+        """Bytes this run may use on its device (`dcp_lens.protocol.budget.budget_bytes`)."""
+        return budget_bytes(self.config.memory_budget, self.device())
+
+    def n_streams(self) -> int:
+        """Conditions a calibration map is fitted from: full depth, truncate(k) and replay(k)
+        for every k of the grid below r."""
+        return 1 + 2 * sum(1 for k in self.k_grid if k < self.r)
+
+    def estimate(self, data: EvaluationSet, readout_rows: int | None = None) -> MemoryEstimate:
+        """This run's peak memory on batches of ``data`` (`estimate_run_memory`)."""
+        return estimate_run_memory(
+            ModelShape.of(self.model),
+            batch_size=min(self.config.batch_size, max(1, len(data))),
+            seq_len=int(data.tokens.shape[1]),
+            n_streams=self.n_streams(),
+            calibration_groups=self.config.calibration_groups,
+            calibration_mode=self.config.calibration_mode,
+            readout_rows=readout_rows,
+            budget=self.budget(),
+        )
+
+    def readout_plan(self, data: EvaluationSet) -> ReadoutPlan:
+        """How batches of ``data`` are read out: rows per call from the budget (at most
+        `CPU_READOUT_ROWS` on the CPU, where larger calls are no faster)."""
+        batch, positions = min(self.config.batch_size, max(1, len(data))), int(data.tokens.shape[1])
+        rows = self.estimate(data).plan.rows
+        if self.device().type == "cpu":
+            rows = min(rows, CPU_READOUT_ROWS)
+        elif self.config.memory_budget is None:
+            rows = max(rows, MIN_ACCELERATOR_ROWS)
+        return ReadoutPlan.of(rows, batch, positions)
 
     def pooled_positions(self, data: EvaluationSet, rows: slice) -> Bool[Tensor, "batch pos"]:
         """Positions pooled into the calibration statistics: every real (non-padding) token."""

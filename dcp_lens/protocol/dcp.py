@@ -326,6 +326,7 @@ class DepthControlProtocol:
                 },
                 "b_identification_tolerance": B_IDENTIFICATION_TOLERANCE,
                 "calibration_fallbacks": maps.fallbacks(),
+                "calibration_maps_fitted": maps.fitted_record(),
                 "config": config.to_dict(),
             },
         )

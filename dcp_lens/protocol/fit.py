@@ -16,8 +16,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from dcp_lens.protocol.budget import device_memory_bytes
 from dcp_lens.protocol.calibration import (
     CALIBRATION_MAPS,
+    MIN_STATES,
+    CalibrationFallbackWarning,
     CalibrationMap,
     StateMap,
     StreamingMoments,
@@ -33,7 +36,6 @@ from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
-from dcp_lens.utils.memory import available_memory_bytes
 
 # The paired translators of the S bracket's upper end (`fit_translators`): the least-squares
 # affine map from each source's readout inputs to the same positions' full-depth states (closed
@@ -69,6 +71,7 @@ class FittedMaps:
             one per group (``config.calibration_groups``; empty when 0): the sweep
             reads the mapped conditions under each so the intervals carry the calibration
             split's variability (docs/bracket.md, "The calibration split in the intervals").
+        states: per source label, the calibration states its map was fitted from.
     """
 
     maps: dict[str, StateMap | None]
@@ -79,6 +82,7 @@ class FittedMaps:
     translators: dict[str, AffineTranslator | None] = field(default_factory=dict)
     base_rate: Tensor | None = None
     jackknife: list[FittedMaps] = field(default_factory=list)
+    states: dict[str, int] = field(default_factory=dict)
 
     def __call__(self, source: Condition) -> StateMap | None:
         """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
@@ -106,6 +110,16 @@ class FittedMaps:
                 "again after changing k_grid or the registered sweep conditions."
             )
         return self.maps[label]
+
+    def fitted_record(self) -> dict[str, dict[str, Any]]:
+        """Per map (and the null): the states it was fitted from and the mode it was fitted in
+        (None where it could not be fitted), as results record them."""
+        record: dict[str, dict[str, Any]] = {
+            label: {"states": self.states.get(label, 0), "mode": getattr(m, "mode", None)}
+            for label, m in self.maps.items()
+        }
+        record["calibration_null"] = {"mode": getattr(self.null, "mode", None)}
+        return record
 
     def failures(self) -> list[str]:
         """Source conditions whose map could not be fitted (non-finite states)."""
@@ -165,6 +179,10 @@ def fit_maps(
         for i, label in enumerate(conditions if entry.needs_states else ())
     }
     sample = Subsample(config.probe_points, config.seed)
+    # Moments of full depth's states of even and odd examples: the null's map is fitted from
+    # every calibration state (a map fitted from moments), not from the probe's subsample.
+    halves = [StreamingMoments(), StreamingMoments()] if entry.from_moments else None
+    announce_fallbacks(context, calibration, config.calibration_mode)
     base = _BaseRateSums(1, calibration) if wanted.wants_base_rate else None
     # Each group's states wait here until there are enough for one update (small groups of a
     # batch would make many tiny updates).
@@ -185,12 +203,15 @@ def fit_maps(
         sample.restore(saved["sample"])
         if base is not None and saved.get("base") is not None:
             base.restore(saved["base"])
+        if halves is not None and saved.get("halves") is not None:
+            halves = [StreamingMoments.from_state(state) for state in saved["halves"]]
     matching = confidence is not None
     if confidence is not None:
         confidence.stash = {}
     # The translators' leading positions of each batch this pass reads (`fit_translators`).
     leading: dict[int, Tensor] = {}
     n_leading = translator_rows(calibration)
+    plan = context.readout_plan(calibration)
     for batch_number, (index, rows) in enumerate(
         context.each(batches[done:], "calibration"), start=done
     ):
@@ -208,14 +229,22 @@ def fit_maps(
             matching = pieces is not None  # past the budget, later batches are not read
             if pieces:
                 confidence.stash[index] = confidence.keep(states, pieces, rows.start)
-        if base is not None:
-            base.add(context.model.readout(states[r]), calibration_keys[rows], rows)
+        if base is not None:  # full depth's readout in chunks of examples, summed on the device
+            for chunk in plan.example_chunks(rows.stop - rows.start):
+                chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
+                full_logits = context.model.readout(states[r][chunk])
+                base.add(full_logits, calibration_keys[chunk_rows], chunk_rows)
+                del full_logits
         if rows.start < n_leading:
             leading[index] = _leading_states(context, calibration, rows, states, n_leading)
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
         example, position = row_ids(calibration_keys[rows], keep)
         sample.add(pooled[r], example, position)
+        if halves is not None:  # full depth's states by example parity: the calibration null
+            even = (example % 2 == 0).to(pooled.device)
+            halves[0].update(pooled[r][even])
+            halves[1].update(pooled[r][~even])
         group = (example % n_groups).to(pooled.device)
         present = [(g, group == g) for g in range(n_groups) if bool((group == g).any())]
         for label, moments in streams.items():
@@ -241,6 +270,7 @@ def fit_maps(
                 "samples": {label: s.state() for label, s in samples.items()},
                 "sample": sample.state(),
                 "base": None if base is None else base.state(),
+                "halves": None if halves is None else [h.state() for h in halves],
             },
         )  # fmt: skip
     _flushed(streams, pending)
@@ -270,9 +300,10 @@ def fit_maps(
 
     translators, left_out_translators = fit_translators(context, calibration, leading)
     maps = FittedMaps(
-        fitted_maps(None), _fit_halves(entry, config, sample), sample.tensor(),
+        fitted_maps(None), _fit_null(entry, config, sample, halves), sample.tensor(),
         config.calibration_mode, r, translators, None if base is None else base.table(),
     )  # fmt: skip
+    maps.states = {label: 0 if total is None else total.count for label, total in totals.items()}
     populated = sum(bool(m.count) for m in (streams.get("full") or []))
     if config.calibration_groups >= 2 and populated >= 2:
         for g in context.each(range(n_groups), "jackknife fits"):
@@ -293,6 +324,50 @@ def fit_maps(
     return maps
 
 
+def pooled_count(context: RunContext, data: EvaluationSet) -> int:
+    """States each calibration stream pools over ``data`` (every real token, less position 0
+    with ``skip_first_position``)."""
+    if data.attention_mask is not None:
+        count = int(data.attention_mask.sum())
+    else:
+        count = int(data.tokens.numel())
+    if context.config.skip_first_position:
+        count -= len(data)
+    return max(0, count)
+
+
+def announce_fallbacks(context: RunContext, calibration: EvaluationSet, mode: str) -> None:
+    """Warn before the calibration pass where the split is too small for ``mode`` at this
+    width: which mode the maps, the jackknife's refits and the null will be fitted in, and
+    how many sequences the mode asked for needs."""
+    if mode not in MIN_STATES:
+        return
+    width = int(getattr(getattr(context.model, "cfg", None), "d_model", 0) or 0)
+    if not width:
+        return
+    needed, pooled = MIN_STATES[mode](width), pooled_count(context, calibration)
+    groups = context.config.calibration_groups
+    fits = {
+        "the maps": pooled,
+        "the jackknife's refits": pooled * (groups - 1) // groups if groups >= 2 else needed,
+        "the calibration null": pooled // 2,
+    }
+    short = {what: n for what, n in fits.items() if n < needed}
+    if not short:
+        return
+    per_sequence = max(1, pooled // max(1, len(calibration)))
+    sequences = -(-2 * needed // per_sequence)
+    warnings.warn(
+        CalibrationFallbackWarning(
+            f"calibration mode {mode!r} needs at least {needed} states at width {width}; this "
+            f"calibration split pools {pooled} ({len(calibration)} sequences): "
+            + "; ".join(f"{what} will fall back from {n} states" for what, n in short.items())
+            + f". {sequences} calibration sequences of this length fit {mode!r} everywhere."
+        ),
+        stacklevel=3,
+    )
+
+
 def moment_bytes(n_streams: int, n_groups: int, width: int, buffer_rows: int) -> int:
     """Bytes the fit stage's moments hold: per stream and calibration group, a float64 d x d
     scatter and its vectors, and up to ``buffer_rows`` float32 states waiting; per stream the
@@ -308,12 +383,9 @@ def check_moment_memory(
     """Refuse, before the calibration pass, a fit whose moments (`moment_bytes`) would take more
     than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
     needed = moment_bytes(n_streams, n_groups, width, buffer_rows)
-    if device.type == "cuda":
-        free = int(torch.cuda.mem_get_info(device)[0])
-    elif device.type == "cpu":
-        free = available_memory_bytes() or 0
-    else:
-        return  # no free-memory figure for this device
+    # What the device can give, PyTorch's cached memory included (it is reused before the
+    # driver is asked): memory a notebook's earlier work left cached does not count as taken.
+    free = device_memory_bytes(device) or 0
     if free and needed > MOMENT_MEMORY_SHARE * free:
         single = moment_bytes(n_streams, 1, width, buffer_rows)
         raise ResourceLimitError(
@@ -353,16 +425,21 @@ class _BaseRateSums:
         self.counts = torch.zeros(n_groups, self.n_buckets, dtype=torch.float64)
 
     def add(self, full_logits: Tensor, keys: Tensor, rows: slice) -> None:
-        probs = full_logits.float().softmax(-1).cpu()
-        scored = (self.targets[rows] != IGNORE_INDEX).cpu()
+        """Fold one chunk of full depth's logits ``[n, pos, d_vocab]`` (the examples ``rows``,
+        their keys ``keys``) into the sums, on the logits' device (no copy to the host)."""
+        device = full_logits.device
+        probs = full_logits.float().softmax(-1)
+        scored = (self.targets[rows] != IGNORE_INDEX).to(device)
         if self.sums is None:
             self.sums = torch.zeros(
-                self.n_groups, self.n_buckets, probs.shape[-1], dtype=torch.float64
+                self.n_groups, self.n_buckets, probs.shape[-1], dtype=torch.float64, device=device
             )
-        buckets = self.buckets[: probs.shape[1]]
+            self.counts = self.counts.to(device)
+        buckets = self.buckets[: probs.shape[1]].to(device)
+        group = keys.to(device) % self.n_groups
         for g in range(self.n_groups):
-            weight = (scored & (keys.cpu() % self.n_groups == g)[:, None]).to(probs.dtype)
-            total = (probs * weight[..., None]).sum(0).double()  # [pos, d_vocab]
+            weight = (scored & (group == g)[:, None]).to(probs.dtype)
+            total = torch.einsum("npv,np->pv", probs, weight).double()  # [pos, d_vocab]
             self.sums[g].index_add_(0, buckets, total)
             self.counts[g].index_add_(0, buckets, weight.sum(0).double())
 
@@ -393,8 +470,11 @@ class _BaseRateSums:
     def merge(self, other: _BaseRateSums) -> None:
         if other.sums is None:
             return
-        self.sums = other.sums.clone() if self.sums is None else self.sums + other.sums
-        self.counts = self.counts + other.counts
+        if self.sums is None:
+            self.sums, self.counts = other.sums.clone(), other.counts.clone()
+            return
+        self.sums = self.sums + other.sums.to(self.sums.device)
+        self.counts = self.counts + other.counts.to(self.counts.device)
 
 
 def _merge_groups(groups: list[StreamingMoments] | None) -> StreamingMoments | None:
@@ -590,6 +670,24 @@ def _fit_map(
     source_states, reference_states = source_sample.tensor(), reference_sample.tensor()
     assert source_states is not None and reference_states is not None
     return entry.from_states(source_states, reference_states, config)  # type: ignore[arg-type]
+
+
+def _fit_null(
+    entry: CalibrationMap,
+    config: object,
+    sample: Subsample,
+    halves: list[StreamingMoments] | None,
+) -> StateMap | None:
+    """The calibration null: from the moments of even and odd examples' full-depth states where
+    the map is fitted from moments, else from the probe's subsample (`_fit_halves`)."""
+    if halves is None or entry.from_moments is None:
+        return _fit_halves(entry, config, sample)
+    if min(halves[0].count, halves[1].count) < 8:
+        return None
+    try:
+        return entry.from_moments(halves[0], halves[1], config)  # type: ignore[arg-type]
+    except ValueError:
+        return None
 
 
 def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> StateMap | None:

@@ -9,10 +9,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from dcp_lens.protocol.budget import CPU_READOUT_ROWS, ReadoutPlan
 from dcp_lens.protocol.conditions import Condition, Full, ProtocolModel
-
-# The most positions one CPU readout call takes when it groups several conditions.
-CPU_READOUT_ROWS = 2048
 
 
 def readouts(
@@ -21,17 +19,17 @@ def readouts(
     states: Float[Tensor, "r_plus_1 batch pos d_model"],
     conditions: dict[str, Condition | None],
     full_logits: Float[Tensor, "batch pos d_vocab"],
+    plan: ReadoutPlan | None = None,
 ) -> dict[str, Tensor]:
     """The logits of every condition of one k; a condition equal to another at this depth
     (replay(r) = truncate(r)) is read out once, one whose logits are full depth's rearranged
     (`Condition.logits_from_full`, the base rate) not at all; NaN for a condition that is None
     (a map it needs could not be fitted).
 
-    On an accelerator the conditions go through one readout call (a larger batch fills the
-    device). On the CPU they are grouped into calls of at most `CPU_READOUT_ROWS` positions
-    (one condition a call above it): past that a larger batch makes no matrix product faster,
-    only the temporaries larger (on the `dcp-lens bench` model five conditions of 2048
-    positions read out one at a time took 0.20 s against 0.24 s in one call)."""
+    The conditions are grouped into calls of at most ``plan.rows`` positions (one condition a
+    call above it). Without a plan: one call on an accelerator, calls of at most
+    `CPU_READOUT_ROWS` positions on the CPU, where a larger call makes no matrix product faster,
+    only the temporaries larger."""
     r = n_iterations
     logits: dict[Condition, Tensor] = {}
     for condition in _distinct(r, conditions):
@@ -41,7 +39,7 @@ def readouts(
         if known is not None:
             logits[condition] = known
     to_read = needed_readouts(r, conditions)
-    for chunk in readout_groups(states, len(to_read)):
+    for chunk in readout_groups(states, len(to_read), plan):
         chunk_conditions = to_read[chunk]
         inputs = [condition.readout_input(states) for condition in chunk_conditions]
         read = model.readout(inputs[0] if len(inputs) == 1 else torch.cat(inputs))
@@ -61,15 +59,19 @@ def needed_readouts(n_iterations: int, conditions: dict[str, Condition | None]) 
     ]
 
 
-def readout_groups(states: Tensor, n_readouts: int) -> list[slice]:
-    """How `readouts` splits ``n_readouts`` readouts of ``states``' batch into calls: all in one
-    on an accelerator, at most `CPU_READOUT_ROWS` positions a call (at least one readout) on the
-    CPU."""
-    group = n_readouts
-    if states.device.type == "cpu":
-        positions = states[0].numel() // states.shape[-1]
-        group = max(1, CPU_READOUT_ROWS // max(1, positions))
-    return [slice(start, start + group) for start in range(0, n_readouts, max(1, group))]
+def readout_groups(states: Tensor, n_readouts: int, plan: ReadoutPlan | None = None) -> list[slice]:
+    """How `readouts` splits ``n_readouts`` readouts of ``states``' batch into calls: at most
+    ``plan.rows`` positions a call (at least one readout); without a plan, all in one on an
+    accelerator and at most `CPU_READOUT_ROWS` positions a call on the CPU."""
+    positions = states[0].numel() // states.shape[-1]
+    if plan is not None:
+        rows = plan.rows
+    elif states.device.type == "cpu":
+        rows = CPU_READOUT_ROWS
+    else:
+        rows = max(1, n_readouts) * positions
+    group = max(1, rows // max(1, positions))
+    return [slice(start, start + group) for start in range(0, n_readouts, group)]
 
 
 def _distinct(r: int, conditions: dict[str, Condition | None]) -> list[Condition]:

@@ -15,6 +15,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from dcp_lens.protocol.budget import (
+    OutOfMemoryStop,
+    ReadoutPlan,
+    out_of_memory_message,
+    release_device_memory,
+)
 from dcp_lens.protocol.conditions import SWEEP, Condition, Full, Truncate
 from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.context import RunContext
@@ -22,7 +28,7 @@ from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit import FittedMaps, apply_map
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol.probe import ProbeSamples
-from dcp_lens.protocol.readout import readout_groups, readouts
+from dcp_lens.protocol.readout import readouts
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
 from dcp_lens.utils import distributed
@@ -86,6 +92,36 @@ class _Reference:
         )
 
 
+@dataclass
+class _BatchScores:
+    """What one evaluation batch adds to the sweep's records: per-example cells by key (chunks of
+    examples while the batch is read, joined into one tensor per key at its end), and the null
+    control's and replay's maxima and sums over the batch."""
+
+    cells: dict[tuple[str, str, int], Any] = field(default_factory=dict)
+    replay_difference: dict[int, float] = field(default_factory=dict)
+    null: dict[str, float] = field(default_factory=dict)
+    halves_diff: float = 0.0
+    halves_change: dict[str, float] = field(default_factory=dict)
+
+    def add(self, key: tuple[Any, ...], values: Any) -> Any:
+        """Append a chunk's values: a tensor under ``key``, or a metric's under ``(metric,
+        *key)``; returns ``values``."""
+        if isinstance(values, Tensor):
+            self.cells.setdefault(key, []).append(values)
+        else:
+            for metric, value in values.items():
+                self.cells.setdefault((metric, *key), []).append(value)
+        return values
+
+    def joined(self) -> _BatchScores:
+        self.cells = {
+            key: torch.cat(parts) if isinstance(parts, list) else parts
+            for key, parts in self.cells.items()
+        }
+        return self
+
+
 class Sweep:
     """The sweep of one run over fitted maps and temperatures.
 
@@ -106,7 +142,7 @@ class Sweep:
     def evaluate(self, evaluation: EvaluationSet, stage: str = "evaluation.0") -> SweepOutput:
         """Every condition at every k on ``evaluation`` (snapshot under ``stage``)."""
         context, config, r = self.context, self.context.config, self.context.r
-        k_grid, metrics, device = context.k_grid, context.metrics, context.device()
+        k_grid, metrics = context.k_grid, context.metrics
         per_example: dict[tuple[str, str, int], list[Tensor]] = {}
         # The null control: every condition that must reproduce full depth at k = r.
         null: dict[str, float] = {
@@ -146,96 +182,26 @@ class Sweep:
                 "calibrated": {k: s.state() for k, s in calibrated.items()},
             }  # fmt: skip
 
-        def record(cell: tuple[str, int], logits: Tensor, scoring: _Reference) -> dict:
-            """Append each metric's per-example values for ``cell``; returns them."""
-            values = scoring.score(logits, metrics)
-            for metric, value in values.items():
-                per_example.setdefault((metric, *cell), []).append(value)
-            return values
-
+        plan = context.readout_plan(evaluation)
         for batch_number, (_, rows) in enumerate(
             context.each(batches[done:], "evaluation"), start=done
         ):
-            targets = evaluation.targets[rows].to(device)
-            states, full_logits = capture_all(context, evaluation.tokens[rows])
-            scoring = _Reference.of(full_logits, targets)
-            reference = record(("full", 0), full_logits, scoring)
-            at_r: dict[str, Tensor] | None = None
-            top1: dict[str, dict[int, Tensor]] = {"truncate": {}, "replay": {}}
-            for k in k_grid:
-                read = readouts(context.model, r, states, built[k], full_logits)
-                if k == r:
-                    at_r = read
-                for name, logits in read.items():
-                    record((name, k), self._tempered(logits, name, k), scoring)
-                difference = _max_diff(read["replay"], read["truncate"])
+            try:
+                states, scored, plan = self._scored_batch(
+                    evaluation, rows, plan, built, left_out, evaluation_keys
+                )
+            except OutOfMemoryStop:  # keep every finished batch for --resume
+                context.snapshot(stage, batch_number, batch_number, snapshot)
+                raise
+            for key, value in scored.cells.items():
+                per_example.setdefault(key, []).append(value)
+            for k, difference in scored.replay_difference.items():
                 self.replay_difference[k] = nan_max(self.replay_difference.get(k, 0.0), difference)
-                for name in top1:
-                    top1[name][k] = read[name].argmax(-1)
-            walk_records = walk_fractions(top1, full_logits.argmax(-1), targets, r)
-            for kind, per_k in walk_records.items():
-                for k, value in per_k.items():
-                    per_example.setdefault((_WALK, kind, k), []).append(value)
-            # The jackknife's cells: the mapped conditions under each left-out group's maps, on
-            # a fixed tenth of the examples (by key), scored like the others.
-            chosen = evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
-            if left_out and not bool(chosen.any()):
-                # A chunk for every key in every batch, empty here: the merge over processes
-                # lines chunks up by batch.
-                empty = torch.zeros(0, dtype=torch.float64)
-                per_example.setdefault((_JACKKNIFE_ROWS, "rows", 0), []).append(empty)
-                for k in k_grid:
-                    for g, conditions in enumerate(left_out):
-                        for name in conditions[k]:
-                            for metric in metrics:
-                                key = (metric, f"{name}@{g}", k)
-                                per_example.setdefault(key, []).append(empty.to(device))
-            elif left_out:
-                local = chosen.to(device)
-                sub_states, sub_logits = states[:, local], full_logits[local]
-                sub_scoring = _Reference.of(sub_logits, targets[local])
-                stacked_references: dict[int, _Reference] = {}
-                index = torch.arange(rows.start, rows.stop)[chosen].double()
-                per_example.setdefault((_JACKKNIFE_ROWS, "rows", 0), []).append(index)
-                for k in k_grid:
-                    # Every group's conditions at k through one `readouts` call (few rows each).
-                    each = {
-                        f"{name}@{g}": condition
-                        for g, conditions in enumerate(left_out)
-                        for name, condition in conditions[k].items()
-                    }
-                    if not each:  # no map fitted, or none that changes without a group
-                        continue
-                    read = readouts(context.model, r, sub_states, each, sub_logits)
-                    labels = list(read)
-                    # Scored in the readout's own groups: a stack of every label's logits is
-                    # several times a batch's, and the metrics' passes over it leave the cache;
-                    # the reference stacked for a group's size is made once per batch.
-                    for piece in readout_groups(sub_states, len(labels)):
-                        names = labels[piece]
-                        if len(names) not in stacked_references:
-                            stacked_references[len(names)] = sub_scoring.repeated(len(names))
-                        stacked = torch.cat(
-                            [self._tempered(read[n], n.rsplit("@", 1)[0], k) for n in names]
-                        )
-                        scored = stacked_references[len(names)].score(stacked, metrics)
-                        for metric, value in scored.items():
-                            for label, part in zip(names, value.chunk(len(names)), strict=True):
-                                per_example.setdefault((metric, label, k), []).append(part)
-            # The null control: at k = r every condition must reproduce full depth.
-            if at_r is None:
-                at_r = readouts(context.model, r, states, built[r], full_logits)
-            for name, logits in at_r.items():
-                at_full = built[r][name]
-                if at_full is None or at_full.reproduces_full_at_r:
-                    null[name] = nan_max(null[name], _max_diff(logits, full_logits))
-            if null_map is not None:
-                halves = context.model.readout(null_map(states[r]))
-                halves_diff = nan_max(halves_diff, _max_diff(halves, full_logits))
-                moved = scoring.score(halves, metrics)
-                for metric in metrics:
-                    change = (moved[metric] - reference[metric]).double().sum()
-                    halves_change[metric] = halves_change.get(metric, 0.0) + float(change)
+            for name, difference in scored.null.items():
+                null[name] = nan_max(null[name], difference)
+            halves_diff = nan_max(halves_diff, scored.halves_diff)
+            for metric, change in scored.halves_change.items():
+                halves_change[metric] = halves_change.get(metric, 0.0) + change
             if config.probe != "none":
                 # Held-out reference from even examples, probed states from odd ones: a two-sample
                 # test needs independent samples, not two views of the same sequences.
@@ -314,6 +280,145 @@ class Sweep:
             values, null_control, probe_samples, walked,
             jackknife if jackknife_rows is not None else [], jackknife_rows,
         )  # fmt: skip
+
+    def _scored_batch(
+        self,
+        evaluation: EvaluationSet,
+        rows: slice,
+        plan: ReadoutPlan,
+        built: dict[int, dict[str, Condition | None]],
+        left_out: list[dict[int, dict[str, Condition | None]]],
+        keys: Tensor,
+    ) -> tuple[Tensor, _BatchScores, ReadoutPlan]:
+        """`_score_batch`, redone with readout calls of half the rows after the device runs out
+        of memory; the plan that fitted comes back for the next batch. Where one example's
+        readouts do not fit either, stops with what to change (nothing is recorded of a batch
+        that did not finish: ``--resume`` continues from the last finished one)."""
+        batch, positions = rows.stop - rows.start, int(evaluation.tokens.shape[1])
+        while True:
+            try:
+                states, scores = self._score_batch(evaluation, rows, plan, built, left_out, keys)
+                return states, scores, plan
+            except torch.OutOfMemoryError as error:
+                release_device_memory(self.context.device())
+                smaller = plan.halved(batch, positions)
+                if smaller is None:
+                    context = self.context
+                    raise OutOfMemoryStop(out_of_memory_message(
+                        "evaluation", rows, context.config.batch_size, positions,
+                        context.budget(), str(context.device()),
+                    )) from error  # fmt: skip
+                plan = smaller
+
+    def _score_batch(
+        self,
+        evaluation: EvaluationSet,
+        rows: slice,
+        plan: ReadoutPlan,
+        built: dict[int, dict[str, Condition | None]],
+        left_out: list[dict[int, dict[str, Condition | None]]],
+        keys: Tensor,
+    ) -> tuple[Tensor, _BatchScores]:
+        """Every cell of one evaluation batch: its states and the batch's scores, the readouts
+        read and scored in chunks of whole examples (``plan``), so that what a batch holds is
+        its states, full depth's logits and one chunk's readouts."""
+        context, r, k_grid = self.context, self.context.r, self.context.k_grid
+        metrics, device, model = context.metrics, context.device(), context.model
+        targets = evaluation.targets[rows].to(device)
+        states, full_logits = capture_all(context, evaluation.tokens[rows])
+        scores = _BatchScores()
+        top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
+        chosen = keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
+        null_map = self.maps.null
+        for examples in plan.example_chunks(rows.stop - rows.start):
+            chunk_states, chunk_logits = states[:, examples], full_logits[examples]
+            scoring = _Reference.of(chunk_logits, targets[examples])
+            reference = scores.add(("full", 0), scoring.score(chunk_logits, metrics))
+            at_r: dict[str, Tensor] | None = None
+            for k in k_grid:
+                read = readouts(model, r, chunk_states, built[k], chunk_logits, plan)
+                for name, logits in read.items():
+                    scores.add((name, k), scoring.score(self._tempered(logits, name, k), metrics))
+                difference = _max_diff(read["replay"], read["truncate"])
+                scores.replay_difference[k] = nan_max(
+                    scores.replay_difference.get(k, 0.0), difference
+                )
+                for name in top1:
+                    top1[name].setdefault(k, []).append(read[name].argmax(-1))
+                at_r = read if k == r else None
+                del read
+            # The null control: at k = r every condition must reproduce full depth.
+            if at_r is None:
+                at_r = readouts(model, r, chunk_states, built[r], chunk_logits, plan)
+            for name, logits in at_r.items():
+                at_full = built[r][name]
+                if at_full is None or at_full.reproduces_full_at_r:
+                    difference = _max_diff(logits, chunk_logits)
+                    scores.null[name] = nan_max(scores.null.get(name, 0.0), difference)
+            del at_r
+            if null_map is not None:
+                halves = model.readout(null_map(chunk_states[r]))
+                scores.halves_diff = nan_max(scores.halves_diff, _max_diff(halves, chunk_logits))
+                moved = scoring.score(halves, metrics)
+                for metric in metrics:
+                    change = float((moved[metric] - reference[metric]).double().sum())
+                    scores.halves_change[metric] = scores.halves_change.get(metric, 0.0) + change
+                del halves
+            if left_out:
+                self._score_jackknife(
+                    scores, chunk_states[:, chosen[examples].to(device)],
+                    chunk_logits[chosen[examples].to(device)],
+                    targets[examples][chosen[examples].to(device)], left_out, plan,
+                )  # fmt: skip
+        for kind, per_k in walk_fractions(
+            {name: {k: torch.cat(parts) for k, parts in per.items()} for name, per in top1.items()},
+            full_logits.argmax(-1), targets, r,
+        ).items():  # fmt: skip
+            for k, value in per_k.items():
+                scores.add((_WALK, kind, k), value)
+        if left_out:
+            index = torch.arange(rows.start, rows.stop)[chosen].double()
+            scores.cells[(_JACKKNIFE_ROWS, "rows", 0)] = index
+            empty = torch.zeros(0, dtype=torch.float64, device=device)
+            for k in k_grid:  # a chunk for every key in every batch, empty where none is read
+                for g, conditions in enumerate(left_out):
+                    for name in conditions[k]:
+                        for metric in metrics:
+                            scores.cells.setdefault((metric, f"{name}@{g}", k), empty)
+        return states, scores.joined()
+
+    def _score_jackknife(
+        self,
+        scores: _BatchScores,
+        states: Tensor,
+        full_logits: Tensor,
+        targets: Tensor,
+        left_out: list[dict[int, dict[str, Condition | None]]],
+        plan: ReadoutPlan,
+    ) -> None:
+        """The jackknife's cells of one chunk's chosen examples: the mapped conditions under each
+        left-out group's maps, read in calls of at most ``plan.rows`` positions and scored one
+        condition at a time against full depth's side of the same examples."""
+        if states.shape[1] == 0:
+            return
+        context, r = self.context, self.context.r
+        scoring = _Reference.of(full_logits, targets)
+        for k in context.k_grid:
+            each = {
+                f"{name}@{g}": condition
+                for g, conditions in enumerate(left_out)
+                for name, condition in conditions[k].items()
+            }
+            labels = list(each)
+            for group in plan.condition_groups(len(labels), states.shape[1], states.shape[2]):
+                names = labels[group]
+                read = readouts(
+                    context.model, r, states, {n: each[n] for n in names}, full_logits, plan
+                )
+                for label in names:
+                    tempered = self._tempered(read[label], label.rsplit("@", 1)[0], k)
+                    scores.add((label, k), scoring.score(tempered, context.metrics))
+                del read
 
     def _tempered(self, logits: Tensor, name: str, k: int) -> Tensor:
         """``logits`` at the temperature confidence matching fitted for ``(name, k)``."""

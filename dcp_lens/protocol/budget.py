@@ -1,0 +1,320 @@
+"""A run's memory, known before it starts: the budget it may use and what each stage holds.
+
+Peak memory of a DCP run is the weights, plus what one batch holds (its states s_0..s_r and full
+depth's logits), plus the readouts being scored (in chunks of rows sized from the budget), plus
+the fit's moments or the sweep's maps. None of it grows with the number of batches or the size
+of the evaluation set. `estimate_run_memory` adds these terms up from the model's shape and the
+protocol's settings; the protocol checks the estimate against the budget before it reads a
+batch, and `dcp-lens run --dry-run` prints it.
+
+The budget (`ProtocolConfig.memory_budget`, GiB) defaults to `DEFAULT_BUDGET_SHARE` of what the
+device can give now: on a GPU, the driver's free memory plus what PyTorch holds cached and
+would reuse; on the CPU, the memory the system reports available.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcp_lens.utils.errors import ResourceLimitError
+from dcp_lens.utils.memory import available_memory_bytes
+
+GIB = 2**30
+# Share of what the device can give that a run plans to use when no budget is set.
+DEFAULT_BUDGET_SHARE = 0.85
+# [rows, d_vocab] float32 tensors one scored readout holds at its peak besides its own logits:
+# the upcast logits, their log-softmax, the top-1 pass's signs and the KL's difference and
+# product (`dcp_lens.protocol.metrics.Readout`).
+SCORING_COPIES = 4
+# [rows, d_vocab] float32 tensors of full depth's side per chunk: log-probabilities, probabilities.
+REFERENCE_COPIES = 2
+# The most positions one CPU readout call takes: past this a larger call makes no matrix product
+# faster on a CPU, only its temporaries larger.
+CPU_READOUT_ROWS = 2048
+# Fewest rows a readout call is planned with on an accelerator (a smaller call underuses it).
+MIN_ACCELERATOR_ROWS = 256
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """What ``device`` can give a run now, in bytes: on CUDA, the driver's free memory plus the
+    memory PyTorch has reserved but not allocated (its cache, reused before asking the driver);
+    on the CPU, the available memory; None where unknown."""
+    if device.type == "cuda":
+        free = int(torch.cuda.mem_get_info(device)[0])
+        cached = int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device))
+        return free + max(0, cached)
+    if device.type == "cpu":
+        return available_memory_bytes()
+    return None
+
+
+def budget_bytes(memory_budget: float | None, device: torch.device) -> int | None:
+    """The run's budget in bytes: ``memory_budget`` GiB when set, else `DEFAULT_BUDGET_SHARE` of
+    `device_memory_bytes` (None where the device does not say)."""
+    if memory_budget is not None:
+        return int(memory_budget * GIB)
+    available = device_memory_bytes(device)
+    return None if available is None else int(DEFAULT_BUDGET_SHARE * available)
+
+
+@dataclass(frozen=True)
+class ReadoutPlan:
+    """How one batch's readouts are cut: ``rows`` positions at most per readout call (chunks of
+    whole examples, several conditions per call where a chunk is the whole batch and they fit).
+
+    Attributes:
+        rows: most positions one readout call scores.
+        examples: examples per chunk of the batch (at least one).
+        conditions: conditions read in one call when a chunk is the whole batch.
+    """
+
+    rows: int
+    examples: int
+    conditions: int
+
+    @classmethod
+    def of(cls, rows: int, batch: int, positions: int) -> ReadoutPlan:
+        rows = max(1, int(rows))
+        examples = max(1, min(batch, rows // max(1, positions)))
+        per_call = examples * max(1, positions)
+        conditions = max(1, rows // per_call) if examples == batch else 1
+        return cls(rows, examples, conditions)
+
+    def halved(self, batch: int, positions: int) -> ReadoutPlan | None:
+        """The plan with half the rows (None where a call already holds one example)."""
+        if self.examples <= 1 and self.conditions <= 1:
+            return None
+        return ReadoutPlan.of(max(1, self.rows // 2), batch, positions)
+
+    def example_chunks(self, batch: int) -> Iterator[slice]:
+        for start in range(0, batch, self.examples):
+            yield slice(start, min(batch, start + self.examples))
+
+    def condition_groups(self, n: int, examples: int, positions: int) -> list[slice]:
+        """``n`` readouts of ``examples`` examples cut into calls of at most ``rows`` positions."""
+        group = max(1, self.rows // max(1, examples * positions))
+        return [slice(start, start + group) for start in range(0, n, group)]
+
+
+def readout_row_bytes(d_vocab: int, logits_bytes: int) -> int:
+    """Bytes one scored readout position holds at its peak (its logits in the model's precision
+    and `SCORING_COPIES` float32 copies over the vocabulary)."""
+    return d_vocab * (logits_bytes + 4 * SCORING_COPIES)
+
+
+@dataclass
+class MemoryEstimate:
+    """The terms of a run's peak memory, in bytes, by stage.
+
+    Attributes:
+        terms: every term by name (``weights``, ``batch_states``, ``full_logits``, ``readouts``,
+            ``reference``, ``moments``, ``maps``, ...).
+        stages: per stage, the names of the terms it holds at once.
+        plan: the readout plan the estimate assumes.
+    """
+
+    terms: dict[str, int]
+    stages: dict[str, tuple[str, ...]]
+    plan: ReadoutPlan
+    notes: list[str] = field(default_factory=list)
+
+    def stage_bytes(self, stage: str) -> int:
+        return sum(self.terms[name] for name in self.stages[stage])
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest stage's total."""
+        return max(self.stage_bytes(stage) for stage in self.stages)
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=self.stage_bytes)
+
+    def table(self) -> str:
+        """The terms and the stages' totals as aligned text, GiB with two decimals."""
+        lines = [f"  {name:<22} {value / GIB:8.2f} GiB" for name, value in self.terms.items()]
+        lines.append("  stage totals:")
+        for stage in self.stages:
+            lines.append(f"    {stage:<20} {self.stage_bytes(stage) / GIB:8.2f} GiB")
+        lines.append(f"  peak ({self.peak_stage}): {self.peak_bytes / GIB:.2f} GiB")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "terms_gib": {name: value / GIB for name, value in self.terms.items()},
+            "stages_gib": {stage: self.stage_bytes(stage) / GIB for stage in self.stages},
+            "peak_gib": self.peak_bytes / GIB,
+            "peak_stage": self.peak_stage,
+            "readout_rows": self.plan.rows,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate reads of a model: its width, vocabulary, depth, blocks and precision."""
+
+    d_model: int
+    d_vocab: int
+    d_mlp: int
+    n_iterations: int
+    n_parameters: int
+    element_bytes: int
+    n_heads: int = 1
+
+    @classmethod
+    def of(cls, model: Any) -> ModelShape:
+        cfg = model.cfg
+        parameters = list(model.parameters())
+        element = parameters[0].element_size() if parameters else 4
+        # Tied copies share storage: count each tensor once.
+        seen: dict[int, int] = {}
+        for parameter in parameters:
+            seen.setdefault(id(parameter), parameter.numel())
+        return cls(
+            d_model=int(cfg.d_model),
+            d_vocab=int(cfg.d_vocab),
+            d_mlp=int(getattr(cfg, "d_mlp", 4 * cfg.d_model) or 4 * cfg.d_model),
+            n_iterations=int(model.n_iterations),
+            n_parameters=sum(seen.values()),
+            element_bytes=int(element),
+            n_heads=int(getattr(cfg, "n_heads", 1) or 1),
+        )
+
+
+def estimate_run_memory(
+    shape: ModelShape,
+    *,
+    batch_size: int,
+    seq_len: int,
+    n_streams: int,
+    calibration_groups: int,
+    calibration_mode: str = "full",
+    readout_rows: int | None = None,
+    budget: int | None = None,
+    conditions_per_k: int = 6,
+) -> MemoryEstimate:
+    """The peak memory of a DCP run on a model of ``shape``, by term and stage (bytes).
+
+    Args:
+        shape: the model (`ModelShape.of(model)`; a model on the meta device will do).
+        batch_size, seq_len: sequences per forward and their length.
+        n_streams: the conditions a map is fitted from (full depth included:
+            ``len(dcp_lens.protocol.fit.sources(context))``).
+        calibration_groups: the jackknife's groups (0: off).
+        calibration_mode: ``"full"`` holds d x d moments and maps, the others d-vectors.
+        readout_rows: positions per readout call (None: planned from ``budget``).
+        budget: bytes the run may use (for the readout plan when ``readout_rows`` is None).
+        conditions_per_k: readouts of one k held at once (the sweep's conditions).
+    """
+    d, vocab, es = shape.d_model, shape.d_vocab, shape.element_bytes
+    positions = batch_size * seq_len
+    weights = shape.n_parameters * es
+    states = (shape.n_iterations + 1) * positions * d * es
+    # One block's transient activations (the MLP's hidden pair and q, k, v, a few streams).
+    forward = positions * (3 * shape.d_mlp + 8 * d) * es
+    full_logits = positions * vocab * es
+    groups = max(1, calibration_groups)
+    square = d * d if calibration_mode == "full" else d
+    moments = n_streams * (square * 8 + (groups * square * 4 if calibration_groups else 0))
+    moments += n_streams * groups * 64 * d * 4  # the groups' waiting rows
+    jackknife = calibration_groups if calibration_groups >= 2 else 0
+    # Applied maps in float32 (the shift's inverses included) and the paired translators.
+    n_maps = 2 * n_streams
+    maps = (1 + jackknife) * n_maps * square * 4 + (1 + jackknife) * n_streams * d * d * 4
+    row = readout_row_bytes(vocab, 4)
+    fixed = weights + states + full_logits + maps
+    if readout_rows is None:
+        room = (budget - fixed) if budget is not None else 0
+        per_row = conditions_per_k * row + REFERENCE_COPIES * vocab * 4
+        readout_rows = max(1, room // per_row) if room > 0 else seq_len
+    plan = ReadoutPlan.of(readout_rows, batch_size, seq_len)
+    rows_held = min(plan.rows, positions)
+    readouts = conditions_per_k * min(rows_held * max(1, plan.conditions), positions) * row
+    chunk_rows = plan.examples * seq_len
+    reference = REFERENCE_COPIES * chunk_rows * vocab * 4
+    base_rate = groups * 16 * vocab * 8
+    terms = {
+        "weights": weights,
+        "batch_states": states,
+        "forward_activations": forward,
+        "full_logits": full_logits,
+        "readouts": readouts,
+        "reference": reference,
+        "moments": moments,
+        "base_rate_sums": base_rate,
+        "maps_and_translators": maps,
+    }
+    stages = {
+        "calibration": ("weights", "batch_states", "forward_activations", "moments",
+                        "base_rate_sums", "readouts"),
+        "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
+                       "readouts", "reference", "maps_and_translators"),
+    }  # fmt: skip
+    estimate = MemoryEstimate(terms, stages, plan)
+    if calibration_mode == "full" and jackknife:
+        estimate.notes.append(
+            f"the jackknife holds {calibration_groups} refitted maps per condition: "
+            "--calibration-groups 0 leaves them out"
+        )
+    return estimate
+
+
+def largest_fitting_batch(fits: Any, batch_size: int) -> int:
+    """The largest batch in 1..``batch_size`` for which ``fits(batch)`` is True (0: none)."""
+    low, high = 0, batch_size
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def check_estimate(estimate: MemoryEstimate, budget: int | None, where: str, advice: str) -> None:
+    """Refuse, before any batch is read, a run whose estimated peak exceeds ``budget``."""
+    if budget is None or estimate.peak_bytes <= budget:
+        return
+    raise ResourceLimitError(
+        f"this run's estimated peak memory is {estimate.peak_bytes / GIB:.2f} GiB "
+        f"({estimate.peak_stage} stage), over its budget of {budget / GIB:.2f} GiB on {where}. "
+        f"{advice} Terms:\n{estimate.table()}"
+    )
+
+
+def gib(value: float) -> str:
+    return "unknown" if value is None or math.isnan(value) else f"{value / GIB:.2f} GiB"
+
+
+class OutOfMemoryStop(ResourceLimitError):
+    """The device ran out of memory in a batch even with one example's readouts per call: the
+    run stopped after its last finished batch (``--resume`` continues from there)."""
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Return what a failed batch left cached on ``device`` to the allocator's pool."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def out_of_memory_message(
+    stage: str, rows: slice, batch_size: int, positions: int, budget: int | None, where: str
+) -> str:
+    """What to change after a batch ran out of memory at the smallest readout plan."""
+    fits = max(1, batch_size // 2)
+    budget_text = "no set budget" if budget is None else f"a budget of {budget / GIB:.2f} GiB"
+    return (
+        f"the device ({where}) ran out of memory in the {stage} batch of sequences "
+        f"{rows.start}-{rows.stop - 1} (batch size {batch_size} x {positions} tokens, "
+        f"{budget_text}), even reading one example's readouts per call: the batch's own "
+        "forward and states do not fit beside what the run holds. Every finished batch is "
+        "kept: free memory on the device and continue with --resume, or start again with "
+        f"--batch-size {fits} (the batch size is fixed for a run) or --calibration-groups 0 "
+        "(no jackknife maps); `dcp-lens run --dry-run` prints what each setting needs."
+    )
