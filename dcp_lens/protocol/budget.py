@@ -36,8 +36,10 @@ REFERENCE_COPIES = 2
 # The most positions one CPU readout call takes: past this a larger call makes no matrix product
 # faster on a CPU, only its temporaries larger.
 CPU_READOUT_ROWS = 2048
-# Fewest rows a readout call is planned with on an accelerator (a smaller call underuses it).
+# Fewest rows a readout call is planned with on an accelerator (a smaller call underuses it),
+# and the most (past it a larger call is no faster, only its logits larger).
 MIN_ACCELERATOR_ROWS = 256
+MAX_ACCELERATOR_ROWS = 4096
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -99,12 +101,6 @@ class ReadoutPlan:
         """``n`` readouts of ``examples`` examples cut into calls of at most ``rows`` positions."""
         group = max(1, self.rows // max(1, examples * positions))
         return [slice(start, start + group) for start in range(0, n, group)]
-
-
-def readout_row_bytes(d_vocab: int, logits_bytes: int) -> int:
-    """Bytes one scored readout position holds at its peak (its logits in the model's precision
-    and `SCORING_COPIES` float32 copies over the vocabulary)."""
-    return d_vocab * (logits_bytes + 4 * SCORING_COPIES)
 
 
 @dataclass
@@ -204,63 +200,65 @@ def estimate_run_memory(
     Args:
         shape: the model (`ModelShape.of(model)`; a model on the meta device will do).
         batch_size, seq_len: sequences per forward and their length.
-        n_streams: the conditions a map is fitted from (full depth included:
-            ``len(dcp_lens.protocol.fit.sources(context))``).
+        n_streams: the conditions a map is fitted from (`RunContext.n_streams`: full depth,
+            truncate(k) and replay(k) below r).
         calibration_groups: the jackknife's groups (0: off).
         calibration_mode: ``"full"`` holds d x d moments and maps, the others d-vectors.
-        readout_rows: positions per readout call (None: planned from ``budget``).
+        readout_rows: positions per readout call (None: planned from ``budget``, at most
+            `MAX_ACCELERATOR_ROWS`).
         budget: bytes the run may use (for the readout plan when ``readout_rows`` is None).
         conditions_per_k: readouts of one k held at once (the sweep's conditions).
     """
     d, vocab, es = shape.d_model, shape.d_vocab, shape.element_bytes
     positions = batch_size * seq_len
-    weights = shape.n_parameters * es
-    states = (shape.n_iterations + 1) * positions * d * es
-    # One block's transient activations (the MLP's hidden pair and q, k, v, a few streams).
-    forward = positions * (3 * shape.d_mlp + 8 * d) * es
-    full_logits = positions * vocab * es
-    groups = max(1, calibration_groups)
-    square = d * d if calibration_mode == "full" else d
-    moments = n_streams * (square * 8 + (groups * square * 4 if calibration_groups else 0))
-    moments += n_streams * groups * 64 * d * 4  # the groups' waiting rows
-    jackknife = calibration_groups if calibration_groups >= 2 else 0
-    # Applied maps in float32 (the shift's inverses included) and the paired translators.
-    n_maps = 2 * n_streams
-    maps = (1 + jackknife) * n_maps * square * 4 + (1 + jackknife) * n_streams * d * d * 4
-    row = readout_row_bytes(vocab, 4)
-    fixed = weights + states + full_logits + maps
-    if readout_rows is None:
-        room = (budget - fixed) if budget is not None else 0
-        per_row = conditions_per_k * row + REFERENCE_COPIES * vocab * 4
-        readout_rows = max(1, room // per_row) if room > 0 else seq_len
-    plan = ReadoutPlan.of(readout_rows, batch_size, seq_len)
-    rows_held = min(plan.rows, positions)
-    readouts = conditions_per_k * min(rows_held * max(1, plan.conditions), positions) * row
-    chunk_rows = plan.examples * seq_len
-    reference = REFERENCE_COPIES * chunk_rows * vocab * 4
-    base_rate = groups * 16 * vocab * 8
+    groups = calibration_groups if calibration_groups >= 2 else 0
+    full = calibration_mode == "full"
+    square = d * d if full else d
+    n_inverses, n_translators = (n_streams - 1) // 2, n_streams - 1
     terms = {
-        "weights": weights,
-        "batch_states": states,
-        "forward_activations": forward,
-        "full_logits": full_logits,
-        "readouts": readouts,
-        "reference": reference,
-        "moments": moments,
-        "base_rate_sums": base_rate,
-        "maps_and_translators": maps,
+        "weights": shape.n_parameters * es,
+        "batch_states": (shape.n_iterations + 1) * positions * d * es,
+        # One block's transient activations (the MLP's hidden pair, q, k, v and a few streams).
+        "forward_activations": positions * (3 * shape.d_mlp + 8 * d) * es,
+        "full_logits": positions * vocab * es,
+        # Per stream: a float32 scatter per group, the float64 whole they merge into, and the
+        # groups' waiting rows.
+        "moments": n_streams * (groups * square * 4 + square * 8 + max(1, groups) * 64 * d * 4),
+        # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
+        "jackknife_refits": groups * 3 * square * 8,
+        "base_rate_sums": 16 * vocab * 8,
+        # The whole split's maps in float64 with their float32 copies (the shift's inverses
+        # included) and the translators' float32 copies on the device.
+        "maps": (n_streams + n_inverses) * square * 12 + n_translators * d * d * 4,
+        # Each refit held as a float16 difference (`dcp_lens.protocol.jackknife`).
+        "jackknife_maps": groups * ((n_streams + n_inverses) * square + n_translators * d * d) * 2,
     }
+    # The refits go one stream at a time, each stream's group moments released once its refits
+    # are held: moments and refits never peak together.
+    held = max(terms["moments"], terms["jackknife_maps"])
+    terms["jackknife_fits_held"] = held + (terms["moments"] + terms["jackknife_maps"]) // n_streams
+    if readout_rows is None:
+        fixed = sum(terms[name] for name in ("weights", "batch_states", "full_logits", "maps",
+                                             "jackknife_maps"))  # fmt: skip
+        per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
+        room = (budget - fixed) if budget is not None else 0
+        readout_rows = min(MAX_ACCELERATOR_ROWS, room // per_row) if room > 0 else seq_len
+    plan = ReadoutPlan.of(max(1, readout_rows), batch_size, seq_len)
+    chunk_rows = min(positions, max(plan.examples * seq_len, plan.rows))
+    terms["readouts"] = chunk_rows * vocab * (conditions_per_k * es + 4 * SCORING_COPIES)
+    terms["reference"] = REFERENCE_COPIES * plan.examples * seq_len * vocab * 4
     stages = {
         "calibration": ("weights", "batch_states", "forward_activations", "moments",
                         "base_rate_sums", "readouts"),
+        "jackknife fits": ("weights", "jackknife_fits_held", "jackknife_refits", "maps"),
         "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
-                       "readouts", "reference", "maps_and_translators"),
+                       "readouts", "reference", "maps", "jackknife_maps"),
     }  # fmt: skip
     estimate = MemoryEstimate(terms, stages, plan)
-    if calibration_mode == "full" and jackknife:
+    if full and groups:
         estimate.notes.append(
-            f"the jackknife holds {calibration_groups} refitted maps per condition: "
-            "--calibration-groups 0 leaves them out"
+            f"the jackknife ({calibration_groups} groups) holds moments per group and a refit of "
+            "every map: --calibration-groups 0 leaves both out"
         )
     return estimate
 

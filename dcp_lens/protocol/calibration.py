@@ -81,7 +81,11 @@ class StreamingMoments:
     a large common offset (a massive activation) costs no precision.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, storage: torch.dtype = torch.float64) -> None:
+        # The scatter matrix is kept in ``storage`` between updates (float32 for the jackknife's
+        # groups, whose leave-out is the float64 whole less one group); every update and merge
+        # is computed in float64.
+        self._storage = storage
         self._count = 0
         self._mean: Tensor | None = None  # [d]
         self._scatter: Tensor | None = None  # [d, d], sum of y y^T
@@ -181,13 +185,16 @@ class StreamingMoments:
         # The part's sums about the whole's mean, taken off the whole's; what is left are the
         # rest's sums about the whole's mean, recentred onto the rest's own mean.
         moved = _recentre(
-            part._count, part_mean - self._mean, part._scatter.to(device),
+            part._count, part_mean - self._mean,
+            part._scatter.to(device=device, dtype=torch.float64),
             part._norm_weighted_sum.to(device), part._fourth_sum.to(device),
         )  # fmt: skip
         about_whole = (
             whole - piece
             for whole, piece in zip(
-                (self._scatter, self._norm_weighted_sum, self._fourth_sum), moved, strict=True
+                (self._scatter.to(torch.float64), self._norm_weighted_sum, self._fourth_sum),
+                moved,
+                strict=True,
             )
         )
         rest = StreamingMoments()
@@ -202,20 +209,20 @@ class StreamingMoments:
     ) -> None:
         self._eigen, self._powers = None, {}
         if self._count == 0:
-            self._count, self._mean, self._scatter = count, mean, scatter
+            self._count, self._mean, self._scatter = count, mean, scatter.to(self._storage)
             self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
             return
         assert self._mean is not None and self._scatter is not None
         assert self._norm_weighted_sum is not None and self._fourth_sum is not None
         device = self._mean.device
-        mean, scatter = mean.to(device), scatter.to(device)
+        mean, scatter = mean.to(device), scatter.to(device=device, dtype=torch.float64)
         norm_weighted, fourth = norm_weighted.to(device), fourth.to(device)
         total = self._count + count
         merged_mean = self._mean + (mean - self._mean) * (count / total)
         own = _recentre(
             self._count,
             self._mean - merged_mean,
-            self._scatter,
+            self._scatter.to(torch.float64),
             self._norm_weighted_sum,
             self._fourth_sum,
         )
@@ -225,6 +232,7 @@ class StreamingMoments:
         self._scatter, self._norm_weighted_sum, self._fourth_sum = (
             own_part + new_part for own_part, new_part in zip(own, new, strict=True)
         )
+        self._scatter = self._scatter.to(self._storage)
 
     def state(self) -> dict[str, Any]:
         """The count and the float64 sums, all `from_state` needs (tensors and an int)."""
@@ -237,9 +245,11 @@ class StreamingMoments:
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> StreamingMoments:
-        """The moments `state` recorded, exactly."""
-        moments = cls()
+    def from_state(
+        cls, state: dict[str, Any], storage: torch.dtype = torch.float64
+    ) -> StreamingMoments:
+        """The moments `state` recorded, exactly (the scatter kept in ``storage`` from then)."""
+        moments = cls(storage)
         moments._count = int(state["count"])
         moments._mean, moments._scatter = state["mean"], state["scatter"]
         moments._norm_weighted_sum = state["norm_weighted_sum"]

@@ -35,6 +35,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from dcp_lens.protocol.budget import (
+    MemoryEstimate,
+    ModelShape,
+    check_estimate,
+    estimate_run_memory,
+    largest_fitting_batch,
+)
 from dcp_lens.protocol.calibration import CALIBRATION_MAPS, StateMap
 from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching, Temperatures
@@ -165,6 +172,7 @@ class DepthControlProtocol:
         evaluation = as_evaluation_set(evaluation, "evaluation")
         calibration = as_evaluation_set(calibration, "calibration")
         self._check_sets(evaluation, calibration)
+        self.check_memory(evaluation, calibration)
         was_training = getattr(self.model, "training", False)
         self.model.eval()
         try:
@@ -183,6 +191,49 @@ class DepthControlProtocol:
             return distributed.broadcast_from_main(None)
         results = self._decompose(swept, probe_summary, evaluation, calibration)
         return distributed.broadcast_from_main(results)
+
+    def estimate(
+        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any = None
+    ) -> MemoryEstimate:
+        """This run's peak memory by term and stage (`dcp_lens.protocol.budget`), from the
+        model's shape and the settings alone: nothing is read or allocated. Sized on the longer
+        of the two sets' sequences."""
+        data = as_evaluation_set(evaluation, "evaluation")
+        if calibration is not None:
+            other = as_evaluation_set(calibration, "calibration")
+            if other.tokens.shape[1] > data.tokens.shape[1]:
+                data = other
+        return self.context.estimate(data)
+
+    def check_memory(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> None:
+        """Refuse, before any batch is read, a run whose estimated peak exceeds its budget
+        (`ProtocolConfig.memory_budget`), naming the largest batch size that fits."""
+        budget = self.context.budget()
+        estimate = self.estimate(evaluation, calibration)
+        if budget is None or estimate.peak_bytes <= budget:
+            return
+        batch = self.config.batch_size
+        seq = max(int(evaluation.tokens.shape[1]), int(calibration.tokens.shape[1]))
+        shape = ModelShape.of(self.model)
+
+        def fits(size: int) -> bool:
+            return estimate_run_memory(
+                shape, batch_size=size, seq_len=seq, n_streams=self.context.n_streams(),
+                calibration_groups=self.config.calibration_groups,
+                calibration_mode=self.config.calibration_mode, budget=budget,
+            ).peak_bytes <= budget  # fmt: skip
+
+        largest = largest_fitting_batch(fits, batch)
+        advice = (
+            f"Pass batch_size={largest} (--batch-size {largest}), the largest that fits,"
+            if largest
+            else "No batch size fits: pass"
+        )
+        check_estimate(
+            estimate, budget, str(self.context.device()),
+            f"{advice} calibration_groups=0 (--calibration-groups 0: no jackknife) or a larger "
+            "memory_budget (--memory-budget GIB).",
+        )  # fmt: skip
 
     @torch.no_grad()
     def fit(self, calibration: EvaluationSet) -> Tensor | None:

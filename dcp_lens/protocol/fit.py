@@ -30,6 +30,7 @@ from dcp_lens.protocol.conditions import SWEEP, Condition, Full, position_bucket
 from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
 from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, row_ids
@@ -79,7 +80,7 @@ class FittedMaps:
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
-    translators: dict[str, AffineTranslator | None] = field(default_factory=dict)
+    translators: dict[str, Any] = field(default_factory=dict)
     base_rate: Tensor | None = None
     jackknife: list[FittedMaps] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
@@ -171,8 +172,11 @@ def fit_maps(
     # One stream of moments per source and calibration group (example key mod n_groups; the
     # groups' moments merge into the whole split's); a stream that ever turns non-finite
     # (replay can explode) is dropped, and the conditions that need it reported non-finite.
+    # With groups, each group's scatter is kept in float32 (a group is only ever subtracted from
+    # the float64 whole they merge into); alone, the one group is the whole, kept in float64.
+    storage = torch.float32 if n_groups >= 2 else torch.float64
     streams: dict[str, list[StreamingMoments] | None] = {
-        label: [StreamingMoments() for _ in range(n_groups)] for label in conditions
+        label: [StreamingMoments(storage) for _ in range(n_groups)] for label in conditions
     }
     samples = {
         label: Subsample(config.calibration_points, config.seed + 7 + i)
@@ -195,7 +199,9 @@ def fit_maps(
     done, saved = context.restore("calibration")
     if saved is not None:
         streams = {
-            label: None if states is None else [StreamingMoments.from_state(s) for s in states]
+            label: None
+            if states is None
+            else [StreamingMoments.from_state(s, storage) for s in states]
             for label, states in saved["streams"].items()
         }
         for label, state in saved["samples"].items():
@@ -306,13 +312,11 @@ def fit_maps(
     maps.states = {label: 0 if total is None else total.count for label, total in totals.items()}
     populated = sum(bool(m.count) for m in (streams.get("full") or []))
     if config.calibration_groups >= 2 and populated >= 2:
-        for g in context.each(range(n_groups), "jackknife fits"):
-            with warnings.catch_warnings():  # the whole split's fit already said so
-                warnings.simplefilter("ignore")
-                left_out_maps = fitted_maps(g)
+        left_out_maps = _refit_left_out(context, entry, streams, totals, samples, maps.maps)
+        for g in range(n_groups):
             maps.jackknife.append(
                 FittedMaps(
-                    left_out_maps,
+                    left_out_maps[g],
                     None,
                     None,
                     config.calibration_mode,
@@ -322,6 +326,47 @@ def fit_maps(
                 )  # fmt: skip
             )
     return maps
+
+
+def _refit_left_out(
+    context: RunContext,
+    entry: CalibrationMap,
+    streams: dict[str, list[StreamingMoments] | None],
+    totals: dict[str, StreamingMoments | None],
+    samples: dict[str, Subsample],
+    whole: dict[str, StateMap | None],
+) -> list[dict[str, StateMap | None]]:
+    """Every map refitted with each calibration group left out, one stream at a time: full
+    depth's left-out moments are formed once per group, each other stream's group moments are
+    released once its refits are done, and each refit is held as a difference from the whole
+    split's map (`LeftOutAffine`). None where a refit cannot be fitted (too few states)."""
+    config, n_groups = context.config, max(1, context.config.calibration_groups)
+    references = [_left_out(totals["full"], streams["full"], g) for g in range(n_groups)]
+    refits: list[dict[str, StateMap | None]] = [{} for _ in range(n_groups)]
+    labels = [label for label in streams if label != "full"] + ["full"]
+    with warnings.catch_warnings():  # the whole split's fit already said so
+        warnings.simplefilter("ignore")
+        for label in context.each(labels, "jackknife fits"):
+            for g, reference in enumerate(references):
+                source = (
+                    reference if label == "full" else _left_out(totals[label], streams[label], g)
+                )
+                fitted: StateMap | None = None
+                if source is not None and reference is not None:
+                    try:
+                        fitted = _fit_map(
+                            entry, config, source, reference,
+                            _without(samples.get(label), g, n_groups),
+                            _without(samples.get("full"), g, n_groups),
+                        )  # fmt: skip
+                    except ValueError:
+                        fitted = None  # too few states without the group: no jackknife cell
+                refits[g][label] = (
+                    None if fitted is None else LeftOutAffine.of(whole[label], fitted)
+                )
+            if label != "full":  # its groups' moments are no longer needed
+                streams[label], totals[label] = None, None
+    return [{label: refit[label] for label in whole} for refit in refits]
 
 
 def pooled_count(context: RunContext, data: EvaluationSet) -> int:
@@ -514,7 +559,7 @@ def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> S
 
 def fit_translators(
     context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor] | None = None
-) -> tuple[dict[str, AffineTranslator | None], list[dict[str, AffineTranslator | None]]]:
+) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Any]]]:
     """A paired `AffineTranslator` per source of `translator_sources`: the ridge least-squares
     affine map from the source's readout inputs to full depth's states s_r at the same positions
     (`_least_squares`), over the pooled positions of the leading calibration sequences (at most
@@ -531,7 +576,7 @@ def fit_translators(
     same translators from the same bytes (no merge needed)."""
     wanted = translator_sources(context)
     n_groups = context.config.calibration_groups
-    left_out: list[dict[str, AffineTranslator | None]] = [{} for _ in range(max(0, n_groups))]
+    left_out: list[dict[str, Any]] = [{} for _ in range(max(0, n_groups))]
     if n_groups < 2:
         left_out = []
     if not wanted:
@@ -560,9 +605,10 @@ def fit_translators(
             translators[label], each = _least_squares_left_out(state, target, group, n_groups)
         else:
             translators[label], each = (_least_squares(state, target) if finite else None), []
-        if left_out and translators[label] is not None:
+        whole = translators[label]
+        if left_out and whole is not None:
             for fitted, translator in zip(left_out, each, strict=True):
-                fitted[label] = translator
+                fitted[label] = None if translator is None else LeftOutTranslator(whole, translator)
         else:
             for fitted in left_out:
                 fitted[label] = None

@@ -177,7 +177,43 @@ def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None
     huge = fit.moment_bytes(21, 10, 5280, 64)
     assert huge > 10 * fit.moment_bytes(21, 0, 5280, 64)  # the groups are most of it
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fit, "available_memory_bytes", lambda: 8 * 2**30)
+        patch.setattr(fit, "device_memory_bytes", lambda device: 8 * 2**30)
         with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
             fit.check_moment_memory(21, 10, 5280, 64, torch.device("cpu"))
         fit.check_moment_memory(21, 10, 256, 1024, torch.device("cpu"))  # small: passes
+
+
+def test_a_left_out_refit_held_as_a_float16_difference_applies_as_the_refit() -> None:
+    """The jackknife keeps each refit as the whole split's map plus a scaled float16
+    difference: applied, inverted and as a translator it matches the refit within 5e-5 (3e-4
+    inverted) of the map's scale."""
+    from dcp_lens.protocol.calibration import AffineCalibration
+    from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
+    from dcp_lens.protocol.translator import AffineTranslator
+
+    generator = torch.Generator().manual_seed(4)
+    d = 48
+    whole_linear = torch.eye(d, dtype=torch.float64) + 0.3 * torch.randn(
+        d, d, generator=generator, dtype=torch.float64
+    )
+    refit_linear = whole_linear + 0.02 * torch.randn(d, d, generator=generator, dtype=torch.float64)
+    means = [torch.randn(d, generator=generator, dtype=torch.float64) for _ in range(4)]
+    whole = AffineCalibration("full", means[0], means[1], whole_linear)
+    refit = AffineCalibration("full", means[2], means[3], refit_linear)
+    held = LeftOutAffine.of(whole, refit)
+    assert isinstance(held, LeftOutAffine) and held.delta.dtype == torch.float16
+    h = torch.randn(3, 5, d, generator=generator)
+    scale = float(refit(h).abs().max())
+    assert float((held(h) - refit(h)).abs().max()) <= 5e-5 * scale
+    assert float((held.inverse()(h) - refit.inverse()(h)).abs().max()) <= 3e-4 * scale
+    diag = AffineCalibration("diag", means[0], means[1], whole_linear[0].abs())
+    assert LeftOutAffine.of(diag, diag) is diag  # only full-mode maps are held as differences
+    weights = [0.1 * torch.randn(d, d, generator=generator) for _ in range(2)]
+    translators = [
+        AffineTranslator(d, weights[0], means[0].float()),
+        AffineTranslator(d, weights[0] + 0.01 * weights[1], means[1].float()),
+    ]
+    moved = LeftOutTranslator(*translators)
+    assert float((moved(h) - translators[1](h)).abs().max()) <= 1e-5 * float(
+        translators[1](h).abs().max()
+    )
