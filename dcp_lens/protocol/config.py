@@ -110,7 +110,7 @@ class ProtocolConfig:
     skip_first_position: bool = _option(
         False, "--skip-first-position", "leave position 0 out of the calibration statistics"
     )
-    memory_budget: float | None = _option(
+    memory_budget: float | int | str | None = _option(
         None, "--memory-budget", "GiB of device memory the run plans to use (readouts are "
         "scored in chunks that fit; default: 85%% of what the device can give, its cache "
         "included)",

@@ -77,7 +77,8 @@ class RunContext:
 
     def budget(self) -> int | None:
         """Bytes this run may use on its device (`dcp_lens.protocol.budget.budget_bytes`)."""
-        return budget_bytes(self.config.memory_budget, self.device())
+        budget = self.config.memory_budget  # a float once the config is checked
+        return budget_bytes(None if budget is None else float(budget), self.device())
 
     def n_streams(self) -> int:
         """Conditions a calibration map is fitted from: full depth, truncate(k) and replay(k)

@@ -82,6 +82,12 @@ class LeftOutAffine:
         out = torch.addmm(out, flat, delta.T, alpha=self.scale)
         return out.reshape(h.shape).to(h.dtype)
 
+    def identity_deviation(self) -> dict[str, float]:
+        """How far the refit is from the identity (`AffineCalibration.identity_deviation`)."""
+        return AffineCalibration(
+            "full", self.source_mean, self.reference_mean, self.linear
+        ).identity_deviation()
+
     def inverse(self) -> LeftOutAffine:
         """The refit's inverse, held the same way against the whole split's inverse."""
         return self._inverse
