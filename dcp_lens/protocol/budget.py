@@ -22,15 +22,15 @@ from typing import Any
 import torch
 
 from dcp_lens.utils.errors import ResourceLimitError
-from dcp_lens.utils.memory import available_memory_bytes
+from dcp_lens.utils.memory import available_memory_bytes, fixed_threshold, release_keep
 
 GIB = 2**30
 # Share of what the device can give that a run plans to use when no budget is set.
 DEFAULT_BUDGET_SHARE = 0.85
 # [rows, d_vocab] float32 tensors one scored readout holds at its peak besides its own logits:
-# the upcast logits, their log-softmax, the top-1 pass's signs and the KL's difference and
+# the tempered logits, their log-softmax, the top-1 pass's signs and the KL's difference and
 # product (`dcp_lens.protocol.metrics.Readout`).
-SCORING_COPIES = 4
+SCORING_COPIES = 5
 # [rows, d_vocab] float32 tensors of full depth's side per chunk: log-probabilities, probabilities.
 REFERENCE_COPIES = 2
 # The most positions one CPU readout call takes: past this a larger call makes no matrix product
@@ -97,9 +97,13 @@ class ReadoutPlan:
         for start in range(0, batch, self.examples):
             yield slice(start, min(batch, start + self.examples))
 
-    def condition_groups(self, n: int, examples: int, positions: int) -> list[slice]:
-        """``n`` readouts of ``examples`` examples cut into calls of at most ``rows`` positions."""
-        group = max(1, self.rows // max(1, examples * positions))
+    def condition_groups(
+        self, n: int, examples: int, positions: int, rows: int | None = None
+    ) -> list[slice]:
+        """``n`` readouts of ``examples`` examples cut into calls of at most ``rows`` positions
+        (default: the plan's)."""
+        rows = self.rows if rows is None else rows
+        group = max(1, rows // max(1, examples * positions))
         return [slice(start, start + group) for start in range(0, n, group)]
 
 
@@ -193,7 +197,9 @@ def estimate_run_memory(
     calibration_mode: str = "full",
     readout_rows: int | None = None,
     budget: int | None = None,
-    conditions_per_k: int = 6,
+    conditions_per_k: int = 8,
+    matched_per_k: int = 5,
+    device_type: str = "cuda",
 ) -> MemoryEstimate:
     """The peak memory of a DCP run on a model of ``shape``, by term and stage (bytes).
 
@@ -208,6 +214,9 @@ def estimate_run_memory(
             `MAX_ACCELERATOR_ROWS`).
         budget: bytes the run may use (for the readout plan when ``readout_rows`` is None).
         conditions_per_k: readouts of one k held at once (the sweep's conditions).
+        matched_per_k: conditions of one k given a temperature by confidence matching.
+        device_type: on ``"cpu"`` the free heap the allocator keeps between batches counts too
+            (`dcp_lens.utils.memory.release_keep`).
     """
     d, vocab, es = shape.d_model, shape.d_vocab, shape.element_bytes
     positions = batch_size * seq_len
@@ -242,17 +251,33 @@ def estimate_run_memory(
                                              "jackknife_maps"))  # fmt: skip
         per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
         room = (budget - fixed) if budget is not None else 0
-        readout_rows = min(MAX_ACCELERATOR_ROWS, room // per_row) if room > 0 else seq_len
+        cap = CPU_READOUT_ROWS if device_type == "cpu" else MAX_ACCELERATOR_ROWS
+        readout_rows = min(cap, room // per_row) if room > 0 else seq_len
     plan = ReadoutPlan.of(max(1, readout_rows), batch_size, seq_len)
-    chunk_rows = min(positions, max(plan.examples * seq_len, plan.rows))
-    terms["readouts"] = chunk_rows * vocab * (conditions_per_k * es + 4 * SCORING_COPIES)
+    chunk_rows = plan.examples * seq_len  # one condition's rows in a chunk
+    # A k's readouts of a chunk are held together (a jackknife call holds no more), and one of
+    # them is being scored.
+    held_rows = conditions_per_k * chunk_rows
+    terms["readouts"] = vocab * (held_rows * es + SCORING_COPIES * chunk_rows * 4)
     terms["reference"] = REFERENCE_COPIES * plan.examples * seq_len * vocab * 4
+    # On the CPU, glibc keeps up to this much freed heap between batches (it is reused, but it
+    # is resident); an accelerator's caching allocator reuses within the budget.
+    # Confidence matching keeps every matched cell's logits over its positions (a few hundred,
+    # fewer for wide vocabularies: `dcp_lens.protocol.confidence.ConfidenceMatching.budget`).
+    matched_positions = max(64, min(256, (1 << 18) // max(1, vocab)))
+    n_k = (n_streams - 1) // 2 + 1
+    terms["confidence_kept"] = matched_per_k * n_k * matched_positions * vocab * 4
+    terms["confidence_reads"] = conditions_per_k * matched_positions * vocab * (es + 4)
+    kept = 0 if fixed_threshold() else release_keep()  # a fixed threshold maps every tensor
+    terms["allocator_kept"] = kept if device_type == "cpu" else 0
     stages = {
         "calibration": ("weights", "batch_states", "forward_activations", "moments",
-                        "base_rate_sums", "readouts"),
+                        "base_rate_sums", "readouts", "allocator_kept"),
         "jackknife fits": ("weights", "jackknife_fits_held", "jackknife_refits", "maps"),
+        "confidence matching": ("weights", "batch_states", "forward_activations",
+                                "confidence_reads", "confidence_kept", "maps", "allocator_kept"),
         "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
-                       "readouts", "reference", "maps", "jackknife_maps"),
+                       "readouts", "reference", "maps", "jackknife_maps", "allocator_kept"),
     }  # fmt: skip
     estimate = MemoryEstimate(terms, stages, plan)
     if full and groups:

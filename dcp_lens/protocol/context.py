@@ -13,7 +13,6 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from dcp_lens.protocol.budget import (
-    CPU_READOUT_ROWS,
     MIN_ACCELERATOR_ROWS,
     MemoryEstimate,
     ModelShape,
@@ -96,16 +95,15 @@ class RunContext:
             calibration_mode=self.config.calibration_mode,
             readout_rows=readout_rows,
             budget=self.budget(),
+            device_type=self.device().type,
         )
 
     def readout_plan(self, data: EvaluationSet) -> ReadoutPlan:
-        """How batches of ``data`` are read out: rows per call from the budget (at most
-        `CPU_READOUT_ROWS` on the CPU, where larger calls are no faster)."""
+        """How batches of ``data`` are read out: rows per call from the budget
+        (`estimate_run_memory`'s plan)."""
         batch, positions = min(self.config.batch_size, max(1, len(data))), int(data.tokens.shape[1])
         rows = self.estimate(data).plan.rows
-        if self.device().type == "cpu":
-            rows = min(rows, CPU_READOUT_ROWS)
-        elif self.config.memory_budget is None:
+        if self.device().type != "cpu" and self.config.memory_budget is None:
             rows = max(rows, MIN_ACCELERATOR_ROWS)
         return ReadoutPlan.of(rows, batch, positions)
 

@@ -221,6 +221,7 @@ class DepthControlProtocol:
                 shape, batch_size=size, seq_len=seq, n_streams=self.context.n_streams(),
                 calibration_groups=self.config.calibration_groups,
                 calibration_mode=self.config.calibration_mode, budget=budget,
+                device_type=self.context.device().type,
             ).peak_bytes <= budget  # fmt: skip
 
         largest = largest_fitting_batch(fits, batch)

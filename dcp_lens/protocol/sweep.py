@@ -337,8 +337,10 @@ class Sweep:
             at_r: dict[str, Tensor] | None = None
             for k in k_grid:
                 read = readouts(model, r, chunk_states, built[k], chunk_logits, plan)
-                for name, logits in read.items():
-                    scores.add((name, k), scoring.score(self._tempered(logits, name, k), metrics))
+                for name in read:
+                    tempered = self._tempered(read[name], name, k)
+                    scores.add((name, k), scoring.score(tempered, metrics))
+                    del tempered
                 difference = _max_diff(read["replay"], read["truncate"])
                 scores.replay_difference[k] = nan_max(
                     scores.replay_difference.get(k, 0.0), difference
@@ -350,10 +352,10 @@ class Sweep:
             # The null control: at k = r every condition must reproduce full depth.
             if at_r is None:
                 at_r = readouts(model, r, chunk_states, built[r], chunk_logits, plan)
-            for name, logits in at_r.items():
+            for name in at_r:
                 at_full = built[r][name]
                 if at_full is None or at_full.reproduces_full_at_r:
-                    difference = _max_diff(logits, chunk_logits)
+                    difference = _max_diff(at_r[name], chunk_logits)
                     scores.null[name] = nan_max(scores.null.get(name, 0.0), difference)
             del at_r
             if null_map is not None:
@@ -410,7 +412,9 @@ class Sweep:
                 for name, condition in conditions[k].items()
             }
             labels = list(each)
-            for group in plan.condition_groups(len(labels), states.shape[1], states.shape[2]):
+            # No call holds more rows than the main readouts of a chunk do (all of a k's).
+            held = len(SWEEP) * plan.examples * states.shape[2]
+            for group in plan.condition_groups(len(labels), states.shape[1], states.shape[2], held):
                 names = labels[group]
                 read = readouts(
                     context.model, r, states, {n: each[n] for n in names}, full_logits, plan
@@ -418,6 +422,7 @@ class Sweep:
                 for label in names:
                     tempered = self._tempered(read[label], label.rsplit("@", 1)[0], k)
                     scores.add((label, k), scoring.score(tempered, context.metrics))
+                    del tempered  # a view keeps the whole call's logits alive
                 del read
 
     def _tempered(self, logits: Tensor, name: str, k: int) -> Tensor:

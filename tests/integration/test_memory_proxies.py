@@ -1,0 +1,91 @@
+"""CPU proxies of the real-scale memory bounds, on a Huginn-shaped model scaled down (d_model
+256, r = 8, vocabulary 32768): a run over four times the evaluation batches, one of them full
+of the jackknife's examples, peaks where the one-batch run does; the estimate is within 25% of
+the measured peak. Each run is its own process, its peak read from the kernel (VmHWM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from dcp_lens.utils.memory import limit_heap_fragmentation
+limit_heap_fragmentation()
+from dcp_lens import DepthControlProtocol, EvaluationSet, HookedRecurrentTransformer
+from dcp_lens.studies.bench import bench_config
+
+def resident(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+n_eval, seq = int(sys.argv[1]), 32
+cfg = bench_config("huginn", d_model=256, n_iterations=8, d_vocab=32768, seq=seq)
+model = HookedRecurrentTransformer(cfg).eval()
+generator = torch.Generator().manual_seed(0)
+pool = EvaluationSet.from_tokens(torch.randint(0, cfg.d_vocab, (400, seq), generator=generator))
+keys = pool.example_keys()
+chosen = (keys % 10 == 0).nonzero().squeeze(1)[:4]  # the jackknife's examples
+others = (keys % 10 != 0).nonzero().squeeze(1)
+# The small set: one batch; the large: four, the last made of four of the jackknife's examples.
+rows = others[:n_eval] if n_eval == 4 else torch.cat([others[: n_eval - 4], chosen])
+evaluation = EvaluationSet.from_tokens(pool.tokens[rows])
+calibration = EvaluationSet.from_tokens(pool.tokens[others[-16:]])
+protocol = DepthControlProtocol(
+    model, batch_size=4, n_bootstrap=10, probe="none", progress=False
+)
+estimate = protocol.estimate(evaluation, calibration)
+protocol.run(evaluation, calibration)  # every module the run imports, loaded before measuring
+with open("/proc/self/clear_refs", "w") as file:
+    file.write("5")  # the peak (VmHWM) from here
+baseline = resident("VmRSS")
+protocol.run(evaluation, calibration)
+print(json.dumps({
+    "above_baseline": resident("VmHWM") - baseline,
+    "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "estimate": estimate.peak_bytes,
+    "stage": estimate.peak_stage,
+}))
+"""
+
+
+def _measured(n_eval: int) -> dict[str, float]:
+    # A fixed mmap threshold: every tensor its own mapping, so the resident size follows the
+    # tensors alive rather than what the heap keeps (`dcp_lens.utils.memory`).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "DCP_LENS_MMAP_THRESHOLD": "131072"}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, str(n_eval)], capture_output=True, text=True, env=env,
+        cwd=ROOT, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, dict[str, float]]:
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
+    return {n: _measured(n) for n in (4, 16)}
+
+
+def test_four_times_the_evaluation_batches_peak_where_one_batch_does(runs) -> None:
+    small, large = runs[4]["above_baseline"], runs[16]["above_baseline"]
+    assert large <= 1.10 * small, (
+        f"peak above baseline {large / 2**20:.0f} MB vs {small / 2**20:.0f} MB"
+    )
+
+
+def test_the_estimate_is_within_a_quarter_of_the_measured_peak(runs) -> None:
+    for measured in runs.values():
+        # The baseline holds the weights: the estimate's peak less them is the run's own.
+        own = measured["estimate"] - measured["weights"]
+        assert abs(own - measured["above_baseline"]) <= 0.25 * measured["above_baseline"], measured
