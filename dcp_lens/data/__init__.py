@@ -47,7 +47,8 @@ def path(name: str) -> Path:
     if not found.exists():
         raise MissingFileError(
             f"{found} is missing from this installation of dcp_lens; reinstall the package "
-            "(pip install --force-reinstall dcp-lens) or, in a clone, `git checkout -- dcp_lens/data`"
+            "(pip install --force-reinstall dcp-lens) or, in a clone, run "
+            "`git checkout -- dcp_lens/data`"
         )
     return found
 

@@ -125,6 +125,8 @@ def _default(regime: RegimeConfig, seed: int) -> TrainConfig:
 
 
 LM_TEXT_VARIABLE = "DCP_LENS_LM_TEXT"
+
+
 def lm_text() -> Path:
     """The text the ``lm`` presets train on: ``$DCP_LENS_LM_TEXT`` if set, else the
     tinyshakespeare corpus shipped with the package (`dcp_lens.data`, see its README.md)."""

@@ -202,10 +202,10 @@ def _rename(value: Any, names: dict[str, str]) -> Any:
 
 
 def _hostile_folder(run_folder: Path, folder: Path) -> dict[str, str]:
-    """A copy of the top of ``run_folder`` whose strings are all hostile: every metric and model spec
-    renamed, a condition, a metadata key and value, a config entry, a
-    null-control entry and a calibration-identity part added, and in report_data.json the
-    command, the environment, the tokens and the attention layer. Returns the names replaced."""
+    """A copy of the top of ``run_folder`` whose strings are all hostile: every metric and model
+    spec renamed; a condition, a metadata key and value, a config entry, a null-control entry and
+    a calibration-identity part added; and in report_data.json the command, the environment, the
+    tokens and the attention layer. Returns the names replaced."""
     results = json.loads((run_folder / "results.json").read_text())
     data = json.loads((run_folder / "report_data.json").read_text())
     first = results["runs"][0]
