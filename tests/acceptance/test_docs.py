@@ -147,7 +147,10 @@ def test_readme_is_short() -> None:
 
 @pytest.mark.parametrize("block", [_block_param(b) for b in RUN_PYTHON])
 def test_python_block_runs_alone(
-    block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """One python block, alone in a fresh namespace, from a clone's root."""
     monkeypatch.chdir(_clone_root(tmp_path))
@@ -155,6 +158,22 @@ def test_python_block_runs_alone(
         monkeypatch.setenv(key, value)
     namespace: dict[str, object] = {"__name__": "__docs__"}
     exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102
+    if block.page == "README.md":  # the example prints the validated metric it tells you to read
+        printed = capsys.readouterr().out
+        assert "top1_agreement" in printed and "cross_entropy" not in printed, printed
+
+
+def test_the_readme_says_what_its_example_shows() -> None:
+    """After the example: the validated metric it prints, named first; why a share can leave
+    [0, 1]; that the fixture's weights are random and how long its context is."""
+    text = (ROOT / "README.md").read_text()
+    (example,) = [b for b in BLOCKS if b.page == "README.md" and b.language == "python"]
+    after = text.split(example.code, 1)[1].split("## ", 1)[0]
+    assert after.index("`top1_agreement`") < after.index("`accuracy`")
+    assert "fall below 0 or rise above 1" in after
+    before = text.split(example.code, 1)[0].rsplit("## ", 1)[1]
+    assert "random weights" in before and "64-token context" in before
+    assert not re.search(r"about \d+ s on a laptop", text)
 
 
 def test_every_page_with_python_runs_some() -> None:

@@ -157,8 +157,13 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     assert '<p class="flag">The figures need' not in dom  # plotly.min.js loaded
     starts = [(m.start(), m.group(1)) for m in re.finditer(r'id="figure-([\w-]+)"', dom)]
     assert sorted(name for _, name in starts) == sorted(expected)
+    data = json.loads((default_run / "report_data.json").read_text())
     for (start, name), (end, _) in zip(starts, [*starts[1:], (len(dom), "")], strict=True):
         assert 'class="main-svg"' in dom[start:end], f"figure {name} was not drawn"
+        if name.startswith("lens_"):  # one readable row per iteration s_0 .. s_r
+            rows = len(data["runs"][int(name[5:])]["lens"]["iterations"])
+            plot = re.search(r'<rect class="nsewdrag drag"[^>]*\bheight="([\d.]+)"', dom[start:end])
+            assert plot is not None and float(plot.group(1)) / rows >= 30, (name, plot)
     screenshot = tmp_path / "report.png"
     chromium(report, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1600",
              "--virtual-time-budget=5000")  # fmt: skip

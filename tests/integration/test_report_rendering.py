@@ -115,3 +115,14 @@ def test_hostile_names_stay_text_in_the_page(planted_run) -> None:
     assert "img" not in parser.tags
     assert parser.tags.count("script") == 2 + figures  # plotly.js, its note, one per figure
     assert "&lt;img src=x onerror=alert(1)&gt;&lt;/script&gt;" in html
+
+
+def test_the_configuration_is_a_table_of_one_setting_per_row(planted_run) -> None:
+    html = render_report([planted_run])
+    table = html.split("<h2 id='configuration'>", 1)[1].split("<table class='settings'>", 1)[1]
+    rows = dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", table.split("</table>")[0]))
+    config = planted_run["metadata"]["config"]
+    assert rows["config / seed"] == str(config["seed"])
+    assert rows["config / metrics"] == ", ".join(config["metrics"])
+    assert rows["k_grid"] == ", ".join(str(k) for k in planted_run["metadata"]["k_grid"])
+    assert not any(value.startswith(("{", "[")) for value in rows.values()), rows
