@@ -127,7 +127,8 @@ def data_path(*parts: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"{path} is missing: the tests read the data and fixtures committed under demos/data"
-            " (see demos/data/README.md); restore them with `git checkout -- demos/data`"
+            " (see dcp_lens/data/README.md); restore them with"
+            " `git checkout -- demos/data dcp_lens/data`"
         )
     return path
 

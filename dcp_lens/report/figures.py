@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from html import escape
 from typing import Any
 
 import plotly.graph_objects as go
@@ -28,71 +29,195 @@ CONDITION_COLOURS = {
     "calibrate_truncate": "#ff7f0e",
     "calibrate_replay": "#9467bd",
     "shift": "#2ca02c",
+    "translate_truncate": "#8c564b",
+    "translate_replay": "#e377c2",
+    "base_rate": "#7f7f7f",
 }
 FACTOR_COLOURS = {"S": "#ff7f0e", "B": "#1f77b4", "D": "#2ca02c"}
 FACTOR_NAMES = {"S": "S readout shift", "B": "B block applications", "D": "D distinct computation"}
-_EXTRA_COLOURS = ("#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+_EXTRA_COLOURS = ("#bcbd22", "#17becf", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+# The order of the conditions in a quality figure's legend, and the views its buttons offer (each
+# the conditions it shows; a condition not named here is shown in every view).
+CONDITION_ORDER = (
+    "full", "base_rate", "truncate", "shift", "calibrate_truncate", "translate_truncate",
+    "replay", "calibrate_replay", "translate_replay",
+)  # fmt: skip
+CONDITION_VIEWS: dict[str, tuple[str, ...] | None] = {
+    "every condition": None,
+    "S: truncate, calibrated, translated": (
+        "full", "base_rate", "truncate", "calibrate_truncate", "translate_truncate",
+    ),
+    "B: truncate, replay": ("full", "truncate", "replay", "calibrate_replay", "translate_replay"),
+    "shift": ("full", "truncate", "shift"),
+}  # fmt: skip
+# Two curves closer than this share of the plot's value range at every k lie on top of each
+# other as drawn; the legend and the hover text say so.
+OVERLAP_TOLERANCE = 0.005
+
+
+def plot_text(value: Any) -> str:
+    """``value`` as text for a plotly title, legend, axis label, tick or hover text: plotly reads
+    those strings as a small subset of HTML, so ``<``, ``>`` and ``&`` become entities (shown as
+    themselves) and ``%`` one too (no hover-template placeholder can be formed)."""
+    return escape(str(value), quote=False).replace("%", "&#37;")
 
 
 def run_title(run: Run) -> str:
-    """``model (architecture, r = n)``: the column title of one run."""
+    """``model (architecture, r = n)``: the column title of one run (plain text)."""
     return f"{run['model']} ({run['architecture']}, r = {run['n_iterations']})"
 
 
 def metric_label(metric: str, runs: Sequence[Run] = ()) -> str:
     """The axis label of a metric, saying which way is better (as the runs' ``results.json``
-    records it: ``metrics[metric]["higher_is_better"]``, from the metric registry)."""
+    records it: ``metrics[metric]["higher_is_better"]``, from the metric registry); escaped for
+    plotly (`plot_text`)."""
     records = [run.get("metrics", {}).get(metric, {}) for run in runs]
     higher = next((r["higher_is_better"] for r in records if "higher_is_better" in r), True)
-    return f"{metric} ({'higher' if higher else 'lower'} is better)"
+    return f"{plot_text(metric)} ({'higher' if higher else 'lower'} is better)"
 
 
 def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
     """Quality against k for every condition (in the metric's units), each with its interval
-    band; full depth as a horizontal line with its band. One column per run."""
+    band; full depth as a horizontal line with its band. One column per run. The legend sits
+    under the plot in `CONDITION_ORDER` (a click hides a condition, a double click shows it
+    alone), buttons show the views of `CONDITION_VIEWS`, and a curve that lies on an earlier
+    one at every k is dotted with open markers and named "(on that one)" in the legend."""
     figure = _columns(runs)
+    drawn: list[str] = []  # the condition of each trace, in order (for the view buttons)
+    columns = [_quality_rows(run, metric) for run in runs]
+    overlaps = [_overlaps(rows) for rows in columns]
     shown: set[str] = set()
-    for column, run in enumerate(runs, start=1):
-        rows = [row for row in run["curves"] if row["metric"] == metric]
+    for column, (run, rows) in enumerate(zip(runs, columns, strict=True), start=1):
         if not rows:
             continue
-        ks = sorted({int(row["k"]) for row in rows if row["condition"] != "full"})
+        ks = sorted({int(row["k"]) for points in rows.values() for row in points})
         # Full depth last, so that its dashed line is drawn over the curves that meet it at r.
-        conditions = sorted(
-            dict.fromkeys(row["condition"] for row in rows), key=lambda name: name == "full"
-        )
-        for index, condition in enumerate(conditions):
-            colour = CONDITION_COLOURS.get(condition, _EXTRA_COLOURS[index % len(_EXTRA_COLOURS)])
-            points = sorted(
-                (row for row in rows if row["condition"] == condition), key=lambda r: r["k"]
-            )
+        for condition in sorted(rows, key=lambda name: name == "full"):
+            points = rows[condition]
+            colour = CONDITION_COLOURS.get(condition, _extra_colour(condition))
             if condition == "full":
-                (full,) = points
-                x = [min(ks or [full["k"]]), int(full["k"])]
-                value, low, high = ([full[key]] * 2 for key in ("value", "value_lo", "value_hi"))
-                dash, width = "dash", 3
+                full = points[0]
+                x = [min(ks or [int(full["k"])]), int(full["k"])]
+                value, low, high = ([full[key]] * 2 for key in _VALUE_KEYS)
+                dash, width, symbol = "dash", 3, "circle"
             else:
                 x = [int(row["k"]) for row in points]
                 value, low, high = ([row[key] for row in points] for key in _VALUE_KEYS)
-                dash, width = "solid", 2
-            label = condition
-            if condition in ("replay", "calibrate_replay") and not run["replay_realizable"]:
-                label = f"{condition} (dense: not realizable as the same model)"
-            _band(figure, x, low, high, colour, column, condition)
+                dash, width, symbol = "solid", 2, "circle"
+            under = overlaps[column - 1].get(condition)
+            if under is not None:
+                dash, symbol = "dot", "circle-open"
+            if _band(figure, x, low, high, colour, column, condition):
+                drawn.append(condition)
+            hover = plot_text(condition) + (f" (on {plot_text(under)})" if under else "")
             figure.add_trace(
                 go.Scatter(
-                    x=x, y=value, mode="lines+markers", name=label, legendgroup=condition,
-                    showlegend=condition not in shown, legendrank=1 if condition == "full" else 2,
+                    x=x, y=value, mode="lines+markers",
+                    name=_legend_name(condition, run, runs, overlaps), legendgroup=condition,
+                    showlegend=condition not in shown, legendrank=_rank(condition),
                     line={"color": colour, "dash": dash, "width": width},
-                    hovertemplate=f"{condition}<br>k=%{{x}}<br>%{{y:.4g}}<extra></extra>",
+                    marker={"symbol": symbol, "size": 9 if under else 6},
+                    hovertemplate=f"{hover}<br>k=%{{x}}<br>%{{y:.4g}}<extra></extra>",
                 ),
                 row=1, col=column,
             )  # fmt: skip
+            drawn.append(condition)
             shown.add(condition)
-        figure.update_xaxes(title_text="k (iterations)", row=1, col=column)
+        figure.update_xaxes(title_text="k (iterations)", dtick=1, row=1, col=column)
     figure.update_yaxes(title_text=metric_label(metric, runs), row=1, col=1)
-    figure.update_layout(title=f"Quality against k: {metric}", height=420)
+    figure.update_layout(
+        title={"text": f"Quality against k: {plot_text(metric)}", "y": 0.98, "yanchor": "top"},
+        height=520,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.2, "x": 0,
+                "traceorder": "normal", "groupclick": "togglegroup"},
+        margin={"t": 120, "b": 150}, updatemenus=[_view_buttons(drawn)],
+    )  # fmt: skip
     return figure
+
+
+def _quality_rows(run: Run, metric: str) -> dict[str, list[Mapping[str, Any]]]:
+    """The curve rows of one run and metric, per condition, each sorted by k."""
+    rows: dict[str, list[Mapping[str, Any]]] = {}
+    for row in run["curves"]:
+        if row["metric"] == metric:
+            rows.setdefault(row["condition"], []).append(row)
+    return {name: sorted(points, key=lambda r: r["k"]) for name, points in rows.items()}
+
+
+def _overlaps(rows: Mapping[str, list[Mapping[str, Any]]]) -> dict[str, str]:
+    """Each condition whose curve lies on the curve of a condition earlier in the legend at
+    every k (closer than `OVERLAP_TOLERANCE` of the value range drawn), with that condition."""
+    values = [
+        float(r["value"]) for points in rows.values() for r in points if not _missing(r["value"])
+    ]
+    tolerance = OVERLAP_TOLERANCE * max(max(values, default=0.0) - min(values, default=0.0), 1e-12)
+    found: dict[str, str] = {}
+    ordered = sorted((name for name in rows if name != "full"), key=_rank)
+    for index, name in enumerate(ordered):
+        curve = {int(row["k"]): row["value"] for row in rows[name]}
+        for earlier in ordered[:index]:
+            other = {int(row["k"]): row["value"] for row in rows[earlier]}
+            if curve.keys() == other.keys() and all(
+                _close(curve[k], other[k], tolerance) for k in curve
+            ):
+                found[name] = found.get(earlier, earlier)
+                break
+    return found
+
+
+def _close(a: Any, b: Any, tolerance: float) -> bool:
+    if _missing(a) or _missing(b):
+        return _missing(a) and _missing(b)
+    return abs(float(a) - float(b)) <= tolerance
+
+
+def _legend_name(
+    condition: str, run: Run, runs: Sequence[Run], overlaps: Sequence[Mapping[str, str]]
+) -> str:
+    """The legend entry of a condition: its name, "(dense: ...)" for a replay that a dense model
+    cannot realize, and "(on other)" where its curve lies on another's (naming the run when not
+    in every run)."""
+    label = plot_text(condition)
+    if condition in ("replay", "calibrate_replay") and not run["replay_realizable"]:
+        label += " (dense: not realizable as the same model)"
+    marks = [
+        (overlap[condition], plot_text(run_title(each)))
+        for each, overlap in zip(runs, overlaps, strict=True)
+        if condition in overlap
+    ]
+    if marks:
+        unders = {under for under, _ in marks}
+        if len(marks) == len(runs) and len(unders) == 1:
+            label += f" (on {plot_text(marks[0][0])})"
+        else:
+            label += " (on " + "; ".join(f"{plot_text(u)} in {title}" for u, title in marks) + ")"
+    return label
+
+
+def _rank(condition: str) -> int:
+    return (
+        CONDITION_ORDER.index(condition) if condition in CONDITION_ORDER else len(CONDITION_ORDER)
+    )
+
+
+def _extra_colour(condition: str) -> str:
+    return _EXTRA_COLOURS[sum(map(ord, condition)) % len(_EXTRA_COLOURS)]
+
+
+def _view_buttons(drawn: Sequence[str]) -> dict[str, Any]:
+    """Buttons over the plot that show one view of `CONDITION_VIEWS` each (the others stay in
+    the legend, greyed, a click away)."""
+    buttons = []
+    for label, view in CONDITION_VIEWS.items():
+        visible = [True if view is None or c in view or c not in CONDITION_ORDER else "legendonly"
+                   for c in drawn]  # fmt: skip
+        buttons.append({"label": label, "method": "restyle", "args": [{"visible": visible}]})
+    return {
+        "type": "buttons", "direction": "right", "buttons": buttons, "showactive": True,
+        "x": 0, "xanchor": "left", "y": 1.13, "yanchor": "bottom", "pad": {"r": 4, "t": 0},
+    }  # fmt: skip
 
 
 def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
@@ -116,7 +241,9 @@ def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
                     if factor == "S" and "residual_auroc" in row
                     else ""
                 )
-                + "".join(f"<br>{flag}" for flag in row_flags(row) if flag.startswith(factor))
+                + "".join(
+                    f"<br>{plot_text(flag)}" for flag in row_flags(row) if flag.startswith(factor)
+                )
                 for row in rows
             ]
             figure.add_trace(
@@ -139,8 +266,10 @@ def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             row=1, col=column,
         )  # fmt: skip
         figure.update_xaxes(title_text="k (iterations)", row=1, col=column)
-    figure.update_yaxes(title_text=f"quality units of {metric}", row=1, col=1)
-    figure.update_layout(barmode="relative", title=f"S, B, D per k: {metric}", height=420)
+    figure.update_yaxes(title_text=f"quality units of {plot_text(metric)}", row=1, col=1)
+    figure.update_layout(
+        barmode="relative", title=f"S, B, D per k: {plot_text(metric)}", height=420
+    )
     return figure
 
 
@@ -149,7 +278,7 @@ def probe_figure(runs: Sequence[Run]) -> go.Figure:
     full-depth states (noise floor line) and the two-sample AUROC (0.5 line), for s_t at every t
     and for the calibrated states calibrate(truncate(k)). One column per run."""
     figure = make_subplots(
-        rows=2, cols=max(1, len(runs)), subplot_titles=[run_title(r) for r in runs],
+        rows=2, cols=max(1, len(runs)), subplot_titles=[plot_text(run_title(r)) for r in runs],
         vertical_spacing=0.12, horizontal_spacing=0.08,
     )  # fmt: skip
     for column, run in enumerate(runs, start=1):
@@ -206,7 +335,7 @@ def hops_figure(runs: Sequence[Run], by_hops: Sequence[Mapping[str, Any] | None]
             continue
         for index, group in enumerate(table["groups"]):
             colour = _EXTRA_COLOURS[index % len(_EXTRA_COLOURS)]
-            name = f"{group['hops']} hop{'s' if group['hops'] != 1 else ''}"
+            name = plot_text(f"{group['hops']} hop{'s' if group['hops'] != 1 else ''}")
             figure.add_trace(
                 go.Scatter(
                     x=table["k_grid"], y=group["truncate"], mode="lines+markers", name=name,
@@ -228,14 +357,20 @@ def hops_figure(runs: Sequence[Run], by_hops: Sequence[Mapping[str, Any] | None]
     return figure
 
 
+LENS_ROW_PX = 34  # height of one iteration's row in the logit-lens heatmap
+
+
 def lens_figure(run: Run, lens: Mapping[str, Any]) -> go.Figure:
     """The per-iteration logit lens of one example: the readout applied to every s_t; colour is
-    the top-1 probability, text the top-1 token (iterations x positions)."""
-    tokens = lens["tokens"]
+    the top-1 probability, text the top-1 token (iterations x positions). One row of
+    `LENS_ROW_PX` per iteration, each labelled s_t, so that r + 1 rows stay readable."""
+    tokens = [plot_text(token) for token in lens["tokens"]]
     x = [f"{i}:{token}" for i, token in enumerate(tokens)]
+    y = [f"s_{t}" for t in lens["iterations"]]
+    top = [[plot_text(token) for token in row] for row in lens["top_tokens"]]
     hover = [
         [
-            f"t={t}, position {x[p]}<br>top-1 {lens['top_tokens'][t][p]!r} "
+            f"{y[t]}, position {x[p]}<br>top-1 {plot_text(repr(lens['top_tokens'][t][p]))} "
             f"p={lens['top_probs'][t][p]:.3f}" + _target_hover(lens, t, p)
             for p in range(len(tokens))
         ]
@@ -243,15 +378,19 @@ def lens_figure(run: Run, lens: Mapping[str, Any]) -> go.Figure:
     ]
     figure = go.Figure(
         go.Heatmap(
-            z=lens["top_probs"], x=x, y=lens["iterations"], text=lens["top_tokens"],
-            texttemplate="%{text}", colorscale="Blues", zmin=0, zmax=1, hovertext=hover,
-            hoverinfo="text", colorbar={"title": "top-1 p"},
+            z=lens["top_probs"], x=x, y=y, text=top, texttemplate="%{text}",
+            textfont={"size": 11}, colorscale="Blues", zmin=0, zmax=1, hovertext=hover,
+            hoverinfo="text", colorbar={"title": {"text": "top-1 p"}, "thickness": 14},
+            xgap=1, ygap=1,
         )
     )  # fmt: skip
+    margin = {"t": 60, "b": 110, "l": 70, "r": 30}
     figure.update_layout(
-        title=f"Logit lens over iterations: {run_title(run)}",
-        xaxis_title="position: input token", yaxis_title="iteration t (readout of s_t)",
-        height=max(300, 60 + 28 * len(lens["iterations"])),
+        title=f"Logit lens over iterations: {plot_text(run_title(run))}",
+        xaxis={"title": {"text": "position: input token"}, "tickangle": -45, "automargin": True,
+               "type": "category"},
+        yaxis={"title": {"text": "readout of s_t"}, "type": "category", "automargin": True},
+        height=margin["t"] + margin["b"] + LENS_ROW_PX * len(y), margin=margin,
     )  # fmt: skip
     return figure
 
@@ -260,7 +399,7 @@ def attention_figure(run: Run, attention: Mapping[str, Any]) -> go.Figure:
     """Attention of one layer across iterations (one example): a heatmap of each iteration's
     pattern, averaged over heads, with a slider over iterations."""
     tokens = attention["tokens"]
-    labels = [f"{i}:{token}" for i, token in enumerate(tokens)]
+    labels = [f"{i}:{plot_text(token)}" for i, token in enumerate(tokens)]
     patterns = attention["patterns"]  # [iteration][head][dest][src]
     figure = go.Figure()
     for index, heads in enumerate(patterns):
@@ -271,20 +410,23 @@ def attention_figure(run: Run, attention: Mapping[str, Any]) -> go.Figure:
         figure.add_trace(
             go.Heatmap(
                 z=mean, x=labels, y=labels, colorscale="Viridis", zmin=0, zmax=1,
-                visible=index == 0, name=f"t={attention['iterations'][index]}",
-                colorbar={"title": "attention"},
+                visible=index == 0, name=plot_text(f"t={attention['iterations'][index]}"),
+                colorbar={"title": {"text": "attention"}},
             )
         )  # fmt: skip
     steps = [
         {
             "method": "update",
-            "label": str(t),
+            "label": plot_text(t),
             "args": [{"visible": [j == i for j in range(len(patterns))]}],
         }
         for i, t in enumerate(attention["iterations"])
     ]
     figure.update_layout(
-        title=f"Attention ({attention['layer']}, mean over heads): {run_title(run)}",
+        title=(
+            f"Attention ({plot_text(attention['layer'])}, mean over heads): "
+            f"{plot_text(run_title(run))}"
+        ),
         sliders=[{"steps": steps, "currentvalue": {"prefix": "iteration t = "}}],
         xaxis_title="source position", yaxis_title="destination position",
         yaxis={"autorange": "reversed"}, height=560,
@@ -299,7 +441,7 @@ _VALUE_KEYS = ("value", "value_lo", "value_hi")
 
 def _columns(runs: Sequence[Run]) -> go.Figure:
     return make_subplots(
-        rows=1, cols=max(1, len(runs)), subplot_titles=[run_title(run) for run in runs],
+        rows=1, cols=max(1, len(runs)), subplot_titles=[plot_text(run_title(r)) for r in runs],
         horizontal_spacing=0.08,
     )  # fmt: skip
 
@@ -312,10 +454,11 @@ def _band(
     colour: str,
     column: int,
     group: str,
-) -> None:
-    """A shaded interval between ``low`` and ``high``."""
+) -> bool:
+    """A shaded interval between ``low`` and ``high``; False (nothing drawn) when it has no
+    finite end."""
     if all(_missing(v) for v in (*low, *high)):
-        return
+        return False
     figure.add_trace(
         go.Scatter(
             x=[*x, *reversed(x)], y=[*high, *reversed(low)], fill="toself", fillcolor=colour,
@@ -324,6 +467,7 @@ def _band(
         ),
         row=1, col=column,
     )  # fmt: skip
+    return True
 
 
 def _error_bars(
@@ -345,7 +489,7 @@ def _target_hover(lens: Mapping[str, Any], t: int, p: int) -> str:
     targets = lens.get("target_probs")
     if not targets or targets[t][p] is None or _missing(targets[t][p]):
         return ""
-    return f"<br>target {lens['targets'][p]!r} p={targets[t][p]:.3f}"
+    return f"<br>target {plot_text(repr(lens['targets'][p]))} p={targets[t][p]:.3f}"
 
 
 def _missing(value: Any) -> bool:

@@ -18,7 +18,14 @@ from dcp_lens.protocol.verdicts import (  # the report reads the verdicts the pr
 from dcp_lens.protocol.verdicts import below_r as _below_r
 from dcp_lens.protocol.verdicts import finite_mean as _mean
 from dcp_lens.protocol.verdicts import format_number as _number
-from dcp_lens.report.assets import PLOTLY_JS, plotly_script, write_plotly_js
+from dcp_lens.report.assets import (
+    PLOTLY_JS,
+    asset_folder,
+    figure_html,
+    figure_ids,
+    plotly_script,
+    write_plotly_js,
+)
 from dcp_lens.training.outcomes import (
     AGGREGATED,
     BASELINE,
@@ -27,6 +34,7 @@ from dcp_lens.training.outcomes import (
     NEGATIVE_CONTROL,
     mean_over_seeds,
 )
+from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
 
 if TYPE_CHECKING:  # annotations only: rendering a table needs no training code
@@ -280,54 +288,78 @@ def render_report(
     """report.html for one or several runs (side by side) as one HTML page that needs no network
     access. ``report_data``: a `read_report_data` document (lens, attention, hop counts, command,
     environment), optional. ``plotly_src``: where the page loads plotly.js from, relative to it
-    (`write_report` passes the folder's shared copy); None inlines it, for a page that must
-    stand alone."""
+    (`write_report` passes the shared copy's path); None inlines it, for a page that must stand
+    alone. A section with nothing to show is left out and named in the contents line instead.
+    Every string the runs carry is escaped for where it lands (`dcp_lens.report.assets`)."""
     records = [run_record(run) for run in runs]
     if not records:
         raise ValueError("no runs to report; pass at least one ProtocolResults.")
     report_data = report_data or {}
     drawn = report_figures(records, report_data)
     extras = _extras(records, report_data)
+    ids = figure_ids(drawn)
 
     def figure(name: str) -> str:
-        html = drawn[name].to_html(
-            full_html=False, include_plotlyjs=False, div_id=f"figure-{name}",
-            config={"displaylogo": False, "responsive": True},
-        )  # fmt: skip
-        return f"<div class='figure' data-figure='{escape(name)}'>{html}</div>"
+        return (
+            f"<div class='figure' data-figure='{escape(name)}'>"
+            f"{figure_html(drawn[name], ids[name])}</div>"
+        )
 
     metrics = list(dict.fromkeys(m for run in records for m in run["shares"]))
-    body = ["<h1>Depth Control Protocol report</h1>", _command_html(report_data)]
-    body.append("<h2 id='headline'>Headline</h2><div class='runs'>")
-    body += [headline_html(run) for run in records]
-    body.append("</div>")
-    body.append("<h2 id='quality'>Quality against k, every condition</h2>")
-    body += [figure(f"quality_{metric}") for metric in metrics]
-    body.append("<h2 id='decomposition'>The gap split into S, B and D, per k</h2>")
-    body += [figure(f"decomposition_{metric}") for metric in metrics]
-    body.append("<h2 id='probe'>The residual-stream probe</h2>")
-    body.append(
-        figure("probe")
-        if "probe" in drawn
-        else "<p>No probe in these results (run with --probe trajectory).</p>"
-    )
-    body.append("<h2 id='lens'>Logit lens over iterations (one example)</h2>")
-    body += _per_run(drawn, "lens", records, figure, "no lens data (needs the model: dcp-lens run)")
-    body.append("<h2 id='attention'>Attention across iterations (one example)</h2>")
-    body += _per_run(
-        drawn, "attention", records, figure, "no attention data (needs the model: dcp-lens run)"
-    )
-    body.append("<h2 id='hops'>By hop count</h2>")
-    if "by_hops" in drawn:
-        body.append(figure("by_hops"))
-        body.append(_hops_table(records, extras))
+    sections: list[tuple[str, str, list[str]]] = [
+        ("headline", "Headline",
+         ["<div class='runs'>", *(headline_html(run) for run in records), "</div>"]),
+        ("quality", "Quality against k, every condition",
+         [figure(f"quality_{metric}") for metric in metrics]),
+        ("decomposition", "The gap split into S, B and D, per k",
+         [figure(f"decomposition_{metric}") for metric in metrics]),
+    ]  # fmt: skip
+    missing: list[str] = []
+    if "probe" in drawn:
+        sections.append(("probe", "The residual-stream probe", [figure("probe")]))
     else:
-        body.append("<p>These results record no hop counts (the task has none).</p>")
-    body.append("<h2 id='null-controls'>Null controls</h2>")
-    body.append(_null_control_table(records))
-    body.append("<h2 id='configuration'>Configuration, seed, versions</h2>")
-    body.append(_configuration_html(records, report_data))
-    title = " vs ".join(run["model"] for run in records)
+        missing.append("the residual-stream probe (run with --probe trajectory)")
+    for kind, title, absent in (
+        ("lens", "Logit lens over iterations (one example)", "the logit lens"),
+        ("attention", "Attention across iterations (one example)", "attention across iterations"),
+    ):
+        present = [index for index in range(len(records)) if f"{kind}_{index}" in drawn]
+        if not present:
+            missing.append(f"{absent} (written by dcp-lens run, which holds the model)")
+            continue
+        parts = [figure(f"{kind}_{index}") for index in present]
+        parts += [
+            f"<p class='note'>{escape(_run_title(run))}: no {absent} recorded.</p>"
+            for index, run in enumerate(records)
+            if index not in present
+        ]
+        sections.append((kind, title, parts))
+    if "by_hops" in drawn:
+        sections.append(("hops", "By hop count", [figure("by_hops"), _hops_table(records, extras)]))
+    else:
+        missing.append("results by hop count (the task records none)")
+    sections.append(("null-controls", "Null controls", [_null_control_table(records)]))
+    sections.append(
+        (
+            "configuration",
+            "Configuration, seed, versions",
+            [_configuration_html(records, report_data)],
+        )
+    )
+    contents = " &middot; ".join(
+        f"<a href='#{key}'>{escape(title)}</a>" for key, title, _ in sections
+    )
+    body = [
+        "<h1>Depth Control Protocol report</h1>",
+        _command_html(report_data),
+        f"<p class='contents'>{contents}</p>",
+    ]
+    if missing:
+        body.append(f"<p class='note'>Not in these results: {escape('; '.join(missing))}.</p>")
+    for key, title, parts in sections:
+        body.append(f"<h2 id='{key}'>{escape(title)}</h2>")
+        body += parts
+    title = " vs ".join(str(run["model"]) for run in records)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>DCP report: {escape(title)}</title><style>{_STYLE}</style>"
@@ -336,20 +368,37 @@ def render_report(
     )
 
 
+REPORT_SUFFIXES = (".html", ".htm")
+
+
 def write_report(
     runs: Sequence[ProtocolResults | Mapping[str, Any]],
     path: str | Path,
     report_data: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write `render_report` to ``path`` (a file, or a folder to hold ``report.html``), with the
-    folder's one copy of plotly.js beside it (`dcp_lens.report.assets`), written first.
-    Returns the report's path."""
+    """Write `render_report` to ``path`` and its copy of plotly.js (`dcp_lens.report.assets`),
+    written first. ``path`` is a folder (one that exists, or a name without a suffix): the
+    report is ``report.html`` in it, beside the folder's one ``plotly.min.js``, which every report
+    of the folder shares. Or ``path`` is a file ending in .html: plotly.js goes into the folder
+    ``<name>_files/`` beside it, which the report owns, so that no other file beside the report
+    is touched. Returns the report's path."""
     path = Path(path)
     if path.is_dir() or not path.suffix:
-        path = path / REPORT_FILE
+        path.mkdir(parents=True, exist_ok=True)
+        write_plotly_js(path)
+        return write_text_atomically(
+            path / REPORT_FILE, render_report(runs, report_data, PLOTLY_JS)
+        )
+    if path.suffix.lower() not in REPORT_SUFFIXES:
+        raise ConfigError(
+            f"a report is written to a .html file or to a folder, got {str(path)!r}; name a file "
+            "ending in .html (or a folder, which then holds report.html)"
+        )
+    assets = asset_folder(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_plotly_js(path.parent)
-    return write_text_atomically(path, render_report(runs, report_data, PLOTLY_JS))
+    write_plotly_js(assets)
+    src = f"{assets.name}/{PLOTLY_JS}"
+    return write_text_atomically(path, render_report(runs, report_data, src))
 
 
 def _extras(
@@ -451,7 +500,7 @@ def _null_checks(run: Mapping[str, Any]) -> dict[NullCheck, str]:
                 "calibrate(full), fitted onto itself, is the identity map",
                 f"max |A - I| and max |b| ≤ {IDENTITY_TOLERANCE:g}",
             )
-            parts = ", ".join(f"{name} {_readable(v)}" for name, v in value.items())
+            parts = ", ".join(f"{escape(str(name))} {_readable(v)}" for name, v in value.items())
             checks[check] = _marked_text(
                 parts, _all_finite(value.values()), max(value.values()) <= IDENTITY_TOLERANCE
             )
@@ -519,6 +568,8 @@ def _readable(value: Any) -> str:
 def _configuration_html(
     records: Sequence[Mapping[str, Any]], report_data: Mapping[str, Any]
 ) -> str:
+    """Per run, its settings as a table of one setting per row (nested settings such as the
+    protocol's config flattened to ``config / name``), then the versions."""
     parts = ["<div class='runs'>"]
     for run in records:
         settings = {**run.get("metadata", {})}
@@ -547,11 +598,37 @@ def _current_environment() -> dict[str, Any]:
 
 
 def _dl(items: Mapping[str, Any]) -> str:
+    """A table of settings, one per row: a nested mapping becomes one row per entry under its
+    key (``config / seed``), a list its items joined by commas, an empty one "none"."""
     rows = "".join(
-        f"<tr><th>{escape(str(key))}</th><td>{escape(str(value))}</td></tr>"
-        for key, value in items.items()
+        f"<tr><th>{escape(key)}</th><td>{escape(value)}</td></tr>" for key, value in _flatten(items)
     )
     return f"<table class='settings'>{rows}</table>"
+
+
+def _flatten(items: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for key, value in items.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            rows += _flatten(value, f"{name} / ")
+        else:
+            rows.append((name, _setting_text(value)))
+    return rows
+
+
+def _setting_text(value: Any) -> str:
+    """One setting as plain text: lists joined by commas, mappings as ``key: value`` pairs,
+    numbers as they are, nothing as "none"."""
+    if value is None or (isinstance(value, list | tuple | Mapping) and not value):
+        return "none"
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if isinstance(value, list | tuple):
+        return ", ".join(_setting_text(item) for item in value)
+    if isinstance(value, Mapping):
+        return "; ".join(f"{key}: {_setting_text(item)}" for key, item in value.items())
+    return str(value)
 
 
 def _run_title(run: Mapping[str, Any]) -> str:
@@ -574,7 +651,7 @@ def _gap_text(run: Mapping[str, Any], metric: str) -> str:
         (row for row in curves if row["condition"] == "truncate"), key=lambda row: row["k"]
     )
     first = f"; k = {truncated[0]['k']}: {_number(truncated[0]['value'])}" if truncated else ""
-    return f"{_number(_mean(gaps))} (full: {_number(full)}{first})"
+    return escape(f"{_number(_mean(gaps))} (full: {_number(full)}{first})")
 
 
 _STYLE = """
@@ -592,4 +669,5 @@ thead th { background: #f3f3f3; }
 .mark { color: #666; white-space: nowrap; } .mark.pass { color: #2a7a2a; }
 .mark.fail { color: #a33; font-weight: bold; }
 code { background: #f3f3f3; padding: 0.1em 0.3em; }
+.contents { font-size: 0.92em; } table.settings th { font-weight: normal; color: #444; }
 """

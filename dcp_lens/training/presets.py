@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dcp_lens import data
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.tasks import Task, get_task
 from dcp_lens.training.config import TrainConfig
@@ -124,18 +125,17 @@ def _default(regime: RegimeConfig, seed: int) -> TrainConfig:
 
 
 LM_TEXT_VARIABLE = "DCP_LENS_LM_TEXT"
-_BUNDLED_TEXT = Path(__file__).resolve().parents[2] / "demos" / "data" / "tinyshakespeare.txt"
 
 
 def lm_text() -> Path:
-    """The text the ``lm`` presets train on: ``$DCP_LENS_LM_TEXT`` if set, else the checkout's
-    ``demos/data/tinyshakespeare.txt`` (see its PROVENANCE.md)."""
-    path = Path(os.environ.get(LM_TEXT_VARIABLE) or _BUNDLED_TEXT)
+    """The text the ``lm`` presets train on: ``$DCP_LENS_LM_TEXT`` if set, else the
+    tinyshakespeare corpus shipped with the package (`dcp_lens.data`, see its README.md)."""
+    variable = os.environ.get(LM_TEXT_VARIABLE)
+    path = Path(variable) if variable else data.path("tinyshakespeare")
     if not path.is_file():
         raise FileNotFoundError(
-            f"the lm presets train on {path}, which does not exist. Run from a dcp-lens checkout "
-            f"(it ships demos/data/tinyshakespeare.txt) or set {LM_TEXT_VARIABLE} to a UTF-8 "
-            "text file."
+            f"the lm presets train on {path}, which does not exist. Set {LM_TEXT_VARIABLE} to a "
+            "UTF-8 text file (unset, the tinyshakespeare text shipped with dcp_lens is used)."
         )
     return path
 

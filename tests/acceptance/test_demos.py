@@ -107,6 +107,11 @@ def test_a_fresh_execution_reproduces_the_committed_outputs(name: str, monkeypat
     what the committed notebook shows: the same text, numbers within the tolerance above."""
     jupytext = pytest.importorskip("jupytext", reason='pip install -e ".[notebooks]"')
     nbclient = pytest.importorskip("nbclient", reason='pip install -e ".[notebooks]"')
+    # Without ipywidgets tqdm prints a warning in the kernel that the committed outputs lack.
+    pytest.importorskip(
+        "ipywidgets",
+        reason='progress bars in the kernel need ipywidgets: pip install -e ".[notebooks]"',
+    )
     monkeypatch.delenv("DCP_DEMO_QUICK", raising=False)  # the kernel inherits the environment
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     notebook = jupytext.read(DEMOS / f"{name}.py")

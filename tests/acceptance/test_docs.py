@@ -4,8 +4,8 @@ Fenced ```python and ```bash blocks are extracted from README.md and docs/*.md a
 a fresh folder that stands in for the root of a clone (its ``demos/`` links to the repository's,
 so the bundled data paths in the examples resolve):
 
-- the python blocks of one page run in order, in one namespace (a later block may use an earlier
-  block's names);
+- each python block runs alone, in a fresh namespace: every block carries its own imports, so
+  that a reader can copy any one of them;
 - each bash block runs on its own with ``bash -euo pipefail``, with this environment's
   ``dcp-lens`` first on the PATH.
 
@@ -84,8 +84,9 @@ def parse(path: Path, root: Path = ROOT) -> list[Block]:
 
 
 BLOCKS = [block for page in PAGES for block in parse(page)]
-# Pages with at least one python block that runs (a page of sketches only is listed as skips).
-PYTHON_PAGES = sorted({b.page for b in BLOCKS if b.language == "python" and b.mark != "no-run"})
+RUN_PYTHON = [b for b in BLOCKS if b.language == "python" and b.mark != "no-run"]
+# Pages whose python blocks are sketches only (each listed as a skip with its reason).
+SKETCH_PAGES = {"docs/design.md"}
 BASH = [b for b in BLOCKS if b.language == "bash"]
 NOT_RUN_PYTHON = [b for b in BLOCKS if b.language == "python" and b.mark == "no-run"]
 
@@ -103,11 +104,6 @@ def _environment(tmp_path: Path) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     env["DCP_LENS_CACHE"] = str(tmp_path / ".cache" / "dcp-lens")
     return env
-
-
-def _page_param(page: str) -> object:
-    slow = any(b.mark == "slow" for b in BLOCKS if b.page == page and b.language == "python")
-    return pytest.param(page, id=page, marks=[pytest.mark.slow] if slow else [])
 
 
 def _block_param(block: Block) -> object:
@@ -149,20 +145,41 @@ def test_readme_is_short() -> None:
     assert size <= README_LIMIT_BYTES, f"README.md is {size} bytes; move detail into docs/"
 
 
-@pytest.mark.parametrize("page", [_page_param(p) for p in PYTHON_PAGES])
-def test_python_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The page's python blocks, in order, in one namespace, from a clone's root."""
+@pytest.mark.parametrize("block", [_block_param(b) for b in RUN_PYTHON])
+def test_python_block_runs_alone(
+    block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One python block, alone in a fresh namespace, from a clone's root."""
     monkeypatch.chdir(_clone_root(tmp_path))
     for key, value in _environment(tmp_path).items():
         monkeypatch.setenv(key, value)
     namespace: dict[str, object] = {"__name__": "__docs__"}
-    ran = 0
-    for block in (b for b in BLOCKS if b.page == page and b.language == "python"):
-        if block.mark == "no-run":
-            continue
-        exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102
-        ran += 1
-    assert ran > 0, f"{page}: every python block is marked no-run"
+    exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102
+    if block.page == "README.md":  # the example prints the validated metric it tells you to read
+        printed = capsys.readouterr().out
+        assert "top1_agreement" in printed and "cross_entropy" not in printed, printed
+
+
+def test_the_readme_says_what_its_example_shows() -> None:
+    """After the example: the validated metric it prints, named first; why a share can leave
+    [0, 1]; that the fixture's weights are random and how long its context is."""
+    text = (ROOT / "README.md").read_text()
+    (example,) = [b for b in BLOCKS if b.page == "README.md" and b.language == "python"]
+    after = text.split(example.code, 1)[1].split("## ", 1)[0]
+    assert after.index("`top1_agreement`") < after.index("`accuracy`")
+    assert "fall below 0 or rise above 1" in after
+    before = text.split(example.code, 1)[0].rsplit("## ", 1)[1]
+    assert "random weights" in before and "64-token context" in before
+    assert not re.search(r"about \d+ s on a laptop", text)
+
+
+def test_every_page_with_python_runs_some() -> None:
+    """A page whose python blocks are all marked no-run is a page of sketches: say so here."""
+    for page in {b.page for b in BLOCKS if b.language == "python"} - {b.page for b in RUN_PYTHON}:
+        assert page in SKETCH_PAGES, f"{page}: every python block is marked no-run"
 
 
 @pytest.mark.parametrize("block", [_block_param(b) for b in NOT_RUN_PYTHON])
@@ -216,3 +233,24 @@ def test_a_retyped_figure_is_caught() -> None:
     edited = text[: match.start()] + "9.99" + text[match.end() :]
     assert edited != text
     assert generator.render(edited) == text
+
+
+# The one test command: the README's, also on docs/install.md, and what .ci/run runs.
+INSTALL_PREFIX = re.compile(r"^(python3 -m venv|\. \.venv/bin/activate|pip install)")
+
+
+def _test_command(page: str) -> list[str]:
+    """The stages of the page's test command (its bash block that runs pytest), without the
+    install steps."""
+    (block,) = [b for b in BASH if b.page == page and "pytest" in b.code]
+    steps = [step.strip() for step in block.code.strip().split("&&")]
+    return [step for step in steps if not INSTALL_PREFIX.match(step)]
+
+
+def test_one_test_command_in_every_doc_and_in_ci() -> None:
+    readme = _test_command("README.md")
+    assert readme[-1].startswith("pytest") and "mypy" in readme and "lint-imports" in readme
+    assert _test_command("docs/install.md") == readme
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    stages = [line for line in ci if line in readme]
+    assert stages == readme, f".ci/run runs {stages}, the README says {readme}"

@@ -1,7 +1,9 @@
 """Acceptance: `dcp-lens run` writes report.html beside results.json and the CSVs, `dcp-lens
 report` re-renders it from the folder alone, and headless Chromium with the network cut off draws
 every figure from the folder's one plotly.min.js with no console message (a screenshot is saved in
-the test's tmp folder)."""
+the test's tmp folder). A report of a results.json whose every string is hostile (metric,
+condition, model spec, architecture, metadata keys and values, tokens, the command) renders as
+text: Chromium's DOM holds no injected element, attribute or script."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import json
 import re
 import shutil
 import subprocess
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,9 +60,24 @@ def test_run_writes_the_report_beside_results_and_tables(default_run) -> None:
 
 def test_report_rerenders_a_finished_run_without_the_model(default_run, tmp_path) -> None:
     again = tmp_path / "again.html"
+    (tmp_path / "notes.txt").write_text("mine")
     assert main(["report", str(default_run), "--out", str(again)]) == 0
-    assert again.read_text() == (default_run / "report.html").read_text()
-    assert (tmp_path / PLOTLY_JS).read_text() == plotly_js()  # its own folder's copy
+    rerendered = (
+        (default_run / "report.html").read_text().replace(PLOTLY_JS, f"again_files/{PLOTLY_JS}")
+    )
+    assert again.read_text() == rerendered
+    # A report written to a file keeps plotly.js in the folder it owns, nothing else beside it.
+    assert (tmp_path / "again_files" / PLOTLY_JS).read_text() == plotly_js()
+    assert not (tmp_path / PLOTLY_JS).exists() and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_report_file_refuses_an_asset_folder_holding_other_files(default_run, tmp_path, capsys):
+    (tmp_path / "r_files").mkdir()
+    (tmp_path / "r_files" / "mine.png").write_bytes(b"png")
+    assert main(["report", str(default_run), "--out", str(tmp_path / "r.html")]) != 0
+    assert "holds files a report did not write (mine.png)" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()
+    assert [p.name for p in (tmp_path / "r_files").iterdir()] == ["mine.png"]
 
 
 def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp_path) -> None:
@@ -72,7 +91,7 @@ def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp
     assert main(["report", str(folder)]) == 0  # an identical copy is reused, not rewritten
     assert (folder / PLOTLY_JS).stat().st_mtime_ns == written
     (folder / PLOTLY_JS).write_text("// another plotly version")
-    assert main(["report", str(folder), "--out", str(folder / "second.html")]) == 0
+    assert main(["report", str(folder)]) == 0
     assert (folder / PLOTLY_JS).read_text() == plotly_js()  # replaced by the installed one
     assert sorted(p.name for p in folder.glob("*.js")) == [PLOTLY_JS]
 
@@ -88,10 +107,13 @@ def test_run_on_a_planted_model_writes_a_report_without_hop_counts(tmp_path) -> 
     for name in ("report.html", "results.json", *tables):
         assert (out / name).is_file(), name
     html = (out / "report.html").read_text()
-    assert "record no hop counts" in html and 'id="figure-lens_0"' in html
+    assert "id='figure-lens_0'" in html
     assert "readout shift" in html  # the verdict names the planted factor
+    # No empty section: hop counts are named as absent in one line, with no heading of their own.
+    assert "results by hop count (the task records none)" in html
+    assert "id='hops'" not in html and "By hop count" not in html
     assert main(["report", str(out / "planted_readout_shift")]) == 0  # a run's own folder too
-    assert 'id="figure-lens_0"' in (out / "planted_readout_shift" / "report.html").read_text()
+    assert "id='figure-lens_0'" in (out / "planted_readout_shift" / "report.html").read_text()
 
 
 def test_report_of_a_folder_without_results_fails_with_a_message(tmp_path, capsys) -> None:
@@ -123,7 +145,7 @@ needs_chromium = pytest.mark.skipif(
 def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     report = default_run / "report.html"
     html = report.read_text()
-    expected = re.findall(r'id="figure-([\w-]+)"', html)
+    expected = re.findall(r"id='figure-([\w-]+)'", html)
     metrics = METRICS
     assert set(expected) == {
         *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in metrics),
@@ -135,8 +157,13 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     assert '<p class="flag">The figures need' not in dom  # plotly.min.js loaded
     starts = [(m.start(), m.group(1)) for m in re.finditer(r'id="figure-([\w-]+)"', dom)]
     assert sorted(name for _, name in starts) == sorted(expected)
+    data = json.loads((default_run / "report_data.json").read_text())
     for (start, name), (end, _) in zip(starts, [*starts[1:], (len(dom), "")], strict=True):
         assert 'class="main-svg"' in dom[start:end], f"figure {name} was not drawn"
+        if name.startswith("lens_"):  # one readable row per iteration s_0 .. s_r
+            rows = len(data["runs"][int(name[5:])]["lens"]["iterations"])
+            plot = re.search(r'<rect class="nsewdrag drag"[^>]*\bheight="([\d.]+)"', dom[start:end])
+            assert plot is not None and float(plot.group(1)) / rows >= 30, (name, plot)
     screenshot = tmp_path / "report.png"
     chromium(report, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1600",
              "--virtual-time-budget=5000")  # fmt: skip
@@ -155,3 +182,110 @@ def test_chromium_reports_a_missing_plotly_js(default_run, tmp_path) -> None:
     assert console and all("Plotly is not defined" in line for line in console), console
     assert 'class="main-svg"' not in dom
     assert f'<p class="flag">The figures need {PLOTLY_JS}, which did not load' in dom
+
+
+# Each hostile string tries every context of the page: closing an attribute or a tag, opening an
+# element with a handler, closing the figure's <script> and opening another, opening a comment,
+# and a plotly hover-template placeholder. Each carries its own marker, so that a failure names
+# the field it came through.
+def hostile(marker: str) -> str:
+    return (
+        f"{marker}'\"><img src=x class=pwned onerror=\"document.title='pwned {marker}'\">"
+        f"</script><script class=pwned>document.title='pwned {marker}'</script><!-- %{{x}} &amp;"
+    )
+
+
+def _rename(value: Any, names: dict[str, str]) -> Any:
+    """``value`` with every string (dict keys included) found in ``names`` replaced."""
+    if isinstance(value, dict):
+        return {names.get(k, k): _rename(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rename(v, names) for v in value]
+    if isinstance(value, str):
+        return names.get(value, value)
+    return value
+
+
+def _hostile_folder(run_folder: Path, folder: Path) -> dict[str, str]:
+    """A copy of the top of ``run_folder`` whose strings are all hostile: every metric and model
+    spec renamed; a condition, a metadata key and value, a config entry, a null-control entry and
+    a calibration-identity part added; and in report_data.json the command, the environment, the
+    tokens and the attention layer. Returns the names replaced."""
+    results = json.loads((run_folder / "results.json").read_text())
+    data = json.loads((run_folder / "report_data.json").read_text())
+    first = results["runs"][0]
+    names = {metric: hostile(f"metric{i}") for i, metric in enumerate(first["shares"])}
+    for i, run in enumerate(results["runs"]):
+        names[run["model"]] = hostile(f"model{i}")
+    results = _rename(results, names)
+    for run in results["runs"]:  # a condition of another sweep, beside those the run needs
+        run["curves"] += [{**row, "condition": hostile("condition")} for row in run["curves"]
+                          if row["condition"] == "calibrate_truncate"]  # fmt: skip
+        run["metadata"][hostile("metadata-key")] = hostile("metadata-value")
+        run["metadata"]["config"][hostile("config-key")] = [hostile("config-item")]
+        run["null_control"][hostile("null-key")] = hostile("null-value")
+        run["null_control"]["calibrate_full_identity_deviation"][hostile("identity")] = 0.0
+    data = _rename(data, names)
+    data["command"] = hostile("command")
+    data["environment"] = {hostile("env-key"): hostile("env-value")}
+    for i, entry in enumerate(data["runs"]):
+        lens, attention = entry["lens"], entry["attention"]
+        lens["tokens"] = [hostile(f"token{i}")] + lens["tokens"][1:]
+        lens["targets"] = [hostile(f"target{i}")] + lens["targets"][1:]
+        lens["top_tokens"] = [[hostile(f"top{i}")] + row[1:] for row in lens["top_tokens"]]
+        attention["tokens"] = [hostile(f"attention-token{i}")] + attention["tokens"][1:]
+        attention["layer"] = hostile(f"layer{i}")
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps(results))
+    (folder / "report_data.json").write_text(json.dumps(data))
+    return names
+
+
+class _Elements(HTMLParser):
+    """Every element of a page: its tag and attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, dict(attrs)))
+
+
+def _elements(html: str) -> list[tuple[str, dict[str, str | None]]]:
+    parser = _Elements()
+    parser.feed(html)
+    return parser.elements
+
+
+@needs_chromium
+def test_hostile_strings_in_every_field_stay_text(default_run, tmp_path) -> None:
+    folder = tmp_path / "hostile"
+    names = _hostile_folder(default_run, folder)
+    assert main(["report", str(folder)]) == 0
+    report = folder / "report.html"
+    html = report.read_text()
+    written = _elements(html)
+    figures = [attrs for tag, attrs in written if tag == "div" and "data-figure" in attrs]
+    # plotly.min.js, the note if it is missing, one script per figure: nothing more.
+    assert sum(tag == "script" for tag, _ in written) == 2 + len(figures)
+    assert {attrs["data-figure"] for attrs in figures} >= {f"quality_{m}" for m in names.values()
+                                                           if "metric" in m}  # fmt: skip
+
+    dom, console = chromium(report, tmp_path, "--virtual-time-budget=5000", "--dump-dom")
+    assert console == [], console
+    elements = _elements(dom)
+    injected = [
+        (tag, attrs) for tag, attrs in elements
+        if tag == "img" or "pwned" in (attrs.get("class") or "")
+        or any(name.startswith("on") for name in attrs)
+    ]  # fmt: skip
+    assert injected == [], injected[:3]
+    title = dom.split("<title>", 1)[1].split("</title>", 1)[0]
+    assert title.startswith("DCP report: model0"), title  # no script set it
+    scripts = [attrs for tag, attrs in elements if tag == "script"]
+    assert len(scripts) == 2 + len(figures), len(scripts)
+    # Every figure drawn (its JSON still parses), and the names read as written.
+    assert dom.count('class="main-svg"') >= len(figures)
+    text = re.sub(r"<[^>]+>", "", dom)
+    assert "metric0'\"&gt;&lt;img src=x class=pwned" in text.replace("&quot;", '"')

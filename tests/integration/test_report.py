@@ -40,10 +40,15 @@ def test_figures_draw_every_condition_and_factor(planted_results) -> None:
         "probe",
     }
     assert all(isinstance(figure, go.Figure) for figure in figures.values())
-    lines = {trace.name for trace in figures["quality_accuracy"].data if trace.showlegend}
+    legend = [trace for trace in figures["quality_accuracy"].data if trace.showlegend]
+    lines = {trace.legendgroup for trace in legend}
     # Every registered sweep condition, the S bracket's translators and base rate included.
     assert lines == {"full", *SWEEP}
     assert {"translate_truncate", "translate_replay", "base_rate"} <= lines
+    # A curve drawn on top of another says so and is dotted with open markers, so both show.
+    marked = [trace for trace in legend if " (on " in trace.name]
+    assert marked and all(t.line.dash == "dot" and t.marker.symbol == "circle-open" for t in marked)
+    assert all(" (on " not in t.name and t.line.dash != "dot" for t in legend if t not in marked)
     bars = [trace for trace in figures["decomposition_accuracy"].data if trace.type == "bar"]
     table = planted_results.table()
     accuracy = table[table["metric"] == "accuracy"]
@@ -88,8 +93,10 @@ def test_the_report_loads_only_the_plotly_js_beside_it(planted_results, tmp_path
     assert shared[:2000] not in html and len(html.encode()) < 1_000_000
     assert render_report([planted_results]).count(shared[:2000]) == 1  # standalone: inlined once
     for name in planted_results.figures():
-        assert f'id="figure-{name}"' in html
-    assert "no lens data" in html and "record no hop counts" in html
+        assert f"id='figure-{name}'" in html
+    # Sections with nothing to show are named once, not drawn empty.
+    assert "Not in these results: the logit lens" in html and "id='lens'" not in html
+    assert "results by hop count (the task records none)" in html and "id='hops'" not in html
 
 
 def test_the_protocol_takes_task_batches_and_a_bundled_models_task() -> None:

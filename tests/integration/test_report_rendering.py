@@ -86,3 +86,43 @@ def test_a_share_above_one_is_not_called_most_of_the_gap(planted_run, share, sta
     run["bracket"]["accuracy"].update(verdict="S", S_lower_lo=share)
     text, _ = verdict(run, "accuracy")
     assert text.startswith(start), text
+
+
+def test_hostile_names_stay_text_in_the_page(planted_run) -> None:
+    """A metric, model and metadata key that try to close a tag, an attribute or the figure's
+    script come out as text: the page has exactly its own elements and scripts (the browser
+    test checks the same in Chromium's DOM)."""
+    from html.parser import HTMLParser
+
+    bad = "x'\"><img src=x onerror=alert(1)></script><script>alert(2)</script><!--"
+    run = copy.deepcopy(planted_run)
+    for key in ("shares", "share_intervals", "bracket", "metrics"):
+        run[key] = {bad if m == "accuracy" else m: v for m, v in run[key].items()}
+    for row in (*run["curves"], *run["decomposition"]):
+        row["metric"] = bad if row["metric"] == "accuracy" else row["metric"]
+    run["model"], run["metadata"][bad] = bad, bad
+
+    class Tags(HTMLParser):
+        tags: list[str] = []
+
+        def handle_starttag(self, tag, attrs) -> None:
+            self.tags.append(tag)
+
+    parser = Tags()
+    html = render_report([run], plotly_src="plotly.min.js")
+    parser.feed(html)
+    figures = html.count("class='figure'")
+    assert "img" not in parser.tags
+    assert parser.tags.count("script") == 2 + figures  # plotly.js, its note, one per figure
+    assert "&lt;img src=x onerror=alert(1)&gt;&lt;/script&gt;" in html
+
+
+def test_the_configuration_is_a_table_of_one_setting_per_row(planted_run) -> None:
+    html = render_report([planted_run])
+    table = html.split("<h2 id='configuration'>", 1)[1].split("<table class='settings'>", 1)[1]
+    rows = dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", table.split("</table>")[0]))
+    config = planted_run["metadata"]["config"]
+    assert rows["config / seed"] == str(config["seed"])
+    assert rows["config / metrics"] == ", ".join(config["metrics"])
+    assert rows["k_grid"] == ", ".join(str(k) for k in planted_run["metadata"]["k_grid"])
+    assert not any(value.startswith(("{", "[")) for value in rows.values()), rows
