@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +40,7 @@ from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_nor
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.tokenization import encode_text, padding_id
 from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
@@ -58,6 +58,8 @@ ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TASK_FILE = "task.json"
+# The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
+NOISE_PREFIX = "noise_prefix"
 
 
 class ResumeError(DCPLensError):
@@ -434,7 +436,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, state = self._enter_loop(embedding, tokens)
+                    x, state = self._enter_loop(embedding, tokens, past_kv_cache, offset)
                 elif t is not None:
                     x, state = self._finish_iteration(t, x, embedding)
                 elif self.is_dense and i == n_layers:
@@ -463,9 +465,16 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             x = block(x, rotary, None)
         return self._finish(x, return_type, tokens, loss_per_token)
 
-    def _enter_loop(self, embedding: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _enter_loop(
+        self,
+        embedding: Tensor,
+        tokens: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        offset: int = 0,
+    ) -> tuple[Tensor, Tensor]:
         """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
-        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding, tokens))
+        initial = self._initial_state(embedding, tokens, kv_cache, offset)
+        state = self._iteration_hooks[0].hook_state(initial)
         return self._next_input(0, state, embedding), state
 
     def _finish_iteration(
@@ -514,32 +523,42 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             f"return_type={return_type!r} is not one of 'logits', 'loss', 'both', None."
         )
 
-    def _initial_state(self, embedding: Tensor, tokens: Tensor | None = None) -> Tensor:
+    def _initial_state(
+        self,
+        embedding: Tensor,
+        tokens: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        offset: int = 0,
+    ) -> Tensor:
+        """s_0: zeros, e, or noise drawn causally (`dcp_lens.model.noise`): position p's noise
+        depends only on ``cfg.state_init_seed``, p and ``tokens[:, :p+1]``, so it is the same in
+        a prefix's forward, in generation with or without a KV cache (the cache carries the
+        prefix state), at any number of iterations and in any batch, slot or right padding."""
         kind = self.cfg.state_init
         if kind == "zeros":
             return torch.zeros_like(embedding)
         if kind == "embed":
             return embedding
-        # Noise keyed by (seed, example): every condition of a paired comparison sees the same
-        # noise, and an example's noise does not depend on its batch, slot or order.
-        std = self.cfg.state_init_std
-        rows = []
-        for b in range(embedding.shape[0]):
-            key = None if tokens is None else tokens[b]
-            generator = torch.Generator().manual_seed(
-                example_noise_seed(self.cfg.state_init_seed, key)
+        state = getattr(kv_cache, NOISE_PREFIX, None) if kv_cache is not None else None
+        if kv_cache is not None and state is None and tokens is not None and offset > 0:
+            raise ResumeError(
+                f"this KV cache holds {offset} positions but not the prefix state the "
+                f"initial-state noise (state_init={kind!r}) continues from; extend only a cache "
+                "this model's forward started (as generate does)."
             )
-            row = torch.randn(embedding.shape[1:], generator=generator, dtype=torch.float32)
-            if kind == "huginn":
-                torch.nn.init.trunc_normal_(
-                    row, std=std, a=-3 * std, b=3 * std, generator=generator
-                )
-                row = row * self.cfg.embed_scale
-            else:
-                row = row * std
-            rows.append(row)
-        noise = torch.stack(rows)
-        return noise.to(device=embedding.device, dtype=embedding.dtype)
+        noise, after = causal_noise(
+            tokens,
+            embedding.shape[1],
+            embedding.shape[2],
+            self.cfg.state_init_seed,
+            truncated=kind == "huginn",
+            state=state,
+            batch=embedding.shape[0],
+        )
+        if kv_cache is not None and after is not None:
+            setattr(kv_cache, NOISE_PREFIX, after)
+        scale = self.cfg.state_init_std * (self.cfg.embed_scale if kind == "huginn" else 1.0)
+        return (noise * scale).to(device=embedding.device, dtype=embedding.dtype)
 
     def _embed(self, tokens: Tensor, offset: int) -> Tensor:
         x = self.hook_embed(self.embed(tokens))
@@ -1006,18 +1025,6 @@ def sampling_logits(
         drop = torch.zeros_like(outside).scatter(-1, order, outside)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
-
-
-def example_noise_seed(seed: int, tokens: Tensor | None) -> int:
-    """The seed of one example's initial-state noise: a hash of ``seed`` and the example's token
-    ids ([pos]), so the draw follows the example, not its batch or slot. Without tokens (a
-    forward resumed from a residual stream) it is ``seed`` itself."""
-    if tokens is None:
-        return int(seed)
-    digest = hashlib.sha256(
-        f"{int(seed)}:".encode() + tokens.detach().cpu().long().numpy().tobytes()
-    )
-    return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
