@@ -9,7 +9,8 @@ inside the stream (frozen at their cached scales) are part of it, so
 - ``decompose_resid(layer)`` and ``get_full_resid_decomposition(layer)`` sum to the stream
   entering block ``layer`` (``layer = n_layers``: the stream entering ``ln_final``);
 - ``accumulated_resid``'s last entry is the stream entering ``ln_final`` (so with
-  ``apply_ln=True`` it times ``W_U`` is the logits);
+  ``apply_ln=True`` it times ``W_U``, plus ``b_U``, is the logits: ``ln_final`` is folded as
+  TransformerLens's ``fold_ln`` leaves it, its weight in ``W_U`` and its bias in ``b_U``);
 - ``stack_head_results`` / ``stack_neuron_results`` give each head's / neuron's contribution to
   that stream, and ``hook_result`` sums to ``hook_attn_out`` (Ouro's sandwich norm included);
 - ``apply_ln_to_stack`` and ``logit_attrs`` read the final norm correctly when there is none.
@@ -64,9 +65,10 @@ class RecurrentActivationCache(ActivationCache):
         return_labels: bool = False,
     ) -> Any:
         """As TransformerLens, but the ``final_post`` entry is the stream entering ``ln_final``
-        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U`` gives
-        the logits. Intermediate entries are each block's input, with ``apply_ln`` normalised
-        by ``ln_final`` (its own statistics): not the truncated model's readout, which
+        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U + b_U``
+        gives the logits (and ``@ tokens_to_residual_directions(tokens)`` each token's logit less
+        ``b_U[token]``). Intermediate entries are each block's input, with ``apply_ln``
+        normalised by ``ln_final`` (its own statistics): not the truncated model's readout, which
         `dcp_lens.lenses.logit_lens` gives."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer

@@ -176,13 +176,14 @@ def _full_decomposition(ctx: Context) -> str:
 def _accumulated_resid(ctx: Context) -> str:
     model, cache = ctx.model, ctx.cache
     stack = cache.accumulated_resid(apply_ln=True)
-    close(stack[-1] @ model.W_U, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
+    final = stack[-1] @ model.W_U + model.b_U
+    close(final, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U + b_U")
     plain = cache.accumulated_resid(incl_mid=True)
     n = model.cfg.n_layers
     close(plain[-1], stream_at(ctx, n), "final entry")
     close(plain[2 * ctx.layer], cache[f"blocks.{ctx.layer}.hook_resid_pre"], "resid_pre entry")
     close(stack[ctx.layer], model.ln_final(cache[f"blocks.{ctx.layer}.hook_resid_pre"]), "ln")
-    return "final entry @ W_U = logits; entries are the cached streams (ln_final applied)"
+    return "final entry @ W_U + b_U = logits; entries are the cached streams (ln_final applied)"
 
 
 @check("ActivationCache.apply_ln_to_stack")
@@ -196,10 +197,8 @@ def _apply_ln(ctx: Context) -> str:
     close(scaled.sum(0), x / cache[f"blocks.{layer}.ln1.hook_scale"], "block input")
     final = cache.apply_ln_to_stack(cache.decompose_resid())
     direction = model.tokens_to_residual_directions(torch.arange(model.cfg.d_vocab))
-    bias = getattr(model.ln_final, "b", None)
-    constant = 0 if bias is None else bias @ model.W_U
-    close(final.sum(0) @ direction.T + constant, ctx.logits, "final stack -> logits")
-    return "scaled components sum to the block's normalised input; final -> logits"
+    close(final.sum(0) @ direction.T + model.b_U, ctx.logits, "final stack -> logits")
+    return "scaled components sum to the block's normalised input; final @ W_U + b_U = logits"
 
 
 @check("ActivationCache.logit_attrs")
@@ -207,16 +206,14 @@ def _logit_attrs(ctx: Context) -> str:
     model, cache = ctx.model, ctx.cache
     targets = ctx.tokens
     attrs = cache.logit_attrs(cache.decompose_resid(), targets)
-    bias = getattr(model.ln_final, "b", None)
-    constant = 0 if bias is None else (bias @ model.W_U)[targets]
-    expected = ctx.logits.gather(-1, targets[..., None])[..., 0] - constant
-    close(attrs.sum(0), expected, "sum of logit_attrs")
+    expected = ctx.logits.gather(-1, targets[..., None])[..., 0]
+    close(attrs.sum(0) + model.b_U[targets], expected, "sum of logit_attrs + b_U")
     wrong = (targets + 1) % model.cfg.d_vocab
     diff = cache.logit_attrs(cache.decompose_resid(), targets, incorrect_tokens=wrong)
     wrong_logit = ctx.logits.gather(-1, wrong[..., None])[..., 0]
-    wrong_constant = 0 if bias is None else (bias @ model.W_U)[wrong]
-    close(diff.sum(0), expected - wrong_logit + wrong_constant, "logit difference attribution")
-    return "attributions of all components sum to the token's logit (less ln_final.b @ W_U)"
+    gap = model.b_U[targets] - model.b_U[wrong]
+    close(diff.sum(0) + gap, expected - wrong_logit, "logit difference attribution")
+    return "attributions of all components + b_U[token] = the token's logit"
 
 
 @check("ActivationCache.stack_head_results")
