@@ -27,15 +27,61 @@ from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.utilities.slice import Slice
 
+from dcp_lens.model.names import (
+    BLOCK_NAME,
+    DepthMismatchError,
+    IterationHookName,
+    warn_block_index_once,
+)
 from dcp_lens.model.stream import DecompositionError, StreamWalk, final_stream
 
 
 class RecurrentActivationCache(ActivationCache):
-    """An `ActivationCache` of a `HookedRecurrentTransformer` (see the module docstring)."""
+    """An `ActivationCache` of a `HookedRecurrentTransformer` (see the module docstring).
+
+    It remembers the number of iterations it was recorded at (``recorded_iterations``): a
+    ``blocks.{i}`` name means another block at another depth, so reading one while the model runs
+    another view raises a `DepthMismatchError` naming both depths (``loop.{t}`` names mean the
+    same state at every depth and are read at any)."""
+
+    def __init__(
+        self,
+        cache_dict: dict[str, Tensor],
+        model: Any,
+        has_batch_dim: bool = True,
+        recorded_iterations: int | None = None,
+    ) -> None:
+        super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
+        self.recorded_iterations = (
+            model.n_iterations if recorded_iterations is None else recorded_iterations
+        )
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if isinstance(key, tuple) and len(key) > 1 and key[1] is not None:
+            self._check_depth(f"{key[0]!r} at layer {key[1]}")
+        elif isinstance(key, str) and BLOCK_NAME.match(key):
+            self._check_depth(repr(key))
+            if not isinstance(key, IterationHookName):
+                warn_block_index_once(self.model, key)
+        return super().__getitem__(key)
+
+    def _check_depth(self, what: str) -> None:
+        model = self.model
+        active = model.n_iterations
+        if model.is_dense or active == self.recorded_iterations:
+            return
+        k = self.recorded_iterations
+        raise DepthMismatchError(
+            f"cache[{what}]: this cache was recorded at k = {k} iterations, but the model now runs "
+            f"k = {active}; blocks.{{i}} names a different block at each depth. Read or patch "
+            f"with it inside `with model.iterations({k}):`, or record the cache again at k = "
+            f"{active} (model.run_with_cache(tokens, n_iterations={active}))."
+        )
 
     # ------------------------------------------------------------------------- helpers
 
     def _walk(self) -> StreamWalk:
+        self._check_depth("a decomposition")
         if not self.has_batch_dim:
             raise DecompositionError(
                 "stream decompositions need the batch dimension the cache was recorded with; "
@@ -52,7 +98,10 @@ class RecurrentActivationCache(ActivationCache):
     def apply_slice_to_batch_dim(self, batch_slice: Any) -> RecurrentActivationCache:
         sliced = super().apply_slice_to_batch_dim(batch_slice)
         return RecurrentActivationCache(
-            sliced.cache_dict, self.model, has_batch_dim=sliced.has_batch_dim
+            sliced.cache_dict,
+            self.model,
+            has_batch_dim=sliced.has_batch_dim,
+            recorded_iterations=self.recorded_iterations,
         )
 
     def accumulated_resid(  # type: ignore[override]

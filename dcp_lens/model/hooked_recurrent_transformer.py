@@ -40,6 +40,13 @@ from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_nor
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.names import (
+    DepthMismatchError,
+    IterationHookName,
+    PatchShapeError,
+    missing_hook_error,
+    warn_block_index_once,
+)
 from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.tokenization import encode_text, padding_id
 from dcp_lens.model.weights import WeightViews
@@ -79,6 +86,39 @@ class IterationHooks(nn.Module):
         self.hook_inject = HookPoint()  # [batch, pos, d_model]
         self.ln_iter = make_norm(cfg) if t > 0 and cfg.iteration_norm != "none" else None
         self.hook_state = HookPoint()  # [batch, pos, d_model]
+
+
+class ViewState:
+    """The number of iterations of the model's active view, shared with its `ViewModuleList`s."""
+
+    def __init__(self) -> None:
+        self.active = -1
+
+
+class ViewModuleList(nn.ModuleList):
+    """``model.blocks`` or ``model.loop`` of the k-iteration view. Reaching an entry by attribute
+    (``getattr(blocks, "6")``, as nnsight's wrappers do) while the model runs another view raises
+    a `DepthMismatchError`: a wrapper built at one depth is traced at that depth."""
+
+    def __init__(
+        self, modules: Sequence[nn.Module] = (), view: ViewState | None = None, k: int = -1
+    ) -> None:
+        super().__init__(modules)  # a slice (blocks[:3]) is a list of no view: view None
+        self.view_state = view
+        self.view_iterations = k
+
+    def __getattr__(self, name: str) -> Any:
+        view = self.__dict__.get("view_state")
+        if view is not None and name.isdigit() and view.active != self.view_iterations:
+            k, active = self.view_iterations, view.active
+            raise DepthMismatchError(
+                f"entry {name} of model.blocks or model.loop of the k = {k} view, while the "
+                f"model runs k = {active}: a wrapper (nnsight's NNsight(model), or a saved "
+                "model.blocks) reaches the blocks of the view it was built in. Build it "
+                f"inside `with model.iterations({active}):` and trace it there, or trace at "
+                f"k = {k}."
+            )
+        return super().__getattr__(name)
 
 
 class HookedRecurrentTransformer(WeightViews, HookedRootModule):
@@ -132,6 +172,8 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         ]
         self._iteration_hooks: list[IterationHooks] = [IterationHooks(cfg, 0)]
         self._active = -1
+        self._view = ViewState()
+        self._view_lists: dict[int, tuple[ViewModuleList, ViewModuleList]] = {}
         self._set_view(cfg.n_iterations)
         self._init_weights()
 
@@ -177,13 +219,18 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             hooks = IterationHooks(self.cfg, t)
             self._iteration_hooks.append(hooks)
             self._tie_iteration_norm(hooks)
-        core = [block for row in self._core[: k if not self.is_dense else 0] for block in row]
-        self.blocks = nn.ModuleList(self._prelude + core + self._coda)
-        self.loop = nn.ModuleList(self._iteration_hooks[: k + 1])
+        if k not in self._view_lists:  # one pair of lists per view, kept for wrappers built on it
+            rows = self._core[: k if not self.is_dense else 0]
+            core = [block for row in rows for block in row]
+            self._view_lists[k] = (
+                ViewModuleList(self._prelude + core + self._coda, self._view, k),
+                ViewModuleList(self._iteration_hooks[: k + 1], self._view, k),
+            )
+        self.blocks, self.loop = self._view_lists[k]
         # New blocks and containers follow the model's mode (patching refuses a mixed model).
         self.blocks.train(self.training)
         self.loop.train(self.training)
-        self._active = k
+        self._active = self._view.active = k
         self.cfg.n_layers = len(self.blocks)
         # Before blocks[i]: the iteration that ends there (0: the loop is entered), as
         # docs/design.md §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
@@ -315,7 +362,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def hook_name(self, iteration: int, layer: int, name: str) -> str:
         """Full hook name of ``name`` (e.g. ``"hook_resid_post"``, ``"attn.hook_pattern"``) in
         core layer ``layer`` at iteration ``iteration``."""
-        return f"blocks.{self.block_index(iteration, layer)}.{name}"
+        return IterationHookName(f"blocks.{self.block_index(iteration, layer)}.{name}")
 
     def state_hook_name(self, t: int) -> str:
         """Hook name of the state after t iterations (t = 0: the initial state).
@@ -325,7 +372,8 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= top:
             raise ValueError(f"t={t!r} must be an int in 0..{top} (the active view).")
         if self.is_dense:
-            return "blocks.0.hook_resid_pre" if t == 0 else f"blocks.{t - 1}.hook_resid_post"
+            name = "blocks.0.hook_resid_pre" if t == 0 else f"blocks.{t - 1}.hook_resid_post"
+            return IterationHookName(name)
         return f"loop.{t}.hook_state"
 
     def inject_hook_name(self, t: int) -> str:
@@ -676,6 +724,21 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
         return super().cuda(device)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Every move or cast (``.to``, ``.half``, ``.float``, ``.cuda``, ``.cpu``) ends here:
+        ``cfg.dtype`` and ``cfg.device`` then follow the weights, as TransformerLens keeps them."""
+        result = super()._apply(fn, recurse)
+        self.sync_cfg_to_weights()
+        return result
+
+    def sync_cfg_to_weights(self) -> None:
+        """Set ``cfg.dtype`` and ``cfg.device`` to the embedding's (a model on meta keeps both)."""
+        weight = self.embed.W_E
+        if weight.device.type == "meta":
+            return
+        self.cfg.dtype = weight.dtype
+        self.cfg.device = str(weight.device)
+
     # ------------------------------------------------------------ TransformerLens surface
 
     def run_with_cache(
@@ -716,12 +779,52 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             )
 
     def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
-        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
+        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given.
+
+        A name another view has raises a `DepthMismatchError` saying which ``k`` has it, and a
+        forward hook returning a tensor of another shape than its activation raises a
+        `PatchShapeError` at that hook (its name and both shapes)."""
+        for name, _ in kwargs.get("fwd_hooks", []):
+            warn_block_index_once(self, name)
         n_iterations = kwargs.pop("n_iterations", None)
         if n_iterations is not None and not self.is_dense:
             with self.iterations(n_iterations):
                 return super().run_with_hooks(*model_args, **kwargs)
         return super().run_with_hooks(*model_args, **kwargs)
+
+    @contextlib.contextmanager
+    def hooks(
+        self,
+        fwd_hooks: Sequence[tuple[Any, Any]] = (),
+        bwd_hooks: Sequence[tuple[Any, Any]] = (),
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
+    ) -> Iterator[HookedRecurrentTransformer]:
+        """TransformerLens's ``hooks`` context, with names checked against the active view and
+        forward hooks checked for the shape they return (see `run_with_hooks`)."""
+        checked = [(self._checked_name(name), _shape_checked(hook)) for name, hook in fwd_hooks]
+        backward = [(self._checked_name(name), hook) for name, hook in bwd_hooks]
+        with super().hooks(checked, backward, reset_hooks_end, clear_contexts):
+            yield self
+
+    def add_hook(  # type: ignore[override]
+        self,
+        name: Any,
+        hook: Any,
+        dir: Literal["fwd", "bwd"] = "fwd",
+        is_permanent: bool = False,
+        level: int | None = None,
+        prepend: bool = False,
+    ) -> None:
+        """TransformerLens's ``add_hook``, with the checks of `run_with_hooks`."""
+        warn_block_index_once(self, name)
+        hook = _shape_checked(hook) if dir == "fwd" else hook
+        super().add_hook(self._checked_name(name), hook, dir, is_permanent, level, prepend)
+
+    def _checked_name(self, name: Any) -> Any:
+        if isinstance(name, str) and name not in self.mod_dict:
+            raise missing_hook_error(self, name)
+        return name
 
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
         """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
@@ -1055,6 +1158,43 @@ def sampling_logits(
         drop = torch.zeros_like(outside).scatter(-1, order, outside)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def _shape_checked(hook: Any) -> Any:
+    """``hook`` with what it returns checked against the activation's shape."""
+    if getattr(hook, "shape_checked", False):
+        return hook
+
+    def checked(activation: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = hook(activation, *args, **kwargs)
+        except RuntimeError as error:
+            if "size" not in str(error) or not isinstance(activation, Tensor):
+                raise
+            name = getattr(kwargs.get("hook"), "name", None) or "a hook point"
+            raise PatchShapeError(
+                f"the hook on {name} failed on its activation of shape "
+                f"{tuple(activation.shape)}: {error} (a patch cached from a prompt of another "
+                "length or batch must be sliced or padded to this run's positions first)."
+            ) from error
+        if (
+            isinstance(result, Tensor)
+            and isinstance(activation, Tensor)
+            and result.shape != activation.shape
+        ):
+            point = kwargs.get("hook")
+            name = getattr(point, "name", None) or "a hook point"
+            raise PatchShapeError(
+                f"the hook on {name} returned a tensor of shape {tuple(result.shape)}, but the "
+                f"activation it replaces has shape {tuple(activation.shape)}; return a tensor of "
+                "that shape (a patch cached from a prompt of another length or batch must be "
+                "sliced or padded to this run's positions first)."
+            )
+        return result
+
+    checked.shape_checked = True  # type: ignore[attr-defined]
+    checked.__name__ = repr(hook)
+    return checked
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:
