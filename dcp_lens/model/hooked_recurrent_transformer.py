@@ -48,6 +48,7 @@ from dcp_lens.model.names import (
     warn_block_index_once,
 )
 from dcp_lens.model.noise import causal_noise
+from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.tokenization import encode_text, padding_id
 from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
@@ -182,6 +183,18 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     @property
     def cfg(self) -> RecurrentConfig:
         return self._cfg
+
+    @property
+    def config(self) -> RecurrentConfig:
+        """``cfg`` under the name Hugging Face models use (pyvene's `IntervenableModel` reads
+        ``model.config``; `dcp_lens.model.peers` enters the class in pyvene's mappings then)."""
+        register_with_pyvene(type(self))
+        return self._cfg
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights (the embedding's), as Hugging Face models have it."""
+        return self.embed.W_E.device
 
     @property
     def task(self) -> Any:
@@ -438,7 +451,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
 
     def forward(
         self,
-        input: Tensor | str | list[str],
+        input: Tensor | str | list[str] | None = None,
         return_type: ReturnType = "logits",
         loss_per_token: bool = False,
         *,
@@ -448,6 +461,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         tokens: Int[Tensor, "batch pos"] | None = None,
         prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
         past_kv_cache: KVCache | None = None,
+        input_ids: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -462,7 +476,15 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             stop_at_layer: return the stream entering ``blocks[stop_at_layer]`` instead.
             tokens: the tokens, for the loss when ``input`` is a residual stream.
             past_kv_cache: a `KVCache` to read and extend (generation).
+            input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
+                ``model(**{"input_ids": tokens})``).
         """
+        if input is None:
+            if input_ids is None:
+                raise InputError("pass the tokens as input (or as input_ids=...).")
+            input = input_ids
+        elif input_ids is not None:
+            raise InputError("pass the tokens once: as input or as input_ids, not both.")
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(
