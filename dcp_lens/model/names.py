@@ -22,6 +22,8 @@ BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.")
 LOOP_NAME = re.compile(r"^loop\.(\d+)\.")
 # Modules whose reads of block names follow the model's own view (no warning for them).
 _LIBRARY_PREFIXES = ("dcp_lens.", "transformer_lens.", "hooks.")
+# Frames of runtime type checkers that wrap the package's functions (tests run under them).
+_WRAPPERS = ("jaxtyping", "beartype", "typeguard")
 _warned = False
 
 
@@ -68,22 +70,33 @@ def describe_block(model: Any, index: int) -> str:
     return f"coda block {index - P - k * L}"
 
 
-def called_from_user(depth: int = 2) -> bool:
-    """Whether the frame ``depth`` levels up belongs to code outside dcp-lens and
-    TransformerLens (so a name read there is the user's own)."""
-    try:
-        module = sys._getframe(depth).f_globals.get("__name__", "")
-    except ValueError:
-        return True
-    return not str(module).startswith(_LIBRARY_PREFIXES)
+def called_from_user() -> bool:
+    """Whether the code that called into the model or cache is outside dcp-lens and
+    TransformerLens (so a name read there is the user's own).
+
+    Walks up from here past this module, the one entry point that called it (the cache's
+    ``__getitem__``, ``run_with_hooks``, ``add_hook``) and any type-checking wrappers around it."""
+    frame = sys._getframe(1)
+    entry_seen = False
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module == __name__ or module.startswith(_WRAPPERS):
+            frame = frame.f_back
+            continue
+        if not entry_seen:
+            entry_seen = True
+            frame = frame.f_back
+            continue
+        return not module.startswith(_LIBRARY_PREFIXES)
+    return True
 
 
-def warn_block_index_once(model: Any, name: Any, depth: int = 3) -> None:
+def warn_block_index_once(model: Any, name: Any) -> None:
     """Warn the first time user code reads ``blocks.{i}`` on a looped model (once per process)."""
     global _warned
     if _warned or isinstance(name, IterationHookName) or not isinstance(name, str):
         return
-    if getattr(model, "is_dense", True) or not called_from_user(depth):
+    if getattr(model, "is_dense", True) or not called_from_user():
         return
     index = block_index(name)
     if index is None or index >= model.cfg.n_layers:
@@ -95,8 +108,21 @@ def warn_block_index_once(model: Any, name: Any, depth: int = 3) -> None:
         f"{describe_block(model, index)}, not layer or iteration {index}; name iteration t's core "
         "layer with model.hook_name(t, layer, name). (Shown once.)",
         BlockIndexWarning,
-        stacklevel=depth,
+        stacklevel=_user_stacklevel(),
     )
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside this module, wrappers and the entry point."""
+    frame, level, entry_seen = sys._getframe(1), 1, False
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not (module == __name__ or module.startswith(_WRAPPERS)):
+            if entry_seen:
+                return level
+            entry_seen = True
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def reset_block_index_warning() -> None:
