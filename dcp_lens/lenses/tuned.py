@@ -8,7 +8,7 @@
   averaged over source positions p and prompts, where h_final is the stream entering
   ``ln_final``, after the method of TransformerLens 4.3's ``tools/analysis/jacobian_lens.py``
   (which refuses a block that fires more than once per forward; here each iteration's state is
-  its own hook point). The lens reads ``ln_final(J_t s_t) @ W_U + b_U``; on a model whose readout is
+  its own hook point). The lens reads ``ln_final(J_t s_t) @ W_U``; on a model whose readout is
   the final norm alone, J_r is the identity and the lens at r is the logit lens.
 """
 
@@ -169,7 +169,7 @@ class JacobianLens:
     def logits(
         self, model: Any, source: LensSource, iterations: Sequence[int] | None = None
     ) -> Float[Tensor, "iteration batch pos d_vocab"]:
-        """``ln_final(J_t s_t) @ W_U + b_U`` for each t (default every fitted t, in order)."""
+        """``ln_final(J_t s_t) @ W_U`` for each t (default every fitted t, in order)."""
         wanted = sorted(self.jacobians) if iterations is None else list(iterations)
         missing = [t for t in wanted if t not in self.jacobians]
         if missing:
@@ -180,7 +180,7 @@ class JacobianLens:
         out = []
         for t, state in zip(wanted, states, strict=True):
             moved = state @ self.jacobians[t].to(state.dtype).T
-            out.append(model.unembed(model.ln_final(moved)))
+            out.append(model.ln_final(moved) @ model.W_U)
         return torch.stack(out)
 
 

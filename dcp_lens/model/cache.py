@@ -9,11 +9,12 @@ inside the stream (frozen at their cached scales) are part of it, so
 - ``decompose_resid(layer)`` and ``get_full_resid_decomposition(layer)`` sum to the stream
   entering block ``layer`` (``layer = n_layers``: the stream entering ``ln_final``);
 - ``accumulated_resid``'s last entry is the stream entering ``ln_final`` (so with
-  ``apply_ln=True`` it times ``W_U``, plus ``b_U``, is the logits: ``ln_final`` is folded as
-  TransformerLens's ``fold_ln`` leaves it, its weight in ``W_U`` and its bias in ``b_U``);
+  ``apply_ln=True`` it times ``W_U`` is the logits);
 - ``stack_head_results`` / ``stack_neuron_results`` give each head's / neuron's contribution to
   that stream, and ``hook_result`` sums to ``hook_attn_out`` (Ouro's sandwich norm included);
-- ``apply_ln_to_stack`` and ``logit_attrs`` read the final norm correctly when there is none.
+- ``apply_ln_to_stack`` at the final norm applies its cached scale and its weight, so
+  ``logit_attrs`` of a decomposition plus ``model.b_U`` (the norm's bias) is the logit, and it
+  reads the final norm correctly when there is none.
 
 What cannot be made exact raises a `DecompositionError` naming what to use instead.
 """
@@ -114,10 +115,9 @@ class RecurrentActivationCache(ActivationCache):
         return_labels: bool = False,
     ) -> Any:
         """As TransformerLens, but the ``final_post`` entry is the stream entering ``ln_final``
-        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U + b_U``
-        gives the logits (and ``@ tokens_to_residual_directions(tokens)`` each token's logit less
-        ``b_U[token]``). Intermediate entries are each block's input, with ``apply_ln``
-        normalised by ``ln_final`` (its own statistics): not the truncated model's readout, which
+        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U`` gives
+        the logits. Intermediate entries are each block's input, with ``apply_ln`` normalised
+        by ``ln_final`` (its own statistics): not the truncated model's readout, which
         `dcp_lens.lenses.logit_lens` gives."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer
@@ -156,16 +156,24 @@ class RecurrentActivationCache(ActivationCache):
         has_batch_dim: bool = True,
         recompute_ln: bool = False,
     ) -> Tensor:
-        """As TransformerLens; a model without a final norm (Ouro normalises each step's state
-        instead) leaves the stack unchanged at ``layer = n_layers``."""
+        """As TransformerLens, with one convention for the final norm (``layer = n_layers``):
+        components are centred (LayerNorm), divided by the cached ``ln_final.hook_scale`` and
+        multiplied by ``ln_final``'s weight, so times `tokens_to_residual_directions` they sum to
+        the logit less ``model.b_U`` (the norm's bias, which no single component carries). A
+        model without a final norm (Ouro normalises each step's state instead) leaves the stack
+        unchanged there. ``recompute_ln`` (`accumulated_resid`) applies ``ln_final`` whole."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer
-        if layer == n and not hasattr(self.model.ln_final, "w"):
+        weight = getattr(self.model.ln_final, "w", None)
+        if layer == n and weight is None:
             batch_slice = self._slice(batch_slice)
             return batch_slice.apply(residual_stack, dim=1) if has_batch_dim else residual_stack
-        return super().apply_ln_to_stack(
+        scaled = super().apply_ln_to_stack(
             residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim, recompute_ln
         )
+        if layer == n and not recompute_ln:
+            scaled = scaled * weight
+        return scaled
 
     def decompose_resid(  # type: ignore[override]
         self,

