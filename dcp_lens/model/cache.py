@@ -67,7 +67,7 @@ class RecurrentActivationCache(ActivationCache):
         return super().__getitem__(key)
 
     def _check_depth(self, what: str) -> None:
-        model = self.model
+        model: Any = self.model
         active = model.n_iterations
         if model.is_dense or active == self.recorded_iterations:
             return
@@ -171,7 +171,7 @@ class RecurrentActivationCache(ActivationCache):
         scaled = super().apply_ln_to_stack(
             residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim, recompute_ln
         )
-        if layer == n and not recompute_ln:
+        if layer == n and not recompute_ln and weight is not None:
             scaled = scaled * weight
         return scaled
 

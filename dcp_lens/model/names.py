@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 from dcp_lens.utils.errors import DCPLensError
@@ -76,7 +77,7 @@ def called_from_user() -> bool:
 
     Walks up from here past this module, the one entry point that called it (the cache's
     ``__getitem__``, ``run_with_hooks``, ``add_hook``) and any type-checking wrappers around it."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     entry_seen = False
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
@@ -114,7 +115,8 @@ def warn_block_index_once(model: Any, name: Any) -> None:
 
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside this module, wrappers and the entry point."""
-    frame, level, entry_seen = sys._getframe(1), 1, False
+    frame: FrameType | None = sys._getframe(1)
+    level, entry_seen = 1, False
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if not (module == __name__ or module.startswith(_WRAPPERS)):
