@@ -97,10 +97,10 @@ def warn_block_index_once(model: Any, name: Any) -> None:
     global _warned
     if _warned or isinstance(name, IterationHookName) or not isinstance(name, str):
         return
-    if getattr(model, "is_dense", True) or not called_from_user():
-        return
     index = block_index(name)
-    if index is None or index >= model.cfg.n_layers:
+    if index is None or getattr(model, "is_dense", True) or index >= model.cfg.n_layers:
+        return
+    if not called_from_user():
         return
     _warned = True
     warnings.warn(
