@@ -5,8 +5,8 @@ So a forward over a prefix draws the same noise as the longer forward at those p
 generation with a KV cache draws what generation without one draws, and an example's noise does
 not depend on its batch, its slot, its padding (on the right) or the number of iterations.
 
-How a draw is made (every step is integer arithmetic on tensors, so it is the same on every
-device and for every batch):
+How a draw is made (integer arithmetic on tensors up to the last step, so the uniform numbers
+are the same on every device and for every batch):
 
 1. A prefix key per position: two polynomial hashes of ``tokens[:p+1]`` modulo the prime
    2^31 - 1 (bases `BASES`), ``H_p = sum_{i <= p} (t_i + 1) * B^(p - i)``, computed at once with a
