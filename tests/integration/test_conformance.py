@@ -773,9 +773,12 @@ def _generate_long(ctx: Context) -> str:
 @check("workflow.test_prompt_ranks")
 def _test_prompt_long(ctx: Context) -> str:
     model = ctx.model
-    prompt = ctx.prompt
-    while len(model.to_tokens(prompt + " " + ctx.prompt)[0]) <= min(LONG, model.cfg.n_ctx - 2):
-        prompt = prompt + " " + ctx.prompt
+    prompt = ctx.prompt  # repeated up to LONG tokens, the context allowing (and the answer)
+    while len(model.to_tokens(prompt)[0]) < LONG:
+        longer = prompt + " " + ctx.prompt
+        if len(model.to_tokens(longer)[0]) > model.cfg.n_ctx - 2:
+            break
+        prompt = longer
     prompt_tokens = model.to_tokens(prompt)
     answer = model.to_single_str_token(7)
     printed = io.StringIO()
