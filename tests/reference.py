@@ -7,7 +7,6 @@ numbers, no shared code) and runs the loop directly. Tests compare the library a
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -91,6 +90,47 @@ def _block(x: Tensor, w: dict[str, Tensor], prefix: str, cfg) -> Tensor:
     return norm(x + _mlp(norm(x, "ln2"), w, prefix, cfg), "ln2_post")
 
 
+_M32 = 0xFFFFFFFF
+_PRIME = 2**31 - 1
+
+
+def _fmix32(h: int) -> int:
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & _M32
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & _M32
+    return h ^ (h >> 16)
+
+
+def _causal_noise(tokens: Tensor, width: int, cfg) -> Tensor:
+    """The initial-state noise as docs/model.md specifies it, one position at a time with Python
+    integers: position p hashes tokens[:p+1] (two polynomial hashes mod 2^31 - 1, digits t + 1),
+    mixes them with the seed and p into two key words, and each element's 24-bit uniform goes
+    through the inverse normal CDF (truncated at +-3 for "huginn")."""
+    seed = cfg.state_init_seed
+    low, high = seed & _M32, (seed >> 32) & _M32
+    rows = []
+    for row in tokens.tolist():
+        h1 = h2 = 0
+        keys = []
+        for p, token in enumerate(row):
+            h1 = (h1 * 1_000_003 + token + 1) % _PRIME
+            h2 = (h2 * 972_663_749 + token + 1) % _PRIME
+            h = _fmix32(low ^ ((p + 1) * 0x9E3779B1 & _M32))
+            h = _fmix32(h ^ high ^ (h1 * 0xCC9E2D51 & _M32))
+            first = _fmix32(h ^ (h2 * 0x1B873593 & _M32))
+            second = _fmix32(first ^ ((h1 ^ h2) * 0x27D4EB2F & _M32) ^ 0x165667B1)
+            words = [_fmix32(_fmix32(first ^ ((d + 1) * 0x85EBCA77 & _M32)) ^ second)
+                     for d in range(width)]  # fmt: skip
+            keys.append(words)
+        rows.append(keys)
+    uniform = ((torch.tensor(rows, dtype=torch.float64) // 256) + 0.5) / 2**24
+    if cfg.state_init == "huginn":
+        lo, hi = 0.5 * math.erfc(3 / math.sqrt(2)), 0.5 * math.erfc(-3 / math.sqrt(2))
+        uniform = lo + uniform * (hi - lo)
+    return math.sqrt(2.0) * torch.erfinv(2.0 * uniform - 1.0)
+
+
 def reference_forward(
     weights: dict[str, Tensor], cfg, tokens: Tensor, n_iterations: int
 ) -> tuple[list[Tensor], Tensor]:
@@ -115,16 +155,9 @@ def reference_forward(
     elif cfg.state_init == "embed":
         s = e
     else:
-        # One draw per example, seeded by sha256 of "seed:" and its token ids (int64 bytes).
-        noise = []
-        for row in tokens:
-            digest = hashlib.sha256(
-                f"{cfg.state_init_seed}:".encode() + row.long().numpy().tobytes()
-            )
-            seed = int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
-            generator = torch.Generator().manual_seed(seed)
-            noise.append(torch.randn(e.shape[1:], generator=generator))
-        s = (torch.stack(noise) * cfg.state_init_std).to(e.dtype)
+        s = (_causal_noise(tokens, e.shape[-1], cfg) * cfg.state_init_std).to(e.dtype)
+        if cfg.state_init == "huginn":
+            s = s * cfg.embed_scale
     states = [s]
     for _ in range(n_iterations):
         if cfg.injection == "add":

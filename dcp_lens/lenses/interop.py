@@ -4,9 +4,9 @@
   ``[3, n_layers, pos]``, ...) regrouped as prelude ``[n_prelude, ...]``, core
   ``[iteration, layer, ...]`` and coda ``[n_coda, ...]``.
 - `splice_hooks`: fwd_hooks that pass the state after one or every iteration through an
-  encode/decode module (a sparse autoencoder, a transcoder, any callable). SAELens does not import
-  under TransformerLens 4, so nothing here depends on it: any object with ``encode`` and
-  ``decode`` works.
+  encode/decode module (a sparse autoencoder, a transcoder, any callable). SAELens cannot be
+  installed beside TransformerLens 4, so nothing here depends on it: any object with ``encode``
+  and ``decode`` works.
 """
 
 from __future__ import annotations

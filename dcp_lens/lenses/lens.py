@@ -26,6 +26,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 
+from dcp_lens.model.names import DepthMismatchError
 from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.protocol.conditions import ProtocolModel, truncate
 from dcp_lens.protocol.metrics import IGNORE_INDEX
@@ -58,6 +59,13 @@ def iteration_states(
         return states
     names = [model.state_hook_name(t) for t in wanted]
     missing = [name for name in names if name not in source.keys()]
+    recorded = getattr(source, "recorded_iterations", None)
+    if missing and recorded is not None and recorded != model.n_iterations:
+        raise DepthMismatchError(
+            f"the cache was recorded at k = {recorded} iterations but the model now runs k = "
+            f"{model.n_iterations}, so it holds no {missing}; read it inside `with "
+            f"model.iterations({recorded}):`, or record it again in this view."
+        )
     if missing:
         raise KeyError(
             f"the cache holds no {missing}; record it with model.run_with_cache(tokens) in the "

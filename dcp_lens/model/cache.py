@@ -12,7 +12,9 @@ inside the stream (frozen at their cached scales) are part of it, so
   ``apply_ln=True`` it times ``W_U`` is the logits);
 - ``stack_head_results`` / ``stack_neuron_results`` give each head's / neuron's contribution to
   that stream, and ``hook_result`` sums to ``hook_attn_out`` (Ouro's sandwich norm included);
-- ``apply_ln_to_stack`` and ``logit_attrs`` read the final norm correctly when there is none.
+- ``apply_ln_to_stack`` at the final norm applies its cached scale and its weight, so
+  ``logit_attrs`` of a decomposition plus ``model.b_U`` (the norm's bias) is the logit, and it
+  reads the final norm correctly when there is none.
 
 What cannot be made exact raises a `DecompositionError` naming what to use instead.
 """
@@ -26,15 +28,61 @@ from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.utilities.slice import Slice
 
+from dcp_lens.model.names import (
+    BLOCK_NAME,
+    DepthMismatchError,
+    IterationHookName,
+    warn_block_index_once,
+)
 from dcp_lens.model.stream import DecompositionError, StreamWalk, final_stream
 
 
 class RecurrentActivationCache(ActivationCache):
-    """An `ActivationCache` of a `HookedRecurrentTransformer` (see the module docstring)."""
+    """An `ActivationCache` of a `HookedRecurrentTransformer` (see the module docstring).
+
+    It remembers the number of iterations it was recorded at (``recorded_iterations``): a
+    ``blocks.{i}`` name means another block at another depth, so reading one while the model runs
+    another view raises a `DepthMismatchError` naming both depths (``loop.{t}`` names mean the
+    same state at every depth and are read at any)."""
+
+    def __init__(
+        self,
+        cache_dict: dict[str, Tensor],
+        model: Any,
+        has_batch_dim: bool = True,
+        recorded_iterations: int | None = None,
+    ) -> None:
+        super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
+        self.recorded_iterations = (
+            model.n_iterations if recorded_iterations is None else recorded_iterations
+        )
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if isinstance(key, tuple) and len(key) > 1 and key[1] is not None:
+            self._check_depth(f"{key[0]!r} at layer {key[1]}")
+        elif isinstance(key, str) and BLOCK_NAME.match(key):
+            self._check_depth(repr(key))
+            if not isinstance(key, IterationHookName):
+                warn_block_index_once(self.model, key)
+        return super().__getitem__(key)
+
+    def _check_depth(self, what: str) -> None:
+        model: Any = self.model
+        active = model.n_iterations
+        if model.is_dense or active == self.recorded_iterations:
+            return
+        k = self.recorded_iterations
+        raise DepthMismatchError(
+            f"cache[{what}]: this cache was recorded at k = {k} iterations, but the model now runs "
+            f"k = {active}; blocks.{{i}} names a different block at each depth. Read or patch "
+            f"with it inside `with model.iterations({k}):`, or record the cache again at k = "
+            f"{active} (model.run_with_cache(tokens, n_iterations={active}))."
+        )
 
     # ------------------------------------------------------------------------- helpers
 
     def _walk(self) -> StreamWalk:
+        self._check_depth("a decomposition")
         if not self.has_batch_dim:
             raise DecompositionError(
                 "stream decompositions need the batch dimension the cache was recorded with; "
@@ -51,7 +99,10 @@ class RecurrentActivationCache(ActivationCache):
     def apply_slice_to_batch_dim(self, batch_slice: Any) -> RecurrentActivationCache:
         sliced = super().apply_slice_to_batch_dim(batch_slice)
         return RecurrentActivationCache(
-            sliced.cache_dict, self.model, has_batch_dim=sliced.has_batch_dim
+            sliced.cache_dict,
+            self.model,
+            has_batch_dim=sliced.has_batch_dim,
+            recorded_iterations=self.recorded_iterations,
         )
 
     def accumulated_resid(  # type: ignore[override]
@@ -105,16 +156,24 @@ class RecurrentActivationCache(ActivationCache):
         has_batch_dim: bool = True,
         recompute_ln: bool = False,
     ) -> Tensor:
-        """As TransformerLens; a model without a final norm (Ouro normalises each step's state
-        instead) leaves the stack unchanged at ``layer = n_layers``."""
+        """As TransformerLens, with one convention for the final norm (``layer = n_layers``):
+        components are centred (LayerNorm), divided by the cached ``ln_final.hook_scale`` and
+        multiplied by ``ln_final``'s weight, so times `tokens_to_residual_directions` they sum to
+        the logit less ``model.b_U`` (the norm's bias, which no single component carries). A
+        model without a final norm (Ouro normalises each step's state instead) leaves the stack
+        unchanged there. ``recompute_ln`` (`accumulated_resid`) applies ``ln_final`` whole."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer
-        if layer == n and not hasattr(self.model.ln_final, "w"):
+        weight = getattr(self.model.ln_final, "w", None)
+        if layer == n and weight is None:
             batch_slice = self._slice(batch_slice)
             return batch_slice.apply(residual_stack, dim=1) if has_batch_dim else residual_stack
-        return super().apply_ln_to_stack(
+        scaled = super().apply_ln_to_stack(
             residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim, recompute_ln
         )
+        if layer == n and not recompute_ln and weight is not None:
+            scaled = scaled * weight
+        return scaled
 
     def decompose_resid(  # type: ignore[override]
         self,

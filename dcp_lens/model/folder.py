@@ -317,8 +317,7 @@ def build_model(
             f"{model_class.__name__}: {left_on_meta[:5]} were not loaded; the loader does not "
             "cover every parameter of this architecture."
         )
-    if device is not None:
-        cfg.device = str(device)
+    built.sync_cfg_to_weights()  # cfg.dtype and cfg.device as the loaded weights are
     return model.eval()
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +40,15 @@ from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_nor
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.names import (
+    DepthMismatchError,
+    IterationHookName,
+    PatchShapeError,
+    missing_hook_error,
+    warn_block_index_once,
+)
+from dcp_lens.model.noise import causal_noise
+from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.tokenization import encode_text, padding_id
 from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
@@ -58,6 +66,8 @@ ReturnType = Literal["logits", "loss", "both"] | None
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TASK_FILE = "task.json"
+# The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
+NOISE_PREFIX = "noise_prefix"
 
 
 class ResumeError(DCPLensError):
@@ -77,6 +87,39 @@ class IterationHooks(nn.Module):
         self.hook_inject = HookPoint()  # [batch, pos, d_model]
         self.ln_iter = make_norm(cfg) if t > 0 and cfg.iteration_norm != "none" else None
         self.hook_state = HookPoint()  # [batch, pos, d_model]
+
+
+class ViewState:
+    """The number of iterations of the model's active view, shared with its `ViewModuleList`s."""
+
+    def __init__(self) -> None:
+        self.active = -1
+
+
+class ViewModuleList(nn.ModuleList):
+    """``model.blocks`` or ``model.loop`` of the k-iteration view. Reaching an entry by attribute
+    (``getattr(blocks, "6")``, as nnsight's wrappers do) while the model runs another view raises
+    a `DepthMismatchError`: a wrapper built at one depth is traced at that depth."""
+
+    def __init__(
+        self, modules: Sequence[nn.Module] = (), view: ViewState | None = None, k: int = -1
+    ) -> None:
+        super().__init__(modules)  # a slice (blocks[:3]) is a list of no view: view None
+        self.view_state = view
+        self.view_iterations = k
+
+    def __getattr__(self, name: str) -> Any:
+        view = self.__dict__.get("view_state")
+        if view is not None and name.isdigit() and view.active != self.view_iterations:
+            k, active = self.view_iterations, view.active
+            raise DepthMismatchError(
+                f"entry {name} of model.blocks or model.loop of the k = {k} view, while the "
+                f"model runs k = {active}: a wrapper (nnsight's NNsight(model), or a saved "
+                "model.blocks) reaches the blocks of the view it was built in. Build it "
+                f"inside `with model.iterations({active}):` and trace it there, or trace at "
+                f"k = {k}."
+            )
+        return super().__getattr__(name)
 
 
 class HookedRecurrentTransformer(WeightViews, HookedRootModule):
@@ -128,6 +171,8 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         ]
         self._iteration_hooks: list[IterationHooks] = [IterationHooks(cfg, 0)]
         self._active = -1
+        self._view = ViewState()
+        self._view_lists: dict[int, tuple[ViewModuleList, ViewModuleList]] = {}
         self._set_view(cfg.n_iterations)
         self._init_weights()
 
@@ -136,6 +181,18 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     @property
     def cfg(self) -> RecurrentConfig:
         return self._cfg
+
+    @property
+    def config(self) -> RecurrentConfig:
+        """``cfg`` under the name Hugging Face models use (pyvene's `IntervenableModel` reads
+        ``model.config``; `dcp_lens.model.peers` enters the class in pyvene's mappings then)."""
+        register_with_pyvene(type(self))
+        return self._cfg
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights (the embedding's), as Hugging Face models have it."""
+        return self.embed.W_E.device
 
     @property
     def task(self) -> Any:
@@ -173,13 +230,18 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             hooks = IterationHooks(self.cfg, t)
             self._iteration_hooks.append(hooks)
             self._tie_iteration_norm(hooks)
-        core = [block for row in self._core[: k if not self.is_dense else 0] for block in row]
-        self.blocks = nn.ModuleList(self._prelude + core + self._coda)
-        self.loop = nn.ModuleList(self._iteration_hooks[: k + 1])
+        if k not in self._view_lists:  # one pair of lists per view, kept for wrappers built on it
+            rows = self._core[: k if not self.is_dense else 0]
+            core = [block for row in rows for block in row]
+            self._view_lists[k] = (
+                ViewModuleList(self._prelude + core + self._coda, self._view, k),
+                ViewModuleList(self._iteration_hooks[: k + 1], self._view, k),
+            )
+        self.blocks, self.loop = self._view_lists[k]
         # New blocks and containers follow the model's mode (patching refuses a mixed model).
         self.blocks.train(self.training)
         self.loop.train(self.training)
-        self._active = k
+        self._active = self._view.active = k
         self.cfg.n_layers = len(self.blocks)
         # Before blocks[i]: the iteration that ends there (0: the loop is entered), as
         # docs/design.md §2 reads: s_0 = Init(e) at the loop's start, s_t after iteration t's core.
@@ -311,7 +373,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def hook_name(self, iteration: int, layer: int, name: str) -> str:
         """Full hook name of ``name`` (e.g. ``"hook_resid_post"``, ``"attn.hook_pattern"``) in
         core layer ``layer`` at iteration ``iteration``."""
-        return f"blocks.{self.block_index(iteration, layer)}.{name}"
+        return IterationHookName(f"blocks.{self.block_index(iteration, layer)}.{name}")
 
     def state_hook_name(self, t: int) -> str:
         """Hook name of the state after t iterations (t = 0: the initial state).
@@ -321,7 +383,8 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= top:
             raise ValueError(f"t={t!r} must be an int in 0..{top} (the active view).")
         if self.is_dense:
-            return "blocks.0.hook_resid_pre" if t == 0 else f"blocks.{t - 1}.hook_resid_post"
+            name = "blocks.0.hook_resid_pre" if t == 0 else f"blocks.{t - 1}.hook_resid_post"
+            return IterationHookName(name)
         return f"loop.{t}.hook_state"
 
     def inject_hook_name(self, t: int) -> str:
@@ -347,7 +410,15 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
 
     @property
     def b_U(self) -> Tensor:
-        return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
+        """``ln_final.b @ W_U`` (zeros without a LayerNorm bias): the part of every logit that
+        no component of a decomposition carries. The model has no unembedding bias of its own;
+        this is what TransformerLens's "attributions + b_U = logit" needs (see
+        `tokens_to_residual_directions`). ``cache.accumulated_resid(apply_ln=True)`` has passed
+        through ``ln_final``'s bias already: its final entry ``@ W_U`` is the logits."""
+        bias = getattr(self.ln_final, "b", None)
+        if bias is None:
+            return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
+        return bias @ self.W_U
 
     @property
     def W_pos(self) -> Tensor:
@@ -359,7 +430,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
 
     def forward(
         self,
-        input: Tensor | str | list[str],
+        input: Tensor | str | list[str] | None = None,
         return_type: ReturnType = "logits",
         loss_per_token: bool = False,
         *,
@@ -369,6 +440,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         tokens: Int[Tensor, "batch pos"] | None = None,
         prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
         past_kv_cache: KVCache | None = None,
+        input_ids: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -383,7 +455,15 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             stop_at_layer: return the stream entering ``blocks[stop_at_layer]`` instead.
             tokens: the tokens, for the loss when ``input`` is a residual stream.
             past_kv_cache: a `KVCache` to read and extend (generation).
+            input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
+                ``model(**{"input_ids": tokens})``).
         """
+        if input is None:
+            if input_ids is None:
+                raise InputError("pass the tokens as input (or as input_ids=...).")
+            input = input_ids
+        elif input_ids is not None:
+            raise InputError("pass the tokens once: as input or as input_ids, not both.")
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(
@@ -434,7 +514,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, state = self._enter_loop(embedding, tokens)
+                    x, state = self._enter_loop(embedding, tokens, past_kv_cache, offset)
                 elif t is not None:
                     x, state = self._finish_iteration(t, x, embedding)
                 elif self.is_dense and i == n_layers:
@@ -463,9 +543,16 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             x = block(x, rotary, None)
         return self._finish(x, return_type, tokens, loss_per_token)
 
-    def _enter_loop(self, embedding: Tensor, tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def _enter_loop(
+        self,
+        embedding: Tensor,
+        tokens: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        offset: int = 0,
+    ) -> tuple[Tensor, Tensor]:
         """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
-        state = self._iteration_hooks[0].hook_state(self._initial_state(embedding, tokens))
+        initial = self._initial_state(embedding, tokens, kv_cache, offset)
+        state = self._iteration_hooks[0].hook_state(initial)
         return self._next_input(0, state, embedding), state
 
     def _finish_iteration(
@@ -514,32 +601,42 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             f"return_type={return_type!r} is not one of 'logits', 'loss', 'both', None."
         )
 
-    def _initial_state(self, embedding: Tensor, tokens: Tensor | None = None) -> Tensor:
+    def _initial_state(
+        self,
+        embedding: Tensor,
+        tokens: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        offset: int = 0,
+    ) -> Tensor:
+        """s_0: zeros, e, or noise drawn causally (`dcp_lens.model.noise`): position p's noise
+        depends only on ``cfg.state_init_seed``, p and ``tokens[:, :p+1]``, so it is the same in
+        a prefix's forward, in generation with or without a KV cache (the cache carries the
+        prefix state), at any number of iterations and in any batch, slot or right padding."""
         kind = self.cfg.state_init
         if kind == "zeros":
             return torch.zeros_like(embedding)
         if kind == "embed":
             return embedding
-        # Noise keyed by (seed, example): every condition of a paired comparison sees the same
-        # noise, and an example's noise does not depend on its batch, slot or order.
-        std = self.cfg.state_init_std
-        rows = []
-        for b in range(embedding.shape[0]):
-            key = None if tokens is None else tokens[b]
-            generator = torch.Generator().manual_seed(
-                example_noise_seed(self.cfg.state_init_seed, key)
+        state = getattr(kv_cache, NOISE_PREFIX, None) if kv_cache is not None else None
+        if kv_cache is not None and state is None and tokens is not None and offset > 0:
+            raise ResumeError(
+                f"this KV cache holds {offset} positions but not the prefix state the "
+                f"initial-state noise (state_init={kind!r}) continues from; extend only a cache "
+                "this model's forward started (as generate does)."
             )
-            row = torch.randn(embedding.shape[1:], generator=generator, dtype=torch.float32)
-            if kind == "huginn":
-                torch.nn.init.trunc_normal_(
-                    row, std=std, a=-3 * std, b=3 * std, generator=generator
-                )
-                row = row * self.cfg.embed_scale
-            else:
-                row = row * std
-            rows.append(row)
-        noise = torch.stack(rows)
-        return noise.to(device=embedding.device, dtype=embedding.dtype)
+        noise, after = causal_noise(
+            tokens,
+            embedding.shape[1],
+            embedding.shape[2],
+            self.cfg.state_init_seed,
+            truncated=kind == "huginn",
+            state=state,
+            batch=embedding.shape[0],
+        )
+        if kv_cache is not None and after is not None:
+            setattr(kv_cache, NOISE_PREFIX, after)
+        scale = self.cfg.state_init_std * (self.cfg.embed_scale if kind == "huginn" else 1.0)
+        return (noise * scale).to(device=embedding.device, dtype=embedding.dtype)
 
     def _embed(self, tokens: Tensor, offset: int) -> Tensor:
         x = self.hook_embed(self.embed(tokens))
@@ -628,6 +725,21 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
         return super().cuda(device)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """Every move or cast (``.to``, ``.half``, ``.float``, ``.cuda``, ``.cpu``) ends here:
+        ``cfg.dtype`` and ``cfg.device`` then follow the weights, as TransformerLens keeps them."""
+        result = super()._apply(fn, recurse)
+        self.sync_cfg_to_weights()
+        return result
+
+    def sync_cfg_to_weights(self) -> None:
+        """Set ``cfg.dtype`` and ``cfg.device`` to the embedding's (a model on meta keeps both)."""
+        weight = self.embed.W_E
+        if weight.device.type == "meta":
+            return
+        self.cfg.dtype = weight.dtype
+        self.cfg.device = str(weight.device)
+
     # ------------------------------------------------------------ TransformerLens surface
 
     def run_with_cache(
@@ -668,12 +780,52 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             )
 
     def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
-        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given."""
+        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given.
+
+        A name another view has raises a `DepthMismatchError` saying which ``k`` has it, and a
+        forward hook returning a tensor of another shape than its activation raises a
+        `PatchShapeError` at that hook (its name and both shapes)."""
+        for name, _ in kwargs.get("fwd_hooks", []):
+            warn_block_index_once(self, name)
         n_iterations = kwargs.pop("n_iterations", None)
         if n_iterations is not None and not self.is_dense:
             with self.iterations(n_iterations):
                 return super().run_with_hooks(*model_args, **kwargs)
         return super().run_with_hooks(*model_args, **kwargs)
+
+    @contextlib.contextmanager
+    def hooks(
+        self,
+        fwd_hooks: Sequence[tuple[Any, Any]] = (),
+        bwd_hooks: Sequence[tuple[Any, Any]] = (),
+        reset_hooks_end: bool = True,
+        clear_contexts: bool = False,
+    ) -> Iterator[HookedRecurrentTransformer]:
+        """TransformerLens's ``hooks`` context, with names checked against the active view and
+        forward hooks checked for the shape they return (see `run_with_hooks`)."""
+        checked = [(self._checked_name(name), _shape_checked(hook)) for name, hook in fwd_hooks]
+        backward = [(self._checked_name(name), hook) for name, hook in bwd_hooks]
+        with super().hooks(checked, backward, reset_hooks_end, clear_contexts):
+            yield self
+
+    def add_hook(  # type: ignore[override]
+        self,
+        name: Any,
+        hook: Any,
+        dir: Literal["fwd", "bwd"] = "fwd",
+        is_permanent: bool = False,
+        level: int | None = None,
+        prepend: bool = False,
+    ) -> None:
+        """TransformerLens's ``add_hook``, with the checks of `run_with_hooks`."""
+        warn_block_index_once(self, name)
+        hook = _shape_checked(hook) if dir == "fwd" else hook
+        super().add_hook(self._checked_name(name), hook, dir, is_permanent, level, prepend)
+
+    def _checked_name(self, name: Any) -> Any:
+        if isinstance(name, str) and name not in self.mod_dict:
+            raise missing_hook_error(self, name)
+        return name
 
     def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
         """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
@@ -777,18 +929,19 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def tokens_to_residual_directions(
         self, tokens: str | int | Tensor
     ) -> Float[Tensor, "*tokens d_model"]:
-        """The direction in the stream entering ``ln_final`` that each token's logit reads:
-        ``ln_final.w * W_U[:, token]`` (the final norm's weight folded in, as TransformerLens's
-        folded models have it), shape ``tokens.shape + (d_model,)``.
+        """The unembedding column ``W_U[:, token]`` of each token, shape ``tokens.shape +
+        (d_model,)``: the direction each token's logit reads in what ``ln_final`` returns.
 
-        So `ActivationCache.logit_attrs` of the final stream (scaled by the cached
-        ``ln_final.hook_scale``) is that token's logit less the constant ``ln_final.b @ W_U``."""
+        The final norm is not folded into the model's weights, and one convention composes:
+        a whole stream normalised by ``ln_final`` (``cache.accumulated_resid(apply_ln=True)``)
+        times these directions is the logits, so a difference of two is the logit difference;
+        the components of a decomposition, scaled by ``apply_ln_to_stack(layer=-1)`` (the
+        cached scale and ``ln_final``'s weight), times them sum to the logit less ``b_U``
+        (``ln_final``'s bias, which no component carries): attributions + ``b_U`` = logit."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
         index = torch.as_tensor(tokens, device=self.W_U.device)
-        directions = self.W_U[:, index].movedim(0, -1)
-        weight = getattr(self.ln_final, "w", None)  # NoNorm has none
-        return directions if weight is None else directions * weight
+        return self.W_U[:, index].movedim(0, -1)
 
     def accumulated_bias(
         self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
@@ -1008,16 +1161,41 @@ def sampling_logits(
     return logits
 
 
-def example_noise_seed(seed: int, tokens: Tensor | None) -> int:
-    """The seed of one example's initial-state noise: a hash of ``seed`` and the example's token
-    ids ([pos]), so the draw follows the example, not its batch or slot. Without tokens (a
-    forward resumed from a residual stream) it is ``seed`` itself."""
-    if tokens is None:
-        return int(seed)
-    digest = hashlib.sha256(
-        f"{int(seed)}:".encode() + tokens.detach().cpu().long().numpy().tobytes()
-    )
-    return int.from_bytes(digest.digest()[:8], "little") & (2**63 - 1)
+def _shape_checked(hook: Any) -> Any:
+    """``hook`` with what it returns checked against the activation's shape."""
+    if getattr(hook, "shape_checked", False):
+        return hook
+
+    def checked(activation: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = hook(activation, *args, **kwargs)
+        except RuntimeError as error:
+            if "size" not in str(error) or not isinstance(activation, Tensor):
+                raise
+            name = getattr(kwargs.get("hook"), "name", None) or "a hook point"
+            raise PatchShapeError(
+                f"the hook on {name} failed on its activation of shape "
+                f"{tuple(activation.shape)}: {error} (a patch cached from a prompt of another "
+                "length or batch must be sliced or padded to this run's positions first)."
+            ) from error
+        if (
+            isinstance(result, Tensor)
+            and isinstance(activation, Tensor)
+            and result.shape != activation.shape
+        ):
+            point = kwargs.get("hook")
+            name = getattr(point, "name", None) or "a hook point"
+            raise PatchShapeError(
+                f"the hook on {name} returned a tensor of shape {tuple(result.shape)}, but the "
+                f"activation it replaces has shape {tuple(activation.shape)}; return a tensor of "
+                "that shape (a patch cached from a prompt of another length or batch must be "
+                "sliced or padded to this run's positions first)."
+            )
+        return result
+
+    checked.shape_checked = True  # type: ignore[attr-defined]
+    checked.__name__ = repr(hook)
+    return checked
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:

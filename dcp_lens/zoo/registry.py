@@ -63,6 +63,13 @@ def load(spec: str, **overrides: Any) -> Any:
         return _named(LOADERS[kind](argument, **overrides), spec)
     if spec in NAMED:
         return _named(NAMED[spec](**overrides), spec)
+    foreign = foreign_checkpoint(spec)
+    if foreign is not None:
+        kind, what = foreign
+        raise ConfigError(
+            f"{spec!r} holds {what}, not a dcp-lens model folder; load it with its kind's "
+            f"prefix: load({kind + ':' + spec!r})."
+        )
     if Path(spec).is_dir():
         from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
         from dcp_lens.tasks import check_task_config
@@ -76,6 +83,36 @@ def load(spec: str, **overrides: Any) -> Any:
         f"{sorted(k + ':…' for k in LOADERS)}, a bundled name {sorted(NAMED)}, or a folder "
         "written by save_pretrained."
     )
+
+
+def foreign_checkpoint(path: str) -> tuple[str, str] | None:
+    """(loader kind, what it is) when ``path`` is a checkpoint a registered loader reads rather
+    than a `save_pretrained` folder: a Huginn or Ouro ``config.json``, or llama2.c ``.bin``
+    files; None otherwise (nothing is read but ``config.json``)."""
+    import json
+
+    location = Path(path)
+    folder = location.parent if location.is_file() else location
+    if location.is_file() and location.suffix == ".bin":
+        return "llama2c", "a llama2.c checkpoint"
+    config = folder / "config.json"
+    if not config.is_file():
+        bins = sorted(folder.glob("*.bin")) if folder.is_dir() else []
+        if bins:
+            return "llama2c", f"llama2.c checkpoint files ({', '.join(b.name for b in bins)})"
+        return None
+    try:
+        fields = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    model_type = str(fields.get("model_type", "")).lower()
+    if fields.get("architecture_class_name") == "RecurrentGPT" or "huginn" in model_type:
+        return "huginn", "a Huginn checkpoint (config.json is a RavenConfig)"
+    if model_type.startswith("ouro"):
+        return "ouro", f"an Ouro checkpoint (config.json has model_type {model_type!r})"
+    return None
 
 
 def _named(model: Any, spec: str) -> Any:

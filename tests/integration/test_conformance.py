@@ -35,6 +35,7 @@ from helpers import data_path  # noqa: E402
 from dcp_lens import load  # noqa: E402
 from dcp_lens.model import stream as stream_module  # noqa: E402
 from dcp_lens.model.cache import RecurrentActivationCache  # noqa: E402
+from dcp_lens.model.names import DepthMismatchError, PatchShapeError  # noqa: E402
 from dcp_lens.model.weights import WeightViews  # noqa: E402
 from dcp_lens.utils.errors import DCPLensError  # noqa: E402
 
@@ -196,10 +197,8 @@ def _apply_ln(ctx: Context) -> str:
     close(scaled.sum(0), x / cache[f"blocks.{layer}.ln1.hook_scale"], "block input")
     final = cache.apply_ln_to_stack(cache.decompose_resid())
     direction = model.tokens_to_residual_directions(torch.arange(model.cfg.d_vocab))
-    bias = getattr(model.ln_final, "b", None)
-    constant = 0 if bias is None else bias @ model.W_U
-    close(final.sum(0) @ direction.T + constant, ctx.logits, "final stack -> logits")
-    return "scaled components sum to the block's normalised input; final -> logits"
+    close(final.sum(0) @ direction.T + model.b_U, ctx.logits, "final stack -> logits")
+    return "scaled components sum to the block's normalised input; final @ W_U + b_U = logits"
 
 
 @check("ActivationCache.logit_attrs")
@@ -207,16 +206,14 @@ def _logit_attrs(ctx: Context) -> str:
     model, cache = ctx.model, ctx.cache
     targets = ctx.tokens
     attrs = cache.logit_attrs(cache.decompose_resid(), targets)
-    bias = getattr(model.ln_final, "b", None)
-    constant = 0 if bias is None else (bias @ model.W_U)[targets]
-    expected = ctx.logits.gather(-1, targets[..., None])[..., 0] - constant
-    close(attrs.sum(0), expected, "sum of logit_attrs")
+    expected = ctx.logits.gather(-1, targets[..., None])[..., 0]
+    close(attrs.sum(0) + model.b_U[targets], expected, "sum of logit_attrs + b_U")
     wrong = (targets + 1) % model.cfg.d_vocab
     diff = cache.logit_attrs(cache.decompose_resid(), targets, incorrect_tokens=wrong)
     wrong_logit = ctx.logits.gather(-1, wrong[..., None])[..., 0]
-    wrong_constant = 0 if bias is None else (bias @ model.W_U)[wrong]
-    close(diff.sum(0), expected - wrong_logit + wrong_constant, "logit difference attribution")
-    return "attributions of all components sum to the token's logit (less ln_final.b @ W_U)"
+    gap = model.b_U[targets] - model.b_U[wrong]
+    close(diff.sum(0) + gap, expected - wrong_logit, "logit difference attribution")
+    return "attributions of all components + b_U[token] = the token's logit"
 
 
 @check("ActivationCache.stack_head_results")
@@ -728,6 +725,207 @@ def _composition(ctx: Context) -> str:
     return "an entry = ||OV W|| / (||OV|| ||W||) by hand; zero where not earlier"
 
 
+# --------------------------------------------------------------- workflows at realistic lengths
+# Calls in the combinations TransformerLens's tutorials use them, on prompts of 32 tokens (the
+# context allowing) and 16 generated: the invariants a patching or lens experiment relies on.
+
+LONG, NEW = 32, 16
+
+
+def long_tokens(ctx: Context, batch: int = 8, length: int = LONG) -> Tensor:
+    """[batch, length] random ids, length capped by the model's context."""
+    length = min(length, ctx.model.cfg.n_ctx)
+    generator = torch.Generator().manual_seed(5)
+    return torch.randint(2, ctx.model.cfg.d_vocab, (batch, length), generator=generator)
+
+
+@check("workflow.prefix_invariance")
+def _prefix(ctx: Context) -> str:
+    tokens = long_tokens(ctx, batch=4)
+    full = ctx.model(tokens)
+    for p in range(1, tokens.shape[1] + 1):
+        close(full[:, :p], ctx.model(tokens[:, :p]), f"model(t)[:, :{p}] vs model(t[:, :{p}])")
+    with ctx.model.iterations(6):
+        deeper = ctx.model(tokens)
+        close(deeper[:, :9], ctx.model(tokens[:, :9]), "prefix under model.iterations(6)")
+    return f"model(t)[:, :p] = model(t[:, :p]) for every p <= {tokens.shape[1]}, and at k = 6"
+
+
+@check("workflow.generate_kv_equals_no_kv")
+def _generate_long(ctx: Context) -> str:
+    model = ctx.model
+    prompt = long_tokens(ctx, length=min(LONG, model.cfg.n_ctx - NEW))
+    with_cache = model.generate(prompt, NEW, use_past_kv_cache=True)
+    assert torch.equal(with_cache, model.generate(prompt, NEW, use_past_kv_cache=False))
+    tokens = prompt
+    for _ in range(NEW):  # the argmax loop by hand
+        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(with_cache, tokens)
+    with model.iterations(6):
+        a = model.generate(prompt[:2], 4, use_past_kv_cache=True)
+        assert torch.equal(a, model.generate(prompt[:2], 4, use_past_kv_cache=False))
+    return (
+        f"{prompt.shape[0]} prompts of {prompt.shape[1]} tokens, {NEW} new: KV = no KV = an "
+        "argmax loop by hand (also at k = 6)"
+    )
+
+
+@check("workflow.test_prompt_ranks")
+def _test_prompt_long(ctx: Context) -> str:
+    model = ctx.model
+    prompt = ctx.prompt  # repeated up to LONG tokens, the context allowing (and the answer)
+    while len(model.to_tokens(prompt)[0]) < LONG:
+        longer = prompt + " " + ctx.prompt
+        if len(model.to_tokens(longer)[0]) > model.cfg.n_ctx - 2:
+            break
+        prompt = longer
+    prompt_tokens = model.to_tokens(prompt)
+    answer = model.to_single_str_token(7)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tl_utils.test_prompt(prompt, answer, model, prepend_space_to_answer=False)
+    line = next(x for x in printed.getvalue().splitlines() if "Ranks of the answer" in x)
+    ranks = ast.literal_eval(line.split(":", 1)[1].strip())
+    logits = model(prompt_tokens)[0, -1]  # the prompt alone: its last position
+    expected = int((logits > logits[7]).sum())
+    assert ranks[0][1] == expected, (ranks, expected)
+    return f"a {prompt_tokens.shape[1]}-token prompt: printed rank = its rank in model(prompt)"
+
+
+@check("workflow.full_patch_gives_clean")
+def _full_patch(ctx: Context) -> str:
+    model = ctx.model
+    clean = long_tokens(ctx, batch=2)
+    corrupted = clean.clone()
+    corrupted[:, [1, clean.shape[1] // 2]] += 1
+    logits, cache = model.run_with_cache(clean)
+    names = ["hook_embed", "loop.0.hook_state"]
+    names += ["hook_pos_embed"] if model.pos_embed is not None else []
+
+    def restore(activation: Tensor, hook: Any) -> Tensor:
+        return cache[hook.name]
+
+    patched = model.run_with_hooks(corrupted, fwd_hooks=[(n, restore) for n in names])
+    close(patched, logits, "every position's embeddings and s_0 patched from clean")
+    assert (model(corrupted) - logits).abs().max() > 1e-3  # the corruption mattered
+    return "clean embeddings and s_0 at every position in the corrupted run = the clean logits"
+
+
+@check("workflow.batch_order_padding_invariance")
+def _batch(ctx: Context) -> str:
+    model = ctx.model
+    tokens = long_tokens(ctx)
+    logits = model(tokens)
+    order = torch.tensor([5, 2, 7, 0, 1, 6, 3, 4])
+    close(model(tokens[order]), logits[order], "shuffled batch")
+    close(model(tokens[3:4]), logits[3:4], "one example alone")
+    cut = tokens.shape[1] - 6
+    padded = torch.cat([tokens[:, :cut], torch.zeros_like(tokens[:, cut:])], dim=1)
+    close(model(padded)[:, :cut], logits[:, :cut], "right padding")
+    return "an example's logits do not depend on its batch, order or right padding"
+
+
+def _answers(ctx: Context) -> tuple[Tensor, Tensor, Tensor, RecurrentActivationCache]:
+    tokens = long_tokens(ctx, batch=2)
+    logits, cache = ctx.model.run_with_cache(tokens)
+    return tokens, logits, torch.tensor([3, 9]), cache
+
+
+@check("workflow.logit_difference_lens")
+def _logit_diff(ctx: Context) -> str:
+    model = ctx.model
+    tokens, logits, answers, cache = _answers(ctx)
+    direction = model.tokens_to_residual_directions(answers[0]) - (
+        model.tokens_to_residual_directions(answers[1])
+    )
+    stack = cache.accumulated_resid(apply_ln=True)
+    difference = logits[..., answers[0]] - logits[..., answers[1]]
+    close(stack[-1] @ direction, difference, "accumulated_resid(apply_ln=True) @ directions")
+    close(stack[-1] @ model.W_U, logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
+    return "accumulated_resid(apply_ln=True)[-1] @ (dir(a) - dir(b)) = the logit difference"
+
+
+@check("workflow.apply_ln_to_stack_then_directions")
+def _ln_stack(ctx: Context) -> str:
+    model = ctx.model
+    tokens, logits, answers, cache = _answers(ctx)
+    parts = cache.apply_ln_to_stack(cache.decompose_resid(), layer=-1)
+    direction = model.tokens_to_residual_directions(answers)  # [2, d_model]
+    attributed = (parts.sum(0) @ direction.T) + model.b_U[answers]
+    close(attributed, logits[..., answers], "apply_ln_to_stack(layer=-1) @ directions + b_U")
+    return "decompose_resid -> apply_ln_to_stack(layer=-1) @ directions + b_U = the logits"
+
+
+@check("workflow.head_and_neuron_attribution_plus_b_U")
+def _attribution(ctx: Context) -> str:
+    model = ctx.model
+    tokens, logits, answers, cache = _answers(ctx)
+    direction = model.tokens_to_residual_directions(answers[0])
+    target = logits[..., answers[0]]
+    heads = cache.stack_head_results(layer=-1, incl_remainder=True, apply_ln=True)
+    close((heads @ direction).sum(0) + model.b_U[answers[0]], target, "heads + remainder + b_U")
+    neurons = cache.stack_neuron_results(layer=-1, incl_remainder=True, apply_ln=True)
+    close((neurons @ direction).sum(0) + model.b_U[answers[0]], target, "neurons + rest + b_U")
+    assert (heads[:-1] @ direction).abs().sum() > 0
+    return "per-head and per-neuron attributions (with the remainder) + b_U = the logit"
+
+
+@check("workflow.patching_inside_another_view")
+def _patch_deeper(ctx: Context) -> str:
+    model = ctx.model
+    if model.is_dense:
+        return "dense model: no other depth"
+    with model.iterations(6):
+        _, clean_cache = model.run_with_cache(ctx.clean)
+        result = patching.get_act_patch_resid_pre(model, ctx.corrupted, clean_cache, ctx.metric)
+        layer = model.block_index(6, 0)
+        hook = f"blocks.{layer}.hook_resid_pre"
+
+        def patch(activation: Tensor, hook: Any) -> Tensor:
+            activation = activation.clone()
+            activation[:, 1] = clean_cache[hook.name][:, 1]
+            return activation
+
+        expected = ctx.metric(model.run_with_hooks(ctx.corrupted, fwd_hooks=[(hook, patch)]))
+        assert abs(float(result[layer, 1]) - float(expected)) <= ATOL
+    return "inside model.iterations(6), a cache recorded there: entry = a hand patch at k = 6"
+
+
+@check("workflow.mixed_depths_say_so")
+def _mixed(ctx: Context) -> str:
+    model = ctx.model
+    if model.is_dense:
+        return "dense model: one depth only"
+    r = model.n_iterations
+    with model.iterations(r + 2):
+        try:
+            patching.get_act_patch_resid_pre(model, ctx.corrupted, ctx.clean_cache, ctx.metric)
+        except DepthMismatchError as error:
+            assert f"k = {r}" in str(error) and f"k = {r + 2}" in str(error), error
+        else:
+            raise AssertionError("a cache of another depth was used silently")
+    deeper = f"blocks.{model.cfg.layers_for(r + 2) - 1}.hook_resid_pre"
+    try:
+        model.run_with_hooks(ctx.clean, fwd_hooks=[(deeper, lambda a, hook: a)])
+    except DepthMismatchError as error:
+        assert f"k = {r}" in str(error) and "model.iterations" in str(error), error
+    else:
+        raise AssertionError("a hook name of another depth was accepted")
+    longer = long_tokens(ctx, batch=1, length=12)
+    _, long_cache = model.run_with_cache(longer)
+    name = model.hook_name(2, 0, "hook_resid_pre")
+    try:
+        model.run_with_hooks(ctx.clean, fwd_hooks=[(name, lambda a, hook: long_cache[hook.name])])
+    except PatchShapeError as error:
+        assert name in str(error) and "(1, 12," in str(error) and "(1, 3," in str(error)
+    else:
+        raise AssertionError("a patch of another shape was accepted")
+    return (
+        "a cache or hook name of another depth, or a patch of another shape: a DCPLensError "
+        "naming both depths (or shapes) and the fix"
+    )
+
+
 # -------------------------------------------------------------------------------- runner
 
 _OUTCOMES: dict[tuple[str, str], tuple[str, str]] = {}
@@ -819,6 +1017,11 @@ def test_call_is_checked_or_refused(call: str, model: str) -> None:
         "ActivationCache.get_full_resid_decomposition",
         "ActivationCache.logit_attrs",
         "ActivationCache.accumulated_resid",
+        "workflow.logit_difference_lens",
+        "workflow.apply_ln_to_stack_then_directions",
+        "workflow.head_and_neuron_attribution_plus_b_U",
+        "workflow.full_patch_gives_clean",
+        "workflow.mixed_depths_say_so",
     ],
 )
 @pytest.mark.parametrize("model", list(MODELS))

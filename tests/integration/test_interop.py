@@ -8,6 +8,7 @@ from helpers import make_model, tokens_for
 from transformer_lens import patching
 
 from dcp_lens.lenses.interop import splice_hooks, split_by_iteration
+from dcp_lens.model.names import DepthMismatchError
 
 
 def test_split_by_iteration_regroups_transformer_lens_patching():
@@ -104,3 +105,68 @@ def test_splice_a_plain_callable_and_refuse_anything_else():
     assert torch.allclose(halved, model.run_with_hooks(tokens, fwd_hooks=by_hand), atol=1e-12)
     with pytest.raises(TypeError, match="encode/decode"):
         splice_hooks(model, object())
+
+
+# ----------------------------------------------------------------------------- peers
+
+
+def _huginn():
+    from helpers import data_path
+
+    from dcp_lens import load
+
+    return load(f"huginn:{data_path('fixtures', 'huginn_tiny')}").eval()
+
+
+def test_pyvene_interchange_and_zero_interventions_equal_hand_written_hooks():
+    pv = pytest.importorskip("pyvene", reason="pyvene is not installed (pip install pyvene)")
+    model = _huginn()
+    generator = torch.Generator().manual_seed(0)
+    base, source = torch.randint(0, model.cfg.d_vocab, (2, 1, 12), generator=generator)
+    # pyvene's documented usage, unmodified: a component at a layer, dicts of input_ids.
+    config = {"layer": 3, "component": "block_output", "intervention_type": pv.VanillaIntervention}
+    patched = pv.IntervenableModel(config, model=model)
+    _, out = patched({"input_ids": base}, [{"input_ids": source}], {"sources->base": 5})
+    _, cache = model.run_with_cache(source)
+
+    def swap(activation, hook):
+        activation = activation.clone()
+        activation[:, 5] = cache[hook.name][:, 5]
+        return activation
+
+    expected = model.run_with_hooks(base, fwd_hooks=[("blocks.3.hook_resid_post", swap)])
+    assert (out - expected).abs().max() <= 1e-5
+    assert (out - model(base)).abs().max() > 1e-3  # the intervention did something
+    # Any module path works too: zero iteration 2's state at position 3.
+    zero = {"component": "loop[2].hook_state.output", "intervention_type": pv.ZeroIntervention}
+    _, out = pv.IntervenableModel(zero, model=model)(
+        {"input_ids": base}, unit_locations={"base": 3}
+    )
+
+    def zero_at_3(activation, hook):
+        return activation.index_fill(1, torch.tensor([3]), 0.0)
+
+    expected = model.run_with_hooks(base, fwd_hooks=[("loop.2.hook_state", zero_at_3)])
+    assert (out - expected).abs().max() <= 1e-5
+
+
+def test_nnsight_inside_the_view_it_traces_equals_the_hooks_and_across_views_says_so():
+    nnsight = pytest.importorskip(
+        "nnsight", reason="nnsight is not installed (pip install nnsight)"
+    )
+    model = _huginn()
+    tokens = torch.randint(
+        0, model.cfg.d_vocab, (1, 12), generator=torch.Generator().manual_seed(1)
+    )
+    with model.iterations(6):
+        wrapped = nnsight.NNsight(model)  # built inside the view it traces
+        with wrapped.trace(tokens):
+            block = wrapped.blocks[12].hook_resid_pre.output.save()  # in forward order
+            state = wrapped.loop[6].hook_state.output.save()
+        _, cache = model.run_with_cache(tokens)
+        assert (state - cache["loop.6.hook_state"]).abs().max() <= 1e-5
+        assert (block - cache[model.hook_name(6, 0, "hook_resid_pre")]).abs().max() <= 1e-5
+    early = nnsight.NNsight(model)  # built at r = 4
+    with model.iterations(6), pytest.raises(DepthMismatchError, match=r"k = 4 view.*k = 6"):
+        with early.trace(tokens):
+            early.loop[6].hook_state.output.save()

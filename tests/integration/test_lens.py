@@ -16,6 +16,7 @@ from dcp_lens.lenses.lens import (
     prediction_trajectory,
     protocol_calibrations,
 )
+from dcp_lens.model.names import DepthMismatchError
 
 
 def lens_model():
@@ -55,7 +56,7 @@ def test_lens_from_a_cache_equals_the_lens_from_tokens_and_differs_from_tl_accum
 def test_a_cache_from_another_view_is_refused_with_a_hint():
     model = lens_model()
     _, cache = model.run_with_cache(tokens_for(model), n_iterations=2)
-    with pytest.raises(KeyError, match="model.iterations"):
+    with pytest.raises(DepthMismatchError, match=r"k = 2 .* k = 4,.*model.iterations\(2\)"):
         logit_lens(model, cache)
     with model.iterations(2):
         assert logit_lens(model, cache).shape[0] == 3

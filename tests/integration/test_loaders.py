@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -22,8 +23,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dcp_lens import HookedRecurrentTransformer, load
+from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.llama2c_format import read_llama2c_checkpoint
 from dcp_lens.zoo.loaders.ouro import ExitOutputs, OuroRecurrentTransformer, exit_distribution
+from dcp_lens.zoo.registry import foreign_checkpoint
 
 HUGINN = data_path("fixtures", "huginn_tiny")
 OURO = data_path("fixtures", "ouro_tiny")
@@ -402,3 +405,33 @@ def test_ouro_parameter_counts_on_meta(real_scale: ModuleType) -> None:
     assert real_scale.count_parameters(small) == sum(real_scale.ouro_breakdown(small.cfg).values())
     large = real_scale.build_on_meta(real_scale.ouro_2p6b_config(), OuroRecurrentTransformer)
     assert real_scale.count_parameters(large) == 2_667_974_657  # "2.6B"
+
+
+# ------------------------------------------------------------- checkpoints without a prefix
+
+
+@pytest.mark.parametrize(
+    ("folder", "kind", "what"),
+    [
+        ("huginn_tiny", "huginn", "Huginn checkpoint"),
+        ("ouro_tiny", "ouro", "Ouro checkpoint"),
+        ("stories260K", "llama2c", "llama2.c checkpoint"),
+    ],
+)
+def test_a_checkpoint_loaded_without_its_prefix_names_the_spec_to_use(folder, kind, what):
+    path = data_path("fixtures", folder) if folder.endswith("_tiny") else data_path(folder)
+    with pytest.raises(ConfigError, match=rf"{what}.*load\('{kind}:{re.escape(str(path))}'\)"):
+        load(str(path))
+    if kind == "llama2c":
+        with pytest.raises(ConfigError, match="llama2c:"):
+            load(str(path / "stories260K.bin"))
+    assert foreign_checkpoint(str(path))[0] == kind
+    load(f"{kind}:{path}")  # the spec the error names loads
+
+
+def test_a_dcp_lens_folder_is_not_taken_for_a_foreign_checkpoint(tmp_path):
+    from helpers import make_model
+
+    make_model().save_pretrained(tmp_path / "model")
+    assert foreign_checkpoint(str(tmp_path / "model")) is None
+    assert load(str(tmp_path / "model")).cfg.n_core == 2

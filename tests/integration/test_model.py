@@ -6,10 +6,20 @@ import itertools
 
 import pytest
 import torch
-from helpers import make_model, tokens_for
+from helpers import data_path, make_model, tokens_for
 from reference import reference_forward
+from transformer_lens import patching
 
-from dcp_lens import HookedRecurrentTransformer, RecurrentConfig
+from dcp_lens import HookedRecurrentTransformer, RecurrentConfig, load
+from dcp_lens.model import names as names_module
+from dcp_lens.model.components.attention import KVCache
+from dcp_lens.model.hooked_recurrent_transformer import ResumeError
+from dcp_lens.model.names import (
+    BlockIndexWarning,
+    DepthMismatchError,
+    HookNameError,
+    PatchShapeError,
+)
 
 # Equivalence is checked in float64, where any real mistake is many orders above 1e-5.
 TOL = 1e-5
@@ -266,3 +276,173 @@ def test_capture_states_can_stop_after_the_last_state_and_leaves_no_hook():
         assert torch.equal(early, states[[2, 0]])
         torch.testing.assert_close(model.readout(stopped[-1]), logits, rtol=0, atol=1e-12)
     assert all(not point.fwd_hooks for point in model.hook_dict.values())
+
+
+# ------------------------------------------------- the causal initial state (Huginn fixture)
+
+
+@pytest.fixture(scope="module")
+def huginn() -> HookedRecurrentTransformer:
+    """The Huginn fixture with its default load: state_init="huginn", noise on."""
+    model = load(f"huginn:{data_path('fixtures', 'huginn_tiny')}").eval()
+    assert model.cfg.state_init == "huginn"
+    return model
+
+
+def prompts(model: HookedRecurrentTransformer, batch: int = 8, pos: int = 32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(11)
+    return torch.randint(0, model.cfg.d_vocab, (batch, pos), generator=generator)
+
+
+@torch.no_grad()
+def test_every_prefix_gives_the_logits_of_the_longer_forward(huginn):
+    tokens = prompts(huginn)
+    full = huginn(tokens)
+    worst = max(
+        (full[:, :p] - huginn(tokens[:, :p])).abs().max().item()
+        for p in range(1, tokens.shape[1] + 1)
+    )
+    assert worst <= 1e-5
+    # The noise is there and causal: changing the last token leaves earlier states alone.
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % huginn.cfg.d_vocab
+    _, cache = huginn.run_with_cache(tokens)
+    _, other = huginn.run_with_cache(changed)
+    state, moved = cache["loop.0.hook_state"], other["loop.0.hook_state"]
+    assert state.abs().max() > 0.5 and torch.equal(state[:, :-1], moved[:, :-1])
+    assert (state[:, -1] - moved[:, -1]).abs().max() > 0.1
+
+
+@torch.no_grad()
+def test_generation_with_and_without_the_kv_cache_agree_on_long_prompts(huginn):
+    tokens = prompts(huginn)
+    with_cache = huginn.generate(tokens, 16, use_past_kv_cache=True)
+    without = huginn.generate(tokens, 16, use_past_kv_cache=False)
+    assert with_cache.shape == (8, 48) and torch.equal(with_cache, without)
+    with huginn.iterations(6):
+        deeper = huginn.generate(tokens[:2], 8, use_past_kv_cache=True)
+        assert torch.equal(deeper, huginn.generate(tokens[:2], 8, use_past_kv_cache=False))
+        assert (huginn(tokens)[:, :10] - huginn(tokens[:, :10])).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_an_example_draws_its_noise_whatever_its_batch_order_or_padding(huginn):
+    tokens = prompts(huginn)
+    logits = huginn(tokens)
+    order = torch.tensor([5, 2, 7, 0, 1, 6, 3, 4])
+    assert (huginn(tokens[order]) - logits[order]).abs().max() <= 1e-5
+    assert (huginn(tokens[3:4]) - logits[3:4]).abs().max() <= 1e-5
+    padded = torch.cat([tokens[:, :20], torch.zeros(8, 12, dtype=torch.long)], dim=1)
+    assert (huginn(padded)[:, :20] - logits[:, :20]).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_the_seed_moves_the_noise_as_the_sweeps_noise_draws_need(huginn):
+    tokens = prompts(huginn, batch=2)
+    _, cache = huginn.run_with_cache(tokens)
+    seed = huginn.cfg.state_init_seed
+    huginn.cfg.state_init_seed = seed + 1_000_003
+    try:
+        _, moved = huginn.run_with_cache(tokens)
+    finally:
+        huginn.cfg.state_init_seed = seed
+    first, second = cache["loop.0.hook_state"], moved["loop.0.hook_state"]
+    assert (first - second).abs().mean() > 0.3  # two independent draws
+    # Huginn's truncated normal: std * sqrt(d_model)-scaled, within three standard deviations.
+    scale = huginn.cfg.state_init_std * huginn.cfg.embed_scale
+    assert abs(first.std().item() / scale - 0.9866) < 0.03
+    assert first.abs().max().item() <= 3 * scale + 1e-5
+    assert abs(first.mean().item()) < 0.05 * scale
+
+
+def test_a_kv_cache_without_the_noise_prefix_is_refused(huginn):
+    tokens = prompts(huginn, batch=1, pos=6)
+    cache = KVCache(huginn.cfg.n_layers)
+    huginn(tokens, past_kv_cache=cache)
+    del cache.noise_prefix  # as a cache filled by something else would be
+    with pytest.raises(ResumeError, match="prefix state"):
+        huginn(tokens[:, :1], past_kv_cache=cache)
+
+
+# ---------------------------------------------------------- dtype, device, depth, shapes
+
+
+def test_cfg_dtype_and_device_follow_the_weights():
+    model = load(f"huginn:{data_path('fixtures', 'huginn_tiny')}", dtype="bfloat16")
+    assert model.cfg.dtype == torch.bfloat16 and model.cfg.device == "cpu"
+    for cast, dtype in (
+        (lambda m: m.float(), torch.float32),
+        (lambda m: m.half(), torch.float16),
+        (lambda m: m.to(torch.float64), torch.float64),
+        (lambda m: m.cpu(), torch.float64),
+    ):
+        cast(model)
+        assert model.cfg.dtype == dtype == model.W_E.dtype and model.cfg.device == "cpu"
+    assert model.device == model.W_E.device and model.config is model.cfg
+
+
+def test_a_cache_used_at_another_depth_names_both_depths():
+    model = make_model()
+    tokens = tokens_for(model, batch=1, pos=6)
+    _, cache = model.run_with_cache(tokens)
+    with model.iterations(6), pytest.raises(DepthMismatchError, match=r"k = 4.*k = 6"):
+        patching.get_act_patch_resid_pre(model, tokens, cache, lambda logits: logits[0, -1, 0])
+    with model.iterations(2), pytest.raises(DepthMismatchError, match="iterations\\(4\\)"):
+        cache.decompose_resid()
+    with model.iterations(4):  # the recorded depth: fine
+        assert cache.decompose_resid().shape[1:] == (1, 6, model.cfg.d_model)
+    assert torch.equal(cache["loop.2.hook_state"], cache[model.state_hook_name(2)])
+
+
+def test_a_hook_name_of_another_depth_says_which_depth_has_it():
+    model = make_model()
+    tokens = tokens_for(model, batch=1, pos=6)
+    with pytest.raises(DepthMismatchError, match=r"k = 4 .*k >= 6"):
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.12.hook_resid_pre", lambda a, hook: a)])
+    with pytest.raises(DepthMismatchError, match="k >= 7"):
+        model.run_with_hooks(tokens, fwd_hooks=[("loop.7.hook_state", lambda a, hook: a)])
+    with pytest.raises(HookNameError, match="hook_dict"):
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.1.hook_nothing", lambda a, hook: a)])
+    with model.iterations(6):  # where the name exists
+        model.run_with_hooks(tokens, fwd_hooks=[("blocks.12.hook_resid_pre", lambda a, hook: a)])
+
+
+def test_a_patch_of_another_shape_fails_at_the_hook_with_both_shapes():
+    model = make_model()
+    short, long = tokens_for(model, batch=1, pos=6), tokens_for(model, batch=1, pos=9)
+    _, long_cache = model.run_with_cache(long)
+    name = model.hook_name(2, 0, "hook_resid_pre")
+
+    def replace(activation, hook):
+        return long_cache[hook.name]
+
+    with pytest.raises(PatchShapeError, match=rf"{name}.*\(1, 9, 32\).*\(1, 6, 32\)"):
+        model.run_with_hooks(short, fwd_hooks=[(name, replace)])
+
+    def assign(activation, hook):
+        activation[:] = long_cache[hook.name]
+
+    with pytest.raises(PatchShapeError, match=rf"{name}.*\(1, 6, 32\)"):
+        model.run_with_hooks(short, fwd_hooks=[(name, assign)])
+
+
+def test_blocks_names_warn_once_and_hook_name_never(recwarn):
+    model = make_model()
+    _, cache = model.run_with_cache(tokens_for(model, batch=1, pos=6))
+    names_module.reset_block_index_warning()
+    cache[model.hook_name(2, 1, "hook_resid_post")]  # built from (t, layer): no warning
+    assert not [w for w in recwarn if issubclass(w.category, BlockIndexWarning)]
+    with pytest.warns(BlockIndexWarning, match=r"blocks\.3 is iteration 2's core layer 0"):
+        cache["blocks.3.hook_resid_post"]
+    cache["blocks.4.hook_resid_post"]  # once per process
+    assert not [w for w in recwarn if issubclass(w.category, BlockIndexWarning)]
+    assert model.hook_name(2, 0, "hook_resid_post") == "blocks.3.hook_resid_post"
+
+
+def test_an_nnsight_style_reference_to_another_views_blocks_is_refused():
+    model = make_model()
+    blocks = model.blocks  # what a wrapper built at r = 4 holds
+    with model.iterations(6):
+        with pytest.raises(DepthMismatchError, match=r"k = 4 view.*k = 6"):
+            getattr(blocks, "12")
+    assert getattr(blocks, "3") is model.blocks[3]  # back at r = 4: the same list again

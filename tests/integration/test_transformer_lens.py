@@ -111,6 +111,7 @@ def test_logit_attrs_agree_with_a_manual_computation():
     assert torch.allclose(attrs, (centred / scale * direction).sum(-1), atol=1e-10)
     # The final stream's attribution is the answer's logit less the final norm's bias term.
     bias_term = model.ln_final.b @ model.W_U[:, answer]
+    assert torch.allclose(bias_term, model.b_U[answer])  # attributions + b_U = logit
     assert torch.allclose(attrs[-1], logits[:, -1].gather(1, answer[:, None])[:, 0] - bias_term)
     difference = cache.logit_attrs(stack, answer, incorrect_tokens=wrong, pos_slice=-1)
     expected = logits[:, -1].gather(1, answer[:, None]) - logits[:, -1].gather(1, wrong[:, None])
