@@ -212,6 +212,20 @@ def run_training_intervention(
     return document
 
 
+def print_summary(document: dict[str, Any], out: Path) -> None:
+    """What ``dcp-lens experiment`` prints at its end: the shares over seeds per regime, the
+    verdicts and the files written."""
+    from dcp_lens.report.html import markdown_table
+
+    print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
+    print("\n".join(markdown_table(document["regimes"])))
+    for regime, checks in document["verdict"].items():
+        labels = ", ".join(f"{name} {check['label']}" for name, check in checks.items())
+        print(f"{regime}: {labels}")
+    written = ", ".join(str(out / name) for name in (JSON_FILE, MARKDOWN_FILE))
+    print(f"wrote {written}; open {out / HTML_FILE}")
+
+
 # ----------------------------------------------------------------------------- internals
 
 

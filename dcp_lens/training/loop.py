@@ -54,7 +54,7 @@ from dcp_lens.training.state import (
     write_json,
 )
 from dcp_lens.utils.devices import check_device
-from dcp_lens.utils.files import check_output_folder
+from dcp_lens.utils.files import check_output_folder, naming_full_disk
 
 
 @dataclass
@@ -217,7 +217,8 @@ def train(
         table = None
         timing = seconds_per_step if done else None  # JSON has no NaN
         if state.step == config.steps:
-            model.save_pretrained(out / MODEL_DIR)
+            with naming_full_disk(out / MODEL_DIR):
+                model.save_pretrained(out / MODEL_DIR)
             write_json(out / MODEL_DIR / TASK_FILE, config.task)  # `dcp-lens run` reads it
             extra = 0 if model.is_dense else config.table_extra_iterations
             table = evaluate_accuracy(

@@ -36,20 +36,31 @@ class FolderLock:
 
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise FolderBusyError(
+                    f"{self.flag} {self.folder} is being written by another dcp-lens process "
+                    f"(pid {holder}, lock {path}); wait for it to finish or choose another "
+                    "folder."
+                ) from error
+            if _same_file(fd, path):
+                break
+            # The file was removed or replaced (its folder swapped) between open and lock: the
+            # lock taken is on a file nobody else will open. Take the one the path names now.
             os.close(fd)
-            raise FolderBusyError(
-                f"{self.flag} {self.folder} is being written by another dcp-lens process "
-                f"(pid {holder}, lock {path}); wait for it to finish or choose another folder."
-            ) from error
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
         return self
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
 
     def release(self) -> None:
         """Drop the lock (the lock file stays; an unlocked one means nothing)."""
@@ -67,6 +78,16 @@ class FolderLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Does ``path`` still name the file open as ``fd``?"""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 __all__ = ["LOCK_FILE", "FolderBusyError", "FolderLock"]
