@@ -455,15 +455,15 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
     """Render ``report.html`` of the finished run in ``folder`` again from its files, into
     ``folder`` (default), another folder, or an ``.html`` file (plotly.js inlined: no other
     file is touched). Returns the report's path."""
-    from dcp_lens.protocol.results import read_results_json
-    from dcp_lens.report.html import render_report, write_report
-
     folder = Path(folder)
     if not (folder / "results.json").is_file():
         raise ConfigError(
             f"{folder / 'results.json'} does not exist; pass a folder written by dcp-lens run."
         )
     target = report_target(out if out is not None else folder, source=folder)
+    from dcp_lens.protocol.results import read_results_json
+    from dcp_lens.report.html import render_report, write_report
+
     runs = read_results_json(folder / "results.json")
     data = read_report_data(folder)
     if target.folder is None:

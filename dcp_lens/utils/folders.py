@@ -194,9 +194,19 @@ class OutputFolder:
         replaced is written in a sibling that `finish` swaps in (a kill before leaves the old
         folder whole); else its own files are removed by `prepare`."""
         real = self.real
-        self._created = not real.exists()
+        check_output_folder(self.path, self.flag)
+        try:
+            real.mkdir(parents=True)
+            self._created = True  # by this command: atomic, so no other command's folder
+        except FileExistsError:
+            self._created = False
         try:
             self._locks.append(FolderLock(real, self.flag).acquire())
+        except BaseException:
+            if self._created and not any(real.iterdir()):
+                real.rmdir()
+            raise
+        try:
             self.action = self.plan()
             self.work = real
             if self.action == "replace" and staged:
@@ -255,7 +265,7 @@ class OutputFolder:
         a staged replacement goes, and so does the folder itself if this command created it."""
         real = self.real
         for lock in reversed(self._locks):
-            lock.release()
+            lock.release(remove=abandon)
         self._locks.clear()
         if abandon and self.work is not None and self.work != real:
             shutil.rmtree(self.work, ignore_errors=True)
@@ -430,7 +440,8 @@ def report_target(path: str | Path, source: str | Path | None = None) -> ReportT
             folder = OutputFolder(path, "report", on_finished="continue", accepts=("results",))
         folder.plan()
         report = path / "report.html"
-        if report.exists() and not is_report(report):
+        own = folder.contents.own if folder.contents is not None else []
+        if report.exists() and "report.html" not in own and not is_report(report):
             raise ConfigError(
                 f"{report} exists and is not a report dcp-lens wrote; pass another folder."
             )
@@ -451,7 +462,7 @@ def is_report(path: Path) -> bool:
             head = file.read(4096).lower()
     except OSError:
         return False
-    return b"<html" in head and b"dcp-lens" in head
+    return b"<html" in head and (b"dcp-lens" in head or b"<title>dcp report" in head)
 
 
 __all__ = [
