@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
@@ -75,8 +76,8 @@ class EvaluationSet:
     @classmethod
     def from_tokens(
         cls,
-        tokens: Int[Tensor, "n pos"],
-        scored_positions: Int[Tensor, "n m"] | Sequence[Sequence[int]] | None = None,
+        tokens: Int[Tensor, "n pos"] | np.ndarray | Sequence[Sequence[int]],
+        scored_positions: Int[Tensor, "n m"] | np.ndarray | Sequence[Sequence[float]] | None = None,
     ) -> EvaluationSet:
         """Language modelling: logits at p predict tokens[p + 1]. ``scored_positions`` (indices
         in 0..pos-2 per example) restricts scoring; by default every position but the last."""
@@ -205,8 +206,6 @@ def _integer_tensor(value: Any, name: str) -> Tensor:
         tensor = value
     else:
         try:
-            import numpy as np
-
             array = np.asarray(value)
         except (ValueError, TypeError) as error:  # ragged lists
             raise InputTypeError(
@@ -241,8 +240,6 @@ def _integer_tensor(value: Any, name: str) -> Tensor:
 def _mask_tensor(mask: Any, shape: tuple[int, ...]) -> Tensor:
     """An attention mask as a boolean tensor of ``shape``: booleans, or 0 / 1 integers."""
     if not isinstance(mask, Tensor):
-        import numpy as np
-
         mask = torch.from_numpy(np.asarray(mask).copy())
     if tuple(mask.shape) != shape:
         raise InputError(

@@ -1173,14 +1173,12 @@ def test_numbers_in_results_json_are_checked_on_load(tmp_path, finished):
      "ragged", "devices"],
 )  # fmt: skip
 def test_evaluation_sets_take_or_refuse_every_input(case):
-    import numpy as np
-
     from dcp_lens.utils.errors import InputError
 
     tokens = torch.randint(0, 8, (3, 6))
     build = {
         "list": lambda: EvaluationSet.from_tokens(tokens.tolist()),
-        "numpy": lambda: EvaluationSet(tokens.numpy(), tokens.numpy()),
+        "numpy": lambda: EvaluationSet.from_tokens(tokens.numpy()),
         "float_targets": lambda: EvaluationSet(tokens, tokens.float() + 0.25),
         "fraction": lambda: EvaluationSet.from_tokens(tokens, [[0.5], [1], [2]]),
         "mask_float": lambda: EvaluationSet(tokens, tokens, torch.full((3, 6), 0.5)),
@@ -1192,14 +1190,15 @@ def test_evaluation_sets_take_or_refuse_every_input(case):
     }[case]
     if case in ("list", "numpy"):
         built = build()
-        assert built.tokens.dtype == torch.long and built.tokens.shape == (
-            3,
-            6 if case == "numpy" else 6,
-        )
-        assert isinstance(np.asarray(built.tokens), np.ndarray)
+        assert built.tokens.dtype == torch.long and torch.equal(built.tokens, tokens)
+        assert torch.equal(built.targets[:, :-1], tokens[:, 1:])
     else:
-        with pytest.raises(InputError):
+        # The constructor's fields are typed: under the test suite's runtime type checks a
+        # wrong dtype may be refused by jaxtyping (a TypeError naming the field) first.
+        with pytest.raises((InputError, TypeError)) as refused:
             build()
+        named = ("tokens", "targets", "attention_mask", "metadata", "scored_positions")
+        assert any(name in str(refused.value) for name in named), refused.value
 
 
 def test_two_protocols_on_one_model_at_once_work_or_say_why():
