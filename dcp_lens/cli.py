@@ -10,9 +10,6 @@ import shlex
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from importlib import metadata
-from pathlib import Path
-from typing import Any
 
 from dcp_lens.protocol.options import (
     TASK_FILES,
@@ -29,11 +26,21 @@ from dcp_lens.studies.commands import (
     diagnose_command,
 )
 from dcp_lens.utils import bounds
-from dcp_lens.utils.arguments import HelpFormatter, Parser, check_values, ints, names, path_argument
-from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.arguments import (
+    HelpFormatter,
+    Parser,
+    check_local_paths,
+    check_values,
+    ints,
+    names,
+    one_line,
+    path_argument,
+    show_warning,
+    version,
+)
 from dcp_lens.utils.files import check_output_folder
 from dcp_lens.utils.memory import limit_heap_fragmentation
-from dcp_lens.utils.signals import exit_code, signal_name, stop_on_signals
+from dcp_lens.utils.signals import exit_code, how_to_continue, signal_name, stop_on_signals
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 EXPERIMENTS = ("training-intervention",)
@@ -52,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )  # fmt: skip
     parser.lists = ("metrics", "tasks")
-    parser.add_argument("--version", action="version", version=f"dcp-lens {_version()}")
+    parser.add_argument("--version", action="version", version=f"dcp-lens {version()}")
     commands = parser.add_subparsers(
         title="commands", dest="command", required=True, parser_class=Parser, metavar="COMMAND"
     )
@@ -87,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--n-calibration",
         type=int,
-        help="calibration sequences (default: 512; text: see docs/models.md)",
+        help="calibration sequences (default: 512; text: docs/models.md)",
     )
     run.add_argument(
         "--max-tokens", type=int, help="text: use at most this many corpus tokens (default: all)"
@@ -108,9 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     run.add_argument("--quiet", action="store_true", help="no progress bars")
-    run.add_argument(
-        "--out", required=True, type=path_argument, help="output folder (created if needed)"
-    )
+    run.add_argument("--out", required=True, type=path_argument, help="output folder")
     run.add_argument(
         "--resume", action=argparse.BooleanOptionalAction, default=False,
         help="continue an interrupted run of the same command",
@@ -232,22 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    try:
-        return metadata.version("dcp-lens")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-# Failures reported as one line with exit code 2: dcp-lens's own errors and the ones torch and the
-# OS raise on bad input (an unavailable file, a failed allocation).
-REPORTED = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with warnings.catch_warnings():  # restores how warnings are shown when main returns
-        warnings.showwarning = _show_warning
+        warnings.showwarning = show_warning
         try:
             args.command_line = shlex.join(["dcp-lens", *(sys.argv[1:] if argv is None else argv)])
             # Freed tensors reused within a batch, free pages returned after it; or the strict
@@ -256,33 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             with stop_on_signals():
                 return _command(args)
         except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM, SIGHUP, SIGQUIT (utils.signals)
-            print(f"dcp-lens {args.command}: stopped by {signal_name(stop)}; {_after_stop(args)}",
-                  file=sys.stderr)  # fmt: skip
+            then = how_to_continue(args.command, getattr(args, "out", None))
+            print(
+                f"dcp-lens {args.command}: stopped by {signal_name(stop)}; {then}", file=sys.stderr
+            )
             return exit_code(stop)
-        except Exception as error:  # one line, never a traceback
-            if not isinstance(error, REPORTED):
-                error = RuntimeError(f"{type(error).__name__}: {error}")
-            print(f"dcp-lens {args.command}: error: {_one_line(error)}", file=sys.stderr)
-            return 2
-        except BaseException as error:  # a library's panic (a BaseException), not an exit
+        except BaseException as error:  # one line, never a traceback (a panic included)
             if isinstance(error, SystemExit | GeneratorExit):
                 raise
-            print(f"dcp-lens {args.command}: error: {type(error).__name__}: {_one_line(error)}",
-                  file=sys.stderr)  # fmt: skip
+            print(f"dcp-lens {args.command}: error: {one_line(error)}", file=sys.stderr)
             return 2
-
-
-def _after_stop(args: argparse.Namespace) -> str:
-    """How to continue a command stopped by a signal."""
-    out = getattr(args, "out", None)
-    if args.command == "run" and out is not None:
-        return (
-            f"{out} is kept (marked INCOMPLETE if the run had started); rerun the same command "
-            "with --resume to continue."
-        )
-    if args.command in ("train", "experiment") and out is not None:
-        return f"rerun the same command to continue from {out}'s last checkpoint."
-    return "nothing was written in part; rerun the command."
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -308,16 +284,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     """Everything that can be checked before torch is imported and any work starts: empty
     values, counts, lists, local paths, sizes and the output folder's place."""
     check_values(args)
-    for flag, kinds in (("model", PATH_KINDS), ("dense", PATH_KINDS), ("task", TASK_FILES)):
-        kind, _, path = (getattr(args, flag, None) or "").partition(":")
-        if kind in kinds and path and not os.path.lexists(path):
-            raise DCPLensError(f"--{flag} {kind}:{path}: {path} does not exist; pass a local path.")
-        endless = kind in TASK_FILES and path and not (Path(path).is_file() or Path(path).is_dir())
-        if endless and (kind != "text" or getattr(args, "max_tokens", None) is None):
-            raise DCPLensError(
-                f"--{flag} {kind}:{path}: {path} is a device, pipe or socket, not a file: it may "
-                "never end; pass a file (text:PATH also reads one with --max-tokens N)."
-            )
+    check_local_paths(args, {"model": PATH_KINDS, "dense": PATH_KINDS, "task": TASK_FILES})
     out = getattr(args, "out", None)
     if out is not None and args.command != "report":
         check_output_folder(out, "--out")
@@ -326,19 +293,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
     bounds.check_coverage(getattr(args, "coverage", None))
     counts = (getattr(args, name, None) for name in ("n_eval", "n_calibration", "seq_len"))
     bounds.check_sequences(*counts)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    if isinstance(error, DCPLensError):
-        return text
-    if isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text:
-        return f"could not allocate memory ({text}); lower the batch, sequence or model size."
-    return text
-
-
-def _show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
-    print(f"dcp-lens: warning: {' '.join(str(message).split())}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- commands

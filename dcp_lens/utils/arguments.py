@@ -5,10 +5,12 @@ command's arguments get before torch is imported (empty values, counts below the
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from dcp_lens.utils.errors import ConfigError
+from dcp_lens.utils.errors import ConfigError, DCPLensError
 
 # The smallest value each count flag takes (a flag a command does not have is skipped).
 MINIMUMS = {
@@ -116,8 +118,70 @@ def check_values(args: argparse.Namespace) -> None:
         names(getattr(args, name, None), f"--{name}")
 
 
+def check_local_paths(args: argparse.Namespace, kinds: dict[str, Sequence[str]]) -> None:
+    """Specs ``KIND:PATH`` of local files (``kinds``: flag -> the kinds that name a path):
+    the path must exist, and a task's (``text``, ``char_lm``) must be a file or folder, not a
+    pipe or device that may never end (``text`` reads one with ``--max-tokens``)."""
+    from pathlib import Path
+
+    for flag, named in kinds.items():
+        kind, _, path = (getattr(args, flag, None) or "").partition(":")
+        if kind in named and path and not os.path.lexists(path):
+            raise ConfigError(f"--{flag} {kind}:{path}: {path} does not exist; pass a local path.")
+        endless = flag == "task" and kind in named and path
+        if endless and not (Path(path).is_file() or Path(path).is_dir()):
+            if kind != "text" or getattr(args, "max_tokens", None) is None:
+                raise ConfigError(
+                    f"--{flag} {kind}:{path}: {path} is a device, pipe or socket, not a file: it "
+                    "may never end; pass a file (text:PATH also reads one with --max-tokens N)."
+                )
+
+
+# Errors reported by their message alone: dcp-lens's own and those torch and the system raise on
+# bad input (an unavailable file, a failed allocation); any other is named by its type too.
+PLAIN_ERRORS = (ValueError, TypeError, OSError, RuntimeError, MemoryError)
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line; a failed allocation says what to lower."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, DCPLensError):
+        return text
+    if not isinstance(error, PLAIN_ERRORS):
+        return f"{type(error).__name__}: {text}"
+    if isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text:
+        return f"could not allocate memory ({text}); lower the batch, sequence or model size."
+    return text
+
+
+def show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    """Warnings as one line each: ``dcp-lens: warning: ...``."""
+    print(f"dcp-lens: warning: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def version() -> str:
+    """The installed dcp-lens's version."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("dcp-lens")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-__all__ = ["HelpFormatter", "Parser", "check_values", "ints", "names", "path_argument"]
+__all__ = [
+    "HelpFormatter",
+    "Parser",
+    "check_local_paths",
+    "check_values",
+    "ints",
+    "names",
+    "one_line",
+    "path_argument",
+    "show_warning",
+    "version",
+]

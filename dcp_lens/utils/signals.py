@@ -59,6 +59,18 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+def how_to_continue(command: str, out: object) -> str:
+    """What to do after ``dcp-lens COMMAND --out OUT`` was stopped by a signal."""
+    if command == "run" and out is not None:
+        return (
+            f"{out} is kept (marked INCOMPLETE if the run had started); rerun the same command "
+            "with --resume to continue."
+        )
+    if command in ("train", "experiment") and out is not None:
+        return f"rerun the same command to continue from {out}'s last checkpoint."
+    return "nothing was written in part; rerun the command."
+
+
 def die_with_parent(parent: int) -> None:
     """Make this (worker) process end when its parent ``parent`` does, however the parent ends
     (a SIGKILL included): Linux's parent-death signal, and elsewhere a thread that polls the
