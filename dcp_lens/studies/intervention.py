@@ -166,10 +166,10 @@ def run_training_intervention(
     }
     # After every check: a refused experiment leaves no folder. A new folder or an
     # experiment's (resumed); files added to it are kept.
-    folder = OutputFolder(Path(out), "experiment", resume=True, on_finished="continue")
-    folder.open()
+    target = OutputFolder(Path(out), "experiment", resume=True, on_finished="continue")
+    target.open()
     try:
-        out = folder.prepare()
+        out = target.prepare()
         pending = [
             (out / RUNS_DIR / f"{regime}-seed{seed}", config)
             for (regime, seed), config in configs.items()
@@ -213,9 +213,9 @@ def run_training_intervention(
         ]
         write_report(side_by_side, out / HTML_FILE)
     except BaseException:
-        folder.close()
+        target.close()
         raise
-    folder.finish()
+    target.finish()
     return document
 
 

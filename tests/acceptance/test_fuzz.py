@@ -337,7 +337,7 @@ ARRAYS = st.builds(
     lambda rows, cols, kind, low, ragged: (
         [[low + (i * 7 + j) % 9 for j in range(cols - (ragged and i % 2))] for i in range(rows)]
         if kind == "list"
-        else np.full((rows, cols), low, dtype=kind)
+        else np.full((rows, cols), low).astype(kind)
     ),
     st.integers(0, 3), st.integers(0, 6),
     st.sampled_from(["list", "int64", "int32", "uint8", "float32", "float64", "bool", "complex64"]),

@@ -1285,3 +1285,32 @@ def _alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+def test_the_finished_check_is_made_again_under_the_lock(tmp_path):
+    """B judges the folder new before A has finished it; once B holds the lock it judges it
+    again and refuses the finished run (B never replaces what A wrote)."""
+    from dcp_lens.utils.folders import OutputFolder
+    from dcp_lens.utils.locks import FolderBusyError
+
+    out = tmp_path / "out"
+    first = OutputFolder(out, "run")
+    second = OutputFolder(out, "run")
+    assert second.plan() == "new"  # before anything is locked
+    work = first.open()
+    first.prepare()
+    with pytest.raises(FolderBusyError):
+        second.open()
+    (work / "results.json").write_text("{}")
+    first.finish()
+    with pytest.raises(ConfigError, match="holds a finished run"):
+        second.open()
+    assert (out / "results.json").read_text() == "{}"
+    manifest = json.loads((out / ".dcp-lens.json").read_text())
+    assert manifest["finished"] and manifest["files"] == ["results.json"]
+    (out / "notes.txt").write_text("mine")  # a user's file after the run: kept by a restart
+    third = OutputFolder(out, "run", overwrite=True)
+    third.open()
+    third.prepare()
+    assert sorted(p.name for p in out.iterdir()) == [".dcp-lens.json", ".lock", "notes.txt"]
+    third.close()
