@@ -167,10 +167,13 @@ def _run(
     if main:
         work = folder.open(staged=True)  # locked, and judged again under the lock
     try:
-        if main and folder.action == "continue" and folder.contents and folder.contents.finished:
+        done = main and folder.action == "continue" and bool(folder.contents)
+        done = done and bool(folder.contents and folder.contents.finished)
+        shared = distributed.broadcast_from_main(("" if done else str(work)) if main else None)
+        if not shared:  # --resume of a finished run: nothing to do, on every rank
             folder.close()
             return RunOutcome([], out, already_finished=True)
-        work = Path(distributed.broadcast_from_main(str(work) if main else None))
+        work = Path(shared)
         if main and options.resume:
             _check_resumed_settings(work, settings)
         specs = [(model, False)] + ([(dense, True)] if dense else [])
