@@ -77,7 +77,10 @@ class EvaluationSet:
     def from_tokens(
         cls,
         tokens: Int[Tensor, "n pos"] | np.ndarray | Sequence[Sequence[int]],
-        scored_positions: Int[Tensor, "n m"] | np.ndarray | Sequence[Sequence[float]] | None = None,
+        scored_positions: Int[Tensor, "n m"]
+        | np.ndarray
+        | Sequence[Sequence[int | float]]
+        | None = None,
     ) -> EvaluationSet:
         """Language modelling: logits at p predict tokens[p + 1]. ``scored_positions`` (indices
         in 0..pos-2 per example) restricts scoring; by default every position but the last."""

@@ -545,7 +545,7 @@ class ProtocolResults:
         target = report_target(path)
         if target.folder is None:
             page = renderer().render_report([self], report_data, None)
-            return write_text_atomically(target.file, page)
+            return target.write_page(page)
         with target.folder as folder:
             renderer().write_report([self], folder / target.file.name, report_data)
         return target.file

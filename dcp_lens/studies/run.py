@@ -470,7 +470,7 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
     runs = read_results_json(folder / "results.json")
     data = read_report_data(folder)
     if target.folder is None:
-        return write_text_atomically(target.file, render_report(runs, data, None))
+        return target.write_page(render_report(runs, data, None))
     with target.folder as work:
         write_report(runs, work / target.file.name, data)
     return target.file

@@ -426,6 +426,11 @@ class ReportTarget:
     file: Path
     folder: OutputFolder | None
 
+    def write_page(self, page: str) -> Path:
+        """Write a lone page (``folder`` None) to ``file``, its folder made if missing."""
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        return write_text_atomically(self.file, page)
+
 
 def report_target(path: str | Path, source: str | Path | None = None) -> ReportTarget:
     """Check where a report is to be written, before anything is: a ``.html`` file (a new
