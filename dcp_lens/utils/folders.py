@@ -445,10 +445,11 @@ def report_target(path: str | Path, source: str | Path | None = None) -> ReportT
             folder = OutputFolder(path, "report", on_finished="continue", accepts=("results",))
         folder.plan()
         report = path / "report.html"
-        own = folder.contents.own if folder.contents is not None else []
+        listed = (folder.real / MANIFEST).is_file() and folder.contents is not None
+        own = folder.contents.own if listed and folder.contents is not None else []
         if report.exists() and "report.html" not in own and not is_report(report):
             raise ConfigError(
-                f"{report} exists and is not a report dcp-lens wrote; pass another folder."
+                f"--out {report} exists and is not a report dcp-lens wrote; pass another folder."
             )
         return ReportTarget(report, folder)
     check_new_file(path, ".html", "--out")

@@ -611,11 +611,17 @@ def test_overwrite_with_a_bad_argument_leaves_the_finished_run_readable(
 
 
 def test_overwrite_replaces_the_run_whole_and_leaves_no_sibling(capsys, tmp_path, finished_run):
+    """Every file the old run wrote (its manifest lists them) goes; a file added since stays."""
     run = shutil.copytree(finished_run, tmp_path / "run")
     (run / "stale.txt").write_text("a file of the old run")
+    manifest = json.loads((run / ".dcp-lens.json").read_text())
+    manifest["files"].append("stale.txt")
+    (run / ".dcp-lens.json").write_text(json.dumps(manifest))
+    (run / "notes.txt").write_text("the user's")
     argv = run_argv(run, "--overwrite", "--seed", "3")
     assert main(argv) == 0
     assert not (run / "stale.txt").exists() and not (run / "INCOMPLETE").exists()
+    assert (run / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert json.loads((run / "results.json").read_text())["runs"][0]["metadata"]["seed"] == 3
 
