@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_lens.utils.errors import ConfigError, ConfigTypeError
+from dcp_lens.utils.errors import ConfigError, ConfigTypeError, ResourceLimitError
 
 PROBES = ("trajectory", "none")
 
@@ -32,6 +32,16 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "experiment": {"n_bootstrap": 200, "batch_size": 64},
     "bench": {"n_bootstrap": 0, "probe": "none"},
 }
+
+
+# Bounds of the size settings, checked when a config is built, before anything is allocated:
+# far past what a run uses, far below what would exhaust memory (the bootstrap's draws and the
+# jackknife's groups each hold a copy of per-example statistics).
+MAXIMA: dict[str, int] = {
+    "mixture_components": 1024, "calibration_points": 1 << 24, "noise_draws": 10_000,
+    "batch_size": 1 << 20, "n_bootstrap": 100_000, "seed": 2**63 - 1, "probe_points": 1 << 24,
+    "calibration_groups": 10_000,
+}  # fmt: skip
 
 
 def _option(default: Any, flag: str, help: str, **extra: Any) -> Any:
@@ -181,6 +191,12 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     ):
         _check_int(values[name], name, minimum)
         values[name] = int(values[name])
+        if values[name] > MAXIMA[name]:
+            raise ResourceLimitError(
+                f"{name}={values[name]} is past dcp-lens's bound of {MAXIMA[name]:,} (a size "
+                "that would exhaust memory or never finish, or a seed past 64 bits); pass a "
+                "smaller value."
+            )
     values["memory_budget"] = _gib(values["memory_budget"])
     if values["calibration_groups"] == 1:
         raise ConfigError(

@@ -61,6 +61,7 @@ from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, identificatio
 from dcp_lens.utils import distributed
 from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.errors import ConfigError, InputTypeError
+from dcp_lens.utils.locks import model_in_use
 from dcp_lens.utils.snapshots import Checkpoint
 
 # The settings that `DepthControlProtocol` also takes as keyword arguments (they build a config).
@@ -174,19 +175,24 @@ class DepthControlProtocol:
         self._check_sets(evaluation, calibration)
         self.check_memory(evaluation, calibration)
         was_training = getattr(self.model, "training", False)
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                maps = self._fit(calibration)
-                self.temperatures = {}
-                if self.context.matches_confidence():
-                    self.fit_temperatures(calibration)
-                self.sweep = Sweep(self.context, maps, self.temperatures)
-                swept = evaluate_with_noise(self.sweep, evaluation)
-                if distributed.is_main():
-                    probe_summary = self._probe(maps.probe_reference, swept)
-        finally:
-            self.model.train(was_training)
+        with model_in_use(self.model):
+            self.model.eval()
+            try:
+                results = self._run_on(evaluation, calibration)
+            finally:
+                self.model.train(was_training)
+        return results
+
+    def _run_on(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> ProtocolResults:
+        with torch.no_grad():
+            maps = self._fit(calibration)
+            self.temperatures = {}
+            if self.context.matches_confidence():
+                self.fit_temperatures(calibration)
+            self.sweep = Sweep(self.context, maps, self.temperatures)
+            swept = evaluate_with_noise(self.sweep, evaluation)
+            if distributed.is_main():
+                probe_summary = self._probe(maps.probe_reference, swept)
         if not distributed.is_main():  # rank 0 decomposes; every rank returns its results
             return distributed.broadcast_from_main(None)
         results = self._decompose(swept, probe_summary, evaluation, calibration)

@@ -8,12 +8,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
 from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.utils.checks import check_targets
+from dcp_lens.utils.errors import InputError, InputTypeError
+
+INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -32,21 +36,34 @@ class EvaluationSet:
     metadata: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.tokens = _integer_tensor(self.tokens, "tokens")
+        self.targets = _integer_tensor(self.targets, "targets")
         if self.tokens.ndim != 2 or self.tokens.shape[0] == 0 or self.tokens.shape[1] == 0:
-            raise ValueError(
+            raise InputError(
                 f"the evaluation set is empty or not [n, pos]: tokens have shape "
                 f"{tuple(self.tokens.shape)}; pass at least one sequence."
             )
         if self.targets.shape != self.tokens.shape:
-            raise ValueError(
+            raise InputError(
                 f"targets {tuple(self.targets.shape)} must have the shape of tokens "
                 f"{tuple(self.tokens.shape)} (-100 where a position is not scored)."
             )
+        for name, tensor in (("targets", self.targets), ("attention_mask", self.attention_mask)):
+            if tensor is not None and tensor.device != self.tokens.device:
+                raise InputError(
+                    f"{name} are on {tensor.device}, tokens on {self.tokens.device}; put them on "
+                    "one device (the model moves them to its own)."
+                )
+        if self.attention_mask is not None:
+            self.attention_mask = _mask_tensor(self.attention_mask, tuple(self.tokens.shape))
+        if not isinstance(self.has_answers, bool):
+            raise InputTypeError(f"has_answers={self.has_answers!r} must be True or False.")
+        self.metadata = _checked_metadata(self.metadata, len(self.tokens))
         check_targets(self.targets, None, "the evaluation set's targets")
         if not bool(self.scored.any()):
-            raise ValueError("no position is scored: every target is -100.")
+            raise InputError("no position is scored: every target is -100.")
         if self.attention_mask is not None and bool((self.scored & ~self.attention_mask).any()):
-            raise ValueError("a scored position is padding (attention_mask is False there).")
+            raise InputError("a scored position is padding (attention_mask is False there).")
 
     @classmethod
     def from_task_batch(cls, batch: Any) -> EvaluationSet:
@@ -59,13 +76,17 @@ class EvaluationSet:
     @classmethod
     def from_tokens(
         cls,
-        tokens: Int[Tensor, "n pos"],
-        scored_positions: Int[Tensor, "n m"] | Sequence[Sequence[int]] | None = None,
+        tokens: Int[Tensor, "n pos"] | np.ndarray | Sequence[Sequence[int]],
+        scored_positions: Int[Tensor, "n m"]
+        | np.ndarray
+        | Sequence[Sequence[int | float]]
+        | None = None,
     ) -> EvaluationSet:
         """Language modelling: logits at p predict tokens[p + 1]. ``scored_positions`` (indices
         in 0..pos-2 per example) restricts scoring; by default every position but the last."""
+        tokens = _integer_tensor(tokens, "tokens")
         if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] < 2:
-            raise ValueError(
+            raise InputError(
                 f"the evaluation set is empty or too short: tokens have shape "
                 f"{tuple(tokens.shape)}; language modelling needs [n >= 1, pos >= 2]."
             )
@@ -73,17 +94,21 @@ class EvaluationSet:
         if scored_positions is None:
             targets[:, :-1] = tokens[:, 1:]
         else:
-            positions = torch.as_tensor(scored_positions, dtype=torch.long)
+            positions = _integer_tensor(scored_positions, "scored_positions").cpu()
             n_pos = tokens.shape[1]
             if positions.ndim != 2 or positions.shape[0] != tokens.shape[0]:
-                raise ValueError(f"scored_positions must be [n={tokens.shape[0]}, m].")
+                raise InputError(
+                    f"scored_positions must be [n={tokens.shape[0]}, m] (one row of positions "
+                    f"per example), got shape {tuple(positions.shape)}."
+                )
             if bool(((positions < 0) | (positions > n_pos - 2)).any()):
                 bad = positions[(positions < 0) | (positions > n_pos - 2)][0].item()
-                raise ValueError(
+                raise InputError(
                     f"scored position {bad} is outside the sequence: positions 0..{n_pos - 2} "
                     f"have a next token (sequence length {n_pos})."
                 )
-            rows = torch.arange(tokens.shape[0])[:, None].expand_as(positions)
+            positions = positions.to(tokens.device)
+            rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(positions)
             targets[rows, positions] = tokens[rows, positions + 1]
         return cls(tokens, targets, None, has_answers=False)
 
@@ -174,3 +199,90 @@ def as_evaluation_set(data: Any, name: str) -> EvaluationSet:
             "one with EvaluationSet.from_task_batch(batch) or EvaluationSet.from_tokens(tokens)."
         )
     return data
+
+
+def _integer_tensor(value: Any, name: str) -> Tensor:
+    """``value`` (a tensor, numpy array or nested list of whole numbers) as an int64 tensor on
+    its device; floats with a fraction, booleans, complex values, strings and tensors without
+    data (the meta device) are refused naming ``name``."""
+    if isinstance(value, Tensor):
+        tensor = value
+    else:
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as error:  # ragged lists
+            raise InputTypeError(
+                f"{name} must be a tensor, numpy array or list of equal-length rows of integers; "
+                f"{type(value).__name__} could not be read as one ({error})."
+            ) from error
+        if array.dtype.kind not in "iuf" or array.dtype == object:
+            raise InputTypeError(
+                f"{name} must hold integers (token ids), got a {array.dtype} array; pass a "
+                "tensor or array of int64."
+            )
+        tensor = torch.from_numpy(array.copy())
+    if tensor.device.type == "meta":
+        raise InputError(
+            f"{name} are on the meta device (shapes without data); pass tensors that hold values."
+        )
+    if tensor.dtype in INTEGER_DTYPES:
+        return tensor.long()
+    if tensor.dtype.is_floating_point:
+        whole = bool(torch.isfinite(tensor).all()) and bool((tensor == tensor.round()).all())
+        if whole and tensor.numel() and bool((tensor.abs() < 2**53).all()):
+            return tensor.long()
+        raise InputTypeError(
+            f"{name} must hold integers (token ids, positions), got {tensor.dtype} values with a "
+            "fraction or a non-finite value; pass integer tensors."
+        )
+    raise InputTypeError(
+        f"{name} must hold integers (token ids), got {tensor.dtype}; pass an int64 tensor."
+    )
+
+
+def _mask_tensor(mask: Any, shape: tuple[int, ...]) -> Tensor:
+    """An attention mask as a boolean tensor of ``shape``: booleans, or 0 / 1 integers."""
+    if not isinstance(mask, Tensor):
+        mask = torch.from_numpy(np.asarray(mask).copy())
+    if tuple(mask.shape) != shape:
+        raise InputError(
+            f"attention_mask has shape {tuple(mask.shape)}, tokens {shape}; pass one boolean per "
+            "token (True where it is a real token)."
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_floating_point or mask.dtype in INTEGER_DTYPES:
+        if bool(((mask == 0) | (mask == 1)).all()):
+            return mask.bool()
+    raise InputTypeError(
+        f"attention_mask must be booleans (or 0 / 1), got {mask.dtype} values other than 0 and 1."
+    )
+
+
+def _checked_metadata(metadata: Any, n: int) -> dict[str, Tensor]:
+    """Per-example metadata: a dict of tensors (or arrays, lists) whose first dimension is the
+    number of examples ``n``."""
+    if not isinstance(metadata, dict):
+        raise InputTypeError(
+            f"metadata must be a dict of per-example tensors, got {type(metadata).__name__}."
+        )
+    checked: dict[str, Tensor] = {}
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise InputTypeError(f"metadata key {key!r} must be a string.")
+        tensor = value if isinstance(value, Tensor) else None
+        if tensor is None:
+            try:
+                tensor = torch.as_tensor(value)
+            except (ValueError, TypeError, RuntimeError) as error:
+                raise InputTypeError(
+                    f"metadata[{key!r}] must be a tensor, array or list of numbers, one per "
+                    f"example ({error})."
+                ) from error
+        if tensor.ndim == 0 or tensor.shape[0] != n:
+            raise InputError(
+                f"metadata[{key!r}] has {tensor.shape[0] if tensor.ndim else 'no'} entries along "
+                f"its first dimension, but the set has {n} examples; give one per example."
+            )
+        checked[key] = tensor
+    return checked

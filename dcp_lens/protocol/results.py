@@ -20,6 +20,7 @@ from dcp_lens.protocol.conditions import DECOMPOSED, SWEEP
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import DamagedFileError
 from dcp_lens.utils.files import check_complete, write_text_atomically
+from dcp_lens.utils.folders import OutputFolder, report_target
 from dcp_lens.utils.registry import renderer
 
 FACTORS = ("S", "B", "D")
@@ -535,11 +536,19 @@ class ProtocolResults:
         return renderer().report_figures([self])
 
     def report(self, path: str | Path, report_data: Mapping[str, Any] | None = None) -> Path:
-        """Write report.html for this run to ``path`` (a file, or a folder to hold
-        ``report.html``); ``report_data``: a `dcp_lens.studies.report_extras.read_report_data`
-        document.
+        """Write report.html for this run to ``path``: an ``.html`` file (plotly.js inlined; no
+        other file is touched), or a folder (new, a report's or a `save` folder) to hold
+        ``report.html`` and ``plotly.min.js``; ``report_data``: a
+        `dcp_lens.studies.report_extras.read_report_data` document. A path that is neither
+        (``results.json``, ``x.txt``) or a file dcp-lens did not write is refused.
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
-        return renderer().write_report([self], path, report_data)
+        target = report_target(path)
+        if target.folder is None:
+            page = renderer().render_report([self], report_data, None)
+            return target.write_page(page)
+        with target.folder as folder:
+            renderer().write_report([self], folder / target.file.name, report_data)
+        return target.file
 
     def summary(self) -> str:
         """What ``dcp-lens run`` prints for this run: per validated metric the quality at full
@@ -565,14 +574,19 @@ class ProtocolResults:
 
     def save(self, directory: str | Path) -> Path:
         """Write ``results.json`` (this run only) and ``decomposition.csv``, ``curves.csv``,
-        ``shares.csv`` into ``directory`` (created if needed). Returns the directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        write_results_json([self], directory / "results.json")
-        self.table().to_csv(directory / "decomposition.csv", index=False)
-        self.curves().to_csv(directory / "curves.csv", index=False)
-        self.shares().to_csv(directory / "shares.csv", index=False)
-        return directory
+        ``shares.csv`` into ``directory``: a new folder or one `save` wrote (its own files
+        replaced, files added to it kept); a folder of other files, or a ``dcp-lens run``
+        folder, is refused (`dcp_lens.utils.folders.OutputFolder`). Returns the directory."""
+        with OutputFolder(
+            Path(directory), "results", flag="directory", on_finished="replace"
+        ) as out:
+            for name, table in (
+                ("decomposition.csv", self.table()), ("curves.csv", self.curves()),
+                ("shares.csv", self.shares()),
+            ):  # fmt: skip
+                write_text_atomically(out / name, table.to_csv(index=False))
+            write_results_json([self], out / "results.json")
+        return Path(directory)
 
     @classmethod
     def load(cls, directory: str | Path) -> ProtocolResults:
@@ -628,7 +642,7 @@ def read_results_json(path: str | Path) -> list[ProtocolResults]:
     """
     check_complete(Path(path).parent)
     recovery = "Delete it and rerun the command that wrote it (an experiment recomputes it)."
-    document = read_json_object(path, error=DamagedFileError, recovery=recovery)
+    document = read_json_object(path, error=DamagedFileError, recovery=recovery, finite=True)
     if not isinstance(document.get("runs"), list):
         raise DamagedFileError(
             f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}. {recovery}"

@@ -10,6 +10,8 @@ import numpy as np
 from jaxtyping import Float
 from scipy import stats
 
+from dcp_lens.utils.bounds import check_allocation
+
 # Largest index matrix built at once (entries); bounds memory for large evaluation sets.
 _INDEX_BUDGET = 1 << 22
 
@@ -30,6 +32,9 @@ def paired_bootstrap_means(
         raise ValueError("values has 0 examples; the bootstrap needs at least one.")
     if n_bootstrap < 0:
         raise ValueError(f"n_bootstrap={n_bootstrap} must be >= 0.")
+    check_allocation(
+        8 * n_bootstrap * n_cells, f"n_bootstrap={n_bootstrap} draws of {n_cells} cells"
+    )
     finite = np.isfinite(values).all(axis=0)
     clean = np.where(finite, values, 0.0).astype(np.float64)
     rng = np.random.default_rng(seed)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -55,7 +56,8 @@ from dcp_lens.training.outcomes import (
 from dcp_lens.training.state import config_differences
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import write_text_atomically
-from dcp_lens.utils.locks import FolderLock
+from dcp_lens.utils.folders import OutputFolder
+from dcp_lens.utils.signals import die_with_parent
 from dcp_lens.zoo.registry import load
 
 RUNS_DIR, DCP_DIR = "runs", "dcp"
@@ -162,8 +164,12 @@ def run_training_intervention(
         (regime, seed): training_preset(preset, regime=regime, seed=seed, **overrides)
         for regime, seed in plan
     }
-    lock = FolderLock(out).acquire()  # after every check: a refused experiment leaves no folder
+    # After every check: a refused experiment leaves no folder. A new folder or an
+    # experiment's (resumed); files added to it are kept.
+    target = OutputFolder(Path(out), "experiment", resume=True, on_finished="continue")
+    target.open()
     try:
+        out = target.prepare()
         pending = [
             (out / RUNS_DIR / f"{regime}-seed{seed}", config)
             for (regime, seed), config in configs.items()
@@ -196,7 +202,6 @@ def run_training_intervention(
                 "other_metrics": {name: by_metric[name] for name in validated if name != metric},
             }
         )
-        out.mkdir(parents=True, exist_ok=True)
         write_text_atomically(
             out / JSON_FILE, json.dumps(document, indent=2, allow_nan=False) + "\n"
         )
@@ -207,9 +212,25 @@ def run_training_intervention(
             for regime, per_regime in runs.items()
         ]
         write_report(side_by_side, out / HTML_FILE)
-    finally:
-        lock.release()
+    except BaseException:
+        target.close()
+        raise
+    target.finish()
     return document
+
+
+def print_summary(document: dict[str, Any], out: Path) -> None:
+    """What ``dcp-lens experiment`` prints at its end: the shares over seeds per regime, the
+    verdicts and the files written."""
+    from dcp_lens.report.html import markdown_table
+
+    print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
+    print("\n".join(markdown_table(document["regimes"])))
+    for regime, checks in document["verdict"].items():
+        labels = ", ".join(f"{name} {check['label']}" for name, check in checks.items())
+        print(f"{regime}: {labels}")
+    written = ", ".join(str(out / name) for name in (JSON_FILE, MARKDOWN_FILE))
+    print(f"wrote {written}; open {out / HTML_FILE}")
 
 
 # ----------------------------------------------------------------------------- internals
@@ -293,10 +314,15 @@ def _dcp_results(
 
 def _train_in_parallel(pending: list[tuple[Path, TrainConfig]], jobs: int, progress: bool) -> None:
     """Train every ``(folder, config)`` of ``pending``, ``jobs`` at a time, each in a fresh
-    process (``spawn``: no state shared with this one) on its config's thread count."""
+    process (``spawn``: no state shared with this one) on its config's thread count; a worker
+    ends when this process does, however it ends (`dcp_lens.utils.signals.die_with_parent`)."""
     context = multiprocessing.get_context("spawn")
     workers = min(jobs, len(pending))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=context, initializer=die_with_parent,
+        initargs=(os.getpid(),),
+    )  # fmt: skip
+    with pool:
         futures = [pool.submit(_train_quietly, config, folder) for folder, config in pending]
         for future in tqdm(
             as_completed(futures), total=len(futures), desc="training", disable=not progress

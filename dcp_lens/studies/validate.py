@@ -42,6 +42,8 @@ from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import FACTORS, encode_json
 from dcp_lens.utils.errors import ConfigError
+from dcp_lens.utils.files import write_text_atomically
+from dcp_lens.utils.folders import OutputFolder
 from dcp_lens.zoo import planted
 
 TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may lie
@@ -386,8 +388,8 @@ def save(
     coverage_table: dict[str, Any] | None = None,
 ) -> None:
     """Write ``out/validation.json`` (settings, rules, rows, the summary per metric, coverage
-    where measured, verdict) and ``out/validation.md``."""
-    out.mkdir(parents=True, exist_ok=True)
+    where measured, verdict) and ``out/validation.md``, each whole or not at all, into a new
+    folder or one validate wrote (`dcp_lens.utils.folders.OutputFolder`)."""
     document: dict[str, Any] = {
         "settings": settings,
         "rules": {
@@ -402,11 +404,51 @@ def save(
     if coverage_table is not None:
         document["coverage"] = coverage_table
     text = json.dumps(encode_json(document), indent=2, allow_nan=False)
-    (out / "validation.json").write_text(text + "\n")
     lines = markdown(rows) if rows else []
     if coverage_table is not None:
         lines += ([""] if lines else []) + coverage_markdown(coverage_table)
-    (out / "validation.md").write_text("\n".join(lines) + "\n")
+    with OutputFolder(out, "validate", on_finished="replace") as folder:
+        write_text_atomically(folder / "validation.json", text + "\n")
+        write_text_atomically(folder / "validation.md", "\n".join(lines) + "\n")
+
+
+def run_validation(
+    models: Sequence[str] | None,
+    *,
+    config: ProtocolConfig,
+    n_eval: int,
+    n_calibration: int,
+    replicates: int | None = None,
+    out: Path | None = None,
+    progress: bool = True,
+) -> bool:
+    """``dcp-lens validate``: the suite (or, with ``replicates``, the coverage
+    table) printed, then written to ``out`` (checked before the work starts). Returns whether
+    it passed."""
+    if out is not None:
+        OutputFolder(out, "validate", on_finished="replace").plan()
+    table = None
+    rows: list[ValidationRow] = []
+    if replicates is not None:
+        mixtures = [n for n in MIXTURES if n not in (models or ())]
+        table = coverage(
+            [*mixtures, *(models or ())], config=config, replicates=replicates, n_eval=n_eval,
+            n_calibration=n_calibration, progress=progress,
+        )  # fmt: skip
+        print("\n".join(coverage_markdown(table)))
+    else:
+        rows = validate(
+            models, config=config, n_eval=n_eval, n_calibration=n_calibration, progress=progress
+        )
+        print("\n".join(markdown(rows)))
+    if out is not None:
+        settings = {
+            "seed": config.seed, "n_eval": n_eval, "n_calibration": n_calibration,
+            "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
+        }  # fmt: skip
+        save(rows, out, settings, table)
+        print(f"wrote {out / 'validation.json'} and {out / 'validation.md'}")
+    return bool(table["passed"]) if table is not None else suite_passed(rows)
 
 
 def markdown(rows: Sequence[ValidationRow]) -> list[str]:

@@ -19,7 +19,7 @@ from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch, check_task_token
 from dcp_lens.tasks.char_lm import CharLM
 from dcp_lens.tasks.text import TextLM
 from dcp_lens.tasks.variable_binding import Program, VariableBinding
-from dcp_lens.utils.checks import check_field_types
+from dcp_lens.utils.checks import LIMITS, check_field_types, check_limit
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError, DCPLensError
 from dcp_lens.utils.registry import add_entry
 
@@ -99,6 +99,9 @@ def check_task_config(config: Any, source: str) -> None:
             f"{source}: unknown {name} parameters {unknown}; known parameters: {sorted(known)}."
         )
     check_field_types(task_class, parameters, source)
+    for key, value in parameters.items():  # sizes bounded before anything is built
+        if key in LIMITS and isinstance(value, int):
+            check_limit(key, value, source)
 
 
 __all__ = [

@@ -212,10 +212,18 @@ def check_task_tokens(task: Task, model: Any) -> None:
         )
 
 
-def check_batch_request(split: str, n: int, offset: int) -> Split:
-    """Validate the arguments of `Task.batch`; return the split."""
+def check_batch_request(split: str, n: int, offset: int, n_ctx: int | None = None) -> Split:
+    """Validate the arguments of `Task.batch` (with ``n_ctx``: that its tokens, targets and
+    mask fit this machine's memory, before they are built); return the split."""
     if n < 1:
         raise ValueError(f"n={n} must be >= 1 (the number of examples in the batch).")
     if offset < 0:
         raise ValueError(f"offset={offset} must be >= 0 (the index of the first example).")
+    if n_ctx is not None:
+        from dcp_lens.utils.bounds import check_allocation
+
+        check_allocation(
+            n * n_ctx * 8 * 4, f"{n:,} sequences of n_ctx={n_ctx:,} tokens",
+            "lower the number of sequences or the task's n_ctx",
+        )  # fmt: skip
     return check_split(split)

@@ -114,7 +114,7 @@ class CharLM(Task):
     def batch(self, split: Split, n: int, *, offset: int = 0) -> TaskBatch:
         """Windows ``offset .. offset + n - 1`` of ``split``: tokens, targets ``[n, n_ctx]``,
         every position scored, ``metadata["start"]`` ``[n]``."""
-        check_batch_request(split, n, offset)
+        check_batch_request(split, n, offset, self.n_ctx)
         start, end = self._regions[split]
         last_start = end - (self.n_ctx + 1)
         starts = torch.tensor(

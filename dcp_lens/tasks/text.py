@@ -36,13 +36,15 @@ from torch import Tensor
 
 from dcp_lens.model.tokenization import encode_text, tokenizer_fingerprint
 from dcp_lens.tasks.base import Split, Task, TaskBatch, check_batch_request
-from dcp_lens.utils.errors import ConfigError
+from dcp_lens.utils.errors import ConfigError, DCPLensError, InputError
+from dcp_lens.utils.files import write_text_atomically
 
 CACHE_ENV = "DCP_LENS_CACHE"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Characters of text tokenized per call: large enough to amortise the call, small enough that the
 # ids of one chunk (Python ints) stay a few MB.
 _CHUNK_CHARS = 1 << 18
+MAX_LINE_CHARS = 64 << 20  # one record of a .jsonl corpus, read whole
 _HASH_BLOCK = 1 << 20
 
 
@@ -160,7 +162,7 @@ class TextLM(Task):
     def batch(self, split: Split, n: int, *, offset: int = 0) -> TaskBatch:
         """Windows ``offset .. offset + n - 1`` of ``split``: tokens and targets ``[n, n_ctx]``
         read from the memory map, every position scored."""
-        check_batch_request(split, n, offset)
+        check_batch_request(split, n, offset, self.n_ctx)
         if split == "train":
             raise ValueError("the text task has no train split; use 'evaluation' or 'calibration'.")
         if offset + n > self.n_windows:
@@ -279,7 +281,9 @@ class TextLM(Task):
         finally:
             partial.unlink(missing_ok=True)
         metadata = {"source": str(source), "tokens": written, "dtype": dtype.name}
-        target.with_name(target.name + ".json").write_text(json.dumps(metadata, indent=2))
+        write_text_atomically(
+            target.with_name(target.name + ".json"), json.dumps(metadata, indent=2)
+        )
         return target
 
     def _write_tokens(
@@ -297,7 +301,7 @@ class TextLM(Task):
             read.update(f"\0document {document_index}\0".encode())
             for chunk_index, chunk in enumerate(document):
                 read.update(chunk.encode("utf-8", "surrogatepass"))
-                ids = encode_text(tokenizer, chunk, False)
+                ids = _encode(tokenizer, chunk, source)
                 if document_index and not chunk_index:
                     ids = separator + ids
                 if self.max_tokens is not None:
@@ -397,19 +401,64 @@ def _documents(source: Path, text_field: str, chunk_chars: int) -> Iterator[Iter
             yield _line_chunks(file, chunk_chars)
     elif source.suffix == ".jsonl":
         with source.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
+            number = 0
+            while line := handle.readline(MAX_LINE_CHARS + 1):
+                number += 1
+                if len(line) > MAX_LINE_CHARS:
+                    raise InputError(
+                        f"{source}:{number}: a line of more than {MAX_LINE_CHARS:,} characters; "
+                        "a .jsonl corpus holds one record of text per line. Split the record."
+                    )
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError) as error:
+                    raise InputError(
+                        f"{source}:{number}: not a JSON record ({' '.join(str(error).split())}); "
+                        "a .jsonl corpus holds one JSON object per line."
+                    ) from error
                 text = record.get(text_field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
                     raise ValueError(
                         f"{source}:{number}: no string field {text_field!r}; pass the field that "
                         "holds the text (--text-field)."
                     )
-                yield iter([text])
+                yield _text_chunks(text, chunk_chars)
     else:
         yield _line_chunks(source, chunk_chars)
+
+
+def _text_chunks(text: str, chunk_chars: int) -> Iterator[str]:
+    """A record's text in chunks of about ``chunk_chars`` characters, each ending at a line
+    break or a space where there is one (so a long record is tokenized a piece at a time)."""
+    start = 0
+    while len(text) - start > chunk_chars:
+        end = start + chunk_chars
+        cut = max(text.rfind("\n", start, end), text.rfind(" ", start, end))
+        end = cut + 1 if cut > start else end
+        yield text[start:end]
+        start = end
+    if start < len(text) or not text:
+        yield text[start:]
+
+
+def _encode(tokenizer: Any, text: str, source: Path) -> list[int]:
+    """``encode_text``, with a tokenizer's own crash (the `tokenizers` library's
+    PanicException, a BaseException: a pattern of its tokenizer.json that backtracks without
+    end, ...) turned into an error naming the corpus and the tokenizer."""
+    try:
+        return encode_text(tokenizer, text, False)
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        if isinstance(error, DCPLensError):
+            raise
+        raise InputError(
+            f"the tokenizer failed on {source} ({type(error).__name__}: "
+            f"{' '.join(str(error).split())[:200]}); its tokenizer.json may be damaged (a "
+            "pattern that cannot be run); check the tokenizer, or pass pre-tokenized ids (.bin)."
+        ) from error
 
 
 def _line_chunks(path: Path, chunk_chars: int) -> Iterator[str]:

@@ -323,7 +323,7 @@ class VariableBinding(Task):
         """Examples ``offset .. offset + n - 1`` of ``split``: tensors ``[n, n_ctx]``; answers and
         ``metadata["hops"]`` ``[n, n_queries]``. ``max_hops`` overrides the task's for this batch
         (the curriculum hook)."""
-        check_batch_request(split, n, offset)
+        check_batch_request(split, n, offset, self.n_ctx)
         n_ctx = self.n_ctx
         assert n_ctx is not None
         rows, positions, answer_ids, hops = [], [], [], []

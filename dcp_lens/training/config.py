@@ -175,7 +175,9 @@ class TrainConfig:
         return cls(**values)
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        from dcp_lens.utils.files import write_text_atomically
+
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:

@@ -54,7 +54,8 @@ from dcp_lens.training.state import (
     write_json,
 )
 from dcp_lens.utils.devices import check_device
-from dcp_lens.utils.files import check_output_folder
+from dcp_lens.utils.files import check_output_folder, naming_full_disk
+from dcp_lens.utils.folders import OutputFolder
 
 
 @dataclass
@@ -165,11 +166,32 @@ def train(
     from `RUN_FIELDS`); without, any previous run there is replaced. ``stop_at_step`` stops
     after that many steps with a checkpoint, as an interruption would; calling `train` again
     continues bit-identically (on CPU) to an uninterrupted run."""
-    out = check_output_folder(out_dir, "out_dir")
+    check_output_folder(out_dir, "out_dir")
     check_device(config.device)
-    out.mkdir(parents=True, exist_ok=True)
-    prepare_run_folder(config, out, resume)
-    config.to_json(out / CONFIG_FILE)
+    # A new folder or a training run's (resumed, or with resume=False replaced: its own files
+    # go, files added to it stay); locked while training writes it.
+    folder = OutputFolder(Path(out_dir), "train", resume=resume, overwrite=not resume,
+                          on_finished="continue")  # fmt: skip
+    folder.open()
+    try:
+        out = folder.prepare()
+        prepare_run_folder(config, out, resume)
+        config.to_json(out / CONFIG_FILE)
+        result = _train(config, out, resume, stop_at_step, progress)
+    except BaseException:  # a new folder with no checkpoint to resume from goes
+        fresh = folder.action == "new" and latest_checkpoint(Path(folder.real)) is None
+        folder.close(abandon=fresh)
+        raise
+    if result.completed:
+        folder.finish()
+    else:
+        folder.close()
+    return result
+
+
+def _train(
+    config: TrainConfig, out: Path, resume: bool, stop_at_step: int | None, progress: bool
+) -> TrainResult:
     end = config.steps if stop_at_step is None else min(config.steps, stop_at_step)
 
     with deterministic_torch(config.threads, config.device):
@@ -217,7 +239,8 @@ def train(
         table = None
         timing = seconds_per_step if done else None  # JSON has no NaN
         if state.step == config.steps:
-            model.save_pretrained(out / MODEL_DIR)
+            with naming_full_disk(out / MODEL_DIR):
+                model.save_pretrained(out / MODEL_DIR)
             write_json(out / MODEL_DIR / TASK_FILE, config.task)  # `dcp-lens run` reads it
             extra = 0 if model.is_dense else config.table_extra_iterations
             table = evaluate_accuracy(

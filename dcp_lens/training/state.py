@@ -16,7 +16,7 @@ from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransform
 from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
 from dcp_lens.utils.errors import DamagedFileError, DCPLensError
-from dcp_lens.utils.files import write_text_atomically
+from dcp_lens.utils.files import write_text_atomically, written_atomically
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_STATE = "trainer_state.json"
@@ -100,7 +100,8 @@ def save_checkpoint(
     tmp, final, old = (out / (CHECKPOINT_DIR + s) for s in (".tmp", "", ".old"))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(tensors, str(tmp / CHECKPOINT_TENSORS), metadata={"format": CHECKPOINT_FORMAT})
+    with written_atomically(tmp / CHECKPOINT_TENSORS) as partial:
+        save_file(tensors, str(partial), metadata={"format": CHECKPOINT_FORMAT})
     write_json(tmp / CHECKPOINT_STATE, plain)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

@@ -244,11 +244,22 @@ def _matches(value: Any, annotation: Any) -> bool:
 
 
 def read_json_file(
-    path: str | Path, *, error: type[DCPLensError] = ConfigError, recovery: str = ""
+    path: str | Path,
+    *,
+    error: type[DCPLensError] = ConfigError,
+    recovery: str = "",
+    finite: bool = False,
 ) -> Any:
     """The JSON value in ``path``; ``error`` (naming the file, with ``recovery`` appended) if it
-    is missing, not UTF-8 text or not valid JSON."""
+    is missing, not a regular file (a FIFO, a device), not UTF-8 text or not valid JSON.
+    ``finite``: numbers must be finite floats (``1e999``, ``NaN`` and ``Infinity`` refused) and
+    integers within int64, as in a file dcp-lens wrote with ``allow_nan=False``."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise error(
+            f"{path} is not a regular file (a folder, pipe, device or socket); expected a JSON "
+            f"file.{_then(recovery)}"
+        )
     if not path.is_file():
         raise MissingFileError(f"{path} does not exist or is not a file.{_then(recovery)}")
     try:
@@ -259,7 +270,16 @@ def read_json_file(
             f"file.{_then(recovery)}"
         ) from cause
     try:
+        if finite:
+            return json.loads(
+                text, parse_float=_finite_float, parse_int=_bounded_int, parse_constant=_refused
+            )
         return json.loads(text)
+    except _NotFinite as cause:
+        raise error(
+            f"{path} holds the number {cause}, which is not a finite float or a 64-bit integer; "
+            f"the file is corrupt or was edited.{_then(recovery)}"
+        ) from cause
     except (json.JSONDecodeError, RecursionError) as cause:
         detail = (
             f"{cause.msg} at line {cause.lineno} column {cause.colno}"
@@ -273,10 +293,14 @@ def read_json_file(
 
 
 def read_json_object(
-    path: str | Path, *, error: type[DCPLensError] = ConfigError, recovery: str = ""
+    path: str | Path,
+    *,
+    error: type[DCPLensError] = ConfigError,
+    recovery: str = "",
+    finite: bool = False,
 ) -> dict[str, Any]:
     """`read_json_file`, which must hold a JSON object (a dict)."""
-    data = read_json_file(path, error=error, recovery=recovery)
+    data = read_json_file(path, error=error, recovery=recovery, finite=finite)
     if not isinstance(data, dict):
         raise error(
             f"{path} must hold a JSON object ({{...}}), got a JSON {_json_kind(data)}."
@@ -350,6 +374,27 @@ def check_finite(name: str, tensor: torch.Tensor, source: str) -> None:
             f"{source}: tensor {name!r} holds {bad} non-finite values (NaN or infinity); it must "
             "be finite. The file is corrupt."
         )
+
+
+class _NotFinite(ValueError):
+    """A number of a JSON file that is not finite or not within int64 (its text)."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text[:40])
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text) > 20 or not -(2**63) <= int(text) < 2**63:
+        raise _NotFinite(text[:40] + ("..." if len(text) > 40 else ""))
+    return int(text)
+
+
+def _refused(text: str) -> Any:
+    raise _NotFinite(text)
 
 
 def _then(recovery: str) -> str:

@@ -11,12 +11,16 @@ read results from a marked folder or from a folder inside one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import os
 import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dcp_lens.utils.errors import ConfigError, IncompleteRunError
+from dcp_lens.utils.errors import ConfigError, IncompleteRunError, ResourceLimitError
 
 MARKER = "INCOMPLETE"
 NAME_LIMIT = 80  # characters of a subfolder name made from a model spec
@@ -90,19 +94,29 @@ def replacement_folder(folder: str | Path) -> Path:
     return folder.with_name(f".{folder.name}{REPLACING}")
 
 
-def swap_folders(new: str | Path, old: str | Path) -> None:
+def swap_folders(
+    new: str | Path, old: str | Path, rescue: Callable[[Path, Path], None] | None = None
+) -> None:
     """Put the folder ``new`` in the place of ``old`` and remove what ``old`` held: one atomic
     exchange of the two names where the system has one (Linux ``renameat2``), else two renames.
-    A kill before the exchange leaves ``old`` as it was; after it, ``new`` in its place."""
+    A kill before the exchange leaves ``old`` as it was; after it, ``new`` in its place.
+    ``rescue(parked, placed)``, called before the old files go, moves what must stay (files a
+    user added) from the old folder (``parked``) into the new one (``placed``)."""
     new, old = Path(new), Path(old)
     if _exchange(new, old):
+        if rescue is not None:
+            rescue(new, old)
         shutil.rmtree(new, ignore_errors=True)  # now the old run's files
+        fsync_folder(old.parent)
         return
     parked = old.with_name(old.name + ".old")
     shutil.rmtree(parked, ignore_errors=True)
     os.replace(old, parked)
     os.replace(new, old)
+    if rescue is not None:
+        rescue(parked, old)
     shutil.rmtree(parked, ignore_errors=True)
+    fsync_folder(old.parent)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -121,13 +135,137 @@ def _exchange(first: Path, second: Path) -> bool:
 
 
 def write_text_atomically(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp`` and a rename, so that a kill or a
-    full disk leaves the previous file or the new one, never half of one. Returns ``path``."""
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all (`write_bytes_atomically`)."""
+    return write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_bytes_atomically(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file of a unique name in the same folder,
+    flushed to disk, renamed over ``path``, the folder flushed after the rename: a kill, a power
+    loss or a full disk leaves the previous file or the new one, never half of one, and writers
+    of the same path at once each leave a whole file. Returns ``path``.
+
+    Raises:
+        ResourceLimitError: the disk is full (the message names it and the file).
+    """
+    with written_atomically(path) as partial:
+        with open(partial, "wb") as file:
+            file.write(data)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def written_atomically(path: str | Path) -> Iterator[Path]:
+    """A temporary path in ``path``'s folder for a writer that takes a path (``torch.save``,
+    ``safetensors``' ``save_file``, ``DataFrame.to_csv``); when the block ends it is flushed
+    to disk and renamed over ``path``, then the folder is flushed. If the block raises, the
+    temporary file goes and ``path`` is left as it was. A full disk raises `ResourceLimitError`
+    naming the disk and the file."""
     path = Path(path)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(text, encoding="utf-8")
-    partial.replace(path)
-    return path
+    descriptor, name = tempfile.mkstemp(prefix=f".{path.name[:60]}.", suffix=".tmp",
+                                        dir=path.parent)  # fmt: skip
+    os.close(descriptor)
+    partial = Path(name)
+    try:
+        os.chmod(partial, 0o666 & ~_UMASK)  # as a plain open would make it, not mkstemp's 0600
+        yield partial
+        _fsync_file(partial)
+        os.replace(partial, path)
+    except BaseException as error:
+        partial.unlink(missing_ok=True)
+        if is_disk_full(error, path.parent):
+            raise disk_full(path, error) from error
+        raise
+    fsync_folder(path.parent)
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once, at import: os.umask is process-wide and not thread-safe
+
+
+def disk_full(path: str | Path, cause: BaseException | None = None) -> ResourceLimitError:
+    """The error for a write of ``path`` that ran out of space: it names the file system's
+    mount point and the file, and says what to do."""
+    path = Path(path)
+    mount = _mount_point(path.parent)
+    detail = f" ({' '.join(str(cause).split())[:120]})" if cause is not None else ""
+    return ResourceLimitError(
+        f"no space left on {mount} while writing {path}{detail}; nothing was written in part. "
+        "Free space and rerun the command (with --resume where it has one)."
+    )
+
+
+def is_disk_full(error: BaseException, folder: str | Path | None = None) -> bool:
+    """Is ``error`` a write that ran out of space: the system's ``ENOSPC`` / ``EDQUOT``, or a
+    library's own words for it (safetensors' "No space left", torch's "unexpected pos" of a
+    short write, when ``folder``'s disk has under a megabyte free)?"""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
+        return True
+    text = str(error).lower()
+    if "no space left" in text or "storagefull" in text or "disk quota" in text:
+        return True
+    short_write = "unexpected pos" in text or "failed to write" in text
+    return short_write and folder is not None and _free_bytes(Path(folder)) < 1 << 20
+
+
+@contextlib.contextmanager
+def naming_full_disk(path: str | Path) -> Iterator[None]:
+    """Within the block, an error that says the disk is full (`is_disk_full`) becomes a
+    `ResourceLimitError` naming the disk and ``path`` (a file or folder being written)."""
+    try:
+        yield
+    except Exception as error:
+        if is_disk_full(error, Path(path).parent):
+            raise disk_full(path, error) from error
+        raise
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """Flush ``folder``'s entries (a rename in it) to disk; a no-op where folders cannot be
+    opened (Windows)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the rename itself still happened
+    finally:
+        os.close(descriptor)
+
+
+def _fsync_file(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except OSError:
+        return 1 << 62
+
+
+def _mount_point(folder: Path) -> Path:
+    """The mount point holding ``folder`` (the nearest existing folder above it that is one)."""
+    current = folder.absolute()
+    while not current.exists() and current != current.parent:
+        current = current.parent
+    while not os.path.ismount(current) and current != current.parent:
+        current = current.parent
+    return current
 
 
 def mark_incomplete(folder: str | Path, command: str) -> Path:
@@ -135,10 +273,11 @@ def mark_incomplete(folder: str | Path, command: str) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     marker = folder / MARKER
-    marker.write_text(
+    write_text_atomically(
+        marker,
         f"{command} is writing this folder, or was interrupted while writing it: the results "
         "here may be partial. Rerun the command to finish (with --resume: from where it stopped); "
-        "it removes this file when done.\n"
+        "it removes this file when done.\n",
     )
     return marker
 
@@ -146,6 +285,7 @@ def mark_incomplete(folder: str | Path, command: str) -> Path:
 def mark_complete(folder: str | Path) -> None:
     """Remove the marker: every file of the run is written."""
     (Path(folder) / MARKER).unlink(missing_ok=True)
+    fsync_folder(folder)
 
 
 def check_complete(folder: str | Path) -> None:
@@ -165,11 +305,17 @@ __all__ = [
     "check_complete",
     "check_new_file",
     "check_output_folder",
+    "disk_full",
+    "fsync_folder",
     "inside",
+    "is_disk_full",
+    "naming_full_disk",
     "mark_complete",
     "mark_incomplete",
     "replacement_folder",
     "safe_name",
     "swap_folders",
+    "write_bytes_atomically",
     "write_text_atomically",
+    "written_atomically",
 ]

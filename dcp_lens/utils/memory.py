@@ -186,3 +186,15 @@ def available_memory_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return physical_memory_bytes()
+
+
+def annotated(result: dict[str, Any]) -> dict[str, Any]:
+    """A benchmark's ``result`` with the allocator setting it ran under (``"allocator"``)."""
+    threshold = fixed_threshold()
+    result["allocator"] = (
+        f"as in run: glibc's, mmap threshold {MMAP_THRESHOLD_MAX >> 20} MB, free heap past "
+        f"{release_keep() >> 20} MB returned after each batch"
+        if threshold is None
+        else f"fixed {threshold}-byte mmap threshold ($DCP_LENS_MMAP_THRESHOLD)"
+    )
+    return result

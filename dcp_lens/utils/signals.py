@@ -59,4 +59,49 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-__all__ = ["STOP_SIGNALS", "Interrupted", "exit_code", "signal_name", "stop_on_signals"]
+def how_to_continue(command: str, out: object) -> str:
+    """What to do after ``dcp-lens COMMAND --out OUT`` was stopped by a signal."""
+    if command == "run" and out is not None:
+        return (
+            f"{out} is kept (marked INCOMPLETE if the run had started); rerun the same command "
+            "with --resume to continue."
+        )
+    if command in ("train", "experiment") and out is not None:
+        return f"rerun the same command to continue from {out}'s last checkpoint."
+    return "nothing was written in part; rerun the command."
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this (worker) process end when its parent ``parent`` does, however the parent ends
+    (a SIGKILL included): Linux's parent-death signal, and elsewhere a thread that polls the
+    parent. Called first thing in a worker (a pool's initializer)."""
+    import ctypes
+    import os
+    import sys
+    import time
+
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the parent died before the signal was set
+        os._exit(1)
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=poll, daemon=True, name="die-with-parent").start()
+
+
+__all__ = [
+    "STOP_SIGNALS",
+    "die_with_parent",
+    "Interrupted",
+    "exit_code",
+    "signal_name",
+    "stop_on_signals",
+]

@@ -2,10 +2,12 @@
 
 A stage (``calibration``, ``evaluation.0``, ...) saves what its loop has accumulated, tensors and
 plain values only, every ``every`` batches and after its last batch: `torch.save` to a temporary
-file, then an atomic rename, so a kill leaves the previous snapshot or the new one, never half of
-one. Each rank of a data-parallel run keeps its own snapshots (its batches are its own). Resumed,
-a loop skips the batches its snapshot has folded in and continues with the same accumulators, so
-the run ends with the results an uninterrupted run gives.
+file of a unique name, flushed to disk, then an atomic rename
+(`dcp_lens.utils.files.written_atomically`), so a kill or a full disk leaves the previous
+snapshot or the new one, never half of one. Each rank of a data-parallel run keeps its own
+snapshots (its batches are its own). Resumed, a loop skips the batches its snapshot has folded
+in and continues with the same accumulators, so the run ends with the results an uninterrupted
+run gives.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import DamagedFileError
+from dcp_lens.utils.files import written_atomically
 
 # Tests set this to "STAGE:BATCHES" (or "model:N") to SIGKILL the run at that point.
 KILL_VARIABLE = "DCP_LENS_KILL_AT"
@@ -65,9 +68,8 @@ class Checkpoint:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self._path(stage)
-        partial = path.with_name(path.name + ".tmp")
-        torch.save({"done": done, "state": state()}, partial)
-        os.replace(partial, path)
+        with written_atomically(path) as partial:
+            torch.save({"done": done, "state": state()}, partial)
         die_if_asked(f"{stage}:{done}")
 
     def _path(self, stage: str) -> Path:

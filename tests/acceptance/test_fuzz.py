@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import data_path, outcome
@@ -100,6 +101,10 @@ def check_cli_outcome(code: int, err: str, argv: list[str]) -> None:
     if code not in (0, 2) or "Traceback" in err:
         raise Unclean(f"{argv}: exit {code}, stderr {err!r}")
     errors = [line for line in err.splitlines() if ": error:" in line]
+    bugs = ("KeyError", "IndexError", "AttributeError", "AssertionError", "NameError",
+            "UnboundLocalError", "ZeroDivisionError", "StopIteration")  # fmt: skip
+    if any(f"error: {bug}:" in line for line in errors for bug in bugs):
+        raise Unclean(f"{argv}: a bug reported as an error: {err!r}")
     if code == 2 and len(errors) != 1:
         raise Unclean(f"{argv}: exit 2 without exactly one error line: {err!r}")
 
@@ -229,6 +234,127 @@ def test_report_never_overwrites_the_run_it_reads(tmp_path, capsys, finished_run
             raise Unclean(f"{argv}: changed the run's files {changed}")
         assert main(["report", str(run)]) == 0
         capsys.readouterr()
+
+
+# ------------------------------------------------------- the folder contract, every writer
+
+
+FOLDER_STATES = ["absent", "empty", "user files", "finished run", "save folder", "report folder",
+                 "link to user files", "link to save folder", "a file"]  # fmt: skip
+WRITERS = ["results.save", "results.report folder", "results.report file", "report --out",
+           "report --out file", "run --overwrite"]  # fmt: skip
+
+
+def make_folder(box: Path, state: str, finished: Path) -> Path:
+    """A target folder ``box/target`` in ``state`` (user files: notes, a .lock, plotly.min.js
+    and validation.md of the user's own)."""
+    target = box / "target"
+    results = box / "results"
+    if state == "a file":
+        target.write_text("a user's file")
+    elif state in ("empty", "user files", "link to user files"):
+        real = box / "real" if state.startswith("link") else target
+        real.mkdir()
+        if state != "empty":
+            for name in ("notes.txt", ".lock", "plotly.min.js", "validation.md"):
+                (real / name).write_text(f"the user's {name}")
+        if real != target:
+            target.symlink_to(real)
+    elif state == "finished run":
+        shutil.copytree(finished, target)
+        (target / "notes.txt").write_text("the user's notes")
+    elif state in ("save folder", "report folder", "link to save folder"):
+        from dcp_lens.protocol.results import ProtocolResults
+
+        run = ProtocolResults.load(finished / "planted_readout_shift")
+        real = box / "real" if state.startswith("link") else target
+        run.save(real) if state != "report folder" else run.report(real)
+        (real / "notes.txt").write_text("the user's notes")
+        if real != target:
+            target.symlink_to(real)
+    results.mkdir()
+    return target
+
+
+def check_folder_contract(
+    tmp_path: Path, capsys: Any, finished: Path, state: str, writer: str
+) -> None:
+    from dcp_lens.protocol.results import ProtocolResults
+
+    with sandbox(tmp_path) as box:
+        target = make_folder(box, state, finished)
+        mine = [p for p in files_under(box) if p.is_file() and not p.is_symlink()]
+        user = {p: p.read_bytes() for p in mine if b"the user's" in p.read_bytes()}
+        run_before = (target / "results.json").read_bytes() if state == "finished run" else None
+        run = ProtocolResults.load(finished / "planted_readout_shift")
+        argv: list[str] = []
+        if writer == "results.save":
+            clean(lambda: run.save(target), writer)
+        elif writer == "results.report folder":
+            clean(lambda: run.report(target), writer)
+        elif writer == "results.report file":
+            clean(lambda: run.report(target / "r.html"), writer)
+        elif writer.startswith("report"):
+            argv = [
+                "report",
+                str(finished),
+                "--out",
+                str(target / "r.html" if "file" in writer else target),
+            ]
+        else:
+            argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--overwrite",
+                    "--out", str(target)]  # fmt: skip
+        if argv:
+            code, err = cli(argv, capsys)
+            check_cli_outcome(code, err, argv)
+        changed = [str(p) for p, data in user.items() if not p.is_file() or p.read_bytes() != data]
+        if changed:
+            raise Unclean(f"{writer} into {state}: changed the user's files {changed}")
+        if run_before is not None and writer != "run --overwrite":
+            if (target / "results.json").read_bytes() != run_before:
+                raise Unclean(f"{writer} replaced a finished run's results.json")
+        if "link" in state and not target.is_symlink():
+            raise Unclean(f"{writer} replaced the link {target}")
+        stray = [p.name for p in box.iterdir() if p.name.endswith(".replacing")]
+        if stray:
+            raise Unclean(f"{writer} left {stray}")
+
+
+@settings(QUICK, max_examples=8)
+@given(state=st.sampled_from(FOLDER_STATES), writer=st.sampled_from(WRITERS))
+def test_every_writer_keeps_the_folder_contract(tmp_path, capsys, finished_run, state, writer):
+    check_folder_contract(tmp_path, capsys, finished_run, state, writer)
+
+
+@pytest.mark.slow
+@settings(LONG, max_examples=80)
+@given(state=st.sampled_from(FOLDER_STATES), writer=st.sampled_from(WRITERS))
+def test_every_writer_keeps_the_folder_contract_long(tmp_path, capsys, finished_run, state, writer):
+    check_folder_contract(tmp_path, capsys, finished_run, state, writer)
+
+
+ARRAYS = st.builds(
+    lambda rows, cols, kind, low, ragged: (
+        [[low + (i * 7 + j) % 9 for j in range(cols - (ragged and i % 2))] for i in range(rows)]
+        if kind == "list"
+        else np.full((rows, cols), low).astype(kind)
+    ),
+    st.integers(0, 3), st.integers(0, 6),
+    st.sampled_from(["list", "int64", "int32", "uint8", "float32", "float64", "bool", "complex64"]),
+    st.integers(-2, 3), st.booleans(),
+)  # fmt: skip
+POSITIONS = st.one_of(
+    st.none(),
+    st.lists(st.lists(st.one_of(st.integers(-2, 8), st.floats(-1, 8)), max_size=3), max_size=4),
+)
+
+
+@QUICK
+@given(tokens=ARRAYS, positions=POSITIONS)
+def test_evaluation_sets_from_lists_and_arrays_are_taken_or_refused(tokens, positions):
+    from dcp_lens.protocol.evaluation_set import EvaluationSet
+
+    clean(lambda: EvaluationSet.from_tokens(tokens, positions), "evaluation set")
 
 
 # ------------------------------------------------------------------ config and snapshot files
@@ -497,8 +623,10 @@ def check_killed_run(tmp_path: Path, rng: random.Random, reference: Path) -> Non
     delay = rng.uniform(0.0, 3.0)
     killed = kill_after(start(run_command(out, 0), tmp_path), delay, out)
     note = f"(killed={killed} after {delay:.1f}s; DCP_LENS_FUZZ_SEED replays)"
+    contract = {".lock", ".dcp-lens.json"}  # the lock, taken before the models load
     if out.exists() and not (out / "INCOMPLETE").exists():
-        assert (out / "results.json").is_file(), f"an unmarked partial folder {note}"
+        only_lock = {p.name for p in out.iterdir()} <= contract
+        assert only_lock or (out / "results.json").is_file(), f"an unmarked partial folder {note}"
     assert seeds_in(out) <= {0}, note if out.exists() else note
     code = main(run_command(out, 0, "--resume"))
     assert code == 0, note

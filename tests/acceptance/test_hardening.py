@@ -611,11 +611,17 @@ def test_overwrite_with_a_bad_argument_leaves_the_finished_run_readable(
 
 
 def test_overwrite_replaces_the_run_whole_and_leaves_no_sibling(capsys, tmp_path, finished_run):
+    """Every file the old run wrote (its manifest lists them) goes; a file added since stays."""
     run = shutil.copytree(finished_run, tmp_path / "run")
     (run / "stale.txt").write_text("a file of the old run")
+    manifest = json.loads((run / ".dcp-lens.json").read_text())
+    manifest["files"].append("stale.txt")
+    (run / ".dcp-lens.json").write_text(json.dumps(manifest))
+    (run / "notes.txt").write_text("the user's")
     argv = run_argv(run, "--overwrite", "--seed", "3")
     assert main(argv) == 0
     assert not (run / "stale.txt").exists() and not (run / "INCOMPLETE").exists()
+    assert (run / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert json.loads((run / "results.json").read_text())["runs"][0]["metadata"]["seed"] == 3
 
@@ -930,3 +936,387 @@ def test_protocol_settings_of_the_wrong_type_are_refused(settings):
 def test_a_protocol_without_a_model_is_refused():
     with pytest.raises(DCPLensError):
         DepthControlProtocol(None)
+
+
+# ------------------------------------------------- one folder contract, atomic writes, bounds
+
+
+def test_atomic_writes_from_threads_leave_one_whole_file(tmp_path):
+    """Four threads writing one path 200 times each: no error, the file is one writer's whole
+    text, no temporary file is left beside it."""
+    import threading
+
+    from dcp_lens.utils.files import write_text_atomically
+
+    path, errors = tmp_path / "shared.json", []
+
+    def writer(index: int) -> None:
+        for round_ in range(200):
+            try:
+                write_text_atomically(path, json.dumps({"writer": index, "round": round_}) * 50)
+            except Exception as error:  # the property: none
+                errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    text = path.read_text()
+    assert text == text[: len(text) // 50] * 50 and json.loads(text[: len(text) // 50])
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # not mkstemp's private mode
+
+
+def test_a_full_disk_names_itself_and_leaves_the_old_file(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from dcp_lens.utils import files
+
+    path = files.write_text_atomically(tmp_path / "validation.json", "old\n")
+
+    def full(descriptor: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ResourceLimitError, match=r"no space left on .* while writing .*validation"):
+        files.write_text_atomically(path, "new\n" * 1000)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    # a library's own words for it (safetensors' SafetensorError, torch's short write)
+    with pytest.raises(ResourceLimitError, match="no space left"):
+        with files.naming_full_disk(tmp_path / "model"):
+            raise RuntimeError('IoError(Os { code: 28, kind: StorageFull, message: "No space left"')
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("contract") / "run"
+    assert (
+        main(["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out)]) == 0
+    )
+    return out
+
+
+def test_overwrite_keeps_the_users_files_and_follows_a_link(tmp_path, capsys, finished):
+    run = shutil.copytree(finished, tmp_path / "run", symlinks=True)
+    (run / "my_notes.txt").write_text("mine")
+    (run / "analysis").mkdir()
+    (run / "analysis" / "fig.png").write_bytes(b"\x89PNG")
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    err = one_line_error(capsys, ["run", "--model", "planted:readout_shift", *SMALL, "--quiet",
+                                  "--seed", "3", "--out", str(link)])  # fmt: skip
+    assert "finished" in err and "--overwrite" in err
+    argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--seed", "3",
+            "--overwrite", "--out", str(link)]  # fmt: skip
+    assert main(argv) == 0
+    assert link.is_symlink() and (run / "my_notes.txt").read_text() == "mine"
+    assert (run / "analysis" / "fig.png").read_bytes() == b"\x89PNG"
+    seeds = {r["metadata"]["seed"] for r in json.loads((run / "results.json").read_text())["runs"]}
+    assert seeds == {3}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]  # no .replacing left
+
+
+@pytest.mark.parametrize("command", ["run", "train", "validate", "experiment", "report", "save"])
+def test_every_writer_refuses_a_folder_of_the_users_files(tmp_path, capsys, finished, command):
+    """A folder holding files no dcp-lens command wrote is refused, naming what is there."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "validation.md").write_text("my notes")
+    (out / "plotly.min.js").write_text("my script")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    argv = {
+        "run": ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out)],
+        "train": ["train", "--preset", "tiny", "--steps", "1", "--out", str(out)],
+        "validate": ["validate", "--models", "readout_shift", "--n-eval", "16", "--n-calibration",
+                     "16", "--bootstrap", "5", "--quiet", "--out", str(out)],
+        "experiment": ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0",
+                       "--out", str(out)],
+        "report": ["report", str(finished), "--out", str(out)],
+    }  # fmt: skip
+    if command == "save":
+        results = ProtocolResults.load(finished / "planted_readout_shift")
+        with pytest.raises(ConfigError, match="did not write"):
+            results.save(out)
+    else:
+        err = one_line_error(capsys, argv[command])
+        assert "did not write" in err and "validation.md" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_report_to_a_file_touches_nothing_beside_it(tmp_path, capsys, finished):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for name, text in (("plotly.min.js", "mine"), (".lock", "my lock"), ("notes.txt", "x")):
+        (folder / name).write_text(text)
+    assert main(["report", str(finished), "--out", str(folder / "r.html")]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "notes.txt", "plotly.min.js",
+                                                       "r.html"]  # fmt: skip
+    assert (folder / "plotly.min.js").read_text() == "mine"
+    assert (folder / ".lock").read_text() == "my lock"
+    page = (folder / "r.html").read_text()
+    assert "src='plotly.min.js'" not in page and len(page) > 1_000_000  # plotly.js inlined
+    results = ProtocolResults.load(finished / "planted_readout_shift")
+    for bad in (finished / "results.json", tmp_path / "x.txt"):
+        before = bad.read_bytes() if bad.exists() else None
+        with pytest.raises(ConfigError):
+            results.report(bad)
+        assert (bad.read_bytes() if bad.exists() else None) == before
+    run_copy = shutil.copytree(finished, tmp_path / "run")
+    with pytest.raises(ConfigError, match="run"):
+        results.save(run_copy)  # a run folder is not a save folder: its results.json stays
+    assert (run_copy / "results.json").read_bytes() == (finished / "results.json").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [1.5, pytest.param(0.0, marks=pytest.mark.slow), pytest.param(6.0, marks=pytest.mark.slow)],
+)
+def test_two_runs_into_one_folder_exactly_one_finishes(tmp_path, offset):
+    """Two runs into one --out, the second started ``offset`` seconds after the first (while it
+    loads, writes or has finished): one exits 0, the other 2 (busy or finished), and the folder
+    holds the winner's run, whole."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    code = "import sys; from dcp_lens.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    env = {**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for out in (tmp_path / "out",):
+        processes = []
+        for seed in (1, 2):
+            argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--seed",
+                    str(seed), "--out", str(out)]  # fmt: skip
+            process = subprocess.Popen(
+                [sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+            processes.append(process)
+            time.sleep(offset)
+        codes = [p.wait(timeout=300) for p in processes]
+        errors = [p.stderr.read().decode() for p in processes if p.stderr is not None]
+        assert sorted(codes) == [0, 2], (codes, errors)
+        loser = errors[codes.index(2)]
+        assert "another dcp-lens process" in loser or "finished" in loser, loser
+        winner = codes.index(0) + 1
+        runs = json.loads((out / "results.json").read_text())["runs"]
+        assert {r["metadata"]["seed"] for r in runs} == {winner}
+        assert not (out / "INCOMPLETE").exists()
+
+
+def test_sizes_set_by_flags_and_files_are_refused_before_allocation(tmp_path, capsys):
+    from dcp_lens.tasks import check_task_config
+
+    out, experiment = ["--out", str(tmp_path / "o")], ["--out", str(tmp_path / "e")]
+    for argv, words in (
+        (["validate", "--coverage", str(10**9), "--quiet"], "--coverage"),
+        (["run", "--calibration-groups", "1000000", *out], "calibration_groups"),
+        (["run", "--seed", str(2**63), *out], "2**63"),
+        (["experiment", "training-intervention", "--seeds", f"0,{2**64}", *experiment], "2**63"),
+        (["run", "--text-field", "body", *out], "--text-field"),
+    ):
+        assert words in one_line_error(capsys, argv)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+    with pytest.raises(ResourceLimitError, match="n_ctx"):
+        check_task_config({"name": "char_lm", "path": "x", "n_ctx": 10**9}, "task.json")
+    with pytest.raises(ResourceLimitError, match="n_bootstrap"):
+        DepthControlProtocol(load("planted:readout_shift"), n_bootstrap=10**12)
+    from dcp_lens.tasks.base import check_batch_request
+
+    with pytest.raises(ResourceLimitError, match="n_ctx"):
+        check_batch_request("evaluation", 512, 0, 1 << 40)
+
+
+def test_a_long_jsonl_record_is_tokenized_a_piece_at_a_time():
+    from dcp_lens.tasks.text import _text_chunks
+
+    text = ("word " * 100_000).strip()
+    chunks = list(_text_chunks(text, 4096))
+    assert "".join(chunks) == text and max(map(len, chunks)) <= 4096 and len(chunks) > 100
+    assert list(_text_chunks("", 10)) == [""]
+
+
+def test_a_tokenizer_panic_is_an_error_naming_the_corpus(tmp_path):
+    from dcp_lens.tasks.text import _encode
+
+    class PanicException(BaseException):  # what the tokenizers library raises (Rust panic)
+        pass
+
+    class Broken:
+        def encode(self, text: str) -> list[int]:
+            raise PanicException("regex backtrack limit")
+
+    with pytest.raises(DCPLensError, match="tokenizer failed on .*corpus.txt.*PanicException"):
+        _encode(Broken(), "text", tmp_path / "corpus.txt")
+
+
+def test_a_fifo_given_as_a_json_file_is_refused_without_reading(tmp_path):
+    import os
+
+    from dcp_lens.utils.checks import read_json_object
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_json_object(fifo)
+
+
+def test_numbers_in_results_json_are_checked_on_load(tmp_path, finished):
+    from dcp_lens.protocol.results import read_results_json
+
+    folder = shutil.copytree(finished / "planted_readout_shift", tmp_path / "r")
+    text = (folder / "results.json").read_text()
+    for bad in ("1e999", "NaN", "-Infinity", "1" + "0" * 30):
+        first_number = text.index('"n_iterations": ') + len('"n_iterations": ')
+        end = text.index(",", first_number)
+        (folder / "results.json").write_text(text[:first_number] + bad + text[end:])
+        with pytest.raises(DamagedFileError, match="not a finite float"):
+            read_results_json(folder / "results.json")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["list", "numpy", "float_targets", "fraction", "mask_float", "mask_shape", "meta", "metadata",
+     "ragged", "devices"],
+)  # fmt: skip
+def test_evaluation_sets_take_or_refuse_every_input(case):
+    from dcp_lens.utils.errors import InputError
+
+    tokens = torch.randint(0, 8, (3, 6))
+    build = {
+        "list": lambda: EvaluationSet.from_tokens(tokens.tolist()),
+        "numpy": lambda: EvaluationSet.from_tokens(tokens.numpy()),
+        "float_targets": lambda: EvaluationSet(tokens, tokens.float() + 0.25),
+        "fraction": lambda: EvaluationSet.from_tokens(tokens, [[0.5], [1], [2]]),
+        "mask_float": lambda: EvaluationSet(tokens, tokens, torch.full((3, 6), 0.5)),
+        "mask_shape": lambda: EvaluationSet(tokens, tokens, torch.ones(3, 5, dtype=torch.bool)),
+        "meta": lambda: EvaluationSet(tokens.to("meta"), tokens),
+        "metadata": lambda: EvaluationSet(tokens, tokens, metadata={"hops": torch.zeros(2)}),
+        "ragged": lambda: EvaluationSet.from_tokens([[1, 2, 3], [1, 2]]),
+        "devices": lambda: EvaluationSet(tokens, tokens.to("meta")),
+    }[case]
+    if case in ("list", "numpy"):
+        built = build()
+        assert built.tokens.dtype == torch.long and torch.equal(built.tokens, tokens)
+        assert torch.equal(built.targets[:, :-1], tokens[:, 1:])
+    else:
+        # The constructor's fields are typed: under the test suite's runtime type checks a
+        # wrong dtype may be refused by jaxtyping (a TypeError naming the field) first.
+        with pytest.raises((InputError, TypeError)) as refused:
+            build()
+        named = ("tokens", "targets", "attention_mask", "metadata", "scored_positions")
+        assert any(name in str(refused.value) for name in named), refused.value
+
+
+def test_two_protocols_on_one_model_at_once_work_or_say_why():
+    import threading
+
+    from dcp_lens.utils.errors import InputError
+
+    model = load("planted:readout_shift")
+    task = model.planted_task
+    data = (task.evaluation(16), task.calibration(16))
+    outcomes: list[object] = []
+
+    def run() -> None:
+        protocol = DepthControlProtocol(model, n_bootstrap=5, probe="none", progress=False)
+        try:
+            outcomes.append(protocol.run(*data))
+        except InputError as error:
+            outcomes.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outcomes) == 2
+    for result in outcomes:
+        assert isinstance(result, ProtocolResults) or "copy.deepcopy" in str(result)
+    assert any(isinstance(result, ProtocolResults) for result in outcomes)
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    """A pool's worker, set up by die_with_parent, ends when its parent is SIGKILLed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys, time, multiprocessing\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from dcp_lens.utils.signals import die_with_parent\n"
+        "def work():\n    time.sleep(120)\n"
+        "if __name__ == '__main__':\n"
+        "    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
+        "                               initializer=die_with_parent, initargs=(os.getpid(),))\n"
+        "    pool.submit(work)\n"
+        "    time.sleep(2)\n"
+        "    print(*[p.pid for p in pool._processes.values()], flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert parent.stdout is not None
+    workers = [int(pid) for pid in parent.stdout.readline().split()]
+    assert workers
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in workers if _alive(pid)]
+        time.sleep(0.2)
+    assert alive == [], f"workers {alive} outlived their parent"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def test_the_finished_check_is_made_again_under_the_lock(tmp_path):
+    """B judges the folder new before A has finished it; once B holds the lock it judges it
+    again and refuses the finished run (B never replaces what A wrote)."""
+    from dcp_lens.utils.folders import OutputFolder
+    from dcp_lens.utils.locks import FolderBusyError
+
+    out = tmp_path / "out"
+    first = OutputFolder(out, "run")
+    second = OutputFolder(out, "run")
+    assert second.plan() == "new"  # before anything is locked
+    work = first.open()
+    first.prepare()
+    with pytest.raises(FolderBusyError):
+        second.open()
+    (work / "results.json").write_text("{}")
+    first.finish()
+    with pytest.raises(ConfigError, match="holds a finished run"):
+        second.open()
+    assert (out / "results.json").read_text() == "{}"
+    manifest = json.loads((out / ".dcp-lens.json").read_text())
+    assert manifest["finished"] and manifest["files"] == ["results.json"]
+    (out / "notes.txt").write_text("mine")  # a user's file after the run: kept by a restart
+    third = OutputFolder(out, "run", overwrite=True)
+    third.open()
+    third.prepare()
+    assert sorted(p.name for p in out.iterdir()) == [".dcp-lens.json", ".lock", "notes.txt"]
+    third.close()

@@ -1,0 +1,65 @@
+"""What each command of the command line is, in words: the help's description, the model
+specs it takes and an example per command; and the command that diagnoses a trained model.
+Plain text, importing nothing, so that help stays instant."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+
+DESCRIPTION = """\
+The Depth Control Protocol for depth-recurrent transformers: split the gap between full depth
+and truncated depth into readout shift (S), block applications (B) and distinct computation (D).
+Run dcp-lens COMMAND --help for a command's options, their defaults and an example."""
+
+# Kept in step with the registry by tests/acceptance/test_cli.py (listed here so that help does
+# not import the loaders).
+MODEL_SPECS = """\
+model specs (--model, --dense):
+  default, default-every-iteration, default-dense
+                    the bundled models (recurrent; trained every iteration; the dense control)
+  planted:NAME      a planted model whose answer is known; NAME is one of readout_shift,
+                    distinct_computation, block_count, readout_shift_by_token_type,
+                    readout_shift_by_position, mixture_shift_distinct, mixture_shift_blocks,
+                    readout_shift_soft, distinct_computation_soft, block_count_soft,
+                    distinct_computation_context, block_count_context, frame_flip,
+                    distinct_computation_skewed, mixture_three_way,
+                    distinct_computation_smooth, readout_shift_step
+  huginn:PATH       a local Huginn-0125 checkpoint folder (config.json and safetensors)
+  ouro:PATH         a local Ouro checkpoint folder
+  llama2c:PATH      a llama2.c checkpoint (.bin, or a folder with it and its tokenizer); dense
+  bridge:PATH       a local Hugging Face folder through a TransformerLens TransformerBridge; dense
+  PATH              a folder written by save_pretrained (dcp-lens train writes RUN/model)"""
+
+EXAMPLES = {
+    "run": "example:\n  dcp-lens run --model planted:readout_shift --out out/planted\n"
+    "  dcp-lens run --out out/default   (the bundled default and default-dense)",
+    "report": "example:\n  dcp-lens report out/default",
+    "train": "example:\n  dcp-lens train --preset tiny --out runs/tiny && "
+    "dcp-lens run --model runs/tiny/model --out runs/tiny/dcp",
+    "experiment": "example:\n  dcp-lens experiment training-intervention --preset tiny "
+    "--seeds 0,1 --out runs/intervention",
+    "validate": "example:\n  dcp-lens validate --models readout_shift,block_count "
+    "--out out/validate\n  dcp-lens validate --coverage 10 --out out/coverage",
+    "bench": "example:\n  dcp-lens bench --d-model 64 --iterations 8 --batch-size 4 --seq 32 "
+    "--json",
+}
+
+
+def diagnose_command(run_folder: Path) -> str:
+    """The ``dcp-lens run`` command that diagnoses the model ``dcp-lens train`` wrote in
+    ``run_folder`` (its results in ``run_folder/dcp``)."""
+    model, out = str(run_folder / "model"), str(run_folder / "dcp")
+    return shlex.join(["dcp-lens", "run", "--model", model, "--out", out])
+
+
+__all__ = [
+    "DEFAULT_DENSE",
+    "DEFAULT_MODEL",
+    "DESCRIPTION",
+    "EXAMPLES",
+    "MODEL_SPECS",
+    "diagnose_command",
+]
