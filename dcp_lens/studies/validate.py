@@ -48,6 +48,10 @@ TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may
 NARROW_WIDTH = 0.1  # an identifiable model's largest S bracket width (upper interval end)
 POINT_TOLERANCE = 0.1  # an identifiable model's largest |point share - truth|
 FALSE_ALARM_RATE = 0.05  # the largest fraction of identifiable k's flagged S not identified
+VERDICT_RATE = 0.9  # the least fraction of identifiable rows whose verdict is right
+# A verdict that names S or B (or bounds the gap as not affine-recoverable) claims at least
+# this share of the gap for it; below it, the claim is wrong.
+CLAIMED_SHARE = 0.65
 COVERAGE_TARGET = 0.9  # the least fraction of replicates whose 95% interval covers the truth
 # The older point rule, information only.
 SINGLE_FACTOR_PASS = 0.9  # the planted factor's least share of the gap's area
@@ -55,7 +59,10 @@ MIXTURE_TOLERANCE = 0.1  # the largest |share - true share| of a mixture
 
 # The share-level bracket quantities a row keeps (each with _lo / _hi), and the per-k fields.
 BRACKET_KEYS = ("S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
-PER_K_KEYS = ("k", "gap", "gap_lo", "S_width_hi", "S_identified", "B_identified")
+PER_K_KEYS = (
+    "k", "gap", "gap_lo", "S_width_hi", "B_width_hi", "order_width_hi", "I_BS",
+    "S_identified", "B_identified",
+)  # fmt: skip
 # The planted mixtures, the models `coverage` replicates by default.
 MIXTURES = tuple(name for name in planted.BRACKET_PLANTED if "+" in planted.EXPECTED_FACTOR[name])
 
@@ -73,6 +80,9 @@ class Judgement:
     false_alarms: int  # identifiable models: k's with a gap where S_identified is false
     alarm_ks: int  # identifiable models: k's < r whose gap is clearly above zero
     passed: bool  # in bracket, and narrow and point (identifiable) or flagged (ambiguous)
+    verdict: str = "none"  # the verdict the results carry (with "/not_affine" bound), or none
+    verdict_right: bool | None = None  # identifiable models: the verdict names the truth
+    confident_wrong: bool = False  # S or B named with a true share below CLAIMED_SHARE
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class ValidationRow:
     point_rule_passed: bool  # the older rule, information only
     counted: bool  # False where the results mark the metric not validated
     flags: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict)  # the results' whole bracket record
 
 
 def judge(planted_factor: str, shares: Mapping[str, float], expected: Mapping[str, float]) -> bool:
@@ -111,11 +122,14 @@ def judge_bracket(
     per_k: Sequence[Mapping[str, Any]],
     expected: Mapping[str, float],
     identifiable: bool,
+    verdict: Mapping[str, Any] | None = None,
 ) -> Judgement:
     """The bracket rule on one row (module docstring): ``bracket`` the share-level bracket
     (`BRACKET_KEYS` with ``_lo`` / ``_hi``, ``S_width_hi``), ``shares`` the point S, B, D,
     ``per_k`` the decomposition rows of the k < r (``gap_lo``, ``S_identified``,
-    ``B_identified``), ``expected`` the true S, B, D. A missing or NaN value fails its test."""
+    ``B_identified``), ``expected`` the true S, B, D, ``verdict`` the results' ``verdict``
+    and ``bound`` (`judge_verdict`). A missing or NaN value fails its test. An ambiguous row
+    also passes with the verdict "inconclusive" (what the data cannot tell is not named)."""
     outside = [
         factor
         for factor in FACTORS
@@ -146,12 +160,42 @@ def judge_bracket(
             if row.get("S_identified") is not False and row.get("B_identified") is not False
         ]
         flagged = not unflagged
-    passed = not outside and (bool(narrow and point_ok) if identifiable else bool(flagged))
+    named, right, wrong = judge_verdict(verdict or {}, expected, identifiable, not outside)
+    if identifiable:
+        passed = not outside and bool(narrow and point_ok)
+    else:
+        passed = (not outside and bool(flagged)) or named.startswith("inconclusive")
     return Judgement(
         in_bracket=not outside, outside=outside, narrow=narrow, point_ok=point_ok,
         flagged_every_k=flagged, unflagged_ks=unflagged, false_alarms=false_alarms,
-        alarm_ks=alarm_ks, passed=passed,
+        alarm_ks=alarm_ks, passed=passed and not wrong, verdict=named, verdict_right=right,
+        confident_wrong=wrong,
     )  # fmt: skip
+
+
+def judge_verdict(
+    verdict: Mapping[str, Any], expected: Mapping[str, float], identifiable: bool,
+    in_bracket: bool,
+) -> tuple[str, bool | None, bool]:  # fmt: skip
+    """(the verdict as counted, whether it is right on an identifiable model, whether it is
+    confidently wrong). ``verdict``: ``verdict`` and ``bound`` of the results. Right: S or B
+    named whose true share is at least `CLAIMED_SHARE`; "inconclusive" bounded as not
+    recovered by an affine map (``not_affine``) where the true D is at least that; "mixed"
+    with the truth inside every bracket. Confidently wrong: S or B named whose true share is
+    below `CLAIMED_SHARE`."""
+    named = str(verdict.get("verdict") or "none")  # "none": the results carry no verdict
+    bound = verdict.get("bound")
+    counted = f"{named}/{bound}" if named == "inconclusive" and isinstance(bound, str) else named
+    wrong = named in ("S", "B") and not expected[named] >= CLAIMED_SHARE
+    if not identifiable:
+        return counted, None, wrong
+    if named in ("S", "B"):
+        right = not wrong
+    elif named == "mixed":
+        right = in_bracket
+    else:
+        right = bound == "not_affine" and expected["D"] >= CLAIMED_SHARE
+    return counted, right, wrong
 
 
 def judge_run(
@@ -163,7 +207,7 @@ def judge_run(
     """`judge_bracket` on ``metric`` of one ``results.json`` run."""
     return judge_bracket(
         bracket_of(run, metric), shares_of(run, metric), per_k_of(run, metric), expected,
-        identifiable,
+        identifiable, run.get("bracket", {}).get(metric),
     )  # fmt: skip
 
 
@@ -203,7 +247,17 @@ def summarize(rows: Sequence[ValidationRow]) -> dict[str, dict[str, Any]]:
         ks = sum(row.judgement.alarm_ks for row in mine)
         rate = alarms / ks if ks else 0.0
         passed_rows = sum(row.passed for row in mine)
+        judged = [row for row in mine if row.identifiable]
+        right = sum(bool(row.judgement.verdict_right) for row in judged)
+        verdict_rate = right / len(judged) if judged else 1.0
+        wrong = [row.model for row in mine if row.judgement.confident_wrong]
         summary[metric] = {
+            "verdicts_right": right,
+            "verdicts_judged": len(judged),
+            "verdict_rate": verdict_rate,
+            "verdict_ok": verdict_rate >= VERDICT_RATE,
+            "wrong_verdicts": [row.model for row in judged if not row.judgement.verdict_right],
+            "confidently_wrong": wrong,
             "rows": len(mine),
             "rows_passed": passed_rows,
             "failing": [row.model for row in mine if not row.passed],
@@ -212,7 +266,10 @@ def summarize(rows: Sequence[ValidationRow]) -> dict[str, dict[str, Any]]:
             "false_alarm_rate": rate,
             "false_alarm_ok": rate <= FALSE_ALARM_RATE,
             "counted": all(row.counted for row in mine),
-            "passed": passed_rows == len(mine) and rate <= FALSE_ALARM_RATE,
+            "passed": passed_rows == len(mine)
+            and rate <= FALSE_ALARM_RATE
+            and verdict_rate >= VERDICT_RATE
+            and not wrong,
         }
     return summary
 
@@ -393,7 +450,8 @@ def save(
         "rules": {
             "truth_slack": TRUTH_SLACK, "narrow_width": NARROW_WIDTH,
             "point_tolerance": POINT_TOLERANCE, "false_alarm_rate": FALSE_ALARM_RATE,
-            "coverage_target": COVERAGE_TARGET,
+            "coverage_target": COVERAGE_TARGET, "verdict_rate": VERDICT_RATE,
+            "claimed_share": CLAIMED_SHARE,
         },
         "rows": [asdict(row) for row in rows],
         "summary": summarize(rows),
@@ -413,8 +471,8 @@ def markdown(rows: Sequence[ValidationRow]) -> list[str]:
     """The lines of the validation table in markdown, then one summary line per metric."""
     lines = [
         "| planted model | metric | identifiable | truth S / B / D | point S / B / D "
-        "| S bracket | B bracket | D bracket | S width | flags below r | result |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| S bracket | B bracket | D bracket | S width | flags below r | verdict | result |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         truth = " / ".join(_number(row.expected[f], 2) for f in FACTORS)
@@ -424,7 +482,7 @@ def markdown(rows: Sequence[ValidationRow]) -> list[str]:
         lines.append(
             f"| {row.model} | {row.metric} | {'yes' if row.identifiable else 'no'} | {truth} "
             f"| {point} | " + " | ".join(brackets) + f" | {width} | {_flag_cell(row)} "
-            f"| {_result(row)} |"
+            f"| {row.judgement.verdict} | {_result(row)} |"
         )  # fmt: skip
     lines.append("")
     for metric, s in summarize(rows).items():
@@ -433,6 +491,13 @@ def markdown(rows: Sequence[ValidationRow]) -> list[str]:
             + (f" (failing: {', '.join(s['failing'])})" if s["failing"] else "")
             + f"; false alarms {s['false_alarms']} of {s['alarm_ks']} identifiable k's"
             f" ({s['false_alarm_rate']:.1%}, at most {FALSE_ALARM_RATE:.0%})"
+            f"; verdicts right {s['verdicts_right']} of {s['verdicts_judged']} identifiable rows"
+            f" ({s['verdict_rate']:.0%}, at least {VERDICT_RATE:.0%})"
+            + (
+                f"; confidently wrong: {', '.join(s['confidently_wrong'])}"
+                if s["confidently_wrong"]
+                else ""
+            )
             + ("" if s["counted"] else "; not validated, not counted")
             + f": {'pass' if s['passed'] else 'FAIL'}."
         )
@@ -517,13 +582,14 @@ def _row(name: str, metric: str, run: dict[str, Any], expected: dict[str, float]
         passed=judgement.passed,
         point_rule_passed=judge(planted.EXPECTED_FACTOR[name], shares, expected),
         counted=validated is not False, flags=_flags(run, metric),
+        record=dict(run.get("bracket", {}).get(metric) or {}),
     )  # fmt: skip
 
 
 def _flags(run: Mapping[str, Any], metric: str) -> dict[str, Any]:
     """The verdict, stability and validation record the results carry for ``metric``."""
     shares = {**run["shares"][metric], **run.get("bracket", {}).get(metric, {})}
-    flags = {key: shares[key] for key in ("verdict", "stable") if key in shares}
+    flags = {key: shares[key] for key in ("verdict", "bound", "stable") if key in shares}
     record = run.get("metrics", {}).get(metric, {})
     if "validated" in record:
         flags["validated"] = record["validated"]
@@ -548,6 +614,8 @@ def _result(row: ValidationRow) -> str:
         why += [] if j.point_ok else ["point off"]
     elif not j.flagged_every_k:
         why.append("not flagged")
+    if j.confident_wrong:
+        why.append(f"verdict {j.verdict} names a factor below {CLAIMED_SHARE:g} of the gap")
     text = "pass" if row.passed else f"FAIL ({'; '.join(why)})"
     return text + ("" if row.counted else " (not validated)")
 
