@@ -226,8 +226,8 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     within ``tolerance`` (their difference summed over k as ``|I_BS(k)|``, so that opposite
     signs do not cancel). S or B is then named when its bracket, interval included, reaches
     ``named_share`` and the k's where it is identified carry at least ``identified_area`` of
-    the gap's area; a gap the affine maps do not recover (D's bracket there, S identified over
-    that area) is inconclusive with ``bound = "not_affine"``; otherwise "mixed".
+    the gap's area; a gap the affine maps do not recover (D's bracket there: a bound, which needs
+    no per-k identification) is inconclusive with ``bound = "not_affine"``; otherwise "mixed".
     """
     if not math.isfinite(shares.get("gap", math.nan)):
         reason = "no k has every cell finite, so there are no shares."
@@ -285,13 +285,12 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     lows = {f: shares[f"{f}_lower_lo"] for f in FACTORS}
     named = [f for f, low in lows.items() if low >= rule.named_share]
     # A factor is named only where it is identified at k's that carry most of the gap's area.
-    factor = named[0] if len(named) == 1 else None
-    area_of = {"S": "S_identified_area", "B": "B_identified_area", "D": "S_identified_area"}
-    area = shares.get(area_of[factor], math.nan) if factor else math.nan
+    # (D is never named: its lower end bounds what no affine map recovers, whatever S's width.)
+    factor = named[0] if len(named) == 1 and named[0] in ("S", "B") else None
+    area = shares.get(f"{factor}_identified_area", math.nan) if factor else math.nan
     if factor and not _ge(area, rule.identified_area):
-        which = "S" if factor == "D" else factor
         reasons.append(
-            f"{which} is identified only at k's that carry {area:.0%} of the gap's area, less"
+            f"{factor} is identified only at k's that carry {area:.0%} of the gap's area, less"
             f" than the {rule.identified_area:.0%} a verdict needs (the per-k flags say where)."
         )
         return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
@@ -601,10 +600,10 @@ def _at_least(least: float, point: float | None) -> str:
     end) by 0.005 or more; a share past the whole gap is an overshoot."""
     if least >= 1.005:
         return (
-            f"More than the whole truncation gap (at least {least:.1%}; the other factors sum"
+            f"More than the whole truncation gap (at least {least:.0%}; the other factors sum"
             " below 0):"
         )
-    bound = f"{least:.1%}"
+    bound = f"{least:.0%}"
     if point is not None and math.isfinite(point) and abs(point - least) < 0.005:
         return f"{bound} of"
     return f"At least {bound} of"
@@ -615,12 +614,12 @@ def _share_of_gap(share: float) -> str:
     share above 1 overshoots the gap and the other factors' shares sum below 0."""
     if share >= 1.005:  # shown as more than 100%
         return (
-            f"More than the whole truncation gap ({share:.1%}; the other factors sum to "
-            f"{1 - share:.1%})"
+            f"More than the whole truncation gap ({share:.0%}; the other factors sum to "
+            f"{1 - share:.0%})"
         )
     if share >= 0.995:
-        return f"All of the truncation gap ({share:.1%})"
-    return f"Most of the truncation gap ({share:.1%})"
+        return f"All of the truncation gap ({share:.0%})"
+    return f"Most of the truncation gap ({share:.0%})"
 
 
 def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:

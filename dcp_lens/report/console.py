@@ -26,11 +26,11 @@ WIDTH = 100
 LEGEND = (
     "S: readout shift that an affine change of frame undoes; "
     "B: block applications (replaying one update recovers it); "
-    "D: the rest, not recovered by an affine change of frame (distinct computation, or a "
-    "non-affine shift). Point shares of the truncation gap's area over k (the S bracket's lower "
+    "D: distinct computation, or a non-affine shift (the rest: not recovered by an affine "
+    "change of frame). Point shares of the truncation gap's area over k (the S bracket's lower "
     "end), with 95% intervals."
 )
-SEVERITY_TITLES = {"read": "read first", "caution": "caution", "note": "notes"}
+SEVERITY_TITLES = {"read": "", "caution": "caution: ", "note": "note: "}
 
 
 def format_summary(results: ProtocolResults) -> str:
@@ -54,10 +54,10 @@ def format_summaries(runs: Sequence[ProtocolResults]) -> str:
     lines.append("")
     lines.extend(_wrapped(LEGEND, ""))
     if flags:
-        lines.append("flags, most important first:")
+        lines.append("flags:")
         for (severity, flag), models in flags.items():
             where = "" if len(runs) == 1 else f"[{', '.join(models)}] "
-            lines.extend(_wrapped(f"- {SEVERITY_TITLES[severity]}: {where}{flag}", "  "))
+            lines.extend(_wrapped(f"- {SEVERITY_TITLES[severity]}{where}{flag}", "  "))
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ interval covers the truth (issue 25, item 8).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -40,7 +41,8 @@ from dcp_lens.protocol.bracket import BracketRule, has_gap
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
-from dcp_lens.protocol.results import FACTORS, encode_json
+from dcp_lens.protocol.results import FACTORS, decode_json, encode_json
+from dcp_lens.protocol.verdicts import share_verdict
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo import planted
 
@@ -434,6 +436,51 @@ def coverage_of(replicates: Sequence[Mapping[str, float]]) -> dict[str, dict[str
                 )
             table[name] = entry
     return table
+
+
+def rows_from_json(document: Mapping[str, Any]) -> list[ValidationRow]:
+    """The rows of a ``validation.json`` document (what `save` wrote) as `ValidationRow`."""
+    rows = []
+    for entry in document["rows"]:
+        fields = {**entry, "judgement": Judgement(**entry["judgement"])}
+        rows.append(ValidationRow(**decode_json(fields) | {"judgement": fields["judgement"]}))
+    return rows
+
+
+def rejudge(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
+    """``rows`` judged again by the rules as they are now: each row's verdict decided afresh
+    from its bracket record (`dcp_lens.protocol.verdicts.share_verdict`), then the bracket rule
+    and the verdict count. The protocol's numbers are not recomputed: this follows a change to
+    the verdict or the judge, not to the protocol."""
+    judged = []
+    for row in rows:
+        record = dict(row.record)
+        if record:
+            decided = share_verdict(record, BracketRule())
+            record.update(verdict=decided.verdict, reason=decided.reason, bound=decided.bound)
+        judgement = judge_bracket(
+            row.bracket, row.shares, row.per_k, row.expected, row.identifiable, record or None
+        )
+        judged.append(
+            dataclasses.replace(row, judgement=judgement, passed=judgement.passed, record=record)
+        )
+    return judged
+
+
+def rejudge_file(path: str | Path) -> Path:
+    """Rewrite the ``validation.json`` at ``path`` with its rows judged again (`rejudge`),
+    keeping its settings and coverage."""
+    path = Path(path)
+    document = json.loads(path.read_text())
+    rows = rejudge(rows_from_json(document))
+    document.update(
+        rows=[dataclasses.asdict(row) for row in rows],
+        summary=summarize(rows),
+        passed=suite_passed(rows) and (document.get("coverage") or {}).get("passed", True),
+    )
+    document.setdefault("rules", {}).update(verdict_rate=VERDICT_RATE, claimed_share=CLAIMED_SHARE)
+    path.write_text(json.dumps(encode_json(document), indent=2, allow_nan=False) + "\n")
+    return path
 
 
 def save(

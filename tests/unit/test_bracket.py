@@ -339,3 +339,24 @@ def test_a_gap_of_float_rounding_is_no_gap_to_identify():
     assert has_gap([1e-6, 1e-9, 0.0, 0.5], [1e-6, 1e-9, 0.0, 0.5], BracketRule()).tolist() == [
         True, False, False, True
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------ the words
+
+
+@pytest.mark.parametrize(
+    ("least", "point", "start"),
+    [
+        (0.982, 0.996, "At least 98% of the truncation gap"),
+        (0.998, 1.0, "100% of the truncation gap"),  # the bound is the point: no "at least"
+    ],
+)
+def test_at_least_only_for_a_bound_below_the_point(least, point, start):
+    from dcp_lens.protocol.verdicts import _bracket_verdict
+
+    record = {"verdict": "S", "reason": "", "S_lower": point, "S_upper": 1.0,
+              "S_lower_lo": least, "S_upper_hi": 1.01}  # fmt: skip
+    text = _bracket_verdict(record)
+    assert text.startswith(start), text
+    assert "S bracket [" in text and "(95% interval [" in text
+    assert "readout shift that an affine change of frame undoes" in text
