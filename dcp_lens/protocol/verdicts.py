@@ -4,10 +4,11 @@ The numbers come from the protocol (`dcp_lens.protocol.bracket`, `dcp_lens.proto
 what they allow is decided here, as functions of typed inputs:
 
 - per k: is S identified, is B identified (`identify_per_k`, `identification` for runs without a
-  bracket), do the two orders of S and B agree (`order_agrees`), is the gap a gap (`has_gap`);
+  bracket), do the two orders of S and B clearly differ (`order_disagrees`), is the gap a gap
+  (`has_gap`);
 - per metric: the verdict on the shares and its reason (`share_verdict`): a factor is named only
-  where the k's at which S and B are identified carry at least `BracketRule.identified_area`
-  of the gap's area, both orders of S and B agree, and the gap is clearly above zero;
+  where the k's at which it is identified carry at least `BracketRule.identified_area` of the
+  gap's area, it holds in both orders of S and B, and the gap is clearly above zero;
 - the words: the verdict's sentence (`verdict`), the flags grouped by severity (`flag_groups`,
   `flag_lines`, `run_flags`, `row_flags`).
 
@@ -53,10 +54,7 @@ S_NOT_IDENTIFIED = (
     "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
     "still differ from full depth)"
 )
-B_NOT_IDENTIFIED = (
-    "B not identified: the B bracket is wide, replay walks, or the order of S and B decides the "
-    "split"
-)
+B_NOT_IDENTIFIED = "B not identified: the B bracket is wide, or replay walks"
 NOT_AFFINE = "not_affine"
 
 
@@ -140,25 +138,27 @@ def allowed_width(gap: np.ndarray, rule: BracketRule) -> np.ndarray:
         return np.asarray(rule.tolerance * np.maximum(gap, rule.gap_floor * largest))
 
 
-def order_agrees(
-    gap: np.ndarray | Sequence[float], order_width_hi: np.ndarray | Sequence[float],
-    rule: BracketRule,
+def order_disagrees(
+    gap: np.ndarray | Sequence[float], i_bs_lo: np.ndarray | Sequence[float],
+    i_bs_hi: np.ndarray | Sequence[float], rule: BracketRule,
 ) -> np.ndarray:  # fmt: skip
-    """``[K]`` bool: S taken first and S taken after replay agree within the tolerance (the upper
-    end of |I_BS(k)|'s interval at most `allowed_width`): only then does the split of S and B not
-    depend on the order."""
-    width = np.asarray(order_width_hi, dtype=float)
+    """``[K]`` bool: S taken first and S taken after replay clearly differ by more than the
+    tolerance at k (I_BS(k)'s 95% interval lies beyond `allowed_width` on one side)."""
+    allowed = allowed_width(np.asarray(gap, dtype=float), rule)
     with np.errstate(invalid="ignore"):
-        return np.asarray(width <= allowed_width(np.asarray(gap, dtype=float), rule))
+        low, high = np.asarray(i_bs_lo, dtype=float), np.asarray(i_bs_hi, dtype=float)
+        return np.asarray((low > allowed) | (high < -allowed))
 
 
 def identify_per_k(
     per_k: Mapping[str, np.ndarray], walk: np.ndarray, replay_same: np.ndarray, rule: BracketRule
 ) -> dict[str, np.ndarray]:
     """Per k: ``S_identified`` (the gap is clearly above zero and the S bracket is narrow) and
-    ``B_identified`` (the same for the B bracket, replay does not walk, both orders of S and B
-    agree, and replay reads out differently from truncate: where it does not, B = 0 by
-    construction, not by measurement).
+    ``B_identified`` (the same for the B bracket, replay does not walk, and replay reads out
+    differently from truncate: where it does not, B = 0 by construction, not by measurement).
+    The order of S and B is judged over the shares (``order_span``), where the noise of
+    |I_BS(k)| at small gaps averages out; per k, `order_disagrees` names the k's where the
+    orders clearly differ.
 
     Args:
         per_k: ``gap``, ``gap_lo``, ``S_width_hi``, ``B_width_hi``, ``order_width_hi`` ``[K]``.
@@ -172,10 +172,9 @@ def identify_per_k(
         s_narrow = np.asarray(per_k["S_width_hi"]) <= allowed
         b_narrow = np.asarray(per_k["B_width_hi"]) <= allowed
         walked = walk > rule.walk_tolerance * gap
-    orders = order_agrees(gap, per_k["order_width_hi"], rule)
     return {
         "S_identified": clear & s_narrow,
-        "B_identified": clear & b_narrow & ~walked & orders & ~replay_same,
+        "B_identified": clear & b_narrow & ~walked & ~replay_same,
     }
 
 
@@ -234,8 +233,9 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
         return ShareVerdict("inconclusive", reason, False, False, False)
     orders_agree = _le(shares.get("order_span_hi"), rule.tolerance)
     walked = _gt(shares.get("walk_gain"), rule.walk_tolerance)
-    s_identified = _le(shares.get("S_width_hi"), rule.tolerance) and orders_agree
-    b_identified = _le(shares.get("B_width_hi"), rule.tolerance) and not walked and orders_agree
+    s_narrow = _le(shares.get("S_width_hi"), rule.tolerance)
+    b_narrow = _le(shares.get("B_width_hi"), rule.tolerance) and not walked
+    s_identified, b_identified = s_narrow and orders_agree, b_narrow and orders_agree
     reasons: list[str] = []
     if not _gt(shares.get("gap_lo"), 0.0):
         reasons.append(
@@ -263,16 +263,20 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
             f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
             " disagree."
         )
-    if not orders_agree:
-        reasons.append(
-            f"the order decides the split of S and B: S is {shares['S_first']:.2f} of the gap"
-            f" taken first and {shares['S_after_B']:.2f} taken after replay (B"
-            f" {shares['B_after_S']:.2f} and {shares['B_first']:.2f}); summed over k the orders"
-            f" differ by {shares['order_span']:.2f} of the gap (up to"
-            f" {shares['order_span_hi']:.2f} with the interval), more than the tolerance"
-            f" {rule.tolerance:g}; S + B together is {shares['S_first'] + shares['B_after_S']:.2f}."
-        )
-    if not (_le(shares.get("B_width_hi"), rule.tolerance) and not walked):
+    order = {key: shares.get(key, math.nan) for key in (
+        "S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")}  # fmt: skip
+    order_words = (
+        f"the order decides part of the split of S and B: S is {order['S_first']:.2f} of the gap"
+        f" taken first and {order['S_after_B']:.2f} taken after replay (B"
+        f" {order['B_after_S']:.2f} and {order['B_first']:.2f}); summed over k the orders differ"
+        f" by {order['order_span']:.2f} of the gap (up to {order['order_span_hi']:.2f} with the"
+        f" interval), more than the tolerance {rule.tolerance:g}."
+    )
+    # Where the orders disagree, a factor can still be named if it holds in the worse order.
+    worse = {f: _worse_order(shares, f, orders_agree) for f in FACTORS}
+    if not orders_agree and not any(_ge(worse[f], rule.named_share) for f in ("S", "B")):
+        reasons.append(order_words)
+    if not b_narrow:
         why = (
             f"{shares['walk_gain']:.2f} of the gap is replay's gain on examples where its readout"
             " walks to answers later iterations read (the repeated update is computation)"
@@ -282,7 +286,7 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
         reasons.append(f"block applications are not identified: {why}.")
     if reasons:
         return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
-    lows = {f: shares[f"{f}_lower_lo"] for f in FACTORS}
+    lows = worse
     named = [f for f, low in lows.items() if low >= rule.named_share]
     # A factor is named only where it is identified at k's that carry most of the gap's area.
     # (D is never named: its lower end bounds what no affine map recovers, whatever S's width.)
@@ -305,7 +309,7 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
         factor = named[0]
         reason = (
             f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and 95% interval"
-            " included."
+            " included" + ("." if orders_agree else f", in either order; {order_words}")
         )
         return ShareVerdict(factor, reason, stable, s_identified, b_identified)
     parts = ", ".join(
@@ -313,6 +317,17 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     )
     reason = f"no factor reaches {rule.named_share:g} of the gap: {parts}."
     return ShareVerdict("mixed", reason, stable, s_identified, b_identified)
+
+
+def _worse_order(shares: Mapping[str, float], factor: str, orders_agree: bool) -> float:
+    """The lower end of ``factor``'s bracket (interval included) and, where the orders of S and
+    B disagree, of its share in each order: the least the data allow it, whichever order."""
+    low = shares.get(f"{factor}_lower_lo", math.nan)
+    if orders_agree or factor == "D":
+        return low
+    names = {"S": ("S_first", "S_after_B"), "B": ("B_first", "B_after_S")}[factor]
+    values = [low, *(shares.get(f"{name}_lo", math.nan) for name in names)]
+    return min(values) if all(_finite(v) for v in values) else math.nan
 
 
 def _finite(value: float | None) -> bool:
@@ -457,8 +472,17 @@ def _per_k_cautions(run: Mapping[str, Any], decomposition: Any) -> list[str]:
         )
     if b_open:
         lines.append(
-            f"B not identified at k = {_ks(b_open)}: the B bracket is wide, replay walks, or the"
-            " order of S and B decides the split there (read I_BS)"
+            f"B not identified at k = {_ks(b_open)}: the B bracket is wider than 0.1 of the gap"
+            " there, or replay walks (read B_lower, B_upper)"
+        )
+    rule = BracketRule()
+    cells = decomposition.cells
+    differ = order_disagrees(cells["gap"], cells["I_BS_lo"], cells["I_BS_hi"], rule)
+    order_ks = [ks[i] for i in below if differ[i]]
+    if order_ks:
+        lines.append(
+            f"the order of S and B moves more than 0.1 of the gap at k = {_ks(order_ks)}"
+            " (S taken first against S after replay: read I_BS)"
         )
     return lines
 

@@ -115,7 +115,11 @@ def test_a_constant_update_that_both_maps_repair_is_split_by_order_and_inconclus
     assert result.shares["order_span"] == pytest.approx(1.0)
     assert not result.S_identified and not result.B_identified
     assert result.verdict == "inconclusive" and "the order decides" in result.reason
-    assert not result.per_k["B_identified"].any()
+    # Per k the B bracket is narrow; the orders clearly differ, and the flag says so.
+    from dcp_lens.protocol.verdicts import order_disagrees
+
+    per_k = result.per_k
+    assert order_disagrees(per_k["gap"], *percentile_bounds(draws), BracketRule()).all()
 
 
 def test_order_differences_of_opposite_sign_do_not_cancel():
@@ -339,6 +343,14 @@ def test_a_gap_of_float_rounding_is_no_gap_to_identify():
     assert has_gap([1e-6, 1e-9, 0.0, 0.5], [1e-6, 1e-9, 0.0, 0.5], BracketRule()).tolist() == [
         True, False, False, True
     ]  # fmt: skip
+
+
+def percentile_bounds(draws):
+    """I_BS's 95% interval per k from the cells' draws."""
+    from dcp_lens.protocol.bracket import order_difference
+
+    spread = order_difference(draws)
+    return np.percentile(spread, 2.5, axis=0), np.percentile(spread, 97.5, axis=0)
 
 
 # ------------------------------------------------------------------------ the words
