@@ -429,6 +429,20 @@ def _shares(
         low, high = percentile_interval(share(drawn_order, name)[:, None], confidence)
         shares.update({name: float(share(point_order, name)), f"{name}_lo": float(low[0]),
                        f"{name}_hi": float(high[0])})  # fmt: skip
+    # Each factor in the worse order at every k (no cancellation between k's): S as
+    # min(b - a, d - c), B as min(c - a, d - b), summed over k, as shares, with intervals.
+    worse = {
+        "S_worse_order": (("calibrate_truncate", "truncate"), ("calibrate_replay", "replay")),
+        "B_worse_order": (("replay", "truncate"), ("calibrate_replay", "calibrate_truncate")),
+    }
+    for name, ((after_1, before_1), (after_2, before_2)) in worse.items():
+        point_worse = np.minimum(point[after_1] - point[before_1], point[after_2] - point[before_2])
+        drawn_worse = np.minimum(draws[after_1] - draws[before_1], draws[after_2] - draws[before_2])
+        low, high = percentile_interval(
+            share({"gap": sampled["gap"], name: drawn_worse}, name)[:, None], confidence
+        )
+        shares[name] = float(share({"gap": ends["gap"], name: point_worse}, name))
+        shares[f"{name}_lo"], shares[f"{name}_hi"] = float(low[0]), float(high[0])
     drawn_difference = share({"gap": sampled["gap"], "I": order_difference(draws)}, "I")
     shares["order_difference"] = float(
         share({"gap": ends["gap"], "I": order_difference(point)}, "I")
@@ -450,6 +464,7 @@ _SHARE_KEYS = (
     *(f"{n}{s}" for n in ("S_first", "S_after_B", "B_first", "B_after_S")
       for s in ("", "_lo", "_hi")),
     "order_difference", "order_width_hi", "order_span", "order_span_hi",
+    *(f"{n}{s}" for n in ("S_worse_order", "B_worse_order") for s in ("", "_lo", "_hi")),
 )  # fmt: skip
 
 

@@ -321,12 +321,12 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
 
 def _worse_order(shares: Mapping[str, float], factor: str, orders_agree: bool) -> float:
     """The lower end of ``factor``'s bracket (interval included) and, where the orders of S and
-    B disagree, of its share in each order: the least the data allow it, whichever order."""
+    B disagree, of its share taking the worse order at every k (``S_worse_order_lo``: no
+    cancellation between k's): the least the data allow it, whichever order."""
     low = shares.get(f"{factor}_lower_lo", math.nan)
     if orders_agree or factor == "D":
         return low
-    names = {"S": ("S_first", "S_after_B"), "B": ("B_first", "B_after_S")}[factor]
-    values = [low, *(shares.get(f"{name}_lo", math.nan) for name in names)]
+    values = [low, shares.get(f"{factor}_worse_order_lo", math.nan)]
     return min(values) if all(_finite(v) for v in values) else math.nan
 
 

@@ -123,15 +123,19 @@ def test_a_constant_update_that_both_maps_repair_is_split_by_order_and_inconclus
 
 
 def test_order_differences_of_opposite_sign_do_not_cancel():
-    # Replay repairs 0.5 of the gap at k = 1 and harms by 0.5 at k = 2: summed with signs the
-    # orders agree, summed as sizes they do not.
-    a = np.full(K, 0.0)
-    c = np.array([0.5, -0.5, 0.0, 0.0])
-    point, draws = cells(**curves(a, 1.0, b=1.0, c=c, d=1.0, ta=1.0, tc=1.0, z=0.0))
+    # Replay repairs 0.5 of gap(1) and harms by 0.5 at k = 2: summed with signs both orders give
+    # S = 1 over the area; taken at every k in the worse order, S is 0.69 and not named.
+    a = np.full(K, 0.2)
+    c = np.array([0.7, -0.3, 0.2, 0.2])
+    point, draws = cells(**curves(a, 1.0, b=1.0, c=c, d=1.0, ta=1.0, tc=1.0, z=-1.0))
     result = bracket(point, draws, GRID)
     assert result.shares["order_difference"] == pytest.approx(0.0, abs=1e-9)
-    assert result.shares["order_span"] == pytest.approx(0.25)
-    assert result.verdict == "inconclusive" and "the order decides" in result.reason
+    assert result.shares["S_first"] == pytest.approx(result.shares["S_after_B"], abs=1e-9)
+    assert result.shares["order_span"] == pytest.approx(1.0 / 3.2)
+    assert result.shares["S_worse_order"] == pytest.approx(2.7 / 3.2)
+    loose = bracket(point, draws, GRID, rule=BracketRule(named_share=0.9))
+    assert loose.verdict == "inconclusive" and "the order decides" in loose.reason
+    assert result.verdict == "S" and "in either order" in result.reason, result.reason
 
 
 def test_a_factor_is_named_only_where_it_is_identified_over_most_of_the_area():
