@@ -217,16 +217,20 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     ``shares``: the bracket's shares (`dcp_lens.protocol.bracket.Bracket.shares`): ``gap`` with
     its interval, ``headroom_lo``, the widths ``S_width_hi``, ``B_width_hi``, the orders
     (``S_first``, ``S_after_B``, ``B_first``, ``B_after_S``, ``order_difference``,
-    ``order_span``, ``order_span_hi``), ``walk_gain``, ``S_identified_area``,
-    ``B_identified_area``, each factor's bracket and the
-    point intervals. A factor is named only when every test holds: the gap clearly above zero,
-    full depth clearly above the base rate, every point share's interval at most
-    ``max_share_interval`` wide, the S and B brackets narrow, both orders of S and B agree
-    within ``tolerance`` (their difference summed over k as ``|I_BS(k)|``, so that opposite
-    signs do not cancel). S or B is then named when its bracket, interval included, reaches
-    ``named_share`` and the k's where it is identified carry at least ``identified_area`` of
-    the gap's area; a gap the affine maps do not recover (D's bracket there: a bound, which needs
-    no per-k identification) is inconclusive with ``bound = "not_affine"``; otherwise "mixed".
+    ``order_span``, ``order_span_hi``, ``S_worse_order``, ``B_worse_order``), ``walk_gain``,
+    ``S_identified_area``, ``B_identified_area``, each factor's bracket and the point intervals.
+
+    No factor is named unless the gap is clearly above zero, full depth clearly above the base
+    rate and every point share's interval at most ``max_share_interval`` wide. S (or B) is
+    named when its least share reaches ``named_share``: the lower end of its bracket, interval
+    included, and, where the two orders of S and B disagree by more than ``tolerance``
+    (``order_span_hi``: |I_BS(k)| summed over k, so that opposite signs do not cancel), its share
+    in the worse order at every k; and when it is identified itself: its bracket narrow (B: and
+    replay not walking) and identified at k's that carry at least ``identified_area`` of the
+    gap's area. How the rest of the gap splits does not block it and is said beside it. A gap
+    the affine maps do not recover (D's bracket at or above ``named_share``) is "inconclusive"
+    with ``bound = "not_affine"``: D is never named. Otherwise "mixed" where S and B are
+    identified and the orders agree, "inconclusive" with the reasons where not.
     """
     if not math.isfinite(shares.get("gap", math.nan)):
         reason = "no k has every cell finite, so there are no shares."
@@ -256,64 +260,71 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
             f"a share's 95% interval is {widest:.2f} wide, more than {rule.max_share_interval:g}:"
             " too wide to name a factor."
         )
-    if not _le(shares.get("S_width_hi"), rule.tolerance):
-        reasons.append(
-            f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
-            f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
-            f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
-            " disagree."
-        )
+    if reasons:  # the gap itself: there are no shares to name
+        return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
+    s_words = "" if s_narrow else (
+        f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
+        f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
+        f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
+        " disagree."
+    )  # fmt: skip
+    walk_words = (
+        f"{shares.get('walk_gain', math.nan):.2f} of the gap is replay's gain on examples where"
+        " its readout walks to answers later iterations read (the repeated update may be"
+        " computation)"
+    )
+    b_words = "" if b_narrow else (
+        "block applications are not identified: "
+        + (walk_words if walked else f"the B bracket is up to {shares['B_width_hi']:.2f} of the"
+           " gap wide") + "."
+    )  # fmt: skip
     order = {key: shares.get(key, math.nan) for key in (
         "S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")}  # fmt: skip
-    order_words = (
+    order_words = "" if orders_agree else (
         f"the order decides part of the split of S and B: S is {order['S_first']:.2f} of the gap"
         f" taken first and {order['S_after_B']:.2f} taken after replay (B"
         f" {order['B_after_S']:.2f} and {order['B_first']:.2f}); summed over k the orders differ"
         f" by {order['order_span']:.2f} of the gap (up to {order['order_span_hi']:.2f} with the"
         f" interval), more than the tolerance {rule.tolerance:g}."
-    )
-    # Where the orders disagree, a factor can still be named if it holds in the worse order.
-    worse = {f: _worse_order(shares, f, orders_agree) for f in FACTORS}
-    if not orders_agree and not any(_ge(worse[f], rule.named_share) for f in ("S", "B")):
-        reasons.append(order_words)
-    if not b_narrow:
-        why = (
-            f"{shares['walk_gain']:.2f} of the gap is replay's gain on examples where its readout"
-            " walks to answers later iterations read (the repeated update is computation)"
-            if walked
-            else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
+    )  # fmt: skip
+    # Each factor's least share: its bracket's lower end (interval included) and, where the
+    # orders disagree, its share in the worse order at every k.
+    lows = {f: _worse_order(shares, f, orders_agree) for f in FACTORS}
+    named = [f for f in FACTORS if _ge(lows[f], rule.named_share)]
+    if len(named) == 1 and named[0] in ("S", "B"):
+        # A factor is named on its own identification: its bracket narrow and identified at
+        # k's that carry most of the gap's area; how the rest splits does not change it.
+        factor = named[0]
+        own = s_words if factor == "S" else b_words
+        area = shares.get(f"{factor}_identified_area", math.nan)
+        if not own and not _ge(area, rule.identified_area):
+            own = (
+                f"{factor} is identified only at k's that carry {area:.0%} of the gap's area,"
+                f" less than the {rule.identified_area:.0%} a verdict needs (the per-k flags say"
+                " where)."
+            )
+        if own:
+            return ShareVerdict("inconclusive", own, stable, s_identified, b_identified)
+        rest = " ".join(w for w in (b_words if factor == "S" else s_words, order_words) if w)
+        reason = (
+            f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and 95% interval"
+            + (" included, in either order." if order_words else " included.")
+            + (f" Beside it: {rest}" if rest else "")
         )
-        reasons.append(f"block applications are not identified: {why}.")
-    if reasons:
-        return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
-    lows = worse
-    named = [f for f, low in lows.items() if low >= rule.named_share]
-    # A factor is named only where it is identified at k's that carry most of the gap's area.
-    # (D is never named: its lower end bounds what no affine map recovers, whatever S's width.)
-    factor = named[0] if len(named) == 1 and named[0] in ("S", "B") else None
-    area = shares.get(f"{factor}_identified_area", math.nan) if factor else math.nan
-    if factor and not _ge(area, rule.identified_area):
-        reasons.append(
-            f"{factor} is identified only at k's that carry {area:.0%} of the gap's area, less"
-            f" than the {rule.identified_area:.0%} a verdict needs (the per-k flags say where)."
-        )
-        return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
+        return ShareVerdict(factor, reason, stable, s_identified, b_identified)
     if named == ["D"]:
+        # D is never named: its lower end bounds what no affine map recovers.
         reason = (
             f"at least {lows['D']:.2f} of the gap's area is not recovered by an affine change of"
             " frame (distinct computation, or a non-affine shift): no test run here tells the"
             " two apart."
         )
         return ShareVerdict("inconclusive", reason, stable, s_identified, b_identified, NOT_AFFINE)
-    if len(named) == 1:
-        factor = named[0]
-        reason = (
-            f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and 95% interval"
-            " included" + ("." if orders_agree else f", in either order; {order_words}")
-        )
-        return ShareVerdict(factor, reason, stable, s_identified, b_identified)
+    pending = " ".join(w for w in (s_words, order_words, b_words) if w)
+    if pending:
+        return ShareVerdict("inconclusive", pending, stable, s_identified, b_identified)
     parts = ", ".join(
-        f"{f} [{shares[f'{f}_lower_lo']:.2f}, {shares[f'{f}_upper_hi']:.2f}]" for f in lows
+        f"{f} [{shares[f'{f}_lower_lo']:.2f}, {shares[f'{f}_upper_hi']:.2f}]" for f in FACTORS
     )
     reason = f"no factor reaches {rule.named_share:g} of the gap: {parts}."
     return ShareVerdict("mixed", reason, stable, s_identified, b_identified)
@@ -414,7 +425,7 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
     if inconclusive:
         parts.append(f"{', '.join(inconclusive)} inconclusive (the verdict says why)")
     if unvalidated:
-        parts.append(f"do not read {', '.join(unvalidated)} (not validated; docs/validation.md)")
+        parts.append(f"do not read {', '.join(unvalidated)} (not validated)")
     if parts:
         groups["read"].append("; ".join(parts))
     if not run["replay_realizable"]:
@@ -459,32 +470,32 @@ def _per_k_cautions(run: Mapping[str, Any], decomposition: Any) -> list[str]:
     same = replay_same(run.get("metadata", {}), ks)
     s_open = [ks[i] for i in below if not decomposition.s_identified[i]]
     b_open = [ks[i] for i in below if not decomposition.b_identified[i] and not same[i]]
-    lines = []
+    parts = []
     if s_open and decomposition.bracket is not None:
-        lines.append(
-            f"S not identified at k = {_ks(s_open)}: affine readout shift lies inside the S"
-            " bracket there, which is wider than 0.1 of the gap (read S_lower, S_upper)"
+        parts.append(
+            f"S not identified at k = {_ks(s_open)} (S bracket wider than 0.1 of the gap: affine"
+            " readout shift lies inside it; read S_lower, S_upper)"
         )
     elif s_open:
-        lines.append(
-            f"S not identified at k = {_ks(s_open)}: calibrated states are still told apart from"
-            " full depth, so S is a lower bound and D an upper bound there"
+        parts.append(
+            f"S not identified at k = {_ks(s_open)} (calibrated states still told apart from full"
+            " depth: S is a lower bound, D an upper bound)"
         )
     if b_open:
-        lines.append(
-            f"B not identified at k = {_ks(b_open)}: the B bracket is wider than 0.1 of the gap"
-            " there, or replay walks (read B_lower, B_upper)"
+        parts.append(
+            f"B not identified at k = {_ks(b_open)} (B bracket wider than 0.1 of the gap, or"
+            " replay walks; read B_lower, B_upper)"
         )
     rule = BracketRule()
     cells = decomposition.cells
     differ = order_disagrees(cells["gap"], cells["I_BS_lo"], cells["I_BS_hi"], rule)
     order_ks = [ks[i] for i in below if differ[i]]
     if order_ks:
-        lines.append(
-            f"the order of S and B moves more than 0.1 of the gap at k = {_ks(order_ks)}"
-            " (S taken first against S after replay: read I_BS)"
+        parts.append(
+            f"the order of S and B moves more than 0.1 of the gap at k = {_ks(order_ks)} (read"
+            " I_BS)"
         )
-    return lines
+    return ["; ".join(parts)] if parts else []
 
 
 def flag_lines(results: ProtocolResults) -> list[str]:

@@ -457,7 +457,11 @@ def rejudge(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
         record = dict(row.record)
         if record:
             decided = share_verdict(record, BracketRule())
-            record.update(verdict=decided.verdict, reason=decided.reason, bound=decided.bound)
+            record.update(
+                verdict=decided.verdict, reason=decided.reason, bound=decided.bound,
+                stable=decided.stable, S_identified=decided.S_identified,
+                B_identified=decided.B_identified,
+            )  # fmt: skip
         judgement = judge_bracket(
             row.bracket, row.shares, row.per_k, row.expected, row.identifiable, record or None
         )
