@@ -127,7 +127,9 @@ def judge_bracket(
     verdict: Mapping[str, Any] | None = None,
 ) -> Judgement:
     """The bracket rule on one row (module docstring): ``bracket`` the share-level bracket
-    (`BRACKET_KEYS` with ``_lo`` / ``_hi``, ``S_width_hi``), ``shares`` the point S, B, D,
+    (`BRACKET_KEYS` with ``_lo`` / ``_hi``, ``S_width_hi``; for S and B spanned with both orders'
+    intervals from ``verdict``, the results' record, where it has them), ``shares`` the point
+    S, B, D,
     ``per_k`` the decomposition rows of the k < r (``gap_lo``, ``S_identified``,
     ``B_identified``), ``expected`` the true S, B, D, ``verdict`` the results' ``verdict``
     and ``bound`` (`judge_verdict`). A missing or NaN value fails its test. An ambiguous row
@@ -136,9 +138,9 @@ def judge_bracket(
         factor
         for factor in FACTORS
         if not (
-            _get(bracket, f"{factor}_lower_lo") - TRUTH_SLACK
+            _span(bracket, verdict or {}, factor)[0] - TRUTH_SLACK
             <= expected[factor]
-            <= _get(bracket, f"{factor}_upper_hi") + TRUTH_SLACK
+            <= _span(bracket, verdict or {}, factor)[1] + TRUTH_SLACK
         )
     ]
     clear = has_gap(
@@ -173,6 +175,25 @@ def judge_bracket(
         alarm_ks=alarm_ks, passed=passed and not wrong, verdict=named, verdict_right=right,
         confident_wrong=wrong,
     )  # fmt: skip
+
+
+# The shares of S and B in each order (`dcp_lens.protocol.bracket`), whose intervals widen the
+# bracket a truth is judged against: where the order decides part of the split, either order's
+# share is an answer the data allow.
+ORDER_SHARES = {"S": ("S_first", "S_after_B"), "B": ("B_first", "B_after_S"), "D": ()}
+
+
+def _span(
+    bracket: Mapping[str, float], record: Mapping[str, Any], factor: str
+) -> tuple[float, float]:
+    """``factor``'s bracket, lower end's interval low to upper end's interval high, spanned with
+    both orders' intervals where the results carry them."""
+    low, high = _get(bracket, f"{factor}_lower_lo"), _get(bracket, f"{factor}_upper_hi")
+    for name in ORDER_SHARES[factor]:
+        order_low, order_high = _get(record, f"{name}_lo"), _get(record, f"{name}_hi")
+        if math.isfinite(order_low) and math.isfinite(order_high):
+            low, high = min(low, order_low), max(high, order_high)
+    return low, high
 
 
 def judge_verdict(

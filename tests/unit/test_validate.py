@@ -199,6 +199,17 @@ def test_an_ambiguous_row_passes_when_its_verdict_is_inconclusive_even_outside_i
     assert not named.passed
 
 
+def test_a_truth_that_one_order_of_s_and_b_holds_is_inside_the_bracket():
+    # The turning clock: the S bracket [0.90, 0.94] is the orders' mean; S taken first is 1.
+    narrow = bracket(s=(0.90, 0.94), b=(0.03, 0.08), width=0.02)
+    record = {"verdict": "S", "S_first_lo": 0.99, "S_first_hi": 1.0, "S_after_B_lo": 0.85,
+              "S_after_B_hi": 0.88, "B_first_lo": 0.1, "B_first_hi": 0.13,
+              "B_after_S_lo": 0.0, "B_after_S_hi": 0.0}  # fmt: skip
+    assert judge_bracket(narrow, POINT, per_k(), TRUTH_S, True, record).in_bracket
+    alone = judge_bracket(narrow, POINT, per_k(), TRUTH_S, True, {"verdict": "S"})
+    assert alone.outside == ["S"]
+
+
 def test_the_verdict_rate_and_confident_errors_fail_a_metric():
     rows = [row("accuracy", True, 0, 10) for _ in range(9)]
     assert summarize([*rows, row("accuracy", True, 0, 10, right=False)])["accuracy"]["passed"]
