@@ -54,7 +54,7 @@ S_NOT_IDENTIFIED = (
     "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
     "still differ from full depth)"
 )
-B_NOT_IDENTIFIED = "B not identified: the B bracket is wide, or replay walks"
+B_NOT_IDENTIFIED = "B not identified (the B bracket is wide, or replay walks)"
 NOT_AFFINE = "not_affine"
 
 
@@ -681,7 +681,7 @@ def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     ks = [str(row["k"]) for row, by in zip(rows, same, strict=True)
           if row.get("B_identified") is False and not by]  # fmt: skip
     if ks:
-        flags.append(f"{B_NOT_IDENTIFIED} at k = {', '.join(ks)}")
+        flags.append(f"B not identified at k = {', '.join(ks)}")
     zero = [str(row["k"]) for row, by in zip(rows, same, strict=True) if by]
     if zero:
         flags.append(
