@@ -191,14 +191,17 @@ def validation_table() -> str:
                     "yes" if s["passed"] else "no",
                 ]
             )
+        pooled = [data["summary"][metric] for _, data in runs if metric in data["summary"]]
         spread_rows.append(
             [
                 metric + ("" if record["counted"] else " (not validated)"),
                 _spread(alarms),
+                _rate(sum(s["false_alarms"] for s in pooled), sum(s["alarm_ks"] for s in pooled)),
                 _spread(verdicts),
             ]
         )
     spread_head = ["metric", f"false-alarm rate, mean (range) over seeds {listed}",
+                   f"false alarms pooled over seeds {listed}",
                    f"verdicts right, mean (range) over seeds {listed}"]  # fmt: skip
     settings = first["settings"]
     note = (

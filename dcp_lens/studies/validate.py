@@ -16,7 +16,8 @@ function of a ``results.json`` run):
   ``S_identified`` or ``B_identified`` is false.
 
 Per metric, the flag's **false-alarm rate**: over the identifiable rows' k < r with a gap clearly
-above zero, the fraction where ``S_identified`` is false; at most `FALSE_ALARM_RATE`. A metric
+above zero, the fraction where ``S_identified`` is false; at most `FALSE_ALARM_RATE` at one seed
+(and `POOLED_FALSE_ALARM_RATE` pooled over the documented seeds, docs/validation.md). A metric
 passes when every counted row passes and its false-alarm rate holds; a metric the results mark
 ``validated: false`` (``runs[].metrics[metric]``) is reported, not counted. The older point rule
 (a single factor >= 0.9 of the gap, a mixture's shares within 0.1) is kept beside it as
@@ -49,7 +50,10 @@ from dcp_lens.zoo import planted
 TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may lie
 NARROW_WIDTH = 0.1  # an identifiable model's largest S bracket width (upper interval end)
 POINT_TOLERANCE = 0.1  # an identifiable model's largest |point share - truth|
-FALSE_ALARM_RATE = 0.05  # the largest fraction of identifiable k's flagged S not identified
+# The largest fraction of identifiable k's flagged "S not identified": at one seed, and pooled
+# over the seeds docs/validation.md reports (docs/gen_tables.py checks the pooled rate).
+FALSE_ALARM_RATE = 0.10
+POOLED_FALSE_ALARM_RATE = 0.05
 VERDICT_RATE = 0.9  # the least fraction of identifiable rows whose verdict is right
 # A verdict that names S or B (or bounds the gap as not affine-recoverable) claims at least
 # this share of the gap for it; below it, the claim is wrong.

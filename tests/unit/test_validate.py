@@ -159,9 +159,9 @@ def test_the_false_alarm_rate_is_pooled_over_the_suite_and_can_fail_a_metric():
     rows = [row("accuracy", True, 1, 10), row("accuracy", True, 0, 10)]
     summary = summarize(rows)["accuracy"]
     assert summary["false_alarm_rate"] == pytest.approx(0.05) and summary["passed"]
-    rows.append(row("accuracy", True, 1, 1))
+    rows.append(row("accuracy", True, 2, 2))
     summary = summarize(rows)["accuracy"]
-    assert summary["false_alarm_rate"] == pytest.approx(2 / 21) and not summary["passed"]
+    assert summary["false_alarm_rate"] == pytest.approx(3 / 22) and not summary["passed"]
     assert summary["rows_passed"] == 3 and not suite_passed(rows)
 
 
