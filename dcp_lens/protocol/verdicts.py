@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.protocol.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolResults
 from dcp_lens.utils.errors import DCPLensError
 
@@ -450,7 +449,7 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
             notes.setdefault(OVERSHOOT, []).append(metric)
     groups["caution"] = [f"{text} ({', '.join(ms)})" for text, ms in cautions.items()]
     groups["note"] = [f"{', '.join(ms)}: {text}" for text, ms in notes.items()]
-    if any(m in LOSS_METRICS for m in validated):
+    if any(not results.decompositions[m].higher_is_better for m in validated):  # loss metrics
         groups["note"].extend(temperature_flags(run))
     first = next(iter(results.decompositions.values()))
     same = replay_same(run.get("metadata", {}), list(first.k_grid))
@@ -695,7 +694,7 @@ def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     failures = run.get("metadata", {}).get("calibration_failures") or []
     if failures:
         flags.append(f"calibration could not be fitted from {', '.join(failures)}")
-    if metric in LOSS_METRICS:
+    if record.get("higher_is_better") is False:  # a loss metric
         flags.extend(temperature_flags(run))
     return flags
 
