@@ -361,7 +361,7 @@ def replay_same(metadata: Mapping[str, Any], k_grid: Sequence[int]) -> np.ndarra
     `B_IDENTIFICATION_TOLERANCE` (``replay_truncate_max_abs_logit_diff``; False where absent)."""
     differences = metadata.get("replay_truncate_max_abs_logit_diff") or {}
     values = [differences.get(str(k), differences.get(k)) for k in k_grid]
-    return np.array([_finite(v) and v <= B_IDENTIFICATION_TOLERANCE for v in values], dtype=bool)
+    return np.array([_le(v, B_IDENTIFICATION_TOLERANCE) for v in values], dtype=bool)
 
 
 def identification(

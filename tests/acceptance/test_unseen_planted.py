@@ -7,8 +7,8 @@ size and step (a constant per-step update).
 
 On every validated metric the truth must lie inside the bracket, the row be flagged at every k
 with a gap, or the verdict be "inconclusive"; and the verdict must never name a factor that is
-not the truth's, nor one whose true share is below 0.65 of the gap. Slow (a DCP run per model, as `dcp-lens validate` runs them):
-``pytest -m slow tests/acceptance/test_unseen_planted.py``."""
+not the truth's, nor one whose true share is below 0.65 of the gap. Slow (a DCP run per model,
+as `dcp-lens validate` runs them): ``pytest -m slow tests/acceptance/test_unseen_planted.py``."""
 
 from __future__ import annotations
 
