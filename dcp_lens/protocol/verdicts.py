@@ -419,10 +419,13 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
     ]  # fmt: skip
     inconclusive = [m for m in validated if m not in readable]
     parts = []
-    if readable:
-        parts.append(f"read {', '.join(readable)}")
-    if inconclusive:
-        parts.append(f"{', '.join(inconclusive)} inconclusive (the verdict says why)")
+    if validated:
+        why = (
+            f" (inconclusive: {', '.join(inconclusive)}; the verdict says why)"
+            if inconclusive
+            else ""
+        )
+        parts.append(f"read {', '.join(validated)}{why}")
     if unvalidated:
         parts.append(f"do not read {', '.join(unvalidated)} (not validated)")
     if parts:
@@ -608,7 +611,7 @@ def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
         least = float(bracketed["D_lower_lo"])
         return (
             f"Inconclusive between distinct computation and a non-affine readout shift:"
-            f" {_at_least(least, bracketed.get('D_lower'))} the truncation gap is"
+            f" {_lower_first(_at_least(least, bracketed.get('D_lower')))} the truncation gap is"
             f" {FACTOR_WORDS['D']}, and no test run here tells the two apart:"
             f" {bracket_span(bracketed, 'D')}."
         )
@@ -626,6 +629,10 @@ def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
             text += " it."
         return text
     return f"No single factor carries the gap: {spans}."
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
 
 
 def _at_least(least: float, point: float | None) -> str:
