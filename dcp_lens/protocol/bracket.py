@@ -41,7 +41,14 @@ import numpy as np
 from jaxtyping import Float
 
 from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
-from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.protocol.verdicts import (
+    BracketInputError,
+    BracketRule,
+    has_gap,  # noqa: F401  (re-exported: validate and the tests read it here)
+    identified_area,
+    identify_per_k,
+    share_verdict,
+)
 
 # The cells a bracket reads, besides full depth, in the column order of `bracket_from_values`.
 BRACKET_CONDITIONS = (
@@ -53,65 +60,11 @@ BRACKET_CONDITIONS = (
     "translate_replay",
     "base_rate",
 )
-VERDICTS = ("S", "B", "D", "mixed", "inconclusive")
 # Per k and per share: each quantity, with ``_lo`` / ``_hi`` interval ends.
 BRACKET_QUANTITIES = ("gap", "S_lower", "S_upper", "B_lower", "B_upper", "D_lower", "D_upper")
 
 # Cell name -> qualities: ``[K]`` means or ``[n_bootstrap, K]`` draws (``full`` may be a scalar).
 Cells = Mapping[str, np.ndarray | float]
-
-
-class BracketInputError(DCPLensError):
-    """Cells handed to the bracket are missing, misshapen or inconsistent."""
-
-
-@dataclass(frozen=True)
-class BracketRule:
-    """The stated tolerances of the identification and verdict rule (docs/bracket.md).
-
-    Attributes:
-        tolerance: largest bracket width (upper end of its interval), as a share of the gap, for
-            S (or B) to count as identified.
-        max_share_interval: widest interval of a share's point estimate (the lower end's
-            ``S_lower`` and the B and D that go with it) that still lets a verdict name a factor.
-        named_share: a factor is named alone when the lower end of its whole bracket (interval
-            included) reaches this share; otherwise the verdict is ``"mixed"``.
-        walk_tolerance: largest share of the gap that replay may gain on examples whose replay
-            walks (its top-1 is neither truncate(k)'s nor full depth's but one a later truncation
-            reads: the repeated update performed later steps) for B to count as identified.
-        gap_floor: per k, the width is compared with ``tolerance`` times the larger of gap(k) and
-            this share of the largest gap over the grid: where truncation costs almost nothing
-            (the last k before r) a width of a few thousandths is the bootstrap's noise, not an
-            unidentified share.
-        negligible_gap: per k, a gap whose interval's lower end is at most this share of the
-            grid's largest gap is no gap: float rounding (a loss metric's 1e-9 nats where
-            truncation already reads full depth's answer) is not a gap whose bracket could be
-            narrow, so such a k is not identified, like one whose gap may be zero
-            (`has_gap`).
-        confidence: coverage of the percentile intervals.
-    """
-
-    tolerance: float = 0.1
-    max_share_interval: float = 0.3
-    named_share: float = 0.75
-    walk_tolerance: float = 0.05
-    gap_floor: float = 0.25
-    negligible_gap: float = 1e-6
-    confidence: float = 0.95
-
-    def __post_init__(self) -> None:
-        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor",
-                 "negligible_gap")  # fmt: skip
-        for name in names:
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
-                raise BracketInputError(
-                    f"BracketRule.{name}={value!r} must be a number in [0, 1] (a share of the gap)."
-                )
-        if not 0.0 < self.confidence < 1.0:
-            raise BracketInputError(
-                f"BracketRule.confidence={self.confidence!r} must lie strictly between 0 and 1."
-            )
 
 
 @dataclass(frozen=True)
@@ -129,7 +82,10 @@ class Bracket:
         S_identified, B_identified: the brackets of the shares are narrow (see `BracketRule`).
         stable: the gap is clearly above zero, full depth is clearly above the base rate and
             every share's interval is at most ``max_share_interval`` wide.
-        verdict: one of `VERDICTS`; reason: why, in one sentence per cause.
+        verdict: one of `dcp_lens.protocol.verdicts.VERDICTS`; reason: why, in one sentence per
+            cause (`dcp_lens.protocol.verdicts.share_verdict` decides both).
+        bound: what an inconclusive verdict still establishes (``"not_affine"``: most of the
+            gap is not recovered by an affine change of frame), or None.
     """
 
     k_grid: tuple[int, ...]
@@ -141,6 +97,7 @@ class Bracket:
     verdict: str
     reason: str
     rule: BracketRule = field(default_factory=BracketRule)
+    bound: str | None = None
 
     def record(self) -> dict[str, object]:
         """The shares' fields as a JSON-ready dict (``results.json``'s ``shares[metric]``)."""
@@ -151,6 +108,7 @@ class Bracket:
             "stable": self.stable,
             "verdict": self.verdict,
             "reason": self.reason,
+            "bound": self.bound,
         }
 
 
@@ -210,6 +168,7 @@ def bracket(
     *,
     rule: BracketRule | None = None,
     walk_gain: Sequence[float] | np.ndarray | None = None,
+    replay_same: Sequence[bool] | np.ndarray | None = None,
 ) -> Bracket:
     """Bracket S (and B, D) of one metric from its cells' means and their bootstrap draws.
 
@@ -224,6 +183,8 @@ def bracket(
         walk_gain: per k, replay's mean gain over truncate (quality units, as the cells) counted
             on the examples whose replay walks (see `BracketRule.walk_tolerance`), 0 elsewhere;
             None: not measured, B is judged on its bracket alone.
+        replay_same: per k, whether replay(k) reads out as truncate(k) up to float error (B
+            and I_BS are then 0 by construction, not measured); None: not known.
 
     Returns:
         A `Bracket`.
@@ -241,31 +202,31 @@ def bracket(
         quantities["B_lower"] = quantities["B_lower"] - np.maximum(walk, 0.0)
         quantities["D_upper"] = quantities["D_upper"] + np.maximum(walk, 0.0)
     per_k = _with_intervals(ends, sampled, rule.confidence)
-    gap_clear = has_gap(per_k["gap_lo"], ends["gap"], rule)
     per_k["S_width_hi"] = _upper(sampled["S_upper"] - sampled["S_lower"], rule.confidence)
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
-    with np.errstate(invalid="ignore"):
-        largest = np.nanmax(ends["gap"]) if np.isfinite(ends["gap"]).any() else np.nan
-        allowed = rule.tolerance * np.maximum(ends["gap"], rule.gap_floor * largest)
-        per_k["S_identified"] = gap_clear & (per_k["S_width_hi"] <= allowed)
-        walked = walk > rule.walk_tolerance * ends["gap"]
-        per_k["B_identified"] = gap_clear & (per_k["B_width_hi"] <= allowed) & ~walked
+    # The order difference I_BS = (d - c) - (b - a): S taken first on truncate against S taken
+    # after replay; its size (upper end of |I_BS|'s interval) is how far the two orders disagree.
+    per_k["order_width_hi"] = _upper(np.abs(order_difference(draw_cells)), rule.confidence)
+    same = _replay_same(replay_same, len(grid))
+    per_k.update(identify_per_k(per_k, walk, same, rule))
 
     used = np.isfinite(np.stack([ends[n] for n in ("gap", "S_lower", "S_upper")])).all(axis=0)
     shares = _shares(ends, sampled, point_cells, draw_cells, used, rule.confidence)
     gap_area = float(ends["gap"][used].sum())
     shares["walk_gain"] = float(walk[used].sum()) / gap_area if gap_area != 0 else math.nan
-    verdict, reason, stable, s_identified, b_identified = _verdict(shares, rule)
+    shares.update(identified_area(per_k, same, used))
+    decided = share_verdict(shares, rule)
     return Bracket(
         k_grid=grid,
         per_k=per_k,
         shares=shares,
-        S_identified=s_identified,
-        B_identified=b_identified,
-        stable=stable,
-        verdict=verdict,
-        reason=reason,
+        S_identified=decided.S_identified,
+        B_identified=decided.B_identified,
+        stable=decided.stable,
+        verdict=decided.verdict,
+        reason=decided.reason,
         rule=rule,
+        bound=decided.bound,
     )
 
 
@@ -278,6 +239,7 @@ def bracket_from_values(
     seed: int = 0,
     rule: BracketRule | None = None,
     walk_gain: Sequence[float] | np.ndarray | None = None,
+    replay_same: Sequence[bool] | np.ndarray | None = None,
 ) -> Bracket:
     """`bracket` from per-example values, paired over the same n evaluation examples.
 
@@ -288,6 +250,7 @@ def bracket_from_values(
         n_bootstrap, seed: the paired bootstrap (`paired_bootstrap_means`), columns ``full``
             then each condition of `BRACKET_CONDITIONS` with its k in grid order.
         walk_gain: passed on to `bracket` (in the values' own units; negated here for losses).
+        replay_same: passed on to `bracket`.
     """
     grid = tuple(int(k) for k in k_grid)
     if n_bootstrap < 1:
@@ -322,7 +285,9 @@ def bracket_from_values(
 
     if walk_gain is not None:
         walk_gain = np.asarray(walk_gain, dtype=np.float64) * (1.0 if higher_is_better else -1.0)
-    return bracket(split(means), split(draws), grid, rule=rule, walk_gain=walk_gain)
+    return bracket(
+        split(means), split(draws), grid, rule=rule, walk_gain=walk_gain, replay_same=replay_same
+    )
 
 
 # ----------------------------------------------------------------------------- internals
@@ -381,6 +346,23 @@ def _with_intervals(
     return out
 
 
+def order_difference(cells: Cells) -> np.ndarray:
+    """``I_BS = (d - c) - (b - a)`` elementwise: S taken after replay minus S taken first on
+    truncate (equally, B taken after calibration minus B taken first)."""
+    a, b = np.asarray(cells["truncate"]), np.asarray(cells["calibrate_truncate"])
+    c, d = np.asarray(cells["replay"]), np.asarray(cells["calibrate_replay"])
+    return np.asarray((d - c) - (b - a))
+
+
+def _replay_same(replay_same: Sequence[bool] | np.ndarray | None, n_k: int) -> np.ndarray:
+    if replay_same is None:
+        return np.zeros(n_k, bool)
+    same = np.asarray(replay_same, dtype=bool)
+    if same.shape != (n_k,):
+        raise BracketInputError(f"replay_same has shape {same.shape}; expected one bool per k.")
+    return same
+
+
 def _walk(walk_gain: Sequence[float] | np.ndarray | None, n_k: int) -> np.ndarray:
     if walk_gain is None:
         return np.zeros(n_k)
@@ -400,9 +382,8 @@ def _shares(
 ) -> dict[str, float]:
     """Shares of the gap's area over the k in ``used``, with intervals; ``gap`` is the area and
     ``headroom`` the area of full depth over the base rate."""
-    nan = {n: math.nan for n in (*BRACKET_QUANTITIES, "S_width_hi", "B_width_hi", "headroom")}
     if not used.any():
-        return {**nan, **{f"{n}_{s}": math.nan for n in BRACKET_QUANTITIES for s in ("lo", "hi")}}
+        return dict.fromkeys(_SHARE_KEYS, math.nan)
 
     def area(array: np.ndarray) -> np.ndarray:
         return np.asarray(array[..., used].sum(axis=-1))
@@ -427,85 +408,77 @@ def _shares(
     shares["headroom_lo"] = float(
         percentile_interval(area(draws["full"] - draws["base_rate"])[:, None], confidence)[0][0]
     )
-    # The point estimate's own interval width at the lower end (today's S, discounted).
+    # The point estimate (the lower end's decomposition: S discounted, and the B and D that go
+    # with it) with its interval, and that interval's width.
     for factor, end in (("S", "S_lower"), ("B", "B_at_lower"), ("D", "D_at_lower")):
         low, high = percentile_interval(share(sampled, end)[:, None], confidence)
+        shares[f"{factor}_point"] = float(share(ends, end))
+        shares[f"{factor}_point_lo"], shares[f"{factor}_point_hi"] = float(low[0]), float(high[0])
         shares[f"{factor}_point_interval"] = float(high[0] - low[0])
-    return shares
-
-
-def has_gap(
-    gap_lo: np.ndarray | Sequence[float], gap: np.ndarray | Sequence[float], rule: BracketRule
-) -> np.ndarray:
-    """``[K]`` bool: the k's with a gap to decompose: the lower end of gap(k)'s interval
-    ``gap_lo`` above zero and above `BracketRule.negligible_gap` times the largest of the grid's
-    point gaps ``gap`` (NaN gaps ignored). `dcp-lens validate` counts flags over these k's."""
-    lower, gaps = np.asarray(gap_lo, dtype=float), np.asarray(gap, dtype=float)
-    finite = gaps[np.isfinite(gaps)]
-    largest = float(finite.max()) if finite.size else 0.0
-    with np.errstate(invalid="ignore"):  # the threshold is >= 0: above it is above zero
-        return lower > rule.negligible_gap * max(largest, 0.0)
-
-
-def _verdict(shares: dict[str, float], rule: BracketRule) -> tuple[str, str, bool, bool, bool]:
-    """(verdict, reason, stable, S_identified, B_identified) of the shares (docs/bracket.md)."""
-    if not math.isfinite(shares["gap"]):
-        reason = "no k has every cell finite, so there are no shares."
-        return "inconclusive", reason, False, False, False
-    s_identified = shares["S_width_hi"] <= rule.tolerance
-    walked = shares["walk_gain"] > rule.walk_tolerance
-    b_identified = shares["B_width_hi"] <= rule.tolerance and not walked
-    reasons: list[str] = []
-    if not shares["gap_lo"] > 0:
-        reasons.append(
-            f"the truncation gap is not clearly above zero (area {shares['gap']:.3g},"
-            f" interval [{shares['gap_lo']:.3g}, {shares['gap_hi']:.3g}])."
+    # S and B in both orders (calibrated cells, undiscounted): S first on truncate (b - a) or
+    # after replay (d - c); B first by replay (c - a) or after calibration (d - b).
+    orders = {
+        "S_first": ("calibrate_truncate", "truncate"),
+        "S_after_B": ("calibrate_replay", "replay"),
+        "B_first": ("replay", "truncate"),
+        "B_after_S": ("calibrate_replay", "calibrate_truncate"),
+    }
+    for name, (after, before) in orders.items():
+        point_order = {"gap": ends["gap"], name: point[after] - point[before]}
+        drawn_order = {"gap": sampled["gap"], name: draws[after] - draws[before]}
+        low, high = percentile_interval(share(drawn_order, name)[:, None], confidence)
+        shares.update({name: float(share(point_order, name)), f"{name}_lo": float(low[0]),
+                       f"{name}_hi": float(high[0])})  # fmt: skip
+    # Each factor in the worse order at every k (no cancellation between k's): S as
+    # min(b - a, d - c), B as min(c - a, d - b), summed over k, as shares, with intervals.
+    worse = {
+        "S_worse_order": (("calibrate_truncate", "truncate"), ("calibrate_replay", "replay")),
+        "B_worse_order": (("replay", "truncate"), ("calibrate_replay", "calibrate_truncate")),
+    }
+    for name, ((after_1, before_1), (after_2, before_2)) in worse.items():
+        point_worse = np.minimum(point[after_1] - point[before_1], point[after_2] - point[before_2])
+        drawn_worse = np.minimum(draws[after_1] - draws[before_1], draws[after_2] - draws[before_2])
+        low, high = percentile_interval(
+            share({"gap": sampled["gap"], name: drawn_worse}, name)[:, None], confidence
         )
-    if not shares["headroom_lo"] > 0:
-        reasons.append(
-            "full depth is not clearly better than the base rate (a readout with no information"
-            " about the example): the gap is a gap near chance."
-        )
-    widest = max(shares[f"{f}_point_interval"] for f in ("S", "B", "D"))
-    stable = not reasons and widest <= rule.max_share_interval
-    if not reasons and not stable:
-        reasons.append(
-            f"a share's interval is {widest:.2f} wide, more than {rule.max_share_interval:g}:"
-            " too wide to name a factor."
-        )
-    if not s_identified:
-        reasons.append(
-            f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
-            f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
-            f" (tolerance {rule.tolerance:g}); marginal matching and a paired translator disagree."
-        )
-    if not b_identified:
-        why = (
-            f"{shares['walk_gain']:.2f} of the gap is replay's gain on examples where its readout"
-            " walks to answers later iterations read (the repeated update is computation)"
-            if walked
-            else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
-        )
-        reasons.append(f"block applications are not identified: {why}.")
-    if reasons:
-        return "inconclusive", " ".join(reasons), stable, s_identified, b_identified
-    lows = {f: shares[f"{f}_lower_lo"] for f in ("S", "B", "D")}
-    named = [f for f, low in lows.items() if low >= rule.named_share]
-    if len(named) == 1:
-        factor = named[0]
-        return (
-            factor,
-            f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and interval"
-            " included.",
-            stable,
-            s_identified,
-            b_identified,
-        )
-    parts = ", ".join(
-        f"{f} [{shares[f'{f}_lower_lo']:.2f}, {shares[f'{f}_upper_hi']:.2f}]" for f in lows
+        shares[name] = float(share({"gap": ends["gap"], name: point_worse}, name))
+        shares[f"{name}_lo"], shares[f"{name}_hi"] = float(low[0]), float(high[0])
+    drawn_difference = share({"gap": sampled["gap"], "I": order_difference(draws)}, "I")
+    shares["order_difference"] = float(
+        share({"gap": ends["gap"], "I": order_difference(point)}, "I")
     )
-    reason = f"no factor reaches {rule.named_share:g} of the gap: {parts}."
-    return "mixed", reason, stable, s_identified, b_identified
+    shares["order_width_hi"] = float(_upper(np.abs(drawn_difference)[:, None], confidence)[0])
+    # The orders' span summed per k, so that differences of opposite sign at two k's do not
+    # cancel: area(|I_BS|) / area(gap), with the upper end of its interval.
+    point_span = {"gap": ends["gap"], "I": np.abs(order_difference(point))}
+    drawn_span = share({"gap": sampled["gap"], "I": np.abs(order_difference(draws))}, "I")
+    shares["order_span"] = float(share(point_span, "I"))
+    shares["order_span_hi"] = float(_upper(drawn_span[:, None], confidence)[0])
+    return _ordered(shares)
+
+
+_SHARE_KEYS = (
+    *(f"{n}{s}" for n in BRACKET_QUANTITIES for s in ("", "_lo", "_hi")),
+    "S_width_hi", "B_width_hi", "headroom", "headroom_lo",
+    *(f"{f}_point{s}" for f in ("S", "B", "D") for s in ("", "_lo", "_hi", "_interval")),
+    *(f"{n}{s}" for n in ("S_first", "S_after_B", "B_first", "B_after_S")
+      for s in ("", "_lo", "_hi")),
+    "order_difference", "order_width_hi", "order_span", "order_span_hi",
+    *(f"{n}{s}" for n in ("S_worse_order", "B_worse_order") for s in ("", "_lo", "_hi")),
+)  # fmt: skip
+
+
+def _ordered(shares: dict[str, float]) -> dict[str, float]:
+    """The shares with every bracket's ends in order: where the gap's area is negative, dividing
+    by it flips them, so lower and upper (each with its interval) trade places."""
+    if not shares["gap"] < 0:
+        return shares
+    ordered = dict(shares)
+    for factor in ("S", "B", "D"):
+        for suffix in ("", "_lo", "_hi"):
+            lower, upper = f"{factor}_lower{suffix}", f"{factor}_upper{suffix}"
+            ordered[lower], ordered[upper] = shares[upper], shares[lower]
+    return ordered
 
 
 def _json_float(value: float) -> float | None:

@@ -345,6 +345,9 @@ class DepthControlProtocol:
                 higher_is_better=HIGHER_IS_BETTER[metric], n_bootstrap=self.n_bootstrap,
                 seed=self.seed, walked=swept.walked, jackknife_rows=swept.jackknife_rows,
                 jackknife=[cells.get(metric, {}) for cells in swept.jackknife],
+                replay_same={
+                    k: v <= B_IDENTIFICATION_TOLERANCE for k, v in replay_difference.items()
+                },
             )  # fmt: skip
             # With a bracket, identification is read from it; the probe's scores stay beside it.
             kept = {

@@ -37,7 +37,10 @@ Conventions:
   `dcp_lens.protocol.bracket.BRACKET_CONDITIONS` (the translators and the base rate) and
   ``n_bootstrap >= 1``, the bracket (docs/bracket.md) is computed from the same means and the same
   paired bootstrap draws; it sets ``s_identified`` / ``b_identified`` per k (the bracket is
-  narrow) and holds ``S_lower`` / ``S_upper`` and the verdict of the shares.
+  narrow) and holds ``S_lower`` / ``S_upper`` and the verdict of the shares. The point shares
+  ``S``, ``B``, ``D`` (and their intervals) are then the lower end's decomposition (S
+  discounted by the base rate, with the B and D that go with it); the per-k cells stay the
+  calibrated, undiscounted quantities above.
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def decompose(
     walked: Mapping[str, Mapping[int, QualityVector]] | None = None,
     jackknife: Sequence[Mapping[str, Mapping[int, QualityVector]]] = (),
     jackknife_rows: QualityVector | None = None,
+    replay_same: Mapping[int, bool] | None = None,
 ) -> Decomposition:
     """Decompose the truncation gap of one metric into S, B and D, with paired bootstrap intervals.
 
@@ -128,6 +132,10 @@ def decompose(
             deviation of the cell means from the groups' mean, times ``sqrt(G - 1)``, so that
             the draws' spread adds the jackknife variance of the fit to the resampling of the
             examples (docs/bracket.md, "The calibration split in the intervals").
+        replay_same: per k, whether replay(k) reads out as truncate(k) up to float error (the
+            sweep's ``replay_difference`` within
+            `dcp_lens.protocol.verdicts.B_IDENTIFICATION_TOLERANCE`): B is then 0 by
+            construction and not identified there (None: not known).
 
     Returns:
         A `Decomposition`.
@@ -189,9 +197,14 @@ def decompose(
         shares.pop(key, math.nan) for key in ("gap_area", "gap_area_lo", "gap_area_hi")
     )
     slope = _truncation_slope(grid, n_iterations, sign * means, sign * draws, confidence)
-    bracketed = _bracket(conditions, grid, sign * means, sign * draws, confidence, walk_gain)
+    same = None if replay_same is None else [bool(replay_same.get(k, False)) for k in grid]
+    bracketed = _bracket(conditions, grid, sign * means, sign * draws, confidence, walk_gain, same)
     identified: dict[str, object] = {}
     if bracketed is not None:
+        # The point shares are the lower end's decomposition (S discounted, with its B and D).
+        for factor in FACTORS:
+            for suffix in ("", "_lo", "_hi"):
+                shares[f"{factor}{suffix}"] = bracketed.shares[f"{factor}_point{suffix}"]
         identified = {
             "s_identified": bracketed.per_k["S_identified"],
             "b_identified": bracketed.per_k["B_identified"],
@@ -237,6 +250,7 @@ def _bracket(
     draws: np.ndarray,
     confidence: float,
     walk_gain: np.ndarray | None = None,
+    replay_same: Sequence[bool] | None = None,
 ) -> Bracket | None:
     """The S bracket from the decomposition's own cell means ``qualities`` ``[columns]`` and
     bootstrap draws ``[n_bootstrap, columns]`` (quality units, columns as `_value_matrix`);
@@ -253,7 +267,10 @@ def _bracket(
         return split
 
     rule = BracketRule(confidence=confidence)
-    return bracket(cells(qualities), cells(draws), grid, rule=rule, walk_gain=walk_gain)
+    return bracket(
+        cells(qualities), cells(draws), grid, rule=rule, walk_gain=walk_gain,
+        replay_same=replay_same,
+    )  # fmt: skip
 
 
 def _column(

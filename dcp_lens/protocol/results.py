@@ -36,11 +36,12 @@ BRACKET_ROW_KEYS = (
     ),
     "S_width_hi",
     "B_width_hi",
+    "order_width_hi",
 )
 # The bracket's fields named in ``results.json``'s ``shares[metric]`` (the whole record is in
 # ``bracket[metric]``).
 BRACKET_SHARE_KEYS = (
-    "S_lower", "S_upper", "S_identified", "B_identified", "stable", "verdict", "reason",
+    "S_lower", "S_upper", "S_identified", "B_identified", "stable", "verdict", "reason", "bound",
 )  # fmt: skip
 REPLAY_NOT_REALIZABLE = "not realizable as the same model"
 # The flag of a row whose S is not identified, in the report and on its figures' hover.

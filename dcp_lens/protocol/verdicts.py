@@ -1,22 +1,40 @@
-"""Every validity flag and verdict of a DCP run, built in one place.
+"""Every validity decision of a DCP run, made in one place.
 
-The protocol computes the flags that are data (`identification`: per k, is S identified, is B
-identified) and records them in ``results.json``; the words that explain them (`flag_lines` for
-the console, `run_flags` and `verdict` for the report, `row_flags` for a figure's hover) are
-built here from what a run saved, so the report only reads them. The wording and the rule are
-those of the report before this module existed.
+The numbers come from the protocol (`dcp_lens.protocol.bracket`, `dcp_lens.protocol.decomposition`);
+what they allow is decided here, as functions of typed inputs:
+
+- per k: is S identified, is B identified (`identify_per_k`, `identification` for runs without a
+  bracket), do the two orders of S and B clearly differ (`order_disagrees`), is the gap a gap
+  (`has_gap`);
+- per metric: the verdict on the shares and its reason (`share_verdict`): a factor is named only
+  where the k's at which it is identified carry at least `BracketRule.identified_area` of the
+  gap's area, it holds in both orders of S and B, and the gap is clearly above zero;
+- the words: the verdict's sentence (`verdict`), the flags grouped by severity (`flag_groups`,
+  `flag_lines`, `run_flags`, `row_flags`).
+
+The console, ``results.json``, the report and the notebooks render what these functions decided.
+What the words claim is the map class: S is readout shift that an affine change of frame undoes;
+what no affine map recovers is "distinct computation, or a non-affine shift", never named as
+computation without a test that tells the two apart (none is run: such a verdict is
+inconclusive, with ``bound = "not_affine"``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dcp_lens.protocol.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolResults
+from dcp_lens.utils.errors import DCPLensError
 
+# The verdicts on a metric's shares. D (distinct computation) is not among them: no test run
+# here tells computation from a shift of frame that no affine map undoes, so a gap that the
+# affine maps do not recover is "inconclusive" with ``bound = "not_affine"``.
+VERDICTS = ("S", "B", "mixed", "inconclusive")
 # Logit difference (nats) below which replay(k) and truncate(k) count as the same readout: B and
 # I_BS are then zero by construction (a norm at the readout ignores replay's scaling), not found.
 B_IDENTIFICATION_TOLERANCE = 1e-3
@@ -27,14 +45,323 @@ SMALL_GAP = 1e-3  # a mean gap below this (quality units) leaves shares unstable
 SANE_TEMPERATURES = (0.05, 20.0)
 # The flag of a row whose S bracket is wide (docs/bracket.md), in the report and on its hover.
 S_BRACKET_WIDE = (
-    "S not identified: marginal matching and a paired translator disagree by more than 0.1 of "
-    "the gap (the truth lies in the bracket [S_lower, S_upper])"
+    "S not identified: marginal matching and a paired affine translator disagree by more than "
+    "0.1 of the gap (affine readout shift lies inside the bracket [S_lower, S_upper])"
 )
 # The flag of a row whose S is not identified, in the report and on its figures' hover.
 S_NOT_IDENTIFIED = (
     "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
     "still differ from full depth)"
 )
+B_NOT_IDENTIFIED = "B not identified (the B bracket is wide, or replay walks)"
+NOT_AFFINE = "not_affine"
+
+
+class BracketInputError(DCPLensError):
+    """Cells handed to the bracket are missing, misshapen or inconsistent."""
+
+
+@dataclass(frozen=True)
+class BracketRule:
+    """The stated tolerances of the identification and verdict rule (docs/bracket.md).
+
+    Attributes:
+        tolerance: largest bracket width (upper end of its interval), as a share of the gap, for
+            S (or B) to count as identified.
+        max_share_interval: widest interval of a share's point estimate (the lower end's
+            ``S_lower`` and the B and D that go with it) that still lets a verdict name a factor.
+        named_share: a factor is named alone when the lower end of its whole bracket (interval
+            included) reaches this share; otherwise the verdict is ``"mixed"``.
+        walk_tolerance: largest share of the gap that replay may gain on examples whose replay
+            walks (its top-1 is neither truncate(k)'s nor full depth's but one a later truncation
+            reads: the repeated update performed later steps) for B to count as identified.
+        gap_floor: per k, the width is compared with ``tolerance`` times the larger of gap(k) and
+            this share of the largest gap over the grid: where truncation costs almost nothing
+            (the last k before r) a width of a few thousandths is the bootstrap's noise, not an
+            unidentified share.
+        negligible_gap: per k, a gap whose interval's lower end is at most this share of the
+            grid's largest gap is no gap: float rounding (a loss metric's 1e-9 nats where
+            truncation already reads full depth's answer) is not a gap whose bracket could be
+            narrow, so such a k is not identified, like one whose gap may be zero
+            (`has_gap`).
+        identified_area: a factor is named only where the k's at which S and B are identified
+            (`identify_per_k`; B zero by construction counts as identified) carry at least
+            this share of the gap's area (`identified_area`).
+        confidence: coverage of the percentile intervals.
+    """
+
+    tolerance: float = 0.1
+    max_share_interval: float = 0.3
+    named_share: float = 0.75
+    walk_tolerance: float = 0.05
+    gap_floor: float = 0.25
+    negligible_gap: float = 1e-6
+    identified_area: float = 0.8
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor",
+                 "negligible_gap", "identified_area")  # fmt: skip
+        for name in names:
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
+                raise BracketInputError(
+                    f"BracketRule.{name}={value!r} must be a number in [0, 1] (a share of the gap)."
+                )
+        if not 0.0 < self.confidence < 1.0:
+            raise BracketInputError(
+                f"BracketRule.confidence={self.confidence!r} must lie strictly between 0 and 1."
+            )
+
+
+def has_gap(
+    gap_lo: np.ndarray | Sequence[float], gap: np.ndarray | Sequence[float], rule: BracketRule
+) -> np.ndarray:
+    """``[K]`` bool: the k's with a gap to decompose: the lower end of gap(k)'s interval
+    ``gap_lo`` above zero and above `BracketRule.negligible_gap` times the largest of the grid's
+    point gaps ``gap`` (NaN gaps ignored). `dcp-lens validate` counts flags over these k's."""
+    lower, gaps = np.asarray(gap_lo, dtype=float), np.asarray(gap, dtype=float)
+    finite = gaps[np.isfinite(gaps)]
+    largest = float(finite.max()) if finite.size else 0.0
+    with np.errstate(invalid="ignore"):  # the threshold is >= 0: above it is above zero
+        return lower > rule.negligible_gap * max(largest, 0.0)
+
+
+def allowed_width(gap: np.ndarray, rule: BracketRule) -> np.ndarray:
+    """``[K]``: the widest bracket (or order difference) that still counts as identified at each
+    k: `BracketRule.tolerance` times the larger of gap(k) and `BracketRule.gap_floor` times the
+    grid's largest gap."""
+    gap = np.asarray(gap, dtype=float)
+    with np.errstate(invalid="ignore"):
+        largest = np.nanmax(gap) if np.isfinite(gap).any() else np.nan
+        return np.asarray(rule.tolerance * np.maximum(gap, rule.gap_floor * largest))
+
+
+def order_disagrees(
+    gap: np.ndarray | Sequence[float], i_bs_lo: np.ndarray | Sequence[float],
+    i_bs_hi: np.ndarray | Sequence[float], rule: BracketRule,
+) -> np.ndarray:  # fmt: skip
+    """``[K]`` bool: S taken first and S taken after replay clearly differ by more than the
+    tolerance at k (I_BS(k)'s 95% interval lies beyond `allowed_width` on one side)."""
+    allowed = allowed_width(np.asarray(gap, dtype=float), rule)
+    with np.errstate(invalid="ignore"):
+        low, high = np.asarray(i_bs_lo, dtype=float), np.asarray(i_bs_hi, dtype=float)
+        return np.asarray((low > allowed) | (high < -allowed))
+
+
+def identify_per_k(
+    per_k: Mapping[str, np.ndarray], walk: np.ndarray, replay_same: np.ndarray, rule: BracketRule
+) -> dict[str, np.ndarray]:
+    """Per k: ``S_identified`` (the gap is clearly above zero and the S bracket is narrow) and
+    ``B_identified`` (the same for the B bracket, replay does not walk, and replay reads out
+    differently from truncate: where it does not, B = 0 by construction, not by measurement).
+    The order of S and B is judged over the shares (``order_span``), where the noise of
+    |I_BS(k)| at small gaps averages out; per k, `order_disagrees` names the k's where the
+    orders clearly differ.
+
+    Args:
+        per_k: ``gap``, ``gap_lo``, ``S_width_hi``, ``B_width_hi``, ``order_width_hi`` ``[K]``.
+        walk: replay's gain on walking examples, ``[K]`` (quality units).
+        replay_same: ``[K]`` bool, replay(k) reads out as truncate(k) up to float error.
+    """
+    gap = np.asarray(per_k["gap"], dtype=float)
+    clear = has_gap(per_k["gap_lo"], gap, rule)
+    allowed = allowed_width(gap, rule)
+    with np.errstate(invalid="ignore"):
+        s_narrow = np.asarray(per_k["S_width_hi"]) <= allowed
+        b_narrow = np.asarray(per_k["B_width_hi"]) <= allowed
+        walked = walk > rule.walk_tolerance * gap
+    return {
+        "S_identified": clear & s_narrow,
+        "B_identified": clear & b_narrow & ~walked & ~replay_same,
+    }
+
+
+def identified_area(
+    per_k: Mapping[str, np.ndarray], replay_same: np.ndarray, used: np.ndarray
+) -> dict[str, float]:
+    """Per factor, the share of the gap's area (positive gaps over the k in ``used``) carried by
+    the k's where that factor is identified: ``S_identified_area`` (S identified; D, the rest
+    of the gap after the affine maps, is identified where S is) and ``B_identified_area`` (B
+    identified, or zero by construction: with replay reading out as truncate, B = I_BS = 0).
+    NaN where no k has a positive gap."""
+    gap = np.where(used, np.nan_to_num(np.asarray(per_k["gap"], dtype=float)), 0.0)
+    positive = np.maximum(gap, 0.0)
+    total = float(positive.sum())
+    masks = {
+        "S_identified_area": np.asarray(per_k["S_identified"], bool),
+        "B_identified_area": np.asarray(per_k["B_identified"], bool) | replay_same,
+    }
+    return {
+        name: float((positive * mask).sum()) / total if total > 0 else math.nan
+        for name, mask in masks.items()
+    }
+
+
+@dataclass(frozen=True)
+class ShareVerdict:
+    """The verdict on one metric's shares (`share_verdict`)."""
+
+    verdict: str  # one of VERDICTS
+    reason: str
+    stable: bool
+    S_identified: bool
+    B_identified: bool
+    bound: str | None = None  # NOT_AFFINE: most of the gap is not recovered by an affine map
+
+
+def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdict:
+    """The verdict on the shares of one metric (docs/bracket.md, "The verdict").
+
+    ``shares``: the bracket's shares (`dcp_lens.protocol.bracket.Bracket.shares`): ``gap`` with
+    its interval, ``headroom_lo``, the widths ``S_width_hi``, ``B_width_hi``, the orders
+    (``S_first``, ``S_after_B``, ``B_first``, ``B_after_S``, ``order_difference``,
+    ``order_span``, ``order_span_hi``, ``S_worse_order``, ``B_worse_order``), ``walk_gain``,
+    ``S_identified_area``, ``B_identified_area``, each factor's bracket and the point intervals.
+
+    No factor is named unless the gap is clearly above zero, full depth clearly above the base
+    rate and every point share's interval at most ``max_share_interval`` wide. S (or B) is
+    named when its least share reaches ``named_share``: the lower end of its bracket, interval
+    included, and, where the two orders of S and B disagree by more than ``tolerance``
+    (``order_span_hi``: |I_BS(k)| summed over k, so that opposite signs do not cancel), its share
+    in the worse order at every k; and when it is identified itself: its bracket narrow (B: and
+    replay not walking) and identified at k's that carry at least ``identified_area`` of the
+    gap's area. How the rest of the gap splits does not block it and is said beside it. A gap
+    the affine maps do not recover (D's bracket at or above ``named_share``) is "inconclusive"
+    with ``bound = "not_affine"``: D is never named. Otherwise "mixed" where S and B are
+    identified and the orders agree, "inconclusive" with the reasons where not.
+    """
+    if not math.isfinite(shares.get("gap", math.nan)):
+        reason = "no k has every cell finite, so there are no shares."
+        return ShareVerdict("inconclusive", reason, False, False, False)
+    orders_agree = _le(shares.get("order_span_hi"), rule.tolerance)
+    walked = _gt(shares.get("walk_gain"), rule.walk_tolerance)
+    s_narrow = _le(shares.get("S_width_hi"), rule.tolerance)
+    b_narrow = _le(shares.get("B_width_hi"), rule.tolerance) and not walked
+    s_identified, b_identified = s_narrow and orders_agree, b_narrow and orders_agree
+    reasons: list[str] = []
+    if not _gt(shares.get("gap_lo"), 0.0):
+        reasons.append(
+            f"the truncation gap is not clearly above zero (area {shares['gap']:.3g}, 95%"
+            f" interval [{shares.get('gap_lo', math.nan):.3g},"
+            f" {shares.get('gap_hi', math.nan):.3g}]): shares of a gap that may be zero or"
+            " negative are not formed."
+        )
+    if not _gt(shares.get("headroom_lo"), 0.0):
+        reasons.append(
+            "full depth is not clearly better than the base rate (a readout with no information"
+            " about the example): the gap is a gap near chance."
+        )
+    widest = max(shares.get(f"{f}_point_interval", math.nan) for f in FACTORS)
+    stable = not reasons and _le(widest, rule.max_share_interval)
+    if not reasons and not stable:
+        reasons.append(
+            f"a share's 95% interval is {widest:.2f} wide, more than {rule.max_share_interval:g}:"
+            " too wide to name a factor."
+        )
+    if reasons:  # the gap itself: there are no shares to name
+        return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
+    s_words = "" if s_narrow else (
+        f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
+        f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
+        f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
+        " disagree."
+    )  # fmt: skip
+    walk_words = (
+        f"{shares.get('walk_gain', math.nan):.2f} of the gap is replay's gain on examples where"
+        " its readout walks to answers later iterations read (the repeated update may be"
+        " computation)"
+    )
+    b_words = "" if b_narrow else (
+        "block applications are not identified: "
+        + (walk_words if walked else f"the B bracket is up to {shares['B_width_hi']:.2f} of the"
+           " gap wide") + "."
+    )  # fmt: skip
+    order = {key: shares.get(key, math.nan) for key in (
+        "S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")}  # fmt: skip
+    order_words = "" if orders_agree else (
+        f"the order decides part of the split of S and B: S is {order['S_first']:.2f} of the gap"
+        f" taken first and {order['S_after_B']:.2f} taken after replay (B"
+        f" {order['B_after_S']:.2f} and {order['B_first']:.2f}); summed over k the orders differ"
+        f" by {order['order_span']:.2f} of the gap (up to {order['order_span_hi']:.2f} with the"
+        f" interval), more than the tolerance {rule.tolerance:g}."
+    )  # fmt: skip
+    # Each factor's least share: its bracket's lower end (interval included) and, where the
+    # orders disagree, its share in the worse order at every k.
+    lows = {f: _worse_order(shares, f, orders_agree) for f in FACTORS}
+    named = [f for f in FACTORS if _ge(lows[f], rule.named_share)]
+    if len(named) == 1 and named[0] in ("S", "B"):
+        # A factor is named on its own identification: its bracket narrow and identified at
+        # k's that carry most of the gap's area; how the rest splits does not change it.
+        factor = named[0]
+        own = s_words if factor == "S" else b_words
+        area = shares.get(f"{factor}_identified_area", math.nan)
+        if not own and not _ge(area, rule.identified_area):
+            own = (
+                f"{factor} is identified only at k's that carry {area:.0%} of the gap's area,"
+                f" less than the {rule.identified_area:.0%} a verdict needs (the per-k flags say"
+                " where)."
+            )
+        if own:
+            return ShareVerdict("inconclusive", own, stable, s_identified, b_identified)
+        rest = " ".join(w for w in (b_words if factor == "S" else s_words, order_words) if w)
+        reason = (
+            f"{factor} is at least {lows[factor]:.2f} of the gap's area, bracket and 95% interval"
+            + (" included, in either order." if order_words else " included.")
+            + (f" Beside it: {rest}" if rest else "")
+        )
+        return ShareVerdict(factor, reason, stable, s_identified, b_identified)
+    if named == ["D"]:
+        # D is never named: its lower end bounds what no affine map recovers.
+        reason = (
+            f"at least {lows['D']:.2f} of the gap's area is not recovered by an affine change of"
+            " frame (distinct computation, or a non-affine shift): no test run here tells the"
+            " two apart."
+        )
+        return ShareVerdict("inconclusive", reason, stable, s_identified, b_identified, NOT_AFFINE)
+    pending = " ".join(w for w in (s_words, order_words, b_words) if w)
+    if pending:
+        return ShareVerdict("inconclusive", pending, stable, s_identified, b_identified)
+    parts = ", ".join(
+        f"{f} [{shares[f'{f}_lower_lo']:.2f}, {shares[f'{f}_upper_hi']:.2f}]" for f in FACTORS
+    )
+    reason = f"no factor reaches {rule.named_share:g} of the gap: {parts}."
+    return ShareVerdict("mixed", reason, stable, s_identified, b_identified)
+
+
+def _worse_order(shares: Mapping[str, float], factor: str, orders_agree: bool) -> float:
+    """The lower end of ``factor``'s bracket (interval included) and, where the orders of S and
+    B disagree, of its share taking the worse order at every k (``S_worse_order_lo``: no
+    cancellation between k's): the least the data allow it, whichever order."""
+    low = shares.get(f"{factor}_lower_lo", math.nan)
+    if orders_agree or factor == "D":
+        return low
+    values = [low, shares.get(f"{factor}_worse_order_lo", math.nan)]
+    return min(values) if all(_finite(v) for v in values) else math.nan
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _le(value: float | None, limit: float) -> bool:
+    return _finite(value) and value <= limit  # type: ignore[operator]
+
+
+def _ge(value: float | None, limit: float) -> bool:
+    return _finite(value) and value >= limit  # type: ignore[operator]
+
+
+def _gt(value: float | None, limit: float) -> bool:
+    return _finite(value) and value > limit  # type: ignore[operator]
+
+
+def replay_same(metadata: Mapping[str, Any], k_grid: Sequence[int]) -> np.ndarray:
+    """``[K]`` bool from a run's metadata: replay(k) reads out as truncate(k) within
+    `B_IDENTIFICATION_TOLERANCE` (``replay_truncate_max_abs_logit_diff``; False where absent)."""
+    differences = metadata.get("replay_truncate_max_abs_logit_diff") or {}
+    values = [differences.get(str(k), differences.get(k)) for k in k_grid]
+    return np.array([_le(v, B_IDENTIFICATION_TOLERANCE) for v in values], dtype=bool)
 
 
 def identification(
@@ -71,48 +398,112 @@ def identification(
         }
 
 
-def flag_lines(results: ProtocolResults) -> list[str]:
-    """What the numbers of a run cannot see, in words: one line per flag that is raised."""
-    lines = []
+# The severities of the flags, most important first: what not to read, what a number cannot
+# tell, and notes.
+SEVERITIES = ("read", "caution", "note")
+
+
+def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
+    """The flags of a run, each a short sentence, grouped by `SEVERITIES`: ``read`` (which
+    metrics to read: the validated ones whose verdict is not inconclusive), ``caution`` (per-k
+    identification and the order of S and B, once per text with the metrics it holds for),
+    ``note`` (temperatures, overshoots and float-error zeros, identical notes of several
+    conditions or metrics merged into one line)."""
+    run = results.to_results_json()
+    validated = [m for m, d in results.decompositions.items() if d.validated]
+    unvalidated = [m for m in results.metrics if m not in validated]
+    groups: dict[str, list[str]] = {severity: [] for severity in SEVERITIES}
+    readable = [
+        m for m in validated if (results.decompositions[m].bracket_shares or {}).get("verdict")
+        != "inconclusive"
+    ]  # fmt: skip
+    inconclusive = [m for m in validated if m not in readable]
+    parts = []
+    if validated:
+        why = (
+            f" (inconclusive: {', '.join(inconclusive)}; the verdict says why)"
+            if inconclusive
+            else ""
+        )
+        parts.append(f"read {', '.join(validated)}{why}")
+    if unvalidated:
+        parts.append(f"do not read {', '.join(unvalidated)} (not validated)")
+    if parts:
+        groups["read"].append("; ".join(parts))
+    if not run["replay_realizable"]:
+        groups["read"].append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
+    null = run["null_control"].get("max_abs_logit_diff")
+    if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
+        groups["read"].append(f"null control failed: max |logit diff| {null} at k = r")
+    cautions: dict[str, list[str]] = {}
+    notes: dict[str, list[str]] = {}
+    for metric in validated or list(results.metrics):
+        decomposition = results.decompositions[metric]
+        for text in _per_k_cautions(run, decomposition):
+            cautions.setdefault(text, []).append(metric)
+    for metric in validated:
+        decomposition = results.decompositions[metric]
+        if decomposition.bracket_shares is None and not decomposition.stable:
+            notes.setdefault(
+                "shares unstable: the gap's area interval includes 0, so its shares mean nothing",
+                [],
+            ).append(metric)
+        if overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
+            notes.setdefault(OVERSHOOT, []).append(metric)
+    groups["caution"] = [f"{text} ({', '.join(ms)})" for text, ms in cautions.items()]
+    groups["note"] = [f"{', '.join(ms)}: {text}" for text, ms in notes.items()]
+    if any(not results.decompositions[m].higher_is_better for m in validated):  # loss metrics
+        groups["note"].extend(temperature_flags(run))
     first = next(iter(results.decompositions.values()))
-    below = [i for i, k in enumerate(first.k_grid) if k < results.n_iterations]
-    s_open = [first.k_grid[i] for i in below if not first.s_identified[i]]  # type: ignore[index]
-    b_open = [first.k_grid[i] for i in below if not first.b_identified[i]]  # type: ignore[index]
-    if s_open and first.bracket is not None:
-        lines.append(
-            f"S not identified at k = {_ks(s_open)} ({first.metric}): the S bracket is wider than"
-            " 0.1 of the gap there (marginal matching and a paired translator disagree); the"
-            " truth lies in [S_lower, S_upper]"
+    same = replay_same(run.get("metadata", {}), list(first.k_grid))
+    ks = [k for k, flag in zip(first.k_grid, same, strict=True) if flag and k < first.n_iterations]
+    if ks:
+        groups["note"].append(
+            f"B = I_BS = 0 by construction at k = {_ks(ks)}: replay reads out as truncate there"
+            " (float error), so B is not measured"
+        )
+    return groups
+
+
+def _per_k_cautions(run: Mapping[str, Any], decomposition: Any) -> list[str]:
+    """The per-k identification flags of one metric, in words (k < r)."""
+    below = [i for i, k in enumerate(decomposition.k_grid) if k < decomposition.n_iterations]
+    ks = decomposition.k_grid
+    same = replay_same(run.get("metadata", {}), ks)
+    s_open = [ks[i] for i in below if not decomposition.s_identified[i]]
+    b_open = [ks[i] for i in below if not decomposition.b_identified[i] and not same[i]]
+    parts = []
+    if s_open and decomposition.bracket is not None:
+        parts.append(
+            f"S not identified at k = {_ks(s_open)} (S bracket wider than 0.1 of the gap: affine"
+            " readout shift lies inside it; read S_lower, S_upper)"
         )
     elif s_open:
-        lines.append(
-            f"S not identified at k = {_ks(s_open)}: calibrated truncated states are still told "
-            "apart from full-depth ones (residual AUROC above the probe's null), so S is a lower "
-            "bound and D an upper bound there, and B may hold the part of the shift the map "
-            "missed (where replaying the update repairs the frame)"
+        parts.append(
+            f"S not identified at k = {_ks(s_open)} (calibrated states still told apart from full"
+            " depth: S is a lower bound, D an upper bound)"
         )
     if b_open:
-        lines.append(
-            f"B not identified at k = {_ks(b_open)}: replay and truncate give the same readout "
-            "there, so B = I_BS = 0 by construction, not by measurement"
+        parts.append(
+            f"B not identified at k = {_ks(b_open)} (B bracket wider than 0.1 of the gap, or"
+            " replay walks; read B_lower, B_upper)"
         )
-    for metric, decomposition in results.decompositions.items():
-        if overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
-            lines.append(f"{metric}: {OVERSHOOT}")
-        if not decomposition.validated:
-            lines.append(f"{metric} not validated: {decomposition.validation_reason}")
-        if decomposition.bracket_shares is not None:
-            record = decomposition.bracket_shares
-            if record["verdict"] == "inconclusive":
-                lines.append(f"{metric} inconclusive: {record['reason']}")
-        elif not decomposition.stable:
-            lines.append(
-                f"{metric} shares unstable: the gap's area interval includes 0, so its shares "
-                "mean nothing"
-            )
-    if any(m != "accuracy" for m in results.metrics):
-        lines.extend(temperature_flags(results.to_results_json()))
-    return lines
+    rule = BracketRule()
+    cells = decomposition.cells
+    differ = order_disagrees(cells["gap"], cells["I_BS_lo"], cells["I_BS_hi"], rule)
+    order_ks = [ks[i] for i in below if differ[i]]
+    if order_ks:
+        parts.append(
+            f"the order of S and B moves more than 0.1 of the gap at k = {_ks(order_ks)} (read"
+            " I_BS)"
+        )
+    return ["; ".join(parts)] if parts else []
+
+
+def flag_lines(results: ProtocolResults) -> list[str]:
+    """The flags of a run, most important first (`flag_groups` in `SEVERITIES` order)."""
+    groups = flag_groups(results)
+    return [line for severity in SEVERITIES for line in groups[severity]]
 
 
 OVERSHOOT = (
@@ -133,14 +524,16 @@ def _ks(ks: list[int]) -> str:
 
 FACTOR_WORDS = {
     "S": (
-        "readout shift: the truncated states carry what full depth knows, in a frame the readout "
-        "was not trained on; the label-free calibration recovers it"
+        "readout shift that an affine change of frame undoes: the truncated states carry what "
+        "full depth reads, in a frame the readout was not trained on"
     ),
     "B": (
-        "block applications: applying the block more often helps even without new distinct "
-        "iterations (replaying one update recovers it)"
+        "block applications: replaying one update (applying the block more often, with no new "
+        "distinct iteration) recovers it"
     ),
-    "D": "distinct computation: later iterations compute something the first k do not",
+    "D": (
+        "not recovered by an affine change of frame (distinct computation, or a non-affine shift)"
+    ),
 }
 
 
@@ -158,9 +551,9 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     """A plain-language verdict on one metric of one run, and its flags (each a short sentence).
 
     With the S bracket (``run["bracket"][metric]``, docs/bracket.md) the text follows the
-    bracket's verdict: "inconclusive" says why; S, B or D names the factor with its bracket;
-    "mixed" gives every factor's bracket. Runs written without a bracket get the point shares'
-    verdict."""
+    verdict `share_verdict` decided: "inconclusive" says why (and what it still establishes);
+    S or B names the factor with its bracket; "mixed" gives every factor's bracket. Runs written
+    without a bracket get the point shares' verdict."""
     flags = run_flags(run, metric)
     bracketed = run.get("bracket", {}).get(metric)
     if bracketed is not None and bracketed.get("verdict") is not None:
@@ -175,6 +568,12 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
             "about as good at every k tested, so the shares say nothing.",
             flags,
         )
+    if shares.get("stable") is False or mean_gap < 0:
+        return (
+            f"Inconclusive: the truncation gap (mean {format_number(mean_gap)}) is negative or "
+            "too noisy to split, so its shares are not formed.",
+            flags,
+        )
     factor = max(FACTORS, key=lambda name: values[name])
     if values[factor] >= 0.5:
         text = f"{_share_of_gap(values[factor])} is {FACTOR_WORDS[factor]}."
@@ -185,7 +584,7 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
                 "shift that the calibration missed."
             )
     else:
-        parts = ", ".join(f"{name} {values[name]:.0%}" for name in FACTORS)
+        parts = ", ".join(f"{name} {format_number(values[name])}" for name in FACTORS)
         text = f"No single factor carries the gap ({parts})."
     if factor != "D" and values["D"] < 0.2:
         text += " Reading the truncation slope as 'the model uses its depth' would overstate it."
@@ -193,38 +592,62 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
 
 
 def bracket_span(bracketed: Mapping[str, Any], factor: str) -> str:
-    """A factor's bracket with its interval, e.g. ``"S in [0.98, 1.01] (interval [0.97, 1.02])"``,
-    as shares of the gap's area."""
+    """A factor's bracket with its 95% interval, e.g. ``"S bracket [0.980, 1.010] (95% interval
+    [0.970, 1.020])"``, as shares of the gap's area: the bracket is ``[lower, upper]``, the 95%
+    interval runs from the lower end's interval low to the upper end's interval high."""
     low, high = (bracketed.get(f"{factor}_{end}") for end in ("lower", "upper"))
     outer = (bracketed.get(f"{factor}_lower_lo"), bracketed.get(f"{factor}_upper_hi"))
     return (
-        f"{factor} in [{format_number(low)}, {format_number(high)}]"
-        f" (interval [{format_number(outer[0])}, {format_number(outer[1])}])"
+        f"{factor} bracket [{format_number(low)}, {format_number(high)}]"
+        f" (95% interval [{format_number(outer[0])}, {format_number(outer[1])}])"
     )
 
 
 def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
-    """The sentence of the bracket's verdict (`dcp_lens.protocol.bracket.Bracket`)."""
+    """The sentence of the verdict `share_verdict` decided (``bracketed``: the record)."""
     decided, reason = str(bracketed["verdict"]), str(bracketed.get("reason") or "")
     spans = "; ".join(bracket_span(bracketed, factor) for factor in FACTORS)
+    if decided == "inconclusive" and bracketed.get("bound") == NOT_AFFINE:
+        least = float(bracketed["D_lower_lo"])
+        return (
+            f"Inconclusive between distinct computation and a non-affine readout shift:"
+            f" {_lower_first(_at_least(least, bracketed.get('D_lower')))} the truncation gap is"
+            f" {FACTOR_WORDS['D']}, and no test run here tells the two apart:"
+            f" {bracket_span(bracketed, 'D')}."
+        )
     if decided == "inconclusive":
         return f"Inconclusive: {reason} Brackets (shares of the gap): {spans}."
     if decided in FACTORS:
         least = float(bracketed[f"{decided}_lower_lo"])
-        # A share past the whole gap is an overshoot (the other factors sum below 0), not "most".
-        share = (
-            f"At least {least:.0%} of the truncation gap"
-            if least < 1.005
-            else f"More than the whole truncation gap (at least {least:.0%}; the other factors "
-            "sum below 0)"
+        text = (
+            f"{_at_least(least, bracketed.get(f'{decided}_lower'))} the truncation gap is"
+            f" {FACTOR_WORDS[decided]}: {bracket_span(bracketed, decided)}."
         )
-        text = f"{share} is {FACTOR_WORDS[decided]}: {bracket_span(bracketed, decided)}."
         d_upper = bracketed.get("D_upper")
-        if decided != "D" and isinstance(d_upper, float | int) and d_upper < 0.2:
+        if isinstance(d_upper, float | int) and d_upper < 0.2:
             text += " Reading the truncation slope as 'the model uses its depth' would overstate"
             text += " it."
         return text
     return f"No single factor carries the gap: {spans}."
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]
+
+
+def _at_least(least: float, point: float | None) -> str:
+    """How much of the gap a named factor is, from the lower end of its bracket's interval
+    ``least``: "at least" only where that bound differs from the point ``point`` (the lower
+    end) by 0.005 or more; a share past the whole gap is an overshoot."""
+    if least >= 1.005:
+        return (
+            f"More than the whole truncation gap (at least {least:.0%}; the other factors sum"
+            " below 0):"
+        )
+    bound = f"{least:.0%}"
+    if point is not None and math.isfinite(point) and abs(point - least) < 0.005:
+        return f"{bound} of"
+    return f"At least {bound} of"
 
 
 def _share_of_gap(share: float) -> str:
@@ -242,58 +665,72 @@ def _share_of_gap(share: float) -> str:
 
 def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     """The flags of one metric of one run (its ``results.json`` record), each a short
-    sentence: what the numbers cannot see."""
+    sentence: what the numbers cannot see, the most important first."""
     flags = []
-    share = run["shares"][metric]
-    if share.get("stable") is False:
-        flags.append("unstable share: the gap is too small or too noisy to split reliably")
     record = run.get("metrics", {}).get(metric, {})
     if record.get("validated") is False:
         flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
-    rows = below_r(run, metric)
-    bracketed = any("S_lower" in row for row in rows)
-    for key, words in (
-        ("S_identified", S_BRACKET_WIDE if bracketed else S_NOT_IDENTIFIED),
-        ("B_identified", "B not identified"),
-    ):
-        ks = [str(row["k"]) for row in rows if row.get(key) is False]
-        if ks:
-            flags.append(f"{words} at k = {', '.join(ks)}")
-    if overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
-        flags.append(OVERSHOOT)
+    share = run["shares"][metric]
+    if share.get("stable") is False:
+        flags.append("unstable share: the gap is too small or too noisy to split reliably")
     if not run["replay_realizable"]:
         flags.append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
     null = run["null_control"].get("max_abs_logit_diff", math.nan)
     if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
         flags.append(f"null control failed: max |logit diff| {null:.2e} at k = r")
+    rows = below_r(run, metric)
+    bracketed = any("S_lower" in row for row in rows)
+    ks = [str(row["k"]) for row in rows if row.get("S_identified") is False]
+    if ks:
+        flags.append(f"{S_BRACKET_WIDE if bracketed else S_NOT_IDENTIFIED} at k = {', '.join(ks)}")
+    same = replay_same(run.get("metadata", {}), [row["k"] for row in rows])
+    ks = [str(row["k"]) for row, by in zip(rows, same, strict=True)
+          if row.get("B_identified") is False and not by]  # fmt: skip
+    if ks:
+        flags.append(f"B not identified at k = {', '.join(ks)}")
+    zero = [str(row["k"]) for row, by in zip(rows, same, strict=True) if by]
+    if zero:
+        flags.append(
+            f"B = 0 by construction (replay reads out as truncate) at k = {', '.join(zero)}"
+        )
+    if overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
+        flags.append(OVERSHOOT)
     nonfinite = [row for row in run.get("nonfinite", []) if row["metric"] == metric]
     if nonfinite:
         flags.append(f"{len(nonfinite)} non-finite cells (NaN in the curves)")
     failures = run.get("metadata", {}).get("calibration_failures") or []
     if failures:
         flags.append(f"calibration could not be fitted from {', '.join(failures)}")
-    if metric != "accuracy":
+    if record.get("higher_is_better") is False:  # a loss metric
         flags.extend(temperature_flags(run))
     return flags
 
 
 def temperature_flags(run: Mapping[str, Any]) -> list[str]:
-    """Confidence matching's temperatures outside `SANE_TEMPERATURES`, one sentence per
-    condition: the loss metrics of those cells are read at that temperature, and say so."""
+    """Confidence matching's temperatures outside `SANE_TEMPERATURES`, in one sentence naming
+    every condition they hold for: the loss metrics of those cells are read at that
+    temperature, and say so."""
     matching = run.get("calibration", {}).get("confidence_matching", {})
     low, high = SANE_TEMPERATURES
-    flags = []
+    extreme: dict[str, list[str]] = {}
     for condition, per_k in (matching.get("temperatures") or {}).items():
-        extreme = {
-            k: t for k, t in per_k.items() if isinstance(t, float | int) and not low <= t <= high
-        }
-        if extreme:
-            listed = ", ".join(f"k = {k}: T = {t:.3g}" for k, t in extreme.items())
-            flags.append(
-                f"confidence matching fitted {condition} a temperature outside [{low:g}, {high:g}]"
-                f" ({listed}): its loss values there are read at that temperature"
+        outside = sorted(
+            (
+                int(k)
+                for k, t in per_k.items()
+                if isinstance(t, float | int) and not low <= t <= high
             )
-    return flags
+        )
+        if outside:
+            extreme[condition] = [str(k) for k in outside]
+    if not extreme:
+        return []
+    ks = sorted({k for values in extreme.values() for k in values}, key=int)
+    return [
+        f"confidence matching fitted a temperature outside [{low:g}, {high:g}] for"
+        f" {', '.join(extreme)} (at k = {', '.join(ks)}): the loss metrics are read at that"
+        " temperature there"
+    ]
 
 
 def row_flags(row: Mapping[str, Any]) -> list[str]:
@@ -302,7 +739,7 @@ def row_flags(row: Mapping[str, Any]) -> list[str]:
     if row.get("S_identified") is False:
         flags.append(S_BRACKET_WIDE if "S_lower" in row else S_NOT_IDENTIFIED)
     if row.get("B_identified") is False:
-        flags.append("B not identified")
+        flags.append(B_NOT_IDENTIFIED)
     if row.get("nonfinite"):
         flags.append("non-finite cells")
     return flags

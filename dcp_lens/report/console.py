@@ -2,10 +2,14 @@
 `ProtocolResults.summary` returns.
 
 Per model: a title, then per validated metric one line with the quality at full depth and at
-the smallest k, the mean gap and the shares with their intervals, and the verdict sentence (the
-one the report and ``results.json`` carry, from `dcp_lens.protocol.verdicts.verdict`). Metrics
-that are not validated are named on one line, not given a verdict. The flags come once at the
-end, each naming the models it applies to. Every line fits in `WIDTH` characters.
+the smallest k (three decimals, each number named), the mean gap, the point shares with their
+95% intervals, and the verdict sentence (the one the report and ``results.json`` carry, from
+`dcp_lens.protocol.verdicts.verdict`). Metrics that are not validated are named on one line, not
+given a verdict. The flags come once at the end, grouped by severity as
+`dcp_lens.protocol.verdicts.flag_groups` decided (which metrics to read first), each naming the
+models it applies to. Every line fits in `WIDTH` characters. Notation: a bracket is
+``bracket [lower, upper]``; a 95% interval is ``95% interval [low, high]``, or ``[low, high]``
+after a value on a line that says "with 95% intervals".
 """
 
 from __future__ import annotations
@@ -16,15 +20,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dcp_lens.protocol.results import FACTORS, ProtocolResults, decode_json
-from dcp_lens.protocol.verdicts import flag_lines, verdict
+from dcp_lens.protocol.verdicts import SEVERITIES, flag_groups, verdict
 
 WIDTH = 100
 LEGEND = (
-    "S: readout shift (the readout reads an earlier state in another frame); "
-    "B: block applications (how many times the core ran); "
-    "D: distinct computation (how many different iterations it took). "
-    "Shares of the truncation gap's area over k, with 95% intervals."
+    "S: readout shift that an affine change of frame undoes; "
+    "B: block applications (replaying one update recovers it); "
+    "D: distinct computation, or a non-affine shift (the rest: not recovered by an affine "
+    "change of frame). Point shares of the truncation gap's area over k (the S bracket's lower "
+    "end), with 95% intervals."
 )
+SEVERITY_TITLES = {"read": "", "caution": "caution: ", "note": "note: "}
 
 
 def format_summary(results: ProtocolResults) -> str:
@@ -36,25 +42,31 @@ def format_summaries(runs: Sequence[ProtocolResults]) -> str:
     """The console summary of runs side by side: per model its verdict lines, then the legend
     and the flags once (each with the models it holds for), every line within `WIDTH`."""
     lines: list[str] = []
-    flags: dict[str, list[str]] = {}
+    flags: dict[tuple[str, str], list[str]] = {}
     for results in runs:
         lines.extend(_model_lines(results))
-        for flag in _flags(results):
-            flags.setdefault(flag, []).append(results.model)
+        groups = flag_groups(results)
+        for severity in SEVERITIES:
+            for flag in groups[severity]:
+                flags.setdefault((severity, flag), []).append(results.model)
+    # The most important first, whatever run raised them.
+    flags = dict(sorted(flags.items(), key=lambda item: SEVERITIES.index(item[0][0])))
     lines.append("")
     lines.extend(_wrapped(LEGEND, ""))
     if flags:
         lines.append("flags:")
-        for flag, models in flags.items():
+        for (severity, flag), models in flags.items():
             where = "" if len(runs) == 1 else f"[{', '.join(models)}] "
-            lines.extend(_wrapped(f"- {where}{flag}", "  "))
+            lines.extend(_wrapped(f"- {SEVERITY_TITLES[severity]}{where}{flag}", "  "))
     return "\n".join(lines)
 
 
 def _model_lines(results: ProtocolResults) -> list[str]:
     run = decode_json(results.to_results_json())
     title = f"{results.model} ({results.architecture}, r = {results.n_iterations})"
-    lines = ["", title]
+    null = results.null_control["max_abs_logit_diff"]
+    lines = ["", *_wrapped(f"{title}; null control max |logit diff| {null:.2e} (0 up to float"
+                           " error)", "")]  # fmt: skip
     if not results.replay_realizable:
         lines.append("  replay: not realizable as the same model (dense network)")
     unvalidated = []
@@ -63,7 +75,7 @@ def _model_lines(results: ProtocolResults) -> list[str]:
             unvalidated.append(metric)
             continue
         lines.append(f"  {metric}: {_quality_text(run, metric)}")
-        lines.append(f"    {_shares_text(decomposition)}")
+        lines.extend(_wrapped(_shares_text(decomposition), "    "))
         text, _ = verdict(run, metric)
         lines.extend(_wrapped(text, "    "))
     if unvalidated:
@@ -88,7 +100,7 @@ def _quality_text(run: Mapping[str, Any], metric: str) -> str:
     gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
     finite = [gap for gap in gaps if math.isfinite(gap)]
     mean_gap = sum(finite) / len(finite) if finite else math.nan
-    first = f", k = {truncated[0]['k']}: {_number(truncated[0]['value'])}" if truncated else ""
+    first = f", k = {truncated[0]['k']} {_number(truncated[0]['value'])}" if truncated else ""
     return f"full depth {_number(full)}{first}; mean gap over k {_number(mean_gap)}"
 
 
@@ -98,22 +110,12 @@ def _shares_text(decomposition: Any) -> str:
         value = decomposition.shares[factor]
         low, high = (decomposition.shares.get(f"{factor}_{end}") for end in ("lo", "hi"))
         interval = (
-            f" [{low:.2f}, {high:.2f}]"
+            f" [{_number(low)}, {_number(high)}]"
             if low is not None and high is not None and math.isfinite(low) and math.isfinite(high)
             else ""
         )
-        parts.append(f"{factor} {value:.2f}{interval}")
-    return "   ".join(parts)
-
-
-def _flags(results: ProtocolResults) -> list[str]:
-    flags = list(flag_lines(results))
-    flags.append(
-        f"null control max |logit diff|: {results.null_control['max_abs_logit_diff']:.2e} "
-        "(full depth read through the protocol's own path; 0 up to float error)"
-    )
-    # The null control's value differs per model: keep it per model, the other flags shared.
-    return flags
+        parts.append(f"{factor} {_number(value)}{interval}")
+    return "point shares with 95% intervals: " + ", ".join(parts)
 
 
 def _wrapped(text: str, indent: str) -> list[str]:
@@ -125,4 +127,4 @@ def _wrapped(text: str, indent: str) -> list[str]:
 def _number(value: float) -> str:
     if not math.isfinite(value):
         return "n/a"
-    return f"{value:.4g}" if abs(value) < 1000 else f"{value:.1f}"
+    return f"{value:.3f}" if abs(value) < 1000 else f"{value:.1f}"

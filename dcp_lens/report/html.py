@@ -227,7 +227,11 @@ def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
     for metric in run["shares"]:
         shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
         record = run.get("metrics", {}).get(metric, {})
-        cells = [escape(metric), *(_interval_text(shares, factor) for factor in FACTORS)]
+        mark = "validated" if record.get("validated") else "not validated: do not read"
+        cells = [
+            f"{escape(metric)} ({mark})",
+            *(_interval_text(shares, factor) for factor in FACTORS),
+        ]
         cells += [_interval_text(record, "truncation_slope"), _gap_text(run, metric)]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
         text, flags = verdict(run, metric)

@@ -17,6 +17,7 @@ from dcp_lens.protocol.calibration import MixtureCalibration, fit_calibration
 from dcp_lens.protocol.confidence import matching_temperature, mean_entropy
 from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
+from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, flag_lines, verdict
 from dcp_lens.report.html import run_record
 from dcp_lens.zoo.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
@@ -102,6 +103,9 @@ def test_replay_equal_to_truncate_is_flagged_not_identified():
     assert table.loc[1, "B"] == pytest.approx(0, abs=1e-6)
     difference = results.metadata["replay_truncate_max_abs_logit_diff"]
     assert difference["1"] <= B_IDENTIFICATION_TOLERANCE < difference["2"]
+    # B = 0 there is by construction, not a measurement: never identified, and said so.
+    assert not table.loc[1, "B_identified"]
+    assert any("by construction at k = 1" in line for line in flag_lines(results))
     # Identification is read from the bracket: never granted where the gap may be zero.
     unclear = table["gap_lo"] <= 0
     assert not table.loc[unclear, "S_identified"].any()
@@ -123,9 +127,32 @@ def test_shares_of_a_gap_that_may_be_zero_are_flagged_unstable():
             assert record["shares"][metric]["verdict"] == "inconclusive", metric
     assert set(record["shares"]["cross_entropy"]) == {
         "S", "B", "D", "stable", "S_lower", "S_upper", "S_identified", "B_identified", "verdict",
-        "reason",
+        "reason", "bound",
     }  # fmt: skip
     assert record["metrics"]["cross_entropy"].keys() >= {"validated", "reason"}
+
+
+def test_a_negative_gap_gets_ordered_ends_and_no_named_factor():
+    # Targets read from truncate(1): truncation beats full depth, the gap is negative, and
+    # dividing by it must not flip the brackets' ends.
+    model = load("planted:readout_shift")
+    evaluation = model.planted_task.evaluation(128)
+    with torch.no_grad():
+        states, _ = capture_states(model, evaluation.tokens)
+        targets = model.readout(states[1]).argmax(-1)
+    flipped = EvaluationSet(evaluation.tokens, targets)
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=100, probe="none", progress=False
+    )
+    results = protocol.run(flipped, model.planted_task.calibration(128))
+    record = results.decompositions["accuracy"].bracket_shares
+    assert record is not None and record["gap"] < 0
+    for factor in ("S", "B", "D"):
+        assert record[f"{factor}_lower"] <= record[f"{factor}_upper"], factor
+        assert record[f"{factor}_lower_lo"] <= record[f"{factor}_upper_hi"], factor
+    assert record["verdict"] == "inconclusive" and "not clearly above zero" in record["reason"]
+    text, _ = verdict(run_record(results), "accuracy")
+    assert text.startswith("Inconclusive")
 
 
 def test_mixture_calibration_is_the_identity_where_the_marginals_agree():

@@ -61,7 +61,7 @@ def test_the_headline_reads_the_planted_factor(planted_results) -> None:
     assert "<script" not in html and "S share" in html
     text, flags = verdict(run_record(planted_results), "accuracy")
     # The bracket's verdict: S, named with its bracket.
-    assert text.startswith("At least") and "S in [" in text
+    assert "of the truncation gap is readout shift" in text and "S bracket [" in text
     assert "readout shift" in text
     assert not any("lower bound" in flag or "not validated" in flag for flag in flags)
 

@@ -76,7 +76,7 @@ def test_full_depth_is_drawn_over_the_other_curves(planted_run) -> None:
     ("share", "start"),
     [
         (0.7, "At least 70% of the truncation gap"),
-        (1.0, "At least 100% of the truncation gap"),
+        (0.9, "At least 90% of the truncation gap"),
         (1.71, "More than the whole truncation gap (at least 171%; the other factors sum below"),
     ],
 )

@@ -95,11 +95,83 @@ def test_readout_shift_repaired_by_both_maps_is_identified_as_s():
     assert result.per_k["S_identified"].all()
 
 
-def test_computation_no_map_performs_is_identified_as_d():
+def test_a_gap_no_affine_map_recovers_is_bounded_not_named_as_computation():
+    # Computation and a non-affine shift of frame look alike to affine maps: the verdict says
+    # what was shown (not recovered by an affine change of frame), not "distinct computation".
     point, draws = cells(**curves(0.09, 1.0, z=0.09))
     result = bracket(point, draws, GRID)
-    assert result.verdict == "D", result.reason
+    assert result.verdict == "inconclusive" and result.bound == "not_affine", result.reason
+    assert "not recovered by an affine change of frame" in result.reason
     assert result.shares["D_lower"] == pytest.approx(1.0)
+
+
+def test_a_constant_update_that_both_maps_repair_is_split_by_order_and_inconclusive():
+    # A walk along a line: calibration and replay each repair the whole gap, so S is 1 taken
+    # first and 0 taken after replay; the midpoint 0.5 is a convention, not a measurement.
+    point, draws = cells(**curves(0.125, 1.0, b=1.0, c=1.0, d=1.0, ta=1.0, tc=1.0, z=0.125))
+    result = bracket(point, draws, GRID)
+    assert result.shares["S_first"] == pytest.approx(1.0)
+    assert result.shares["S_after_B"] == pytest.approx(0.0, abs=1e-9)
+    assert result.shares["order_span"] == pytest.approx(1.0)
+    assert not result.S_identified and not result.B_identified
+    assert result.verdict == "inconclusive" and "the order decides" in result.reason
+    # Per k the B bracket is narrow; the orders clearly differ, and the flag says so.
+    from dcp_lens.protocol.verdicts import order_disagrees
+
+    per_k = result.per_k
+    assert order_disagrees(per_k["gap"], *percentile_bounds(draws), BracketRule()).all()
+
+
+def test_order_differences_of_opposite_sign_do_not_cancel():
+    # Replay repairs 0.5 of gap(1) and harms by 0.5 at k = 2: summed with signs both orders give
+    # S = 1 over the area; taken at every k in the worse order, S is 0.69 and not named.
+    a = np.full(K, 0.2)
+    c = np.array([0.7, -0.3, 0.2, 0.2])
+    point, draws = cells(**curves(a, 1.0, b=1.0, c=c, d=1.0, ta=1.0, tc=1.0, z=-1.0))
+    result = bracket(point, draws, GRID)
+    assert result.shares["order_difference"] == pytest.approx(0.0, abs=1e-9)
+    assert result.shares["S_first"] == pytest.approx(result.shares["S_after_B"], abs=1e-9)
+    assert result.shares["order_span"] == pytest.approx(1.0 / 3.2)
+    assert result.shares["S_worse_order"] == pytest.approx(2.7 / 3.2)
+    loose = bracket(point, draws, GRID, rule=BracketRule(named_share=0.9))
+    assert loose.verdict == "inconclusive" and "the order decides" in loose.reason
+    assert result.verdict == "S" and "in either order" in result.reason, result.reason
+
+
+def test_a_factor_is_named_only_where_it_is_identified_over_most_of_the_area():
+    # At k = 3, 4 the translator finds 0.12 of the gap more than calibration (S not identified
+    # there); over the area the S bracket is 0.06 wide and S_lower 0.94, so only the per-k flags
+    # stand between this and "S": they cover half the gap's area, less than the 80% a verdict
+    # needs.
+    b = np.array([1.0, 1.0, 0.88, 0.88])
+    point, draws = cells(**curves(0.0, 1.0, b=b, d=b, ta=1.0, tc=1.0, z=0.0))
+    result = bracket(point, draws, GRID)
+    assert result.per_k["S_identified"].tolist() == [True, True, False, False]
+    assert result.shares["S_width_hi"] <= 0.1 and result.shares["S_lower"] == pytest.approx(0.94)
+    assert result.shares["S_identified_area"] == pytest.approx(0.5)
+    assert result.verdict == "inconclusive" and "80%" in result.reason, result.reason
+    loose = bracket(point, draws, GRID, rule=BracketRule(identified_area=0.5))
+    assert loose.verdict == "S", loose.reason
+
+
+def test_replay_reading_out_as_truncate_leaves_b_unidentified_but_s_named():
+    point, draws = cells(**curves(0.125, 1.0, b=1.0, d=1.0, ta=1.0, tc=1.0, z=0.125))
+    same = np.array([True, False, False, False])
+    result = bracket(point, draws, GRID, replay_same=same)
+    assert result.per_k["B_identified"].tolist() == [False, True, True, True]
+    assert result.shares["B_identified_area"] == pytest.approx(1.0)
+    assert result.verdict == "S", result.reason
+
+
+def test_a_negative_gap_gives_ordered_ends_and_no_verdict():
+    # Truncation beats full depth (a negative gap): dividing by it would flip the ends.
+    point, draws = cells(**curves(0.8, 0.5, b=0.7, d=0.7, ta=0.6, tc=0.6, z=0.1))
+    result = bracket(point, draws, GRID)
+    assert result.shares["gap"] < 0
+    for factor in ("S", "B", "D"):
+        assert result.shares[f"{factor}_lower"] <= result.shares[f"{factor}_upper"]
+        assert result.shares[f"{factor}_lower_lo"] <= result.shares[f"{factor}_upper_hi"]
+    assert result.verdict == "inconclusive" and "not clearly above zero" in result.reason
 
 
 def test_repeated_updates_that_translation_cannot_replace_are_identified_as_b():
@@ -275,3 +347,32 @@ def test_a_gap_of_float_rounding_is_no_gap_to_identify():
     assert has_gap([1e-6, 1e-9, 0.0, 0.5], [1e-6, 1e-9, 0.0, 0.5], BracketRule()).tolist() == [
         True, False, False, True
     ]  # fmt: skip
+
+
+def percentile_bounds(draws):
+    """I_BS's 95% interval per k from the cells' draws."""
+    from dcp_lens.protocol.bracket import order_difference
+
+    spread = order_difference(draws)
+    return np.percentile(spread, 2.5, axis=0), np.percentile(spread, 97.5, axis=0)
+
+
+# ------------------------------------------------------------------------ the words
+
+
+@pytest.mark.parametrize(
+    ("least", "point", "start"),
+    [
+        (0.982, 0.996, "At least 98% of the truncation gap"),
+        (0.998, 1.0, "100% of the truncation gap"),  # the bound is the point: no "at least"
+    ],
+)
+def test_at_least_only_for_a_bound_below_the_point(least, point, start):
+    from dcp_lens.protocol.verdicts import _bracket_verdict
+
+    record = {"verdict": "S", "reason": "", "S_lower": point, "S_upper": 1.0,
+              "S_lower_lo": least, "S_upper_hi": 1.01}  # fmt: skip
+    text = _bracket_verdict(record)
+    assert text.startswith(start), text
+    assert "S bracket [" in text and "(95% interval [" in text
+    assert "readout shift that an affine change of frame undoes" in text

@@ -139,10 +139,14 @@ def test_judge_run_reads_the_bracket_and_the_rows_below_r():
     assert not judge_run(run(width=0.3), "accuracy", TRUTH_S, identifiable=True).passed
 
 
-def row(metric: str, passed: bool, false_alarms: int, alarm_ks: int, counted=True):
+def row(
+    metric: str, passed: bool, false_alarms: int, alarm_ks: int, counted=True, right=True,
+    wrong=False,
+):  # fmt: skip
     judgement = validation.Judgement(
         in_bracket=passed, outside=[], narrow=True, point_ok=True, flagged_every_k=None,
         unflagged_ks=[], false_alarms=false_alarms, alarm_ks=alarm_ks, passed=passed,
+        verdict="S", verdict_right=right, confident_wrong=wrong,
     )  # fmt: skip
     return ValidationRow(
         model="m", metric=metric, planted="S", identifiable=True, shares={}, bracket={},
@@ -155,9 +159,9 @@ def test_the_false_alarm_rate_is_pooled_over_the_suite_and_can_fail_a_metric():
     rows = [row("accuracy", True, 1, 10), row("accuracy", True, 0, 10)]
     summary = summarize(rows)["accuracy"]
     assert summary["false_alarm_rate"] == pytest.approx(0.05) and summary["passed"]
-    rows.append(row("accuracy", True, 1, 1))
+    rows.append(row("accuracy", True, 2, 2))
     summary = summarize(rows)["accuracy"]
-    assert summary["false_alarm_rate"] == pytest.approx(2 / 21) and not summary["passed"]
+    assert summary["false_alarm_rate"] == pytest.approx(3 / 22) and not summary["passed"]
     assert summary["rows_passed"] == 3 and not suite_passed(rows)
 
 
@@ -167,6 +171,53 @@ def test_a_metric_not_validated_is_reported_but_not_counted():
     assert not summary["cross_entropy"]["passed"] and summary["cross_entropy"]["failing"] == ["m"]
     assert suite_passed(rows)
     assert not suite_passed([*rows, row("accuracy", False, 0, 5)])
+
+
+def test_verdicts_are_right_when_their_claim_holds_and_wrong_when_they_name_too_little():
+    truth_d = {"S": 0.0, "B": 0.0, "D": 1.0}
+    judge = validation.judge_verdict
+    assert judge({"verdict": "S"}, TRUTH_S, True, True) == ("S", True, False)
+    # Naming S where the truth is D: confidently wrong, on any model.
+    assert judge({"verdict": "S"}, truth_d, False, True) == ("S", None, True)
+    # A gap no affine map recovers, on a D model: right, and worded as such.
+    bounded = {"verdict": "inconclusive", "bound": "not_affine"}
+    assert judge(bounded, truth_d, True, False) == ("inconclusive/not_affine", True, False)
+    # ... but on an identifiable S model it is no answer.
+    assert judge(bounded, TRUTH_S, True, False)[1] is False
+    assert judge({"verdict": "inconclusive"}, TRUTH_S, True, True)[1] is False
+    assert judge({"verdict": "mixed"}, {"S": 0.5, "B": 0.0, "D": 0.5}, True, True)[1] is True
+    assert judge({}, TRUTH_S, True, True)[0] == "none"
+
+
+def test_an_ambiguous_row_passes_when_its_verdict_is_inconclusive_even_outside_its_bracket():
+    narrow = bracket(s=(0.0, 0.05), d=(0.95, 1.0), width=0.05)
+    inconclusive = {"verdict": "inconclusive", "bound": "not_affine"}
+    rows = per_k(s_identified=(True, True, True))
+    judgement = judge_bracket(narrow, POINT, rows, TRUTH_S, False, inconclusive)
+    assert judgement.passed and not judgement.in_bracket
+    named = judge_bracket(narrow, POINT, rows, TRUTH_S, False, {"verdict": "S"})
+    assert not named.passed
+
+
+def test_a_truth_that_one_order_of_s_and_b_holds_is_inside_the_bracket():
+    # The turning clock: the S bracket [0.90, 0.94] is the orders' mean; S taken first is 1.
+    narrow = bracket(s=(0.90, 0.94), b=(0.03, 0.08), width=0.02)
+    record = {"verdict": "S", "S_first_lo": 0.99, "S_first_hi": 1.0, "S_after_B_lo": 0.85,
+              "S_after_B_hi": 0.88, "B_first_lo": 0.1, "B_first_hi": 0.13,
+              "B_after_S_lo": 0.0, "B_after_S_hi": 0.0}  # fmt: skip
+    assert judge_bracket(narrow, POINT, per_k(), TRUTH_S, True, record).in_bracket
+    alone = judge_bracket(narrow, POINT, per_k(), TRUTH_S, True, {"verdict": "S"})
+    assert alone.outside == ["S"]
+
+
+def test_the_verdict_rate_and_confident_errors_fail_a_metric():
+    rows = [row("accuracy", True, 0, 10) for _ in range(9)]
+    assert summarize([*rows, row("accuracy", True, 0, 10, right=False)])["accuracy"]["passed"]
+    two_wrong = [*rows[:8], *(row("accuracy", True, 0, 10, right=False) for _ in range(2))]
+    summary = summarize(two_wrong)["accuracy"]
+    assert summary["verdict_rate"] == pytest.approx(0.8) and not summary["passed"]
+    confident = summarize([*rows, row("accuracy", True, 0, 10, wrong=True)])["accuracy"]
+    assert confident["confidently_wrong"] == ["m"] and not confident["passed"]
 
 
 def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
