@@ -5,6 +5,7 @@ a call into `dcp_lens.studies` (or `dcp_lens.training`), imported when it runs."
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -124,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--checkpoint-every", type=int, default=16, help="batches between --resume snapshots"
     )
+    run.add_argument(
+        "--dry-run", action="store_true",
+        help="print the run's estimated peak memory by stage and the batch size that fits its "
+        "budget, then stop (nothing is run or written)",
+    )  # fmt: skip
 
     report = command("report", "re-render report.html of a finished run folder from its files")
     report.add_argument("folder", type=path_argument, help="a folder written by dcp-lens run")
@@ -227,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
         "sequences",
     )  # fmt: skip
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
+    bench.add_argument(
+        "--estimate", action="store_true",
+        help="print the estimated peak memory of a DCP run at the preset's shape (built on the "
+        "meta device: nothing is allocated or timed), by term and stage, and stop",
+    )  # fmt: skip
     add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument(
@@ -299,7 +310,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dcp_lens.studies.run import RunOptions, TextOptions, run
+    from dcp_lens.studies.run import RunOptions, TextOptions, dry_run, run
 
     text = TextOptions(args.seq_len, args.max_tokens, args.text_field, args.token_dtype)
     options = RunOptions(
@@ -308,6 +319,10 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every, command=args.command_line,
     )  # fmt: skip
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
+    if args.dry_run:
+        spec = args.model or DEFAULT_MODEL
+        print(dry_run(spec, dense, args.task, protocol_config(args, "run"), options))
+        return 0
     outcome = run(
         args.out, args.model or DEFAULT_MODEL, dense, args.task, protocol_config(args, "run"),
         options,
@@ -368,8 +383,18 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dcp_lens.studies.bench import print_bench, run_bench
+    from dcp_lens.studies.bench import print_bench, run_bench, run_estimate
     from dcp_lens.utils.memory import annotated
+
+    if args.estimate:
+        config = protocol_config(args, "run")
+        estimate = run_estimate(
+            args.preset, batch=args.batch_size, seq=args.seq, d_model=args.d_model,
+            n_core=args.n_core, n_iterations=args.iterations, d_vocab=args.vocab,
+            dtype=args.dtype, config=config, budget_gib=config.memory_budget,  # type: ignore[arg-type]
+        )  # fmt: skip
+        print(json.dumps(estimate, indent=2) if args.json else estimate["table"])
+        return 0
 
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,

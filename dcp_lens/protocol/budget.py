@@ -252,7 +252,8 @@ def estimate_run_memory(
         per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
         room = (budget - fixed) if budget is not None else 0
         cap = CPU_READOUT_ROWS if device_type == "cpu" else MAX_ACCELERATOR_ROWS
-        readout_rows = min(cap, room // per_row) if room > 0 else seq_len
+        readout_rows = min(cap, room // per_row) if budget is not None else cap
+        readout_rows = max(1, readout_rows)
     plan = ReadoutPlan.of(max(1, readout_rows), batch_size, seq_len)
     chunk_rows = plan.examples * seq_len  # one condition's rows in a chunk
     # A k's readouts of a chunk are held together (a jackknife call holds no more), and one of

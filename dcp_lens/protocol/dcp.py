@@ -218,7 +218,24 @@ class DepthControlProtocol:
         estimate = self.estimate(evaluation, calibration)
         if budget is None or estimate.peak_bytes <= budget:
             return
-        batch = self.config.batch_size
+        largest = self.largest_fitting_batch(evaluation, calibration)
+        advice = (
+            f"Pass batch_size={largest} (--batch-size {largest}), the largest that fits,"
+            if largest
+            else "No batch size fits: pass"
+        )
+        check_estimate(
+            estimate, budget, str(self.context.device()),
+            f"{advice} calibration_groups=0 (--calibration-groups 0: no jackknife) or a larger "
+            "memory_budget (--memory-budget GIB).",
+        )  # fmt: skip
+
+    def largest_fitting_batch(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> int:
+        """The largest batch size up to the configured one whose estimated peak fits the
+        budget (0: none; the configured one where the budget is unknown)."""
+        budget = self.context.budget()
+        if budget is None:
+            return self.config.batch_size
         seq = max(int(evaluation.tokens.shape[1]), int(calibration.tokens.shape[1]))
         shape = ModelShape.of(self.model)
 
@@ -230,17 +247,7 @@ class DepthControlProtocol:
                 device_type=self.context.device().type,
             ).peak_bytes <= budget  # fmt: skip
 
-        largest = largest_fitting_batch(fits, batch)
-        advice = (
-            f"Pass batch_size={largest} (--batch-size {largest}), the largest that fits,"
-            if largest
-            else "No batch size fits: pass"
-        )
-        check_estimate(
-            estimate, budget, str(self.context.device()),
-            f"{advice} calibration_groups=0 (--calibration-groups 0: no jackknife) or a larger "
-            "memory_budget (--memory-budget GIB).",
-        )  # fmt: skip
+        return largest_fitting_batch(fits, self.config.batch_size)
 
     @torch.no_grad()
     def fit(self, calibration: EvaluationSet) -> Tensor | None:

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dcp_lens.model.components.attention import set_fused_attention
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Shift, Translate
@@ -559,8 +560,16 @@ def run_bench(
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
+        def materialised() -> list[Any]:  # the attention pattern formed, as a hook would
+            set_fused_attention(model, False)
+            try:
+                return [model(tokens) for tokens in evaluation_batches]
+            finally:
+                set_fused_attention(model, True)
+
         runs: dict[str, Callable[[], Any]] = {
-            "forward": lambda: [model(tokens) for tokens in evaluation_batches]
+            "forward": lambda: [model(tokens) for tokens in evaluation_batches],
+            "forward_materialised": materialised,
         }
         check = math.nan
         if has_plain:
@@ -619,6 +628,10 @@ def run_bench(
         "plain_seconds_median": medians.get("plain", math.nan),
         "sweep_seconds_median": medians["sweep"],
         "sweep_over_forward": paired_ratio(times["sweep"], times["forward"]),
+        # The fused attention's gain: the forward with the pattern materialised over without.
+        "materialised_over_fused_forward": paired_ratio(
+            times["forward_materialised"], times["forward"]
+        ),
         "sweep_over_forward_fastest": sweep_seconds / forward,
         "sweep_over_forward_median": medians["sweep"] / medians["forward"],
         "irreducible_seconds": seconds["irreducible"],
@@ -790,3 +803,44 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
     print(f"  {'peak_memory_mb':<34} {result['peak_memory_mb']:.0f} ({result['peak_memory_kind']})")
     per_token = result["sweep_memory_per_batch_token_mb"]
     print(f"  {'sweep_memory_per_batch_token_mb':<34} {per_token:.4f}")
+
+
+def run_estimate(
+    preset: str = "huginn",
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    d_model: int | None = None,
+    n_core: int | None = None,
+    n_iterations: int | None = None,
+    d_vocab: int | None = None,
+    dtype: str = "bfloat16",
+    config: ProtocolConfig | None = None,
+    budget_gib: float | None = None,
+) -> dict[str, Any]:
+    """The estimated peak memory of a DCP run (`estimate_run_memory`) on ``preset``'s model shape,
+    built on the meta device (no weights are allocated): what `dcp-lens run --dry-run` would
+    print for such a model, without one. Returns the estimate's terms and stages in GiB."""
+    from dcp_lens.protocol.budget import GIB, ModelShape, estimate_run_memory
+
+    config = config or ProtocolConfig()
+    cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq)
+    with torch.device("meta"):
+        model = HookedRecurrentTransformer(cfg).to(getattr(torch, dtype))
+    size = {**PRESET_DEFAULTS[preset], **({"seq": seq} if seq else {})}
+    batch = batch or config.batch_size
+    r = int(model.n_iterations)
+    grid = config.grid(r)
+    n_streams = 1 + 2 * sum(1 for k in grid if k < r)
+    budget = None if budget_gib is None else int(budget_gib * GIB)
+    estimate = estimate_run_memory(
+        ModelShape.of(model), batch_size=batch, seq_len=size["seq"], n_streams=n_streams,
+        calibration_groups=config.calibration_groups, calibration_mode=config.calibration_mode,
+        budget=budget,
+    )  # fmt: skip
+    return {
+        "preset": preset, "dtype": dtype, "batch": batch, "seq": size["seq"],
+        "k_grid": list(grid), "calibration_groups": config.calibration_groups,
+        "parameters": ModelShape.of(model).n_parameters,
+        "budget_gib": budget_gib, **estimate.to_dict(), "table": estimate.table(),
+    }  # fmt: skip

@@ -137,6 +137,50 @@ def run(
     return outcome
 
 
+def dry_run(
+    model: str = DEFAULT_MODEL,
+    dense: str | None = None,
+    task: str | None = None,
+    config: ProtocolConfig | None = None,
+    options: RunOptions | None = None,
+) -> str:
+    """What `run` would hold in memory, per model, without running or writing anything: each
+    model is loaded and its data built as `run` would, then `DepthControlProtocol.estimate`
+    gives the peak by term and stage against the budget, with the largest batch size that
+    fits. Returns the text `dcp-lens run --dry-run` prints."""
+    from dcp_lens.protocol.budget import GIB, MemoryEstimate
+    from dcp_lens.protocol.dcp import DepthControlProtocol
+    from dcp_lens.protocol.evaluation_set import task_data
+
+    options = options or RunOptions()
+    config = config or ProtocolConfig.from_dict(dict(COMMAND_DEFAULTS.get("run", {})))
+    _check_text_options(task, options.text)
+    text = {k: v for k, v in asdict(options.text).items() if v is not None}
+    lines: list[str] = []
+    data = None
+    for spec in [model] + ([dense] if dense else []):
+        loaded = _load_model(spec, options)
+        if data is None or hasattr(loaded, "planted_task"):
+            data = task_data(
+                loaded, task, options.n_eval, options.n_calibration, config.seed, **text
+            )
+        protocol = DepthControlProtocol(loaded, config, spec=spec, progress=False)
+        evaluation, calibration = data
+        estimate: MemoryEstimate = protocol.estimate(evaluation, calibration)
+        budget = protocol.context.budget()
+        fits = protocol.largest_fitting_batch(evaluation, calibration)
+        lines += [
+            f"{spec} on {protocol.context.device()}: {len(evaluation)} + {len(calibration)} "
+            f"sequences of {int(evaluation.tokens.shape[1])} tokens, batch size "
+            f"{config.batch_size}, {estimate.plan.rows} readout rows a call",
+            estimate.table(),
+            f"  budget: {'unknown' if budget is None else f'{budget / GIB:.2f} GiB'}; largest "
+            f"batch size that fits: {fits if budget is not None else 'unknown'}",
+            *(f"  note: {note}" for note in estimate.notes),
+        ]
+    return "\n".join(lines)
+
+
 def _on_rank(options: RunOptions, device: str) -> RunOptions:
     values = asdict(options) | {"device": device, "text": options.text}
     return RunOptions(**values)
