@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# What DCP costs at real scale on one GPU, in under 5 minutes: a Huginn-0125-shaped model (random
-# weights, d_model 5280, 2 + 4 x 32 + 2 blocks, vocabulary 65536) in bfloat16, one forward
-# against the full DCP sweep (calibration fit, confidence matching, every condition at every k),
-# per million tokens, and the peak GPU memory. Run from the checkout's root:
+# What DCP costs at real scale on one GPU, in under 8 minutes, on a Huginn-0125-shaped model
+# (random weights, d_model 5280, 2 + 4 x 32 + 2 blocks, vocabulary 65536) in bfloat16: the chip's
+# bf16 matrix rate (an 8192^3 product), the forward's tokens/s and its share of that rate, a
+# default DCP run of 512 + 512 sequences x 1024 tokens with per-stage times, peak memory beside
+# the estimate and the time per 1M tokens (gpu_check.json, demos/gpu_check.py), then one batch of
+# the sweep against one forward (bench_huginn_bf16.json). Run from the checkout's root:
 #     bash demos/gpu_check.sh [OUT_DIR]    # default: $OUT if set, else runs/gpu_check
 # On a GPU machine without dcp-lens's dependencies, prepare .whl/ first with demos/gpu_wheels.sh
 # (on a machine with pip access) and carry it along: it is installed into /tmp/site here.
-# DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch-size 1 --seq 8" runs the same
-# steps on a toy size without a GPU (tests/acceptance/test_demos.py does, to keep this script working).
+# DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch-size 1 --seq 8"
+# GPU_CHECK_ARGS="--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --matmul 128" runs the
+# same steps on a toy size without a GPU (tests/acceptance/test_demos.py does).
 set -euo pipefail
 out=${1:-${OUT:-runs/gpu_check}}
 mkdir -p "$out"
@@ -28,6 +31,9 @@ if [ "$device" != cpu ]; then
     "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device here'; print(torch.__version__, torch.cuda.get_device_name())"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt" || true
 fi
+# The acceptance run: matrix rate, forward, a default DCP run (GPU_CHECK_ARGS: toy sizes on a CPU).
+# shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
+"$python" demos/gpu_check.py "$out" --device "$device" ${GPU_CHECK_ARGS:-}
 # r = 32 in bfloat16, 4 x 1024 tokens per batch; the naive sweep (40 extra forwards) is left out.
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 "$python" -m dcp_lens bench --preset huginn --iterations 32 --dtype bfloat16 --device "$device" \

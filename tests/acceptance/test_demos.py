@@ -199,6 +199,8 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
     environment = {
         **os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
         "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch-size 1 --seq 8 --repeats 1",
+        "GPU_CHECK_ARGS": "--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --batch-size 2 "
+        "--matmul 64 --forward-repeats 1",
     }  # fmt: skip
     completed = subprocess.run(
         ["bash", str(REPO / "demos" / "gpu_check.sh"), str(tmp_path)],
@@ -214,3 +216,17 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
     per_million = bench["sweep_seconds_per_million_tokens"]
     assert per_million == pytest.approx(1e6 / bench["sweep_tokens_per_second"])
     assert f"{per_million:.1f} s per 1M tokens" in completed.stdout
+    check = json.loads((tmp_path / "gpu_check.json").read_text())
+    run = check["run"]
+    assert check["matmul"]["tflops"] > 0 and check["forward"]["tokens_per_second"] > 0
+    assert 0 < check["forward"]["share_of_matmul_rate"]
+    assert run["sequences"] == [8, 8] and run["seconds_per_million_tokens"] == pytest.approx(
+        run["seconds"] * 1e6 / (2 * 8 * 8)
+    )
+    stages = run["stage_seconds"]
+    assert {
+        "calibration (maps, translators, jackknife refits)",
+        "evaluation (every condition at every k)",
+    } <= set(stages)
+    assert sum(stages.values()) <= run["seconds"] * 1.01
+    assert run["peak_memory_gib"] > 0 and run["estimated_peak_gib"] > 0

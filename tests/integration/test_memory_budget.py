@@ -162,3 +162,24 @@ def test_the_memory_budget_setting_is_checked_where_it_enters() -> None:
     for bad in (0, -1, "lots", float("nan"), True):
         with pytest.raises(ConfigError, match="memory_budget"):
             ProtocolConfig(memory_budget=bad)
+
+
+def test_a_default_run_lets_no_numpy_or_torch_warning_through(tmp_path) -> None:
+    """`run` on a planted model, the probe on: numpy's and torch's warnings are errors here,
+    and none of theirs is recorded."""
+    import warnings
+
+    from dcp_lens.protocol.config import ProtocolConfig
+    from dcp_lens.studies.run import RunOptions, run
+
+    config = ProtocolConfig(n_bootstrap=50, probe_points=300, batch_size=32)
+    options = RunOptions(n_eval=64, n_calibration=64, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("error", category=RuntimeWarning)  # numpy's empty means
+        warnings.filterwarnings("error", module="torch")
+        warnings.filterwarnings("error", module="numpy")
+        outcome = run(tmp_path / "out", "planted:readout_shift", config=config, options=options)
+    assert outcome.results
+    foreign = [w for w in caught if "/numpy/" in w.filename or "/torch/" in w.filename]
+    assert not foreign, [str(w.message) for w in foreign]
