@@ -389,7 +389,25 @@ def coverage_table() -> str:
     return _table(head, rows) + note
 
 
+def memory_table() -> str:
+    """The estimated peak memory of a default run at Huginn-0125's shape, by term and stage, from
+    ``dcp-lens bench --preset huginn --estimate --json``."""
+    data = _read(DATA / "memory_estimate_huginn.json")
+    rows = [[f"`{name}`", _num(value, 2)] for name, value in data["terms_gib"].items()]
+    rows += [[f"**{stage} stage**", _num(value, 2)] for stage, value in data["stages_gib"].items()]
+    note = (
+        f"\n*Generated from `docs/data/memory_estimate_huginn.json` (`dcp-lens bench --preset "
+        f"huginn --estimate --batch-size {data['batch']} --dtype {data['dtype']} --json`: "
+        f"{data['parameters']:,} parameters, batches of {data['batch']} x {data['seq']} tokens, "
+        f"k grid {_k_list(data['k_grid'])}, {data['calibration_groups']} calibration groups, "
+        f"{data['readout_rows']} readout rows a call). Peak: {data['peak_gib']:.2f} GiB, the "
+        f"{data['peak_stage']} stage.*\n"
+    )
+    return _table(["term", "GiB"], rows) + note
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "memory-huginn": memory_table,
     "run-default": run_default_table,
     "intervention-default": lambda: _intervention("default"),
     "intervention-lm": lambda: _intervention("lm"),
