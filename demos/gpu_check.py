@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--matmul", type=int, default=8192, help="n of the n^3 rate product")
     parser.add_argument("--forward-repeats", type=int, default=3)
+    parser.add_argument("--n-bootstrap", type=int, help="bootstrap draws (default: the protocol's)")
+    parser.add_argument("--probe", help="the probe (default: the protocol's, trajectory)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -141,7 +143,12 @@ def main() -> None:
 
     evaluation = EvaluationSet.from_tokens(tokens[: args.n])
     calibration = EvaluationSet.from_tokens(tokens[args.n :])
-    protocol = DepthControlProtocol(model, batch_size=args.batch_size, progress=False)
+    overrides = {
+        name: value
+        for name, value in (("n_bootstrap", args.n_bootstrap), ("probe", args.probe))
+        if value is not None
+    }
+    protocol = DepthControlProtocol(model, batch_size=args.batch_size, progress=False, **overrides)
     estimate = protocol.estimate(evaluation, calibration)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -152,7 +159,8 @@ def main() -> None:
     n_tokens = 2 * args.n * args.seq
     out["run"] = {
         "sequences": [args.n, args.n], "seq": args.seq, "batch_size": args.batch_size,
-        "k_grid": list(protocol.k_grid), "seconds": total, "stage_seconds": seconds,
+        "k_grid": list(protocol.k_grid), "settings": protocol.config.to_dict(),
+        "seconds": total, "stage_seconds": seconds,
         "seconds_per_million_tokens": total * 1e6 / n_tokens,
         "peak_memory_gib": peak_memory(device) / 2**30,
         "estimated_peak_gib": estimate.peak_bytes / 2**30,

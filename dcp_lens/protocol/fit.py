@@ -247,6 +247,8 @@ def fit_maps(
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
         example, position = row_ids(calibration_keys[rows], keep)
         sample.add(pooled[r], example, position)
+        if halves is not None and not all_finite(pooled[r]):
+            halves = None  # the null falls back to the probe's subsample, which says so
         if halves is not None:  # full depth's states by example parity: the calibration null
             even = (example % 2 == 0).to(pooled.device)
             halves[0].update(pooled[r][even])
@@ -276,7 +278,7 @@ def fit_maps(
                 "samples": {label: s.state() for label, s in samples.items()},
                 "sample": sample.state(),
                 "base": None if base is None else base.state(),
-                "halves": None if halves is None else [h.state() for h in halves],
+                "halves": _halves_state(halves),  # noqa: B023 (called now, in this batch)
             },
         )  # fmt: skip
     _flushed(streams, pending)
@@ -716,6 +718,10 @@ def _fit_map(
     source_states, reference_states = source_sample.tensor(), reference_sample.tensor()
     assert source_states is not None and reference_states is not None
     return entry.from_states(source_states, reference_states, config)  # type: ignore[arg-type]
+
+
+def _halves_state(halves: list[StreamingMoments] | None) -> list[dict[str, Any]] | None:
+    return None if halves is None else [h.state() for h in halves]
 
 
 def _fit_null(

@@ -537,18 +537,18 @@ class ProtocolResults:
         return renderer().report_figures([self])
 
     def report(self, path: str | Path, report_data: Mapping[str, Any] | None = None) -> Path:
-        """Write report.html for this run to ``path``: an ``.html`` file (plotly.js inlined; no
-        other file is touched), or a folder (new, a report's or a `save` folder) to hold
-        ``report.html`` and ``plotly.min.js``; ``report_data``: a
+        """Write report.html for this run to ``path``: an ``.html`` file (plotly.js in the folder
+        ``<name>_files/`` beside it, which the report owns; no other file is touched), or a
+        folder (new, a report's or a `save` folder) to hold ``report.html`` and
+        ``plotly.min.js``; ``report_data``: a
         `dcp_lens.studies.report_extras.read_report_data` document. A path that is neither
         (``results.json``, ``x.txt``) or a file dcp-lens did not write is refused.
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
         target = report_target(path)
-        if target.folder is None:
-            page = renderer().render_report([self], report_data, None)
-            return target.write_page(page)
+        if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
+            return Path(renderer().write_report([self], target.file, report_data))
         with target.folder as folder:
-            renderer().write_report([self], folder / target.file.name, report_data)
+            renderer().write_report([self], folder, report_data)  # report.html, plotly.min.js
         return target.file
 
     def summary(self) -> str:

@@ -500,8 +500,9 @@ def _vocab(model: Any, task: str | None, seed: int) -> list[str] | None:
 
 def report(folder: str | Path, out: str | Path | None = None) -> Path:
     """Render ``report.html`` of the finished run in ``folder`` again from its files, into
-    ``folder`` (default), another folder, or an ``.html`` file (plotly.js inlined: no other
-    file is touched). Returns the report's path."""
+    ``folder`` (default), another folder, or an ``.html`` file (plotly.js in the folder
+    ``<name>_files/`` beside it, which the report owns: no other file is touched). Returns the
+    report's path."""
     folder = Path(folder)
     if not (folder / "results.json").is_file():
         raise ConfigError(
@@ -509,14 +510,14 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
         )
     target = report_target(out if out is not None else folder, source=folder)
     from dcp_lens.protocol.results import read_results_json
-    from dcp_lens.report.html import render_report, write_report
+    from dcp_lens.report.html import write_report
 
     runs = read_results_json(folder / "results.json")
     data = read_report_data(folder)
-    if target.folder is None:
-        return target.write_page(render_report(runs, data, None))
+    if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
+        return write_report(runs, target.file, data)
     with target.folder as work:
-        write_report(runs, work / target.file.name, data)
+        write_report(runs, work, data)  # report.html beside the folder's plotly.min.js
     return target.file
 
 

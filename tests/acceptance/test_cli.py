@@ -83,7 +83,10 @@ def test_bench_json_reports_the_design_keys(capsys):
     assert math.isfinite(result["sweep_memory_per_batch_token_mb"])
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
     # One sweep, timed between two forwards and between two runs of its irreducible work.
-    assert result["repeats"] == {"forward": 2, "plain": 1, "irreducible": 2, "sweep": 1}
+    assert result["repeats"] == {
+        "forward": 2, "forward_materialised": 1, "plain": 1, "irreducible": 2, "sweep": 1
+    }  # fmt: skip
+    assert result["materialised_over_fused_forward"] > 0
     assert result["sweep_over_forward_fastest"] == pytest.approx(
         result["sweep_seconds"] / result["forward_seconds"]
     )
@@ -400,5 +403,6 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
     protocol.run(evaluation, calibration)
     # The calibration pass and the evaluation pass: one release per batch of each (the
     # translators are fitted from states the calibration pass kept, with no pass of their own).
-    # One per calibration and evaluation batch, one per jackknife fit (10 groups).
-    assert len(calls) == 16 // 8 + 24 // 8 + 10
+    # One per calibration and evaluation batch, one per stream the jackknife refits (full
+    # depth, truncate(1) and replay(1)).
+    assert len(calls) == 16 // 8 + 24 // 8 + 3

@@ -88,7 +88,9 @@ def test_fit_lens_calibrations_matches_the_protocols_fit_and_moves_moments():
     for t in (1, 2, 3):
         other = theirs[t]
         assert other is not None
-        assert torch.allclose(ours[t].linear, other.linear, atol=1e-9)
+        # The protocol keeps each jackknife group's scatter in float32: the whole split's map
+        # agrees to float32's rounding.
+        assert torch.allclose(ours[t].linear, other.linear, atol=1e-5)
         assert torch.allclose(ours[t].source_mean, other.source_mean, atol=1e-12)
     # The calibrated s_1 has the full-depth mean on the calibration split.
     states = iteration_states(model, calibration.tokens, [1, 4])

@@ -84,11 +84,11 @@ def test_validity_flags_are_shown_when_results_carry_them(planted_results) -> No
 
 
 def test_the_report_loads_only_the_plotly_js_beside_it(planted_results, tmp_path) -> None:
-    path = planted_results.report(tmp_path)
+    path = planted_results.report(tmp_path / "fresh")  # a new folder: the report's own
     html = path.read_text()
     assert path.name == "report.html"
     assert re.findall(r"<script[^>]*\bsrc='([^']*)'", html) == [PLOTLY_JS]  # relative: offline
-    shared = (tmp_path / PLOTLY_JS).read_text()
+    shared = (tmp_path / "fresh" / PLOTLY_JS).read_text()
     assert shared == plotly.offline.get_plotlyjs()  # the installed plotly's own bundle
     assert shared[:2000] not in html and len(html.encode()) < 1_000_000
     assert render_report([planted_results]).count(shared[:2000]) == 1  # standalone: inlined once
