@@ -280,11 +280,12 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     order = {key: shares.get(key, math.nan) for key in (
         "S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")}  # fmt: skip
     order_words = "" if orders_agree else (
-        f"the order decides part of the split of S and B: S is {order['S_first']:.2f} of the gap"
-        f" taken first and {order['S_after_B']:.2f} taken after replay (B"
-        f" {order['B_after_S']:.2f} and {order['B_first']:.2f}); summed over k the orders differ"
-        f" by {order['order_span']:.2f} of the gap (up to {order['order_span_hi']:.2f} with the"
-        f" interval), more than the tolerance {rule.tolerance:g}."
+        f"the order decides part of the split of S and B: S is {_two(order['S_first'])} of the"
+        f" gap taken first and {_two(order['S_after_B'])} taken after replay (B"
+        f" {_two(order['B_after_S'])} and {_two(order['B_first'])}); summed over k the orders"
+        f" differ by {_two(order['order_span'])} of the gap (up to"
+        f" {_two(order['order_span_hi'])} with the interval), more than the tolerance"
+        f" {rule.tolerance:g}."
     )  # fmt: skip
     # Each factor's least share: its bracket's lower end (interval included) and, where the
     # orders disagree, its share in the worse order at every k.
@@ -754,3 +755,8 @@ def finite_mean(values: Sequence[float]) -> float:
 def format_number(value: float | None) -> str:
     """A number with three decimals; ``nan`` for None or NaN."""
     return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
+
+
+def _two(value: float) -> str:
+    """``value`` with two decimals, never "-0.00" (a rounding's sign is not a finding)."""
+    return f"{round(float(value), 2) + 0.0:.2f}"

@@ -24,7 +24,9 @@ SHAKESPEARE = data_path("tinyshakespeare.txt")
 # 2.0e-3 (4 of 1984 argmaxes flip), cross_entropy 7.9e-4, kl_to_full 2.1e-4.
 BF16_CELL_BOUND = {
     "accuracy": 5e-3,
-    "top1_agreement": 1e-2,  # measured 7.1e-3: a flip of either top-1 (condition or full) counts
+    # A flip of either top-1 (condition or full) counts; the fused attention's bfloat16 rounding
+    # differs from the materialised path's: 1.3e-2 on the Huginn fixture (2.0e-3 materialised).
+    "top1_agreement": 2e-2,
     "cross_entropy": 2e-3,
     "kl_to_full": 1e-3,
 }
