@@ -186,6 +186,8 @@ def fit_maps(
     # Moments of full depth's states of even and odd examples: the null's map is fitted from
     # every calibration state (a map fitted from moments), not from the probe's subsample.
     halves = [StreamingMoments(), StreamingMoments()] if entry.from_moments else None
+    if distributed.rank_and_world()[1] > 1:
+        halves = None  # each rank would hold only its own batches: the merged subsample fits it
     announce_fallbacks(context, calibration, config.calibration_mode)
     base = _BaseRateSums(1, calibration) if wanted.wants_base_rate else None
     # Each group's states wait here until there are enough for one update (small groups of a
