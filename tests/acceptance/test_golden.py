@@ -62,8 +62,6 @@ def test_validation_at_seed_0_gives_the_committed_numbers(tmp_path):
     out = tmp_path / "validate"
     command = [sys.executable, "-m", "dcp_lens", "validate", "--quiet", "--seed", "0"]
     subprocess.run([*command, "--out", str(out)], check=True, cwd=tmp_path)
-    result = _compared(
-        ROOT / "docs" / "data" / "validation_seed0.json", out / "validation.json"
-    )
+    result = _compared(ROOT / "docs" / "data" / "validation_seed0.json", out / "validation.json")
     assert not result["structural"], result["structural"][:10]
     assert result["max_abs_diff"] <= TOLERANCE, result
