@@ -17,7 +17,7 @@
 # `load("huginn:PATH")` and `load("ouro:PATH")` read checkpoints in the Huginn-0125 and Ouro
 # layouts into a `HookedRecurrentTransformer` (Ouro: `OuroRecurrentTransformer`, with its early-exit
 # gate). The fixtures under `demos/data/fixtures/` are tiny random models in those layouts, checked
-# against the reference implementations' outputs (`tests/integration/test_loaders.py`); a
+# against the reference implementations' outputs (`tests/integration/zoo/test_loaders.py`); a
 # real checkpoint folder loads the same way. Random weights know nothing, so read the numbers
 # below as what the tools compute, not as findings.
 

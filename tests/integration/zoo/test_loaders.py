@@ -31,7 +31,7 @@ from dcp_lens.zoo.registry import foreign_checkpoint
 HUGINN = data_path("fixtures", "huginn_tiny")
 OURO = data_path("fixtures", "ouro_tiny")
 STORIES = data_path("stories260K")
-DEMO = Path(__file__).resolve().parents[2] / "demos" / "real_scale_configs.py"
+DEMO = Path(__file__).resolve().parents[3] / "demos" / "real_scale_configs.py"
 # The acceptance tolerance; the fixtures' own re-implementations stay near 1e-6.
 ATOL = 1e-4
 

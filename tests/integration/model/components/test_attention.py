@@ -12,7 +12,7 @@ from helpers import make_model, tokens_for
 import dcp_lens
 from dcp_lens.model.components.attention import Attention, set_fused_attention
 
-FIXTURES = Path(__file__).resolve().parents[2] / "demos" / "data" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[4] / "demos" / "data" / "fixtures"
 SPECS = [
     "default",
     "default-dense",
