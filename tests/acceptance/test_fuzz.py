@@ -1,4 +1,4 @@
-"""The fuzz suite of issue 28: every input is a success or a clean refusal, never anything else.
+"""The fuzz suite: every input is a success or a clean refusal, never anything else.
 
 Properties (hypothesis) over the command line's arguments, ``report --out``, config, tokenizer,
 snapshot and training-state files and the Python entry points: each outcome is success or a

@@ -1,4 +1,4 @@
-"""Every case of issue 15's fuzz pass that did not get a clear error, now refused cleanly.
+"""Inputs a fuzz pass found without a clear error, each now refused cleanly.
 
 Each test names the case it covers; the error must be a `DCPLensError` whose message names the
 file, field or tensor and the value.
@@ -527,7 +527,7 @@ def test_every_library_error_is_a_value_error():
     assert issubclass(ConfigTypeError, TypeError)
 
 
-# ------------------------------------------------- issue 28: outputs, folders, faults, last inputs
+# ------------------------------------------------------------ outputs, folders, faults, last inputs
 
 
 def run_argv(out: Path, *extra: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The planted models of issue 11 are what they claim, and `dcp-lens validate` runs them."""
+"""The planted models are what they claim, and `dcp-lens validate` runs them."""
 
 from __future__ import annotations
 

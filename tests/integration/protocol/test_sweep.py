@@ -90,7 +90,7 @@ def test_a_gap_near_chance_is_inconclusive_in_results_json():
 
 
 def test_a_gap_near_chance_is_inconclusive_on_the_console_and_in_the_report(tmp_path):
-    """The near-chance case of issue 25 item 8 reads "inconclusive", with its reason, wherever a
+    """A gap near chance reads "inconclusive", with its reason, wherever a
     user looks: `results.summary()` (what `dcp-lens run` prints) and report.html."""
     model = planted.load_planted("readout_shift", seed=0)
     evaluation = model.planted_task.evaluation(N)
@@ -111,7 +111,7 @@ def test_a_gap_near_chance_is_inconclusive_on_the_console_and_in_the_report(tmp_
 
 
 def test_a_map_that_can_compute_never_identifies_s():
-    """Issue 25 item 5: optimal transport between mixtures can send each truncated state to the
+    """Optimal transport between mixtures can send each truncated state to the
     node its answer is, so its gain is no lower bound: with it the verdict stays inconclusive."""
     model = planted.load_planted("readout_shift", seed=0)
     task = model.planted_task

@@ -189,7 +189,7 @@ def test_s_and_d_in_halves_is_mixed():
 
 
 def test_a_skewed_prior_gain_is_discounted_and_leaves_s_unidentified():
-    # Marginal matching lifts truncation to the base rate and no further (issue 25, item 2).
+    # Marginal matching lifts truncation to the base rate and no further.
     point, draws = cells(**curves(0.09, 1.0, b=0.5, d=0.5, ta=0.5, tc=0.5, z=0.5))
     result = bracket(point, draws, GRID)
     assert result.shares["S_lower"] == pytest.approx(0.0, abs=0.01)
@@ -213,7 +213,7 @@ def test_a_gap_that_may_be_zero_is_inconclusive():
     assert not result.stable and not result.per_k["S_identified"].any()
 
 
-def test_the_near_chance_case_of_issue_25_is_inconclusive():
+def test_a_gap_near_chance_with_a_wide_share_is_inconclusive():
     # Full-depth accuracy 0.38, gap 0.018, S 0.788 [0.313, 1.880]: the gap is above zero, the
     # share's interval is far too wide to name a factor.
     a, e = 0.362, 0.38

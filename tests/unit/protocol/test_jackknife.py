@@ -1,4 +1,4 @@
-"""The calibration split in the intervals (issue 25 item 8): the leave-one-group-out jackknife's
+"""The calibration split in the intervals: the leave-one-group-out jackknife's
 deviations widen the paired bootstrap's intervals by the fit's spread and by nothing else, and
 the walk statistic of replay (docs/bracket.md)."""
 

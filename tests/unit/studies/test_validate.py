@@ -1,4 +1,4 @@
-"""`dcp-lens validate`'s bracket rule (issue 25 item 5) and its coverage count on synthetic
+"""`dcp-lens validate`'s bracket rule and its coverage count on synthetic
 results: every test of a row, the false-alarm rate and the coverage fractions."""
 
 from __future__ import annotations
