@@ -39,6 +39,7 @@ from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
 from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.folder import CONFIG_FILE, SINGLE_FILE, load_pretrained_folder
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.names import (
     DepthMismatchError,
@@ -63,9 +64,6 @@ from dcp_lens.utils.errors import (
 from dcp_lens.utils.memory import available_memory_bytes
 
 ReturnType = Literal["logits", "loss", "both"] | None
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TASK_FILE = "task.json"
 # The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
 NOISE_PREFIX = "noise_prefix"
 
@@ -193,20 +191,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def device(self) -> torch.device:
         """The device of the weights (the embedding's), as Hugging Face models have it."""
         return self.embed.W_E.device
-
-    @property
-    def task(self) -> Any:
-        """Deprecated: use ``dcp_lens.tasks.task_of(model)`` (the model stage does not import the
-        tasks stage; this property finds it at call time for one more release)."""
-        import importlib
-        import warnings
-
-        warnings.warn(
-            "model.task is deprecated; use dcp_lens.tasks.task_of(model).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module("dcp_lens.tasks").task_of(self)
 
     @property
     def is_dense(self) -> bool:
@@ -1097,7 +1081,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         folder.mkdir(parents=True, exist_ok=True)
         self.cfg.to_json(folder / CONFIG_FILE)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.canonical_state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "dcp-lens"})
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "dcp-lens"})
         return folder
 
     @classmethod
@@ -1108,8 +1092,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         ``overrides`` replace config fields (e.g. ``n_iterations=8``). The config and the
         weights' shapes and dtypes are checked on the meta device before anything is allocated
         (`dcp_lens.model.folder.load_pretrained_folder`)."""
-        from dcp_lens.model.folder import load_pretrained_folder
-
         return load_pretrained_folder(cls, path, device=device, **overrides)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

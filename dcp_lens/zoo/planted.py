@@ -53,7 +53,6 @@ from dcp_lens.protocol.results import FACTORS
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.utils.devices import check_device, check_dtype
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
-from dcp_lens.zoo.registry import register_loader
 
 SEQUENCE_LENGTH = 8
 
@@ -990,7 +989,6 @@ def expected_shares(
     return {f: areas[f] / gap if gap else math.nan for f in FACTORS}
 
 
-@register_loader("planted")
 def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
     if name not in BUILDERS:

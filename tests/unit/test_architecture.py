@@ -4,6 +4,7 @@ module imports itself back through others (function-level imports included)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -118,9 +119,36 @@ def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[set[str]]:
 
 def test_no_module_imports_itself_back() -> None:
     """No import cycle among dcp_lens's modules, function-level imports included. The package
-    root (a lazy facade whose names load on first access) and the old-path aliases are left out:
-    they import nothing at module level but `_moved`."""
+    root (the composition root: a lazy facade whose names load on first access) is left out."""
     graph = grimp.build_graph("dcp_lens", exclude_type_checking_imports=True)
-    modules = {m for m in graph.modules if m not in ("dcp_lens", "dcp_lens._moved")}
+    modules = {m for m in graph.modules if m != "dcp_lens"}
     cycles = _cycles(graph, modules)
     assert not cycles, cycles
+
+
+COMPOSITION_ROOT = ROOT / "dcp_lens" / "__init__.py"
+
+
+def _imports_importlib(source: Path) -> bool:
+    """Whether ``source`` imports `importlib` itself or its ``import_module`` (its ``metadata``,
+    which reads installed packages' versions, imports no project module)."""
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == "importlib" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib":
+            if any(alias.name != "metadata" for alias in node.names):
+                return True
+    return False
+
+
+def test_only_the_composition_root_imports_through_importlib() -> None:
+    """An `importlib` import is an edge the contracts cannot see: only the package root, named
+    the composition root in pyproject.toml's contracts, may make one."""
+    sources = [*(ROOT / "dcp_lens").rglob("*.py"), *(ROOT / "hooks").rglob("*.py")]
+    offenders = [
+        str(source.relative_to(ROOT))
+        for source in sources
+        if source != COMPOSITION_ROOT and _imports_importlib(source)
+    ]
+    assert not offenders, offenders
+    assert "composition root" in (ROOT / "pyproject.toml").read_text()
