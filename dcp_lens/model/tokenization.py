@@ -5,10 +5,23 @@ a fingerprint for caches. Model-free, so tasks and the model share it."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 
-def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
+class Tokenizer(Protocol):
+    """What a model's tokenizer offers dcp-lens: text to ids and ids back to text. Optional
+    extras are read where used: ``encode(text, bos=...)``, ``bos_token_id``, ``pad_token_id``,
+    ``eos_token_id``, ``id_to_piece``, ``fingerprint``."""
+
+    @property
+    def encode(self) -> Callable[..., Sequence[int]]:  # (text) or (text, bos=...)
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def encode_text(tokenizer: Tokenizer, text: str, bos: bool) -> list[int]:
     """Token ids of ``text`` by any tokenizer dcp-lens attaches, with BOS first iff ``bos``."""
     try:
         return list(tokenizer.encode(text, bos=bos))
@@ -18,7 +31,7 @@ def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
         return ([bos_id] + ids) if bos and bos_id is not None else ids
 
 
-def padding_id(tokenizer: Any) -> int:
+def padding_id(tokenizer: Tokenizer) -> int:
     """The id that right-pads a batch: the tokenizer's pad token, else its EOS, else 0 (padding
     is masked out and never scored, so any real id is safe)."""
     for name in ("pad_token_id", "eos_token_id"):
@@ -28,7 +41,7 @@ def padding_id(tokenizer: Any) -> int:
     return 0
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """A hash of a tokenizer (its ``fingerprint()``, or a Hugging Face fast tokenizer's JSON)."""
     if hasattr(tokenizer, "fingerprint"):
         return str(tokenizer.fingerprint())
@@ -91,7 +104,7 @@ class VocabularyTokenizer:
                 )
         return ids
 
-    def decode(self, ids: Any) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         """The symbols of ``ids`` joined by the separator."""
         return self.separator.join(self.symbols[int(i)] for i in ids)
 
