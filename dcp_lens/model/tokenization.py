@@ -6,22 +6,27 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
-class Tokenizer(Protocol):
-    """What a model's tokenizer offers dcp-lens: text to ids and ids back to text. Optional
-    extras are read where used: ``encode(text, bos=...)``, ``bos_token_id``, ``pad_token_id``,
-    ``eos_token_id``, ``id_to_piece``, ``fingerprint``."""
+@runtime_checkable
+class Encoder(Protocol):
+    """Anything that turns text into token ids: ``encode(text)``, or ``encode(text, bos=...)``."""
 
     @property
-    def encode(self) -> Callable[..., Sequence[int]]:  # (text) or (text, bos=...)
-        ...
+    def encode(self) -> Callable[..., Sequence[int]]: ...
+
+
+@runtime_checkable
+class Tokenizer(Encoder, Protocol):
+    """What a model's tokenizer offers dcp-lens: text to ids and ids back to text. Optional
+    extras are read where used: ``bos_token_id``, ``pad_token_id``, ``eos_token_id``,
+    ``id_to_piece``, ``fingerprint``."""
 
     def decode(self, ids: list[int]) -> str: ...
 
 
-def encode_text(tokenizer: Tokenizer, text: str, bos: bool) -> list[int]:
+def encode_text(tokenizer: Encoder, text: str, bos: bool) -> list[int]:
     """Token ids of ``text`` by any tokenizer dcp-lens attaches, with BOS first iff ``bos``."""
     try:
         return list(tokenizer.encode(text, bos=bos))
@@ -31,7 +36,7 @@ def encode_text(tokenizer: Tokenizer, text: str, bos: bool) -> list[int]:
         return ([bos_id] + ids) if bos and bos_id is not None else ids
 
 
-def padding_id(tokenizer: Tokenizer) -> int:
+def padding_id(tokenizer: object) -> int:
     """The id that right-pads a batch: the tokenizer's pad token, else its EOS, else 0 (padding
     is masked out and never scored, so any real id is safe)."""
     for name in ("pad_token_id", "eos_token_id"):
@@ -41,7 +46,7 @@ def padding_id(tokenizer: Tokenizer) -> int:
     return 0
 
 
-def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: object) -> str:
     """A hash of a tokenizer (its ``fingerprint()``, or a Hugging Face fast tokenizer's JSON)."""
     if hasattr(tokenizer, "fingerprint"):
         return str(tokenizer.fingerprint())
