@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -152,3 +153,39 @@ def test_only_the_composition_root_imports_through_importlib() -> None:
     ]
     assert not offenders, offenders
     assert "composition root" in (ROOT / "pyproject.toml").read_text()
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "dcp_lens"
+
+
+def _named_paths() -> set[str]:
+    """The package paths docs/architecture.md names: backticked ``x.py``, ``x/`` or ``x/y.py``."""
+    quoted = re.findall(r"`([A-Za-z_][\w/]*(?:\.py|/))`", ARCHITECTURE.read_text())
+    return {path for path in quoted if not path.startswith(("tests/", "docs/"))}
+
+
+def _exists(path: str) -> bool:
+    """A module ``x.py`` may also be the package ``x/`` it was split into; a folder ``x/`` may hold
+    data (``zoo/bundled_models/``); ``hooks/`` and ``dcp_lens/`` are at the repository root."""
+    target = ROOT / path if path.startswith(("hooks/", "dcp_lens/")) else PACKAGE / path
+    if path.endswith("/"):
+        return target.is_dir()
+    return target.is_file() or (target.with_suffix("") / "__init__.py").is_file()
+
+
+def test_the_architecture_page_names_only_paths_that_exist() -> None:
+    named = _named_paths()
+    assert len(named) > 40, sorted(named)
+    missing = sorted(path for path in named if not _exists(path))
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_architecture_page_names_every_subpackage() -> None:
+    subpackages = {
+        f"{init.parent.relative_to(PACKAGE).as_posix()}/"
+        for init in PACKAGE.rglob("__init__.py")
+        if init.parent != PACKAGE
+    }
+    unnamed = sorted(subpackages - _named_paths())
+    assert not unnamed, f"docs/architecture.md does not name these subpackages: {unnamed}"
