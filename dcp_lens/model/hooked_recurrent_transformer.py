@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from jaxtyping import Float, Int
@@ -60,6 +60,7 @@ from dcp_lens.utils.errors import (
 from dcp_lens.utils.memory import available_memory_bytes
 
 ReturnType = Literal["logits", "loss", "both"] | None
+ModelT = TypeVar("ModelT", bound="HookedRecurrentTransformer")
 # The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
 NOISE_PREFIX = "noise_prefix"
 
@@ -568,7 +569,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
             raise ValueError(f"{name}={value} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
         return value
 
-    def _as_tokens(self, input: Any, offset: int = 0) -> Tensor:
+    def _as_tokens(self, input: object, offset: int = 0) -> Tensor:
         if isinstance(input, (str, list)) and not isinstance(input, Tensor):
             return self.to_tokens(input)
         if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
@@ -617,19 +618,19 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
                 "here; pass fewer or shorter sequences (split a long text into windows)."
             )
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:
+    def to(self: ModelT, *args: Any, **kwargs: Any) -> ModelT:
         """`torch.nn.Module.to`, with an unavailable device refused in one line."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             check_device(device)
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Any = None) -> Any:
+    def cuda(self: ModelT, device: int | torch.device | None = None) -> ModelT:
         """`torch.nn.Module.cuda`, with a missing GPU refused in one line."""
         check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
         return super().cuda(device)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+    def _apply(self: ModelT, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ModelT:
         """Every move or cast (``.to``, ``.half``, ``.float``, ``.cuda``, ``.cpu``) ends here:
         ``cfg.dtype`` and ``cfg.device`` then follow the weights, as TransformerLens keeps them."""
         result = super()._apply(fn, recurse)

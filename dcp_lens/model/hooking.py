@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.HookedRootModule import HookedRootModule
-from typing_extensions import Self
 
 from dcp_lens.model.cache import RecurrentActivationCache
 from dcp_lens.model.names import PatchShapeError, missing_hook_error, warn_block_index_once
 from dcp_lens.utils.errors import DCPLensError
+
+HookT = TypeVar("HookT", bound="HookSurface")
 
 
 class UnsupportedToolError(DCPLensError):
@@ -86,12 +87,12 @@ class HookSurface(HookedRootModule):
 
     @contextlib.contextmanager
     def hooks(
-        self,
+        self: HookT,
         fwd_hooks: Sequence[tuple[Any, Any]] = (),
         bwd_hooks: Sequence[tuple[Any, Any]] = (),
         reset_hooks_end: bool = True,
         clear_contexts: bool = False,
-    ) -> Iterator[Self]:
+    ) -> Iterator[HookT]:
         """TransformerLens's ``hooks`` context, with names checked against the active view and
         forward hooks checked for the shape they return (see `run_with_hooks`)."""
         checked = [(self._checked_name(name), shape_checked(hook)) for name, hook in fwd_hooks]
