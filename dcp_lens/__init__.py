@@ -9,10 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dcp_lens import _moved
 from dcp_lens.utils import registry as _registry
 
-_moved.install()
 # The composition root: the report stage renders results for `ProtocolResults.report`,
 # ``.figures`` and ``._repr_html_`` without the protocol importing a stage above it.
 _registry.set_renderer(lambda: importlib.import_module("dcp_lens.report"))

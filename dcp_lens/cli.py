@@ -22,7 +22,9 @@ from dcp_lens.studies.commands import (
     DEFAULT_DENSE,
     DEFAULT_MODEL,
     DESCRIPTION,
+    DTYPES,
     EXAMPLES,
+    HELP,
     MODEL_SPECS,
     diagnose_command,
 )
@@ -43,13 +45,10 @@ from dcp_lens.utils.files import check_output_folder
 from dcp_lens.utils.memory import limit_heap_fragmentation
 from dcp_lens.utils.signals import exit_code, how_to_continue, signal_name, stop_on_signals
 
-DTYPES = ("float64", "float32", "bfloat16", "float16")
 EXPERIMENTS = ("training-intervention",)
 PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge")  # model specs KIND:PATH of local files
-# Measured with `dcp-lens run --quiet` on this project's busy 2-core machine (README, Command
-# line): one thread was fastest; OpenMP threads spin-wait for a core another process holds.
+# One thread: OpenMP threads spin-wait for a core another process holds (docs/cli.md).
 DEFAULT_THREADS = 1
-THREADS_HELP = "CPU threads for torch (1 was fastest on a 2-core machine: docs/cli.md)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPES,
         help="compute in this dtype (default: the model's); statistics stay float64",
     )  # fmt: skip
-    run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    run.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=HELP["threads"])
     run.add_argument("--quiet", action="store_true", help="no progress bars")
     run.add_argument("--out", required=True, type=path_argument, help="output folder")
     run.add_argument(
@@ -125,11 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--checkpoint-every", type=int, default=16, help="batches between --resume snapshots"
     )
-    run.add_argument(
-        "--dry-run", action="store_true",
-        help="print the run's estimated peak memory by stage and the batch size that fits its "
-        "budget, then stop (nothing is run or written)",
-    )  # fmt: skip
+    run.add_argument("--dry-run", action="store_true", help=HELP["dry_run"])
 
     report = command("report", "re-render report.html of a finished run folder from its files")
     report.add_argument("folder", type=path_argument, help="a folder written by dcp-lens run")
@@ -183,68 +178,40 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", "the protocol on every planted model of known answer, on every metric"
     )
     validate.lists = ("metrics", "maps")
-    validate.add_argument(
-        "--models",
-        help="comma-separated planted models (default: all of planted.BRACKET_PLANTED; with "
-        "--coverage, these besides every mixture)",
-    )  # fmt: skip
+    validate.add_argument("--models", help=HELP["models"])
     validate.add_argument("--n-eval", type=int, default=512, help="evaluation sequences")
     validate.add_argument("--n-calibration", type=int, default=512, help="calibration sequences")
     add_protocol_options(validate, "validate")
-    validate.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
+    validate.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=HELP["threads"])
     validate.add_argument("--quiet", action="store_true", help="no progress bars")
     validate.add_argument(
         "--out", type=path_argument,
         help="write validation.json and validation.md here (default: print only)",
     )  # fmt: skip
-    validate.add_argument(
-        "--coverage", type=int, metavar="N",
-        help="instead of the suite: replicate every mixture (and each model of --models) N times "
-        "with seeds seed, seed+1, ... and report how often each 95%% interval covers the truth",
-    )  # fmt: skip
+    validate.add_argument("--coverage", type=int, metavar="N", help=HELP["coverage"])
 
     bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
     bench.lists = ("metrics", "maps")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument(
-        "--preset", choices=("small", "huginn"), default="small",
-        help="model shape: small (1 + 2 x 16 + 1, d_model 256, vocabulary 512, batch 16 x 128) "
-        "or huginn (Huginn-0125: 2 + 4 x 32 + 2, d_model 5280, vocabulary 65536, batch 4 x 1024; "
-        "random weights, for a GPU); the flags below replace its values",
-    )  # fmt: skip
+        "--preset", choices=("small", "huginn"), default="small", help=HELP["bench_preset"]
+    )
     bench.add_argument("--d-model", type=int, help="width of the benchmark model")
     bench.add_argument("--n-core", type=int, help="blocks in the recurrent core")
     bench.add_argument("--iterations", type=int, help="iterations r of the core")
     bench.add_argument("--vocab", type=int, help="vocabulary size")
     bench.add_argument("--seq", type=int, help="tokens per sequence")
     bench.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16", "float64"), default="float32",
+        "--dtype", choices=DTYPES, default="float32",
         help="the model's compute dtype (statistics stay float64)",
     )  # fmt: skip
-    bench.add_argument(
-        "--repeats", type=int, default=5,
-        help="timed rounds of forward, plain loop and sweep, alternated (times: the fastest; "
-        "sweep / forward: the median of the rounds' paired ratios)",
-    )  # fmt: skip
-    bench.add_argument(
-        "--batches", type=int, default=1,
-        help="calibration and evaluation batches each (default 1); the sweep's fixed costs "
-        "(solves, the jackknife's refits) weigh less as it grows, as in a run's 512 + 512 "
-        "sequences",
-    )  # fmt: skip
+    bench.add_argument("--repeats", type=int, default=5, help=HELP["repeats"])
+    bench.add_argument("--batches", type=int, default=1, help=HELP["batches"])
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
-    bench.add_argument(
-        "--estimate", action="store_true",
-        help="print the estimated peak memory of a DCP run at the preset's shape (built on the "
-        "meta device: nothing is allocated or timed), by term and stage, and stop",
-    )  # fmt: skip
+    bench.add_argument("--estimate", action="store_true", help=HELP["estimate"])
     add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
-    bench.add_argument(
-        "--threads", type=int,
-        help="CPU threads for torch (default: torch's own, so that figures compare with a plain "
-        "PyTorch run; --threads 1 is what run uses)",
-    )  # fmt: skip
+    bench.add_argument("--threads", type=int, help=HELP["bench_threads"])
     return parser
 
 
@@ -410,7 +377,3 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": _run, "report": _report, "train": _train, "experiment": _experiment,
     "validate": _validate, "bench": _bench,
 }  # fmt: skip
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

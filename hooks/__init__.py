@@ -26,14 +26,10 @@ from dcp_lens.protocol.conditions import (
     truncate,
 )
 
-# The name of the conditions' base class before they gained a closed form (dcp-lens 0.1).
-Intervention = Condition
-
 __all__ = [
     "Calibrate",
     "Condition",
     "Full",
-    "Intervention",
     "IterationModel",
     "Replay",
     "Shift",

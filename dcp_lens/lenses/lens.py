@@ -249,7 +249,7 @@ def _exit_probability(model: Any, source: LensSource, wanted: list[int]) -> Tens
     """Ouro's exit distribution over steps 1..r, aligned with ``wanted`` (NaN at t = 0)."""
     if getattr(model, "exit_gate", None) is None:
         return None
-    from dcp_lens.zoo.loaders.ouro import exit_distribution
+    from dcp_lens.model.components.exit_gate import exit_distribution
 
     steps = iteration_states(model, source, range(1, model.n_iterations + 1))
     with torch.no_grad():

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
-from transformer_lens.utilities.slice import Slice
+from transformer_lens.utilities.slice import Slice, SliceInput
 
 from dcp_lens.model.names import (
     BLOCK_NAME,
@@ -34,7 +34,13 @@ from dcp_lens.model.names import (
     IterationHookName,
     warn_block_index_once,
 )
-from dcp_lens.model.stream import DecompositionError, StreamWalk, final_stream
+from dcp_lens.model.stream import (
+    DecompositionError,
+    StreamPoint,
+    StreamSource,
+    StreamWalk,
+    final_stream,
+)
 
 
 class RecurrentActivationCache(ActivationCache):
@@ -57,7 +63,7 @@ class RecurrentActivationCache(ActivationCache):
             model.n_iterations if recorded_iterations is None else recorded_iterations
         )
 
-    def __getitem__(self, key: Any) -> Tensor:
+    def __getitem__(self, key: str | tuple[str | int | None, ...]) -> Tensor:
         if isinstance(key, tuple) and len(key) > 1 and key[1] is not None:
             self._check_depth(f"{key[0]!r} at layer {key[1]}")
         elif isinstance(key, str) and BLOCK_NAME.match(key):
@@ -91,12 +97,12 @@ class RecurrentActivationCache(ActivationCache):
         return StreamWalk(self.model, self)
 
     @staticmethod
-    def _slice(pos_slice: Any) -> Slice:
+    def _slice(pos_slice: Slice | SliceInput) -> Slice:
         return pos_slice if isinstance(pos_slice, Slice) else Slice(pos_slice)
 
     # ----------------------------------------------------------------- TransformerLens API
 
-    def apply_slice_to_batch_dim(self, batch_slice: Any) -> RecurrentActivationCache:
+    def apply_slice_to_batch_dim(self, batch_slice: Slice | SliceInput) -> RecurrentActivationCache:
         sliced = super().apply_slice_to_batch_dim(batch_slice)
         return RecurrentActivationCache(
             sliced.cache_dict,
@@ -110,10 +116,10 @@ class RecurrentActivationCache(ActivationCache):
         layer: int | None = None,
         incl_mid: bool = False,
         apply_ln: bool = False,
-        pos_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
         mlp_input: bool = False,
         return_labels: bool = False,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         """As TransformerLens, but the ``final_post`` entry is the stream entering ``ln_final``
         (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U`` gives
         the logits. Intermediate entries are each block's input, with ``apply_ln`` normalised
@@ -151,8 +157,8 @@ class RecurrentActivationCache(ActivationCache):
         residual_stack: Tensor,
         layer: int | None = None,
         mlp_input: bool = False,
-        pos_slice: Any = None,
-        batch_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
+        batch_slice: Slice | SliceInput = None,
         has_batch_dim: bool = True,
         recompute_ln: bool = False,
     ) -> Tensor:
@@ -181,10 +187,10 @@ class RecurrentActivationCache(ActivationCache):
         mlp_input: bool = False,
         mode: Literal["all", "mlp", "attn"] = "all",
         apply_ln: bool = False,
-        pos_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
         incl_embeds: bool = True,
         return_labels: bool = False,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         """The stream entering block ``layer`` (``n_layers``: entering ``ln_final``) as a stack
         [component, batch, pos, d_model] that sums to it: ``embed``, ``pos_embed``,
         ``init_state``, each ``inject_{t}``, each block's ``{i}_attn_out`` / ``{i}_mlp_out`` as
@@ -242,8 +248,8 @@ class RecurrentActivationCache(ActivationCache):
     def get_neuron_results(  # type: ignore[override]
         self,
         layer: int,
-        neuron_slice: Any = None,
-        pos_slice: Any = None,
+        neuron_slice: Slice | SliceInput = None,
+        pos_slice: Slice | SliceInput = None,
         project_output_onto: Tensor | None = None,
     ) -> Tensor:
         """Each neuron's share of ``blocks.{layer}.hook_mlp_out`` [batch, pos, neuron, d_model]
@@ -265,7 +271,7 @@ class RecurrentActivationCache(ActivationCache):
         return pos_slice.apply(result, dim=-3)
 
     def _expanded(
-        self, point: tuple[Any, ...], kind: str, walk: StreamWalk, upto: int
+        self, point: StreamPoint, kind: str, walk: StreamWalk, upto: int
     ) -> tuple[list[Tensor], list[str]]:
         """Per-head (kind "attn") or per-neuron ("mlp") contributions of blocks < ``upto`` at
         ``point``, each [batch, pos, n, d_model]."""
@@ -291,9 +297,9 @@ class RecurrentActivationCache(ActivationCache):
         layer: int = -1,
         return_labels: bool = False,
         incl_remainder: bool = False,
-        pos_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
         apply_ln: bool = False,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         """Every head of blocks < ``layer``: its contribution to the stream entering block
         ``layer`` (``n_layers``: entering ``ln_final``), [head_component, batch, pos, d_model];
         with ``incl_remainder`` the rest of the stream last, so the stack sums to it."""
@@ -308,14 +314,14 @@ class RecurrentActivationCache(ActivationCache):
     def stack_neuron_results(  # type: ignore[override]
         self,
         layer: int,
-        pos_slice: Any = None,
-        neuron_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
+        neuron_slice: Slice | SliceInput = None,
         return_labels: bool = False,
         incl_remainder: bool = False,
         apply_ln: bool = False,
         project_output_onto: Tensor | None = None,
         mlp_input: bool = False,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         """Every neuron of blocks < ``layer``: its contribution to the stream entering block
         ``layer`` (``n_layers``: entering ``ln_final``), [neuron_component, batch, pos, d_model]
         (MLP output biases are not neurons: they are in the remainder)."""
@@ -335,14 +341,14 @@ class RecurrentActivationCache(ActivationCache):
     def _finish_stack(
         self,
         walk: StreamWalk,
-        point: tuple[Any, ...],
+        point: StreamPoint,
         stacks: list[Tensor],
         labels: list[str],
         incl_remainder: bool,
-        pos_slice: Any,
+        pos_slice: Slice | SliceInput,
         apply_ln: bool,
         return_labels: bool,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         d_model = self.model.cfg.d_model
         stream = walk.stream(point)
         if stacks:
@@ -367,10 +373,10 @@ class RecurrentActivationCache(ActivationCache):
         mlp_input: bool = False,
         expand_neurons: bool = True,
         apply_ln: bool = False,
-        pos_slice: Any = None,
+        pos_slice: Slice | SliceInput = None,
         return_labels: bool = False,
         project_output_onto: Tensor | None = None,
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, list[str]]:
         """Every head, every neuron (or MLP layer, without ``expand_neurons``), then ``embed``,
         ``pos_embed``, ``init_state``, each ``inject_{t}`` and ``bias`` (MLP output biases and
         LayerNorm biases inside the stream): a stack that sums to the stream entering block
@@ -431,7 +437,12 @@ class RecurrentActivationCache(ActivationCache):
         return (stack, labels) if return_labels else stack
 
     def _mlp_bias(
-        self, walk: StreamWalk, source: Any, point: Any, b_out: Tensor, value: Tensor
+        self,
+        walk: StreamWalk,
+        source: StreamSource,
+        point: StreamPoint,
+        b_out: Tensor,
+        value: Tensor,
     ) -> Tensor:
         """An MLP's ``b_out`` carried to ``point`` (through its sandwich norm, if any)."""
         bias = torch.ones_like(value[..., :1]) * b_out
@@ -443,7 +454,7 @@ class RecurrentActivationCache(ActivationCache):
         return walk.transport(bias, source.at, point)
 
     def _sandwich_bias(
-        self, walk: StreamWalk, source: Any, point: Any, value: Tensor
+        self, walk: StreamWalk, source: StreamSource, point: StreamPoint, value: Tensor
     ) -> Tensor | None:
         """A LayerNorm sandwich norm's own bias (heads and neurons are centred and scaled only)."""
         block = self.model.blocks[source.layer]
@@ -454,7 +465,7 @@ class RecurrentActivationCache(ActivationCache):
             return None
         return walk.transport(torch.ones_like(value[..., :1]) * norm.b, source.at, point)
 
-    def logit_lens(self, **kwargs: Any) -> Any:
+    def logit_lens(self, **kwargs: object) -> Tensor:
         """Refused: TransformerLens's logit lens applies only ``ln_final`` and ``W_U`` to each
         block's input, which on a recurrent model is not what the model reads out."""
         raise DecompositionError(
@@ -464,19 +475,19 @@ class RecurrentActivationCache(ActivationCache):
             "equals truncate(t)'s logits)."
         )
 
-    def compute_ssm_effective_attention(self, *args: Any, **kwargs: Any) -> Any:
+    def compute_ssm_effective_attention(self, *args: object, **kwargs: object) -> Tensor:
         raise DecompositionError(
             "compute_ssm_effective_attention: this model has attention, no SSM mixers; read "
             "the attention patterns (blocks.{i}.attn.hook_pattern) instead."
         )
 
-    def compute_ssm_state(self, *args: Any, **kwargs: Any) -> Any:
+    def compute_ssm_state(self, *args: object, **kwargs: object) -> Tensor:
         raise DecompositionError(
             "compute_ssm_state: this model has no SSM mixers; its recurrent state is "
             "loop.{t}.hook_state (model.state_hook_name(t))."
         )
 
 
-def point_layer(cache: ActivationCache, point: tuple[Any, ...]) -> int:
+def point_layer(cache: ActivationCache, point: StreamPoint) -> int:
     """The TransformerLens ``layer`` of a stream point (``n_layers`` for the final stream)."""
     return cache.model.cfg.n_layers if point[0] == "final" else int(point[1])

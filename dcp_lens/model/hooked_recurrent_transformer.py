@@ -20,36 +20,33 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor, nn
-from tqdm.auto import tqdm
-from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.hook_points import HookPoint
-from transformer_lens.HookedRootModule import HookedRootModule
 
-from dcp_lens.model.cache import RecurrentActivationCache
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.components.block import TransformerBlock
 from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
 from dcp_lens.model.components.norms import LayerNorm, NoNorm, RMSNorm, make_norm
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.folder import CONFIG_FILE, SINGLE_FILE, load_pretrained_folder
+from dcp_lens.model.generation import Generation
+from dcp_lens.model.hooking import HookSurface
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.names import (
-    DepthMismatchError,
     IterationHookName,
-    PatchShapeError,
-    missing_hook_error,
-    warn_block_index_once,
 )
 from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.peers import register_with_pyvene
-from dcp_lens.model.tokenization import encode_text, padding_id
+from dcp_lens.model.text import TextMethods
+from dcp_lens.model.tokenization import Tokenizer
+from dcp_lens.model.views import IterationHooks, ViewModuleList, ViewState
 from dcp_lens.model.weights import WeightViews
 from dcp_lens.utils.checks import check_limit
 from dcp_lens.utils.devices import check_device
@@ -63,9 +60,7 @@ from dcp_lens.utils.errors import (
 from dcp_lens.utils.memory import available_memory_bytes
 
 ReturnType = Literal["logits", "loss", "both"] | None
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-TASK_FILE = "task.json"
+ModelT = TypeVar("ModelT", bound="HookedRecurrentTransformer")
 # The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
 NOISE_PREFIX = "noise_prefix"
 
@@ -74,55 +69,7 @@ class ResumeError(DCPLensError):
     """A forward resumed with ``start_at_layer`` lacks something the rest of the loop needs."""
 
 
-class UnsupportedToolError(DCPLensError):
-    """A TransformerLens feature this model does not build, with what to use instead."""
-
-
-class IterationHooks(nn.Module):
-    """Hook points of one loop iteration t (t = 0 holds only the initial state)."""
-
-    def __init__(self, cfg: RecurrentConfig, t: int):
-        super().__init__()
-        self.t = t
-        self.hook_inject = HookPoint()  # [batch, pos, d_model]
-        self.ln_iter = make_norm(cfg) if t > 0 and cfg.iteration_norm != "none" else None
-        self.hook_state = HookPoint()  # [batch, pos, d_model]
-
-
-class ViewState:
-    """The number of iterations of the model's active view, shared with its `ViewModuleList`s."""
-
-    def __init__(self) -> None:
-        self.active = -1
-
-
-class ViewModuleList(nn.ModuleList):
-    """``model.blocks`` or ``model.loop`` of the k-iteration view. Reaching an entry by attribute
-    (``getattr(blocks, "6")``, as nnsight's wrappers do) while the model runs another view raises
-    a `DepthMismatchError`: a wrapper built at one depth is traced at that depth."""
-
-    def __init__(
-        self, modules: Sequence[nn.Module] = (), view: ViewState | None = None, k: int = -1
-    ) -> None:
-        super().__init__(modules)  # a slice (blocks[:3]) is a list of no view: view None
-        self.view_state = view
-        self.view_iterations = k
-
-    def __getattr__(self, name: str) -> Any:
-        view = self.__dict__.get("view_state")
-        if view is not None and name.isdigit() and view.active != self.view_iterations:
-            k, active = self.view_iterations, view.active
-            raise DepthMismatchError(
-                f"entry {name} of model.blocks or model.loop of the k = {k} view, while the "
-                f"model runs k = {active}: a wrapper (nnsight's NNsight(model), or a saved "
-                "model.blocks) reaches the blocks of the view it was built in. Build it "
-                f"inside `with model.iterations({active}):` and trace it there, or trace at "
-                f"k = {k}."
-            )
-        return super().__getattr__(name)
-
-
-class HookedRecurrentTransformer(WeightViews, HookedRootModule):
+class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurface):
     """A prelude, one weight-shared core applied k times, a coda and a readout, all hookable.
 
     Args:
@@ -136,7 +83,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
     rotary_sin: Tensor
 
-    def __init__(self, cfg: RecurrentConfig, tokenizer: Any | None = None):
+    def __init__(self, cfg: RecurrentConfig, tokenizer: Tokenizer | None = None):
         super().__init__()
         if not isinstance(cfg, RecurrentConfig):
             raise TypeError(f"cfg must be a RecurrentConfig, got {type(cfg).__name__}.")
@@ -193,20 +140,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def device(self) -> torch.device:
         """The device of the weights (the embedding's), as Hugging Face models have it."""
         return self.embed.W_E.device
-
-    @property
-    def task(self) -> Any:
-        """Deprecated: use ``dcp_lens.tasks.task_of(model)`` (the model stage does not import the
-        tasks stage; this property finds it at call time for one more release)."""
-        import importlib
-        import warnings
-
-        warnings.warn(
-            "model.task is deprecated; use dcp_lens.tasks.task_of(model).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module("dcp_lens.tasks").task_of(self)
 
     @property
     def is_dense(self) -> bool:
@@ -303,7 +236,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         hook left on a block of a longer view (``n_iterations=8`` on r = 4) must not outlive it.
 
         Hook points that hold no hook (and no context) are skipped: every hooked forward ends
-        here, and visiting each of a deep model's thousand-odd hook points took 25-35 ms of it."""
+        here, and a deep model has a thousand-odd hook points."""
         for hook_point in self._every_hook_point():
             if clear_contexts and hook_point.ctx:
                 hook_point.clear_context()
@@ -397,34 +330,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
     def readout_hook_name(self) -> str:
         """Hook name of the stream entering the readout (PreCoda, coda, ln_final, unembed)."""
         return "hook_readout_in"
-
-    # -------------------------------------------------------------------------- weights
-
-    @property
-    def W_E(self) -> Tensor:
-        return self.embed.W_E
-
-    @property
-    def W_U(self) -> Tensor:
-        return self.embed.W_E.T if self.W_U_untied is None else self.W_U_untied
-
-    @property
-    def b_U(self) -> Tensor:
-        """``ln_final.b @ W_U`` (zeros without a LayerNorm bias): the part of every logit that
-        no component of a decomposition carries. The model has no unembedding bias of its own;
-        this is what TransformerLens's "attributions + b_U = logit" needs (see
-        `tokens_to_residual_directions`). ``cache.accumulated_resid(apply_ln=True)`` has passed
-        through ``ln_final``'s bias already: its final entry ``@ W_U`` is the logits."""
-        bias = getattr(self.ln_final, "b", None)
-        if bias is None:
-            return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
-        return bias @ self.W_U
-
-    @property
-    def W_pos(self) -> Tensor:
-        if self.pos_embed is None:
-            raise AttributeError("this model uses rotary positions and has no W_pos.")
-        return self.pos_embed.W_pos
 
     # -------------------------------------------------------------------------- forward
 
@@ -664,7 +569,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             raise ValueError(f"{name}={value} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
         return value
 
-    def _as_tokens(self, input: Any, offset: int = 0) -> Tensor:
+    def _as_tokens(self, input: object, offset: int = 0) -> Tensor:
         if isinstance(input, (str, list)) and not isinstance(input, Tensor):
             return self.to_tokens(input)
         if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
@@ -713,19 +618,19 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
                 "here; pass fewer or shorter sequences (split a long text into windows)."
             )
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:
+    def to(self: ModelT, *args: Any, **kwargs: Any) -> ModelT:
         """`torch.nn.Module.to`, with an unavailable device refused in one line."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             check_device(device)
         return super().to(*args, **kwargs)
 
-    def cuda(self, device: Any = None) -> Any:
+    def cuda(self: ModelT, device: int | torch.device | None = None) -> ModelT:
         """`torch.nn.Module.cuda`, with a missing GPU refused in one line."""
         check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
         return super().cuda(device)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+    def _apply(self: ModelT, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ModelT:
         """Every move or cast (``.to``, ``.half``, ``.float``, ``.cuda``, ``.cpu``) ends here:
         ``cfg.dtype`` and ``cfg.device`` then follow the weights, as TransformerLens keeps them."""
         result = super()._apply(fn, recurse)
@@ -739,298 +644,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             return
         self.cfg.dtype = weight.dtype
         self.cfg.device = str(weight.device)
-
-    # ------------------------------------------------------------ TransformerLens surface
-
-    def run_with_cache(
-        self, *model_args: Any, **kwargs: Any
-    ) -> tuple[Any, ActivationCache | dict[str, Tensor]]:
-        """Like TransformerLens: returns (output, `ActivationCache`) with every iteration's
-        activations under its own ``blocks.{i}`` name. With ``n_iterations=k`` the cache is
-        recorded in the k-iteration view (use ``with model.iterations(k):`` to analyse it);
-        with ``return_cache_object=False`` the cache is a plain ``{hook name: tensor}`` dict."""
-        n_iterations = kwargs.pop("n_iterations", None)
-        if n_iterations is not None and not self.is_dense:
-            with self.iterations(n_iterations):
-                return self.run_with_cache(*model_args, **kwargs)
-        return_cache_object = kwargs.pop("return_cache_object", True)
-        output, cache_dict = super().run_with_cache(*model_args, **kwargs)
-        if not return_cache_object:  # as TransformerLens: the plain {hook name: tensor} dict
-            return output, cache_dict
-        has_batch_dim = not kwargs.get("remove_batch_dim", False)
-        return output, RecurrentActivationCache(cache_dict, self, has_batch_dim=has_batch_dim)
-
-    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
-        """Refused when turned on: this model builds no per-head Q/K/V input forks, which
-        TransformerLens's direct-path patching needs."""
-        if use_split_qkv_input:
-            raise UnsupportedToolError(
-                "set_use_split_qkv_input(True): this model builds no per-head copies of the "
-                "stream entering Q, K and V, so transformer_lens.patching.get_act_patch_direct_path"
-                " cannot run; patch a head's q, k or v (get_act_patch_attn_head_q_by_pos, …) or "
-                "write the edge patch with model.run_with_hooks."
-            )
-
-    def set_use_attn_in(self, use_attn_in: bool) -> None:
-        """Refused when turned on: this model builds no per-head attention input forks."""
-        if use_attn_in:
-            raise UnsupportedToolError(
-                "set_use_attn_in(True): this model builds no per-head attention inputs; hook "
-                "blocks.{i}.ln1.hook_normalized (every head's shared input) instead."
-            )
-
-    def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any:
-        """Like TransformerLens; hook names refer to the view of ``n_iterations`` if given.
-
-        A name another view has raises a `DepthMismatchError` saying which ``k`` has it, and a
-        forward hook returning a tensor of another shape than its activation raises a
-        `PatchShapeError` at that hook (its name and both shapes)."""
-        for name, _ in kwargs.get("fwd_hooks", []):
-            warn_block_index_once(self, name)
-        n_iterations = kwargs.pop("n_iterations", None)
-        if n_iterations is not None and not self.is_dense:
-            with self.iterations(n_iterations):
-                return super().run_with_hooks(*model_args, **kwargs)
-        return super().run_with_hooks(*model_args, **kwargs)
-
-    @contextlib.contextmanager
-    def hooks(
-        self,
-        fwd_hooks: Sequence[tuple[Any, Any]] = (),
-        bwd_hooks: Sequence[tuple[Any, Any]] = (),
-        reset_hooks_end: bool = True,
-        clear_contexts: bool = False,
-    ) -> Iterator[HookedRecurrentTransformer]:
-        """TransformerLens's ``hooks`` context, with names checked against the active view and
-        forward hooks checked for the shape they return (see `run_with_hooks`)."""
-        checked = [(self._checked_name(name), _shape_checked(hook)) for name, hook in fwd_hooks]
-        backward = [(self._checked_name(name), hook) for name, hook in bwd_hooks]
-        with super().hooks(checked, backward, reset_hooks_end, clear_contexts):
-            yield self
-
-    def add_hook(  # type: ignore[override]
-        self,
-        name: Any,
-        hook: Any,
-        dir: Literal["fwd", "bwd"] = "fwd",
-        is_permanent: bool = False,
-        level: int | None = None,
-        prepend: bool = False,
-    ) -> None:
-        """TransformerLens's ``add_hook``, with the checks of `run_with_hooks`."""
-        warn_block_index_once(self, name)
-        hook = _shape_checked(hook) if dir == "fwd" else hook
-        super().add_hook(self._checked_name(name), hook, dir, is_permanent, level, prepend)
-
-    def _checked_name(self, name: Any) -> Any:
-        if isinstance(name, str) and name not in self.mod_dict:
-            raise missing_hook_error(self, name)
-        return name
-
-    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
-        """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
-        tokenizer's pad id (`padding_id`); `to_tokens_with_mask` also returns which are real."""
-        return self.to_tokens_with_mask(text, prepend_bos)[0]
-
-    def to_tokens_with_mask(
-        self, text: str | list[str], prepend_bos: bool | None = None
-    ) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
-        """``(tokens, attention_mask)``: tokens [batch, pos] right-padded with the tokenizer's
-        pad id, and True on real tokens (TransformerLens convention). ``prepend_bos`` defaults to
-        ``cfg.default_prepend_bos`` (a loader sets it from the checkpoint's tokenizer)."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; set model.tokenizer or pass token ids.")
-        texts = [text] if isinstance(text, str) else list(text)
-        bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        rows = [encode_text(self.tokenizer, t, bos) for t in texts]
-        width = max(len(r) for r in rows)
-        pad = padding_id(self.tokenizer)
-        tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
-        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
-        return self._as_tokens(tokens), mask.to(tokens.device)
-
-    def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:
-        """Decode [pos] tokens (or one 0-d token) to a string, or [batch, pos] to a list."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
-        ids = tokens.tolist() if isinstance(tokens, Tensor) else list(tokens)
-        if isinstance(ids, int):  # a 0-d tensor: one token (TransformerLens's test_prompt)
-            ids = [ids]
-        if ids and isinstance(ids[0], list):
-            return [self.tokenizer.decode(row) for row in ids]
-        return self.tokenizer.decode(ids)
-
-    def to_str_tokens(
-        self, input: str | list[str] | Tensor | Sequence[int], prepend_bos: bool | None = None
-    ) -> list[str] | list[list[str]]:
-        """Each token as its own string, as TransformerLens: text (tokenized first, with BOS as
-        ``prepend_bos`` or the config says), [pos] tokens, or [1, pos]; a list of texts or
-        [batch, pos] tokens give a list per row."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
-        if isinstance(input, str):
-            return self.to_str_tokens(self.to_tokens(input, prepend_bos=prepend_bos)[0])
-        if isinstance(input, list) and input and isinstance(input[0], str):
-            return [self.to_str_tokens(text, prepend_bos) for text in input]  # type: ignore
-        ids = torch.as_tensor(input)
-        if ids.ndim == 2 and ids.shape[0] != 1:
-            return [self._str_tokens(row) for row in ids]
-        if ids.ndim > 2:
-            raise ValueError(f"tokens must be [pos] or [batch, pos], got shape {tuple(ids.shape)}.")
-        return self._str_tokens(ids.reshape(-1))
-
-    def _str_tokens(self, ids: Tensor) -> list[str]:
-        # A piece as the vocabulary holds it where the tokenizer says (decode drops BOS / EOS).
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer; set model.tokenizer first.")
-        piece = getattr(tokenizer, "id_to_piece", None)
-        if piece is not None:
-            return [piece(int(i)) for i in ids.tolist()]
-        return [tokenizer.decode([int(i)]) for i in ids.tolist()]
-
-    def to_single_token(self, string: str) -> int:
-        """The id of the one token that ``string`` is (no BOS); a ValueError if it is several."""
-        ids = self.to_tokens(string, prepend_bos=False)[0]
-        if ids.numel() != 1:
-            raise ValueError(
-                f"{string!r} is {ids.numel()} tokens ({self.to_str_tokens(ids)}), not one."
-            )
-        return int(ids.item())
-
-    def to_single_str_token(self, token: int) -> str:
-        """The string of token id ``token``."""
-        return self._str_tokens(torch.tensor([token]))[0]
-
-    def get_token_position(
-        self,
-        single_token: str | int | Tensor,
-        input: str | Tensor,
-        mode: Literal["first", "last"] = "first",
-        prepend_bos: bool | None = None,
-    ) -> int:
-        """Position of ``single_token`` (a string of one token, or an id) in text or in [pos] /
-        [1, pos] tokens: its first or last occurrence. A ValueError if it does not occur."""
-        tokens = self.to_tokens(input, prepend_bos=prepend_bos) if isinstance(input, str) else input
-        if tokens.ndim == 2:
-            if tokens.shape[0] != 1:
-                raise ValueError(f"tokens must be [pos] or [1, pos], got {tuple(tokens.shape)}.")
-            tokens = tokens[0]
-        if isinstance(single_token, str):
-            single_token = self.to_single_token(single_token)
-        token = int(single_token.item()) if isinstance(single_token, Tensor) else single_token
-        positions = (tokens == token).nonzero()[:, 0]
-        if positions.numel() == 0:
-            raise ValueError(f"token {token} does not occur in the input.")
-        if mode not in ("first", "last"):
-            raise ValueError(f"mode={mode!r} must be 'first' or 'last'.")
-        return int(positions[0 if mode == "first" else -1])
-
-    def tokens_to_residual_directions(
-        self, tokens: str | int | Tensor
-    ) -> Float[Tensor, "*tokens d_model"]:
-        """The unembedding column ``W_U[:, token]`` of each token, shape ``tokens.shape +
-        (d_model,)``: the direction each token's logit reads in what ``ln_final`` returns.
-
-        The final norm is not folded into the model's weights, and one convention composes:
-        a whole stream normalised by ``ln_final`` (``cache.accumulated_resid(apply_ln=True)``)
-        times these directions is the logits, so a difference of two is the logit difference;
-        the components of a decomposition, scaled by ``apply_ln_to_stack(layer=-1)`` (the
-        cached scale and ``ln_final``'s weight), times them sum to the logit less ``b_U``
-        (``ln_final``'s bias, which no component carries): attributions + ``b_U`` = logit."""
-        if isinstance(tokens, str):
-            tokens = self.to_single_token(tokens)
-        index = torch.as_tensor(tokens, device=self.W_U.device)
-        return self.W_U[:, index].movedim(0, -1)
-
-    def accumulated_bias(
-        self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
-    ) -> Float[Tensor, " d_model"]:
-        """Sum of the biases the blocks before ``layer`` add to the stream, as TransformerLens:
-        each MLP's ``b_out`` (attention has no output bias here). Exact for pre-norm blocks; a
-        sandwich norm rescales what a block adds."""
-        if not 0 <= layer <= self.cfg.n_layers:
-            raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
-        total = torch.zeros(self.cfg.d_model, device=self.W_E.device, dtype=self.W_E.dtype)
-        if not include_mlp_biases:
-            return total
-        for block in self.blocks[:layer]:
-            b_out = getattr(block.mlp, "b_out", None)  # gated MLPs have none
-            if b_out is not None:
-                total = total + b_out
-        return total
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input: Int[Tensor, "batch pos"] | str,
-        max_new_tokens: int = 10,
-        *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        freq_penalty: float = 0.0,
-        use_past_kv_cache: bool = True,
-        n_iterations: int | None = None,
-        stop_at_eos: bool = False,
-        eos_token_id: int | None = None,
-        seed: int | None = None,
-        verbose: bool = False,
-    ) -> Any:
-        """Greedy (default) or sampled continuation: tokens [batch, pos + new], or a string
-        when ``input`` is a string. With ``use_past_kv_cache`` every block application (every
-        iteration of every core layer) keeps its own keys and values.
-
-        Sampling as TransformerLens: ``temperature``, then ``freq_penalty`` times each token's
-        count so far subtracted from its logit, then ``top_k`` and ``top_p`` (nucleus: the
-        smallest set of tokens whose probability reaches ``top_p``)."""
-        if top_p is not None and not 0.0 < top_p <= 1.0:
-            raise SamplingError(f"top_p={top_p} must be in (0, 1].")
-        if top_k is not None and top_k < 1:
-            raise SamplingError(f"top_k={top_k} must be >= 1.")
-        if n_iterations is not None and not self.is_dense and n_iterations != self._active:
-            with self.iterations(n_iterations):
-                return self.generate(
-                    input,
-                    max_new_tokens,
-                    do_sample=do_sample,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    freq_penalty=freq_penalty,
-                    use_past_kv_cache=use_past_kv_cache,
-                    stop_at_eos=stop_at_eos,
-                    eos_token_id=eos_token_id,
-                    seed=seed,
-                    verbose=verbose,
-                )
-        was_string = isinstance(input, str)
-        tokens = self._as_tokens(input)
-        generator = (
-            torch.Generator(device=tokens.device).manual_seed(seed) if seed is not None else None
-        )
-        cache = KVCache(self.cfg.n_layers) if use_past_kv_cache else None
-        finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        new_input = tokens
-        for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generate"):
-            logits = self.forward(new_input if cache is not None else tokens, past_kv_cache=cache)
-            last = logits[:, -1, :]
-            if do_sample:
-                last = sampling_logits(last, tokens, temperature, freq_penalty, top_k, top_p)
-                next_token = torch.multinomial(last.softmax(-1), 1, generator=generator)
-            else:
-                next_token = last.argmax(-1, keepdim=True)
-            if stop_at_eos and eos_token_id is not None:
-                next_token = next_token.masked_fill(finished[:, None], eos_token_id)
-                finished |= next_token[:, 0] == eos_token_id
-            tokens = torch.cat((tokens, next_token), dim=1)
-            new_input = next_token
-            if stop_at_eos and bool(finished.all()):
-                break
-        if was_string:
-            return self.to_string(tokens[0])
-        return tokens
 
     # ------------------------------------------------------------------ save and load
 
@@ -1097,7 +710,7 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         folder.mkdir(parents=True, exist_ok=True)
         self.cfg.to_json(folder / CONFIG_FILE)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.canonical_state_dict().items()}
-        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "dcp-lens"})
+        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "dcp-lens"})
         return folder
 
     @classmethod
@@ -1108,8 +721,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
         ``overrides`` replace config fields (e.g. ``n_iterations=8``). The config and the
         weights' shapes and dtypes are checked on the meta device before anything is allocated
         (`dcp_lens.model.folder.load_pretrained_folder`)."""
-        from dcp_lens.model.folder import load_pretrained_folder
-
         return load_pretrained_folder(cls, path, device=device, **overrides)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -1126,76 +737,6 @@ class HookedRecurrentTransformer(WeightViews, HookedRootModule):
             else f"{c.n_prelude} + {c.n_core} x {self._active} + {c.n_coda}"
         )
         return f"{kind} blocks, d_model={c.d_model}, n_heads={c.n_heads}, d_vocab={c.d_vocab}"
-
-
-class SamplingError(DCPLensError):
-    """A sampling setting of `HookedRecurrentTransformer.generate` outside its range."""
-
-
-def sampling_logits(
-    logits: Float[Tensor, "batch d_vocab"],
-    tokens: Int[Tensor, "batch pos"],
-    temperature: float = 1.0,
-    freq_penalty: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-) -> Float[Tensor, "batch d_vocab"]:
-    """The logits generate samples from: divided by ``temperature``, less ``freq_penalty``
-    times each token's count in ``tokens``, with tokens outside the top k and outside the
-    nucleus of mass ``top_p`` set to -inf (the most likely token always stays)."""
-    logits = logits / temperature
-    if freq_penalty:
-        counts = torch.zeros_like(logits).scatter_add_(
-            -1, tokens, torch.ones_like(tokens, dtype=logits.dtype)
-        )
-        logits = logits - freq_penalty * counts
-    if top_k is not None:
-        threshold = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        ordered, order = logits.sort(dim=-1, descending=True)
-        probabilities = ordered.softmax(-1)
-        outside = probabilities.cumsum(-1) - probabilities >= top_p  # mass before reaches top_p
-        drop = torch.zeros_like(outside).scatter(-1, order, outside)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _shape_checked(hook: Any) -> Any:
-    """``hook`` with what it returns checked against the activation's shape."""
-    if getattr(hook, "shape_checked", False):
-        return hook
-
-    def checked(activation: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            result = hook(activation, *args, **kwargs)
-        except RuntimeError as error:
-            if "size" not in str(error) or not isinstance(activation, Tensor):
-                raise
-            name = getattr(kwargs.get("hook"), "name", None) or "a hook point"
-            raise PatchShapeError(
-                f"the hook on {name} failed on its activation of shape "
-                f"{tuple(activation.shape)}: {error} (a patch cached from a prompt of another "
-                "length or batch must be sliced or padded to this run's positions first)."
-            ) from error
-        if (
-            isinstance(result, Tensor)
-            and isinstance(activation, Tensor)
-            and result.shape != activation.shape
-        ):
-            point = kwargs.get("hook")
-            name = getattr(point, "name", None) or "a hook point"
-            raise PatchShapeError(
-                f"the hook on {name} returned a tensor of shape {tuple(result.shape)}, but the "
-                f"activation it replaces has shape {tuple(activation.shape)}; return a tensor of "
-                "that shape (a patch cached from a prompt of another length or batch must be "
-                "sliced or padded to this run's positions first)."
-            )
-        return result
-
-    checked.shape_checked = True  # type: ignore[attr-defined]
-    checked.__name__ = repr(hook)
-    return checked
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:

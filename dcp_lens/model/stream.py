@@ -34,7 +34,7 @@ from dcp_lens.utils.errors import DCPLensError
 
 # A point of the stream: ("pre", i), ("mid", i), ("post", i), ("state", t), ("readout_in",),
 # ("final",) (the stream entering ln_final).
-StreamPoint = tuple[Any, ...]
+StreamPoint = tuple[str | int, ...]
 # A linear map on [*batch_pos, *extra, d_model]; ``extra`` counts the dims between them.
 LinearOp = Callable[[Tensor, int], Tensor]
 

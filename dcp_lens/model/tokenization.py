@@ -5,10 +5,28 @@ a fingerprint for caches. Model-free, so tasks and the model share it."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 
-def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
+@runtime_checkable
+class Encoder(Protocol):
+    """Anything that turns text into token ids: ``encode(text)``, or ``encode(text, bos=...)``."""
+
+    @property
+    def encode(self) -> Callable[..., Sequence[int]]: ...
+
+
+@runtime_checkable
+class Tokenizer(Encoder, Protocol):
+    """What a model's tokenizer offers dcp-lens: text to ids and ids back to text. Optional
+    extras are read where used: ``bos_token_id``, ``pad_token_id``, ``eos_token_id``,
+    ``id_to_piece``, ``fingerprint``."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def encode_text(tokenizer: Encoder, text: str, bos: bool) -> list[int]:
     """Token ids of ``text`` by any tokenizer dcp-lens attaches, with BOS first iff ``bos``."""
     try:
         return list(tokenizer.encode(text, bos=bos))
@@ -18,7 +36,7 @@ def encode_text(tokenizer: Any, text: str, bos: bool) -> list[int]:
         return ([bos_id] + ids) if bos and bos_id is not None else ids
 
 
-def padding_id(tokenizer: Any) -> int:
+def padding_id(tokenizer: object) -> int:
     """The id that right-pads a batch: the tokenizer's pad token, else its EOS, else 0 (padding
     is masked out and never scored, so any real id is safe)."""
     for name in ("pad_token_id", "eos_token_id"):
@@ -28,7 +46,7 @@ def padding_id(tokenizer: Any) -> int:
     return 0
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: object) -> str:
     """A hash of a tokenizer (its ``fingerprint()``, or a Hugging Face fast tokenizer's JSON)."""
     if hasattr(tokenizer, "fingerprint"):
         return str(tokenizer.fingerprint())
@@ -91,7 +109,7 @@ class VocabularyTokenizer:
                 )
         return ids
 
-    def decode(self, ids: Any) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         """The symbols of ``ids`` joined by the separator."""
         return self.separator.join(self.symbols[int(i)] for i in ids)
 

@@ -11,15 +11,17 @@ folded in: a sandwich norm's gain sits after ``W_O`` and is not part of ``OV``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from jaxtyping import Float
-from torch import Tensor
+from torch import Tensor, nn
 from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.model_bridge.composition_scores import CompositionScores
 from transformer_lens.utilities.matrix import composition_scores
 
+from dcp_lens.model.components.embeddings import Embed, PosEmbed
+from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.utils.errors import DCPLensError
 
 
@@ -30,16 +32,23 @@ class WeightViewError(DCPLensError):
 class WeightViews:
     """Mixin of `HookedRecurrentTransformer`: TransformerLens's stacked weight properties."""
 
-    blocks: Any
-    cfg: Any
+    if TYPE_CHECKING:
+        blocks: nn.ModuleList
+        embed: Embed
+        pos_embed: PosEmbed | None
+        ln_final: nn.Module
+        W_U_untied: nn.Parameter | None
+
+        @property
+        def cfg(self) -> RecurrentConfig: ...
 
     def _stack(self, path: str) -> Tensor:
         weights = []
         for index, block in enumerate(self.blocks):
-            owner: Any = block
+            owner: object = block
             for part in path.split("."):
                 owner = getattr(owner, part, None)
-            if owner is None:
+            if not isinstance(owner, Tensor):
                 raise WeightViewError(
                     f"blocks[{index}].{path} does not exist in this architecture "
                     f"(act_fn={self.cfg.act_fn!r}, qk_bias={self.cfg.qk_bias}); it has no such "
@@ -128,3 +137,46 @@ class WeightViews:
         return CompositionScores(
             scores=scores, layer_indices=list(range(self.cfg.n_layers)), head_labels=labels
         )
+
+    @property
+    def W_E(self) -> Tensor:
+        return self.embed.W_E
+
+    @property
+    def W_U(self) -> Tensor:
+        return self.embed.W_E.T if self.W_U_untied is None else self.W_U_untied
+
+    @property
+    def b_U(self) -> Tensor:
+        """``ln_final.b @ W_U`` (zeros without a LayerNorm bias): the part of every logit that
+        no component of a decomposition carries. The model has no unembedding bias of its own;
+        this is what TransformerLens's "attributions + b_U = logit" needs (see
+        `tokens_to_residual_directions`). ``cache.accumulated_resid(apply_ln=True)`` has passed
+        through ``ln_final``'s bias already: its final entry ``@ W_U`` is the logits."""
+        bias = getattr(self.ln_final, "b", None)
+        if bias is None:
+            return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
+        return bias @ self.W_U
+
+    @property
+    def W_pos(self) -> Tensor:
+        if self.pos_embed is None:
+            raise AttributeError("this model uses rotary positions and has no W_pos.")
+        return self.pos_embed.W_pos
+
+    def accumulated_bias(
+        self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True
+    ) -> Float[Tensor, " d_model"]:
+        """Sum of the biases the blocks before ``layer`` add to the stream, as TransformerLens:
+        each MLP's ``b_out`` (attention has no output bias here). Exact for pre-norm blocks; a
+        sandwich norm rescales what a block adds."""
+        if not 0 <= layer <= self.cfg.n_layers:
+            raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
+        total = torch.zeros(self.cfg.d_model, device=self.W_E.device, dtype=self.W_E.dtype)
+        if not include_mlp_biases:
+            return total
+        for block in self.blocks[:layer]:
+            b_out = getattr(block.mlp, "b_out", None)  # gated MLPs have none
+            if b_out is not None:
+                total = total + b_out
+        return total

@@ -45,8 +45,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import resource
 import statistics
 import sys
 import time
@@ -68,11 +66,18 @@ from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
 from dcp_lens.protocol.readout import needed_readouts, readout_groups
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
+from dcp_lens.studies.bench_memory import (
+    bench_bytes,
+    device_memory_bytes,
+    memory_now,
+    peak_memory,
+    reset_peak,
+)
+from dcp_lens.studies.commands import DTYPES
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
-PRESETS = ("small", "huginn")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+BENCH_PRESETS = ("small", "huginn")
 # Per preset: the defaults of the shape and batch arguments left as None.
 # The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
 # bootstrap and no probe; its batch is the preset's (or ``batch``).
@@ -99,8 +104,8 @@ def bench_config(
 ) -> RecurrentConfig:
     """The benchmark model's config: ``preset``'s shape with each argument given replacing its
     default (``huginn`` with a smaller ``d_model`` keeps heads of 96 and Huginn's MLP ratio)."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not one of {PRESETS}.")
+    if preset not in BENCH_PRESETS:
+        raise ValueError(f"preset={preset!r} is not one of {BENCH_PRESETS}.")
     given = {"d_model": d_model, "n_core": n_core, "n_iterations": n_iterations,
              "d_vocab": d_vocab, "seq": seq}  # fmt: skip
     size = {**PRESET_DEFAULTS[preset], **{k: v for k, v in given.items() if v is not None}}
@@ -585,14 +590,14 @@ def run_bench(
         # figure; the irreducible work is planned from the fitted maps of the sweep's warm-up.
         for fn in runs.values():
             fn()
-        before = _memory_now(target)
+        before = memory_now(target)
         sweep()
         parts: list[dict[str, float]] = []
         work = irreducible_work(protocol, calibration, evaluation)
         work()
         runs["irreducible"] = lambda: parts.append(work())
         runs["sweep"] = sweep
-        _reset_peak(target)
+        reset_peak(target)
         sweeps = repeats if sweep_repeats is None else sweep_repeats
         counts = {name: sweeps if name == "sweep" else repeats for name in runs}
         # One forward and one irreducible work more than sweeps: each sweep is then timed
@@ -600,7 +605,7 @@ def run_bench(
         counts["forward"] = max(repeats, sweeps + 1)
         counts["irreducible"] = sweeps + 1
         times = _timings(runs, counts, target)
-        peak, sweep_peak = _peak_memory(target)
+        peak, sweep_peak = peak_memory(target)
         seconds = {name: min(values) for name, values in times.items()}
         medians = {name: statistics.median(values) for name, values in times.items()}
         forward, plain = seconds["forward"], seconds.get("plain", math.nan)
@@ -666,80 +671,6 @@ def parameter_count(cfg: RecurrentConfig) -> int:
     with torch.device("meta"):
         model = HookedRecurrentTransformer(cfg)
     return sum(p.numel() for p in model.parameters())
-
-
-def _memory_now(device: torch.device) -> float:
-    """Memory held now, MB: CUDA allocated, or the process's resident set."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    return _proc_status_mb("VmRSS") or 0.0
-
-
-def _reset_peak(device: torch.device) -> None:
-    """Start a new peak: CUDA's counter, or the kernel's resident high-water mark."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def _peak_memory(device: torch.device) -> tuple[float, float]:
-    """(the process's peak so far, the peak since `_reset_peak`), MB. Without a resettable
-    high-water mark both are the process's peak (an upper bound on the sweep's)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-        return peak, peak
-    process = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return process, _proc_status_mb("VmHWM") or process
-
-
-def _proc_status_mb(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def bench_bytes(
-    batch: int,
-    seq: int,
-    n_heads: int,
-    d_model: int,
-    n_blocks: int,
-    *,
-    element: int = 4,
-    d_vocab: int = 0,
-    n_weights: int = 0,
-) -> int:
-    """A lower bound on the peak memory of `run_bench`, in bytes: the weights, one attention
-    score tensor and its softmax [batch, heads, seq, seq] and the cached states of every block
-    [blocks + 1, batch, seq, d_model] for the evaluation and calibration halves (all in the
-    compute dtype, ``element`` bytes each), and one readout's float32 logits and
-    log-probabilities [batch, seq, d_vocab]."""
-    scores = 2 * batch * n_heads * seq * seq
-    states = (n_blocks + 1) * batch * seq * d_model
-    logits = 2 * 4 * batch * seq * d_vocab
-    return element * (2 * (scores + states) + n_weights) + logits
-
-
-def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of ``device`` (physical memory for the CPU), or None when unknown."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
 
 
 def print_bench(result: dict[str, Any], as_json: bool) -> None:

@@ -8,6 +8,47 @@ import shlex
 from pathlib import Path
 
 DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
+# The compute dtypes `run` and `bench` accept (statistics stay float64).
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+# The help of options whose words run long (the parser in dcp_lens/cli.py names them).
+HELP = {
+    "threads": "CPU threads for torch (default 1: docs/cli.md says why)",
+    "dry_run": (
+        "print the run's estimated peak memory by stage and the batch size that fits its "
+        "budget, then stop (nothing is run or written)"
+    ),
+    "models": (
+        "comma-separated planted models (default: all of planted.BRACKET_PLANTED; with "
+        "--coverage, these besides every mixture)"
+    ),
+    "coverage": (
+        "instead of the suite: replicate every mixture (and each model of --models) N times "
+        "with seeds seed, seed+1, ... and report how often each 95%% interval covers the truth"
+    ),
+    "bench_preset": (
+        "model shape: small (1 + 2 x 16 + 1, d_model 256, vocabulary 512, batch 16 x 128) "
+        "or huginn (Huginn-0125: 2 + 4 x 32 + 2, d_model 5280, vocabulary 65536, batch 4 x 1024; "
+        "random weights, for a GPU); the flags below replace its values"
+    ),
+    "repeats": (
+        "timed rounds of forward, plain loop and sweep, alternated (times: the fastest; "
+        "sweep / forward: the median of the rounds' paired ratios)"
+    ),
+    "batches": (
+        "calibration and evaluation batches each (default 1); the sweep's fixed costs "
+        "(solves, the jackknife's refits) weigh less as it grows, as in a run's 512 + 512 "
+        "sequences"
+    ),
+    "estimate": (
+        "print the estimated peak memory of a DCP run at the preset's shape (built on the "
+        "meta device: nothing is allocated or timed), by term and stage, and stop"
+    ),
+    "bench_threads": (
+        "CPU threads for torch (default: torch's own, so that figures compare with a plain "
+        "PyTorch run; --threads 1 is what run uses)"
+    ),
+}
 
 DESCRIPTION = """\
 The Depth Control Protocol for depth-recurrent transformers: split the gap between full depth

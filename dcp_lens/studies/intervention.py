@@ -42,7 +42,7 @@ from dcp_lens.protocol.results import ProtocolResults, encode_json
 from dcp_lens.report.html import explain_verdict, format_markdown, write_report
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
-from dcp_lens.training.config import CONFIG_FILE, MODEL_DIR, TABLE_FILE
+from dcp_lens.training.config import MODEL_DIR, TABLE_FILE, TRAIN_CONFIG_FILE
 from dcp_lens.training.outcomes import (
     CONFIDENCE,
     NEGATIVE_CONTROL,
@@ -337,7 +337,7 @@ def _train_quietly(config: TrainConfig, folder: Path) -> None:
 def _finished(folder: Path, config: TrainConfig) -> bool:
     """Whether ``folder`` holds a finished training run of ``config``. (`train` on a finished
     run would save the model and evaluate its table again; this avoids rewriting them.)"""
-    saved_config = folder / CONFIG_FILE
+    saved_config = folder / TRAIN_CONFIG_FILE
     if not (saved_config.is_file() and (folder / TABLE_FILE).is_file()):
         return False
     if not (folder / MODEL_DIR).is_dir():

@@ -15,10 +15,9 @@ from dcp_lens.training.checks import check_train_dict, check_train_values
 from dcp_lens.training.regimes import RegimeConfig, check_known_keys
 from dcp_lens.utils.checks import naming_file, read_json_object
 
-CONFIG_FILE = "train_config.json"
+TRAIN_CONFIG_FILE = "train_config.json"
 HISTORY_FILE = "history.json"
 TABLE_FILE = "accuracy_table.json"
-TASK_FILE = "task.json"
 MODEL_DIR = "model"
 CHECKPOINT_DIR = "checkpoint"
 CURRICULA = ("mastery", "schedule", "none")

@@ -32,15 +32,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from dcp_lens.model.folder import TASK_FILE
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import Task
 from dcp_lens.training.config import (
-    CONFIG_FILE,
     DATA_STRIDE,
     HISTORY_FILE,
     MODEL_DIR,
     TABLE_FILE,
-    TASK_FILE,
+    TRAIN_CONFIG_FILE,
     TrainConfig,
 )
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
@@ -176,7 +176,7 @@ def train(
     try:
         out = folder.prepare()
         prepare_run_folder(config, out, resume)
-        config.to_json(out / CONFIG_FILE)
+        config.to_json(out / TRAIN_CONFIG_FILE)
         result = _train(config, out, resume, stop_at_step, progress)
     except BaseException:  # a new folder with no checkpoint to resume from goes
         fresh = folder.action == "new" and latest_checkpoint(Path(folder.real)) is None

@@ -4,28 +4,26 @@
 >>> config = preset("tiny", regime="every-iteration", seed=1)
 >>> result = train(config, "runs/tiny-every-iteration-1")      # doctest: +SKIP
 
-- ``tiny``: a few seconds on one CPU thread; for tests and smoke runs, not for science.
+- ``tiny``: for tests and smoke runs, not for science.
 - ``default``: variable binding over 8 variables and 8 lines with one token per assignment
   (``c=b``), answers not shown, one chain of exactly 4 hops per program plus distractor chains,
   every variable queried; a 0 prelude + 1 core x 4 + 0 coda model (one block per iteration),
-  d_model 96, 4 heads; AdamW lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. About 5
-  minutes on one CPU thread (fixed regime). One block resolves one hop, so the fixed model needs
-  iteration h for a query of h hops and its accuracy at k = 1 is the one-hop queries plus
-  chance on the rest; with a prelude and a coda block around the core, the first iteration already
-  resolved two hops (overall 0.85 at k = 1). In text format (``c = b ;``), or with 16
-  variables, the same budget stays on the plateau: a lookup then needs a two-layer composition
-  that small models take thousands of steps to form, or the line tokens of 16 variables are
-  each seen too rarely.
+  d_model 96, 4 heads; AdamW lr 2e-3, batch 64, 4000 steps, a mastery curriculum over h. One
+  block resolves one hop, so the fixed model needs iteration h for a query of h hops and its
+  accuracy at k = 1 is the one-hop queries plus chance on the rest; with a prelude and a coda
+  block around the core, the first iteration already resolved two hops. In text format
+  (``c = b ;``), or with 16 variables, the same budget stays on the plateau: a lookup then
+  needs a two-layer composition that small models take thousands of steps to form, or the
+  line tokens of 16 variables are each seen too rarely.
 - ``lm``: character-level language modelling of tinyshakespeare (`lm_text`: the bundled 1.1 MB
   file; 65 symbols, windows of 64 characters, every position scored), trained from scratch: a
   1 prelude + 1 core x 4 + 1 coda model, d_model 64, 4 heads; AdamW lr 3e-3, batch 32, 2000
-  steps, no curriculum. About 3 minutes on one CPU thread (fixed regime). From scratch rather
-  than a retrofit of stories260K, so that all four regimes, the dense control included, are
-  trained the same way from the same initialisation rule; character-level, so that the
-  vocabulary is small and a step cheap. Language modelling is where readout shift shows: the
-  fixed model's early states, read out through the final norm and unembedding it was never
-  trained to read them with, are off-distribution (S is about half its accuracy gap).
-- ``lm-tiny``: the same pipeline in seconds (d_model 32, r = 3, 60 steps, windows of 32); its
+  steps, no curriculum. From scratch rather than a retrofit of stories260K, so that all four
+  regimes, the dense control included, are trained the same way from the same initialisation
+  rule; character-level, so that the vocabulary is small and a step cheap. Language modelling
+  is where readout shift shows: the fixed model's early states, read out through the final
+  norm and unembedding it was never trained to read them with, are off-distribution.
+- ``lm-tiny``: the same pipeline at a toy size (d_model 32, r = 3, 60 steps, windows of 32); its
   models barely learn.
 """
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.training.config import CHECKPOINT_DIR, CONFIG_FILE, RUN_FIELDS, TrainConfig
+from dcp_lens.training.config import CHECKPOINT_DIR, RUN_FIELDS, TRAIN_CONFIG_FILE, TrainConfig
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
 from dcp_lens.utils.errors import DamagedFileError, DCPLensError
 from dcp_lens.utils.files import write_text_atomically, written_atomically
@@ -42,7 +42,7 @@ def config_differences(saved_path: Path, config: TrainConfig) -> list[str]:
 
 def prepare_run_folder(config: TrainConfig, out: Path, resume: bool) -> None:
     """Check a previous run in ``out`` matches (resume) or clear it (no resume)."""
-    saved_path = out / CONFIG_FILE
+    saved_path = out / TRAIN_CONFIG_FILE
     if not resume:
         for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old", CHECKPOINT_DIR + ".tmp"):
             shutil.rmtree(out / name, ignore_errors=True)

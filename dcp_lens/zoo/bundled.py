@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ import torch
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.model.tokenization import VocabularyTokenizer
 from dcp_lens.utils.devices import check_dtype
-from dcp_lens.zoo.registry import register_named
 
 BUNDLED_MODELS = Path(__file__).parent / "bundled_models"
 # Bundled name -> the training regime of the default preset it was trained with.
@@ -204,11 +204,10 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _register(name: str) -> None:
-    @register_named(name)
+def bundled_loader(name: str) -> Callable[..., HookedRecurrentTransformer]:
+    """``loader(**overrides)`` of the bundled model ``name``, for the bare spec ``name``."""
+
     def loader(**overrides: Any) -> HookedRecurrentTransformer:
         return load_bundled(name, **overrides)
 
-
-for _name in BUNDLED:
-    _register(_name)
+    return loader

@@ -122,27 +122,30 @@ def _named(model: Any, spec: str) -> Any:
 
 
 def _import_builtin_kinds() -> None:
-    """Modules that register kinds on import (kept lazy so `import dcp_lens` stays light)."""
-    import importlib
-
+    """Register the built-in kinds and bundled names (imported here, on first use, so that
+    `import dcp_lens` stays light; the loader modules do not import this registry back)."""
     global _builtins_imported
     if _builtins_imported:
         return
-    _builtins_imported = True  # set before importing: those modules register in turn
-    for module in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as error:
-            if error.name != module:
-                raise
+    _builtins_imported = True
+    from dcp_lens.zoo.bundled import BUNDLED, bundled_loader
+    from dcp_lens.zoo.loaders.bridge import load_bridge
+    from dcp_lens.zoo.loaders.huginn import load_huginn
+    from dcp_lens.zoo.loaders.llama2c import load_llama2c
+    from dcp_lens.zoo.loaders.ouro import load_ouro
+    from dcp_lens.zoo.planted import load_planted
+
+    kinds: dict[str, Loader] = {
+        "planted": load_planted,
+        "huginn": load_huginn,
+        "ouro": load_ouro,
+        "llama2c": load_llama2c,
+        "bridge": load_bridge,
+    }
+    for kind, loader in kinds.items():
+        add_entry(LOADERS, kind, loader, "loader kind")
+    for name in BUNDLED:
+        add_entry(NAMED, name, bundled_loader(name), "named model")
 
 
 _builtins_imported = False
-_BUILTIN_MODULES: list[str] = [
-    "dcp_lens.zoo.planted",
-    "dcp_lens.zoo.bundled",
-    "dcp_lens.zoo.loaders.huginn",
-    "dcp_lens.zoo.loaders.ouro",
-    "dcp_lens.zoo.loaders.llama2c",
-    "dcp_lens.zoo.loaders.bridge",
-]

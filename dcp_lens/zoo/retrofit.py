@@ -199,11 +199,11 @@ def sample_corpus(
     ):
         count = min(batch_size, n_sequences - start)
         bos = torch.full((count, 1), bos_token_id, dtype=torch.long, device=model.W_E.device)
-        rows.append(
-            model.generate(
-                bos, length - 1, do_sample=True, temperature=temperature, seed=batch_seed
-            ).cpu()
+        tokens = model.generate(
+            bos, length - 1, do_sample=True, temperature=temperature, seed=batch_seed
         )
+        assert isinstance(tokens, Tensor)  # tokens in, tokens out
+        rows.append(tokens.cpu())
     model.train(was_training)
     tokens = torch.cat(rows)
     order = torch.randperm(n_sequences, generator=generator)

@@ -18,6 +18,7 @@ import torch
 from dcp_lens.protocol.bracket import BracketRule, has_gap
 from dcp_lens.studies import validate
 from dcp_lens.zoo import planted
+from dcp_lens.zoo.planted import base
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +29,10 @@ def _frame_change(linear: torch.Tensor, n_iterations: int, seed: int) -> planted
     """Each iteration applies ``linear`` (which maps the 16 codes of {-1, 1}^4 onto themselves)
     to the state; nothing is computed, so the truth is S = 1. Each token's answer is full
     depth's own readout of it."""
-    model = planted._blank(planted._base_config(4, 16, n_iterations, 8))
+    model = base.blank_model(base.base_config(4, 16, n_iterations, 8))
     with torch.no_grad():
         model.embed.W_E.copy_(CODES)
-        planted._set_linear_mlp(model, linear - torch.eye(4), 1.0)  # every code has RMS 1
+        base.set_linear_mlp(model, linear - torch.eye(4), 1.0)  # every code has RMS 1
         model.unembedding.copy_(3.0 * CODES.T)
         answers = model(torch.arange(16)[:, None])[:, 0].argmax(-1)
     model.planted_task = planted.PlantedTask(answers, 16, seed)
@@ -56,10 +57,10 @@ def three_way_unequal(n_iterations: int = 8, seed: int = 0) -> planted.PlantedMo
     blocks = planted.block_count(16, n_iterations, seed)
     with torch.no_grad():
         blocks.unembedding.mul_(50.0)
-    shift_blocks = planted._mixture(
+    shift_blocks = base.mixture(
         planted.readout_shift_step(8, n_iterations, seed), blocks, ("S", "B")
     )
-    return planted._mixture(
+    return base.mixture(
         shift_blocks, planted.distinct_computation(64, n_iterations, seed), ("S+B", "D")
     )
 

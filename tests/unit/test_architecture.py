@@ -4,7 +4,9 @@ module imports itself back through others (function-level imports included)."""
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,9 +120,72 @@ def _cycles(graph: grimp.ImportGraph, modules: set[str]) -> list[set[str]]:
 
 def test_no_module_imports_itself_back() -> None:
     """No import cycle among dcp_lens's modules, function-level imports included. The package
-    root (a lazy facade whose names load on first access) and the old-path aliases are left out:
-    they import nothing at module level but `_moved`."""
+    root (the composition root: a lazy facade whose names load on first access) is left out."""
     graph = grimp.build_graph("dcp_lens", exclude_type_checking_imports=True)
-    modules = {m for m in graph.modules if m not in ("dcp_lens", "dcp_lens._moved")}
+    modules = {m for m in graph.modules if m != "dcp_lens"}
     cycles = _cycles(graph, modules)
     assert not cycles, cycles
+
+
+COMPOSITION_ROOT = ROOT / "dcp_lens" / "__init__.py"
+
+
+def _imports_importlib(source: Path) -> bool:
+    """Whether ``source`` imports `importlib` itself or its ``import_module`` (its ``metadata``,
+    which reads installed packages' versions, imports no project module)."""
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == "importlib" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "importlib":
+            if any(alias.name != "metadata" for alias in node.names):
+                return True
+    return False
+
+
+def test_only_the_composition_root_imports_through_importlib() -> None:
+    """An `importlib` import is an edge the contracts cannot see: only the package root, named
+    the composition root in pyproject.toml's contracts, may make one."""
+    sources = [*(ROOT / "dcp_lens").rglob("*.py"), *(ROOT / "hooks").rglob("*.py")]
+    offenders = [
+        str(source.relative_to(ROOT))
+        for source in sources
+        if source != COMPOSITION_ROOT and _imports_importlib(source)
+    ]
+    assert not offenders, offenders
+    assert "composition root" in (ROOT / "pyproject.toml").read_text()
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "dcp_lens"
+
+
+def _named_paths() -> set[str]:
+    """The package paths docs/architecture.md names: backticked ``x.py``, ``x/`` or ``x/y.py``."""
+    quoted = re.findall(r"`([A-Za-z_][\w/]*(?:\.py|/))`", ARCHITECTURE.read_text())
+    return {path for path in quoted if not path.startswith(("tests/", "docs/"))}
+
+
+def _exists(path: str) -> bool:
+    """A module ``x.py`` may also be the package ``x/`` it was split into; a folder ``x/`` may hold
+    data (``zoo/bundled_models/``); ``hooks/`` and ``dcp_lens/`` are at the repository root."""
+    target = ROOT / path if path.startswith(("hooks/", "dcp_lens/")) else PACKAGE / path
+    if path.endswith("/"):
+        return target.is_dir()
+    return target.is_file() or (target.with_suffix("") / "__init__.py").is_file()
+
+
+def test_the_architecture_page_names_only_paths_that_exist() -> None:
+    named = _named_paths()
+    assert len(named) > 40, sorted(named)
+    missing = sorted(path for path in named if not _exists(path))
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_the_architecture_page_names_every_subpackage() -> None:
+    subpackages = {
+        f"{init.parent.relative_to(PACKAGE).as_posix()}/"
+        for init in PACKAGE.rglob("__init__.py")
+        if init.parent != PACKAGE
+    }
+    unnamed = sorted(subpackages - _named_paths())
+    assert not unnamed, f"docs/architecture.md does not name these subpackages: {unnamed}"

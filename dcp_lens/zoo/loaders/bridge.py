@@ -33,7 +33,6 @@ from dcp_lens.model.folder import CONFIG_FILE, PICKLE_SUFFIXES, pickle_message
 from dcp_lens.utils.checks import check_inside, read_json_object
 from dcp_lens.utils.devices import check_device, check_dtype
 from dcp_lens.utils.errors import MissingFileError, WeightsError
-from dcp_lens.zoo.registry import register_loader
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # Readout error allowed relative to the logits' per-position spread. TransformerLens measures
@@ -368,7 +367,6 @@ def _check_weight_files(folder: Path) -> None:
         check_inside(file, folder)
 
 
-@register_loader("bridge")
 def load_bridge(path: str | Path, **options: Any) -> BridgeModel:
     """``load("bridge:PATH")``: a local Hugging Face folder booted as a `TransformerBridge`.
 

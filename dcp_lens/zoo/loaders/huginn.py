@@ -44,7 +44,6 @@ from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransform
 from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
-from dcp_lens.zoo.registry import register_loader
 
 # Architecture switches of RavenConfig and the values this mapping implements (Huginn-0125's).
 SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
@@ -243,7 +242,6 @@ def _block_state(
     return state
 
 
-@register_loader("huginn")
 def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransformer:
     """Load Huginn from a local folder (``config.json`` + safetensors weights).
 

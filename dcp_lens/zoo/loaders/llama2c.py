@@ -23,7 +23,6 @@ from dcp_lens.utils.checks import check_finite, check_inside, naming_file
 from dcp_lens.utils.errors import MissingFileError, WeightsError
 from dcp_lens.zoo.loaders.llama2c_format import Llama2cHeader, read_llama2c_checkpoint
 from dcp_lens.zoo.loaders.tokenizer import Llama2cTokenizer
-from dcp_lens.zoo.registry import register_loader
 
 ROTARY_BASE = 10000.0
 RMS_EPS = 1e-5
@@ -131,7 +130,6 @@ def find_llama2c_files(path: str | Path) -> tuple[Path, Path | None]:
     return checkpoint, tokenizers[0] if tokenizers else None
 
 
-@register_loader("llama2c")
 def load_llama2c(
     path: str | Path, tokenizer: str | Path | None = None, **overrides: Any
 ) -> HookedRecurrentTransformer:

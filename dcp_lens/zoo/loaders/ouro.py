@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 from jaxtyping import Float, Int
-from torch import Tensor, nn
+from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from dcp_lens.model.components.exit_gate import ExitGate, exit_distribution
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.folder import (
     CONFIG_FILE,
@@ -50,7 +51,6 @@ from dcp_lens.protocol.states import capture_states
 from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
-from dcp_lens.zoo.registry import register_loader
 
 SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu",),
@@ -91,18 +91,6 @@ POSITIVE_FIELDS = (
 )  # fmt: skip
 
 
-class ExitGate(nn.Module):
-    """Ouro's early-exit gate, a linear map d_model -> 1 with bias (``nn.Linear`` key names)."""
-
-    def __init__(self, cfg: RecurrentConfig):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, cfg.d_model))
-        self.bias = nn.Parameter(torch.zeros(1))
-
-    def forward(self, state: Float[Tensor, "*batch d_model"]) -> Float[Tensor, " *batch"]:
-        return (state @ self.weight.T + self.bias)[..., 0]
-
-
 @dataclass
 class ExitOutputs:
     """Every step's readout and the exit distribution over steps (k = iterations run).
@@ -135,18 +123,6 @@ class ExitOutputs:
         step = torch.where(reached.any(dim=-1), reached.int().argmax(dim=-1), last)
         index = step[..., None, None].expand(*step.shape, 1, self.step_logits.shape[-1])
         return self.step_logits.gather(2, index)[:, :, 0], step
-
-
-def exit_distribution(
-    gate_logits: Float[Tensor, "*batch k"],
-) -> Float[Tensor, "*batch k"]:
-    """p_t = lambda_t prod_{j<t}(1 - lambda_j) for t < k and p_k = prod_{j<k}(1 - lambda_j), with
-    lambda = sigmoid(gate_logits); lambda_k is unused, so the p_t sum to 1."""
-    exit_now = torch.sigmoid(gate_logits)
-    survived = torch.cumprod(1 - exit_now[..., :-1], dim=-1)
-    survived_before = torch.cat((torch.ones_like(exit_now[..., :1]), survived), dim=-1)
-    exits = exit_now[..., :-1] * survived_before[..., :-1]
-    return torch.cat((exits, survived_before[..., -1:]), dim=-1)
 
 
 class OuroRecurrentTransformer(HookedRecurrentTransformer):
@@ -334,7 +310,6 @@ def _is_save_pretrained_folder(folder: Path) -> bool:
     return config_path.is_file() and "n_core" in read_json(config_path)
 
 
-@register_loader("ouro")
 def load_ouro(path: str | Path, **overrides: Any) -> OuroRecurrentTransformer:
     """Load Ouro from a local folder (``config.json`` + safetensors weights), or a folder written
     by `OuroRecurrentTransformer.save_pretrained`.

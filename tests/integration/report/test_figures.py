@@ -12,13 +12,15 @@ import pytest
 from dcp_lens import DepthControlProtocol, load
 from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.report.html import render_report, run_record, verdict
+from dcp_lens.tasks import task_of
 
 
 @pytest.fixture(scope="module")
 def planted_run() -> dict:
     model = load("planted:readout_shift")
     protocol = DepthControlProtocol(model, n_bootstrap=20, probe="none", progress=False)
-    return run_record(protocol.run(model.task.evaluation(64), model.task.calibration(64)))
+    task = task_of(model)
+    return run_record(protocol.run(task.evaluation(64), task.calibration(64)))
 
 
 def null_rows(html: str) -> list[list[str]]:

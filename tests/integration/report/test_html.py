@@ -113,8 +113,6 @@ def test_the_protocol_takes_task_batches_and_a_bundled_models_task() -> None:
 def test_a_model_without_a_task_says_how_to_get_one() -> None:
     with pytest.raises(ValueError, match="records no task"):
         task_of(make_model())
-    with pytest.warns(DeprecationWarning, match="task_of"), pytest.raises(ValueError):
-        _ = make_model().task  # the old property, for one release
 
 
 def test_the_console_summary_answers_per_validated_metric_within_100_columns(
