@@ -7,7 +7,7 @@ The names below are imported on first access, so that ``import dcp_lens.cli`` (t
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dcp_lens.utils import registry as _registry
 
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """An exported name, or a submodule (``dcp_lens.hooks``), imported on first access."""
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)

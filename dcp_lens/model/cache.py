@@ -21,17 +21,19 @@ What cannot be made exact raises a `DecompositionError` naming what to use inste
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.utilities.slice import Slice, SliceInput
 
+from dcp_lens.model.components.norms import LayerNorm, RMSNorm
 from dcp_lens.model.names import (
     BLOCK_NAME,
     DepthMismatchError,
     IterationHookName,
+    ViewedModel,
     warn_block_index_once,
 )
 from dcp_lens.model.stream import (
@@ -54,11 +56,12 @@ class RecurrentActivationCache(ActivationCache):
     def __init__(
         self,
         cache_dict: dict[str, Tensor],
-        model: Any,
+        model: ViewedModel,
         has_batch_dim: bool = True,
         recorded_iterations: int | None = None,
     ) -> None:
         super().__init__(cache_dict, model, has_batch_dim=has_batch_dim)
+        self.viewed_model = model  # `model`, typed as what reading its view needs
         self.recorded_iterations = (
             model.n_iterations if recorded_iterations is None else recorded_iterations
         )
@@ -69,11 +72,11 @@ class RecurrentActivationCache(ActivationCache):
         elif isinstance(key, str) and BLOCK_NAME.match(key):
             self._check_depth(repr(key))
             if not isinstance(key, IterationHookName):
-                warn_block_index_once(self.model, key)
+                warn_block_index_once(self.viewed_model, key)
         return super().__getitem__(key)
 
     def _check_depth(self, what: str) -> None:
-        model: Any = self.model
+        model = self.viewed_model
         active = model.n_iterations
         if model.is_dense or active == self.recorded_iterations:
             return
@@ -106,7 +109,7 @@ class RecurrentActivationCache(ActivationCache):
         sliced = super().apply_slice_to_batch_dim(batch_slice)
         return RecurrentActivationCache(
             sliced.cache_dict,
-            self.model,
+            self.viewed_model,
             has_batch_dim=sliced.has_batch_dim,
             recorded_iterations=self.recorded_iterations,
         )
@@ -238,7 +241,7 @@ class RecurrentActivationCache(ActivationCache):
             self.cache_dict[key] = result
         return all_cached
 
-    def _through_norm(self, value: Tensor, norm: Any, name: str) -> Tensor:
+    def _through_norm(self, value: Tensor, norm: LayerNorm | RMSNorm, name: str) -> Tensor:
         """``value`` [batch, pos, n, d_model] through a norm frozen at its cached scale."""
         scale = self[f"{name}.hook_scale"][..., None, :]
         if hasattr(norm, "b"):

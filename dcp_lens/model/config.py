@@ -18,7 +18,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from transformer_lens.config import TransformerLensConfig
 
@@ -172,12 +171,12 @@ class RecurrentConfig(TransformerLensConfig):
         """Number of block applications with ``n_iterations`` loop iterations."""
         return self.n_prelude + n_iterations * self.n_core + self.n_coda
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The constructor fields as plain JSON values (derived fields left out)."""
         return {name: getattr(self, name) for name in SERIALISED_FIELDS}
 
     @classmethod
-    def from_dict(cls, config_dict: dict[str, Any]) -> RecurrentConfig:
+    def from_dict(cls, config_dict: object) -> RecurrentConfig:
         """Build a config from `to_dict` output; unknown or missing keys are an error."""
         if not isinstance(config_dict, dict):
             raise ConfigTypeError(

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from jaxtyping import Float
@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from dcp_lens.model.components.rotary import rotary_tables
 from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.tokenization import Tokenizer
 from dcp_lens.utils.checks import (
     as_declared_floats,
     check_field_types,
@@ -43,8 +44,35 @@ CONFIG_FILE = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TASK_FILE = "task.json"
 
+
+@runtime_checkable
+class LoadableModel(Protocol):
+    """What loading weights calls on a model class (`HookedRecurrentTransformer` has it); methods
+    only, so that a class is checked against it at run time."""
+
+    def __init__(self, cfg: RecurrentConfig, tokenizer: Tokenizer | None = None) -> None: ...
+
+    def canonical_state_dict(self) -> dict[str, Tensor]: ...
+
+    def tie_weights(self) -> None: ...
+
+    def sync_cfg_to_weights(self) -> None: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def named_buffers(self) -> Iterator[tuple[str, Tensor]]: ...
+
+    def register_buffer(
+        self, name: str, tensor: Tensor | None, persistent: bool = True
+    ) -> None: ...
+
+    def eval(self: ModelT) -> ModelT: ...
+
+
 # The model class hands itself in (`from_pretrained`): this module never imports it back.
-ModelT = TypeVar("ModelT", bound=nn.Module)
+ModelT = TypeVar("ModelT", bound=LoadableModel)
 Shape = tuple[int, ...]
 
 
@@ -275,7 +303,7 @@ def build_model(
     cfg: RecurrentConfig,
     state: Mapping[str, Tensor],
     source: str,
-    tokenizer: Any | None = None,
+    tokenizer: Tokenizer | None = None,
     device: str | torch.device | None = None,
     model: ModelT | None = None,
 ) -> ModelT:
@@ -289,8 +317,7 @@ def build_model(
     """
     if model is None:  # a meta model already built for an earlier shape check is reused
         model = meta_model(model_class, cfg, tokenizer)
-    built: Any = model  # a HookedRecurrentTransformer (or subclass) handed in by its class
-    placeholders = built.canonical_state_dict()
+    placeholders = model.canonical_state_dict()
     check_tensor_shapes(
         {key: tuple(value.shape) for key, value in state.items()},
         {key: tuple(p.shape) for key, p in placeholders.items()},
@@ -308,8 +335,8 @@ def build_model(
         loaded = nn.Parameter(value, requires_grad=placeholder.requires_grad)
         for module, name in holders[id(placeholder)]:
             module._parameters[name] = loaded
-    built.tie_weights()
-    _materialise_rotary_tables(model, device)
+    model.tie_weights()
+    _materialise_rotary_tables(model, cfg, device)
     left_on_meta = [name for name, p in model.named_parameters() if p.is_meta]
     left_on_meta += [name for name, b in model.named_buffers() if b.is_meta]
     if left_on_meta:
@@ -317,7 +344,7 @@ def build_model(
             f"{model_class.__name__}: {left_on_meta[:5]} were not loaded; the loader does not "
             "cover every parameter of this architecture."
         )
-    built.sync_cfg_to_weights()  # cfg.dtype and cfg.device as the loaded weights are
+    model.sync_cfg_to_weights()  # cfg.dtype and cfg.device as the loaded weights are
     return model.eval()
 
 
@@ -326,18 +353,19 @@ def _shares_storage(tensor: Tensor) -> bool:
     return tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()
 
 
-def _materialise_rotary_tables(model: Any, device: Any) -> None:
+def _materialise_rotary_tables(
+    model: LoadableModel, cfg: RecurrentConfig, device: str | torch.device | None
+) -> None:
     """The rotary cos/sin buffers are built from the config; on meta they hold no values."""
-    cfg = model.cfg
     if cfg.positional_embedding_type == "learned":
         return
     cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
-    model.rotary_cos = cos.to(device)
-    model.rotary_sin = sin.to(device)
+    model.register_buffer("rotary_cos", cos.to(device), persistent=False)
+    model.register_buffer("rotary_sin", sin.to(device), persistent=False)
 
 
 def meta_model(
-    model_class: type[ModelT], cfg: RecurrentConfig, tokenizer: Any | None = None
+    model_class: type[ModelT], cfg: RecurrentConfig, tokenizer: Tokenizer | None = None
 ) -> ModelT:
     """The model of ``cfg`` on the meta device: its parameter shapes, no memory, no init."""
     with torch.device("meta"):
@@ -382,17 +410,16 @@ def load_pretrained_folder(
         task_config = read_json_object(folder / TASK_FILE)
     checkpoint = SafetensorsCheckpoint(weights_path)
     model = meta_model(model_class, cfg)
-    meta: Any = model  # a HookedRecurrentTransformer (or subclass) handed in by its class
-    expected = {key: tuple(p.shape) for key, p in meta.canonical_state_dict().items()}
+    expected = {key: tuple(p.shape) for key, p in model.canonical_state_dict().items()}
     check_tensor_shapes(checkpoint.shapes, expected, str(weights_path))
     state = checkpoint.read()
     loaded = build_model(model_class, cfg, state, str(weights_path), device=target, model=model)
-    loaded.task_config = task_config  # type: ignore[assignment]
+    loaded.task_config = task_config  # type: ignore[attr-defined]
     return loaded
 
 
 def require_values(
-    config: Mapping[str, Any], supported: Mapping[str, Collection[Any]], source: str
+    config: Mapping[str, object], supported: Mapping[str, Collection[object]], source: str
 ) -> None:
     """Raise `ConfigError` if a config switch in ``config`` has a value we do not implement."""
     for key, allowed in supported.items():
@@ -403,7 +430,7 @@ def require_values(
             )
 
 
-def required_int(config: Mapping[str, Any], key: str, source: str) -> int:
+def required_int(config: Mapping[str, object], key: str, source: str) -> int:
     """``config[key]``, which must be an int >= 0; a `ConfigError` naming the key otherwise."""
     value = config.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -413,7 +440,7 @@ def required_int(config: Mapping[str, Any], key: str, source: str) -> int:
     return value
 
 
-def _same_value(value: Any, allowed: Any) -> bool:
+def _same_value(value: object, allowed: object) -> bool:
     """Equality that keeps booleans apart from numbers (``False == 0`` in Python)."""
     return isinstance(value, bool) == isinstance(allowed, bool) and value == allowed
 

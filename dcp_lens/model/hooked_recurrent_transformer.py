@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.nn.modules.module import _IncompatibleKeys
 from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.components.attention import KVCache
@@ -487,7 +488,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
 
     def _finish(
         self, x: Tensor, return_type: ReturnType, tokens: Tensor | None, loss_per_token: bool
-    ) -> Any:
+    ) -> Tensor | tuple[Tensor, Tensor] | None:
         if return_type is None:
             return None
         logits = self.hook_logits(self.ln_final(x) @ self.W_U)
@@ -723,7 +724,9 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
         (`dcp_lens.model.folder.load_pretrained_folder`)."""
         return load_pretrained_folder(cls, path, device=device, **overrides)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(
+        self, state_dict: Mapping[str, Tensor], strict: bool = True, assign: bool = False
+    ) -> _IncompatibleKeys:
         """`torch.nn.Module.load_state_dict`, then re-tie the shared weights."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.tie_weights()

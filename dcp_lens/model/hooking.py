@@ -5,7 +5,7 @@ shape they return."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from torch import Tensor
@@ -13,10 +13,18 @@ from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from dcp_lens.model.cache import RecurrentActivationCache
-from dcp_lens.model.names import PatchShapeError, missing_hook_error, warn_block_index_once
+from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.names import (
+    HookName,
+    PatchShapeError,
+    missing_hook_error,
+    warn_block_index_once,
+)
 from dcp_lens.utils.errors import DCPLensError
 
 HookT = TypeVar("HookT", bound="HookSurface")
+# A hook as TransformerLens calls it, ``hook(activation, hook=point)``: a replacement or None.
+HookFunction = Callable[..., Tensor | None]
 
 
 class UnsupportedToolError(DCPLensError):
@@ -28,6 +36,12 @@ class HookSurface(HookedRootModule):
     and ``add_hook`` as TransformerLens has them, in the view of ``n_iterations``."""
 
     if TYPE_CHECKING:
+
+        @property
+        def cfg(self) -> RecurrentConfig: ...
+
+        @property
+        def n_iterations(self) -> int: ...
 
         @property
         def is_dense(self) -> bool: ...
@@ -88,8 +102,8 @@ class HookSurface(HookedRootModule):
     @contextlib.contextmanager
     def hooks(
         self: HookT,
-        fwd_hooks: Sequence[tuple[Any, Any]] = (),
-        bwd_hooks: Sequence[tuple[Any, Any]] = (),
+        fwd_hooks: Sequence[tuple[HookName, HookFunction]] = (),
+        bwd_hooks: Sequence[tuple[HookName, HookFunction]] = (),
         reset_hooks_end: bool = True,
         clear_contexts: bool = False,
     ) -> Iterator[HookT]:
@@ -102,8 +116,8 @@ class HookSurface(HookedRootModule):
 
     def add_hook(  # type: ignore[override]
         self,
-        name: Any,
-        hook: Any,
+        name: HookName,
+        hook: HookFunction,
         dir: Literal["fwd", "bwd"] = "fwd",
         is_permanent: bool = False,
         level: int | None = None,
@@ -114,18 +128,18 @@ class HookSurface(HookedRootModule):
         hook = shape_checked(hook) if dir == "fwd" else hook
         super().add_hook(self._checked_name(name), hook, dir, is_permanent, level, prepend)
 
-    def _checked_name(self, name: Any) -> Any:
+    def _checked_name(self, name: HookName) -> HookName:
         if isinstance(name, str) and name not in self.mod_dict:
             raise missing_hook_error(self, name)
         return name
 
 
-def shape_checked(hook: Any) -> Any:
+def shape_checked(hook: HookFunction) -> HookFunction:
     """``hook`` with what it returns checked against the activation's shape."""
     if getattr(hook, "shape_checked", False):
         return hook
 
-    def checked(activation: Any, *args: Any, **kwargs: Any) -> Any:
+    def checked(activation: object, *args: object, **kwargs: object) -> Tensor | None:
         try:
             result = hook(activation, *args, **kwargs)
         except RuntimeError as error:

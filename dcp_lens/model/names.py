@@ -14,9 +14,11 @@ from __future__ import annotations
 import re
 import sys
 import warnings
+from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Protocol, runtime_checkable
 
+from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.utils.errors import DCPLensError
 
 BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.")
@@ -26,6 +28,23 @@ _LIBRARY_PREFIXES = ("dcp_lens.", "transformer_lens.", "hooks.")
 # Frames of runtime type checkers that wrap the package's functions (tests run under them).
 _WRAPPERS = ("jaxtyping", "beartype", "typeguard")
 _warned = False
+
+# A hook point's name, or TransformerLens's filter on names.
+HookName = str | Callable[[str], bool]
+
+
+@runtime_checkable
+class ViewedModel(Protocol):
+    """What naming a hook point in the active view reads of a model."""
+
+    @property
+    def cfg(self) -> RecurrentConfig: ...
+
+    @property
+    def n_iterations(self) -> int: ...
+
+    @property
+    def is_dense(self) -> bool: ...
 
 
 class DepthMismatchError(DCPLensError):
@@ -58,7 +77,7 @@ def block_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def describe_block(model: Any, index: int) -> str:
+def describe_block(model: ViewedModel, index: int) -> str:
     """What ``blocks.{index}`` is in the model's active view, in words."""
     cfg = model.cfg
     P, L = cfg.n_prelude, cfg.n_core
@@ -92,7 +111,7 @@ def called_from_user() -> bool:
     return True
 
 
-def warn_block_index_once(model: Any, name: Any) -> None:
+def warn_block_index_once(model: ViewedModel, name: HookName) -> None:
     """Warn the first time user code reads ``blocks.{i}`` on a looped model (once per process)."""
     global _warned
     if _warned or isinstance(name, IterationHookName) or not isinstance(name, str):
@@ -133,7 +152,7 @@ def reset_block_index_warning() -> None:
     _warned = False
 
 
-def missing_hook_error(model: Any, name: str) -> DCPLensError:
+def missing_hook_error(model: ViewedModel, name: str) -> DCPLensError:
     """The error for a hook name the active view does not have: another depth's name says which
     depth has it and how to get there."""
     k, n_layers = model.n_iterations, model.cfg.n_layers

@@ -11,7 +11,6 @@ works as for any PyTorch model.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 _OUTPUT, _INPUT = "register_forward_hook", "register_forward_pre_hook"
 PYVENE_COMPONENTS: dict[str, tuple[str, str]] = {
@@ -27,7 +26,7 @@ PYVENE_COMPONENTS: dict[str, tuple[str, str]] = {
 
 def register_with_pyvene(model_class: type) -> None:
     """Enter ``model_class`` in pyvene's mappings if pyvene is imported (idempotent)."""
-    modelcard: Any = sys.modules.get("pyvene.models.intervenable_modelcard")
+    modelcard = sys.modules.get("pyvene.models.intervenable_modelcard")
     if modelcard is None or model_class in modelcard.type_to_module_mapping:
         return
     modelcard.type_to_module_mapping[model_class] = dict(PYVENE_COMPONENTS)

@@ -49,7 +49,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,7 @@ from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
 BENCH_PRESETS = ("small", "huginn")
+T = TypeVar("T")
 # Per preset: the defaults of the shape and batch arguments left as None.
 # The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
 # bootstrap and no probe; its batch is the preset's (or ``batch``).
@@ -135,6 +137,16 @@ def bench_config(
     return huginn_config(raven, source="the huginn bench preset", seed=seed)
 
 
+@dataclass
+class FusedLayer:
+    """One block's attention weights as `plain_forward` multiplies them: Q, K and V side by side
+    [d_model, 3 * heads * d_head], the output [heads * d_head, d_model], and the block's prefix."""
+
+    qkv: Tensor
+    out: Tensor
+    prefix: str
+
+
 def plain_forward(
     weights: dict[str, Tensor], cfg: RecurrentConfig, tokens: Tensor, n_iterations: int
 ) -> Tensor:
@@ -146,20 +158,20 @@ def plain_forward(
     n_pos, d, h, dh = tokens.shape[1], cfg.d_model, cfg.n_heads, cfg.d_head
     causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=tokens.device).triu(1)
 
-    def fused(prefix: str) -> dict[str, Tensor]:
+    def fused(prefix: str) -> FusedLayer:
         attn = {k: weights[f"{prefix}.attn.{k}"] for k in ("W_Q", "W_K", "W_V", "W_O")}
         qkv = torch.cat(
             [attn[k].permute(1, 0, 2).reshape(d, h * dh) for k in ("W_Q", "W_K", "W_V")], 1
         )
-        return {"qkv": qkv, "out": attn["W_O"].reshape(h * dh, d), "prefix": prefix}  # type: ignore[dict-item]
+        return FusedLayer(qkv, attn["W_O"].reshape(h * dh, d), prefix)
 
-    def block(x: Tensor, layer: dict[str, Any]) -> Tensor:
-        p = layer["prefix"]
+    def block(x: Tensor, layer: FusedLayer) -> Tensor:
+        p = layer.prefix
         y = F.layer_norm(x, (d,), weights[f"{p}.ln1.w"], weights[f"{p}.ln1.b"], cfg.eps)
-        q, k, v = (y @ layer["qkv"]).view(x.shape[0], n_pos, 3, h, dh).permute(2, 0, 3, 1, 4)
+        q, k, v = (y @ layer.qkv).view(x.shape[0], n_pos, 3, h, dh).permute(2, 0, 3, 1, 4)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(dh)
         pattern = scores.masked_fill(causal, float("-inf")).softmax(-1)
-        x = x + (pattern @ v).transpose(1, 2).reshape(x.shape[0], n_pos, h * dh) @ layer["out"]
+        x = x + (pattern @ v).transpose(1, 2).reshape(x.shape[0], n_pos, h * dh) @ layer.out
         y = F.layer_norm(x, (d,), weights[f"{p}.ln2.w"], weights[f"{p}.ln2.b"], cfg.eps)
         hidden = F.gelu(y @ weights[f"{p}.mlp.W_in"] + weights[f"{p}.mlp.b_in"])
         return x + hidden @ weights[f"{p}.mlp.W_out"] + weights[f"{p}.mlp.b_out"]
@@ -183,7 +195,7 @@ def plain_forward(
 
 
 def _timings(
-    runs: dict[str, Callable[[], Any]], repeats: dict[str, int], device: torch.device
+    runs: dict[str, Callable[[], object]], repeats: dict[str, int], device: torch.device
 ) -> dict[str, list[float]]:
     """Wall times of each run, ``repeats[name]`` of them. The runs alternate (round i times
     every run with more than i repeats), so drifting machine load hits all alike."""
@@ -298,7 +310,17 @@ def irreducible_work(
     return work
 
 
-def irreducible_readouts(protocol: DepthControlProtocol) -> dict[str, Any]:
+class IrreducibleReadouts(TypedDict):
+    """`irreducible_readouts`: readouts per k (``null`` and ``base_rate``: per batch, 0 or 1)."""
+
+    evaluation: dict[int, int]
+    null: int
+    jackknife: dict[int, int]
+    base_rate: int
+    matching: dict[int, int]
+
+
+def irreducible_readouts(protocol: DepthControlProtocol) -> IrreducibleReadouts:
     """The readouts of `irreducible_work`: ``evaluation`` {k: readouts of one evaluation batch},
     ``null`` (the calibration null's, per batch), ``matching`` {k: readouts of each calibration
     piece confidence matching reads, besides full depth's}.
@@ -379,7 +401,7 @@ def overhead_floor(
     seconds = dict.fromkeys(FLOOR_PARTS, 0.0)
     calls = dict.fromkeys(FLOOR_PARTS, 0)
 
-    def timed(part: str, fn: Callable[[], Any]) -> Any:
+    def timed(part: str, fn: Callable[[], T]) -> T:
         _synchronize(device)
         start = time.perf_counter()
         out = fn()
@@ -565,14 +587,14 @@ def run_bench(
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
-        def materialised() -> list[Any]:  # the attention pattern formed, as a hook would
+        def materialised() -> list[Tensor]:  # the attention pattern formed, as a hook would
             set_fused_attention(model, False)
             try:
                 return [model(tokens) for tokens in evaluation_batches]
             finally:
                 set_fused_attention(model, True)
 
-        runs: dict[str, Callable[[], Any]] = {
+        runs: dict[str, Callable[[], object]] = {
             "forward": lambda: [model(tokens) for tokens in evaluation_batches],
             "forward_materialised": materialised,
         }

@@ -5,13 +5,40 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.tasks import SPLITS, Split, Task
 from dcp_lens.training.regimes import readout_logits
+
+
+class OverallAccuracy(TypedDict):
+    """One k's accuracy over every query, as ``accuracy_table.json`` writes it."""
+
+    k: int
+    accuracy: float
+
+
+class HopsAccuracy(TypedDict):
+    """The accuracy at one (h, k) and the number of queries with h hops."""
+
+    hops: int
+    k: int
+    accuracy: float
+    queries: int
+
+
+class AccuracyRecord(TypedDict):
+    """`AccuracyTable.to_dict`: the table as ``accuracy_table.json`` holds it."""
+
+    split: str
+    n_programs: int
+    full_depth: int
+    k_values: list[int]
+    overall: list[OverallAccuracy]
+    rows: list[HopsAccuracy]
 
 
 @dataclass
@@ -40,7 +67,7 @@ class AccuracyTable:
         """Accuracy at h = ``hops`` and k (NaN when no query has that many hops)."""
         return self.by_hops.get(hops, {}).get(k, math.nan)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> AccuracyRecord:
         """JSON-ready: long-format rows ``{"hops", "k", "accuracy", "queries"}``."""
         return {
             "split": self.split,

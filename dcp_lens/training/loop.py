@@ -46,7 +46,9 @@ from dcp_lens.training.config import (
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
 from dcp_lens.training.regimes import build_model, regime_loss
 from dcp_lens.training.state import (
+    History,
     RunState,
+    StepRecord,
     latest_checkpoint,
     load_checkpoint,
     prepare_run_folder,
@@ -79,7 +81,7 @@ class TrainResult:
     out_dir: Path
     step: int
     completed: bool
-    history: dict[str, Any]
+    history: History
     accuracy_table: AccuracyTable | None
     seconds_per_step: float
 
@@ -273,7 +275,7 @@ def _train_step(
     optimizer: torch.optim.Optimizer,
     sampler: torch.Generator,
     state: RunState,
-) -> dict[str, Any]:
+) -> StepRecord:
     """One optimiser step; returns its history record."""
     offset = DATA_STRIDE * config.seed + state.step * config.batch_size
     extra = {} if state.max_hops is None else {"max_hops": state.max_hops}

@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
@@ -91,7 +92,7 @@ class RegimeConfig:
             n_grad=max(1, n_iterations // 2) if self.n_grad is None else self.n_grad,
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
     @classmethod
@@ -105,7 +106,7 @@ class RegimeConfig:
         return cls(**values)
 
 
-def check_known_keys(cls: type, data: dict[str, Any]) -> None:
+def check_known_keys(cls: type, data: Mapping[str, object]) -> None:
     """Raise ValueError when ``data`` has keys that are not fields of dataclass ``cls``."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -195,7 +196,7 @@ def truncated_backprop_loss(
     with model.iterations(n_iterations):
         cut = model.state_hook_name(n_iterations - n_grad)
 
-        def detach(state: Tensor, hook: Any) -> Tensor:
+        def detach(state: Tensor, hook: HookPoint) -> Tensor:
             return state.detach()
 
         logits = model.run_with_hooks(tokens, fwd_hooks=[(cut, detach)])

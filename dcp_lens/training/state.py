@@ -7,13 +7,14 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import save_file
 
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.training.config import CHECKPOINT_DIR, RUN_FIELDS, TRAIN_CONFIG_FILE, TrainConfig
+from dcp_lens.training.evaluation import AccuracyRecord
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
 from dcp_lens.utils.errors import DamagedFileError, DCPLensError
 from dcp_lens.utils.files import write_text_atomically, written_atomically
@@ -23,13 +24,47 @@ CHECKPOINT_STATE = "trainer_state.json"
 CHECKPOINT_FORMAT = "dcp-lens-checkpoint/1"
 
 
+class StepRecord(TypedDict):
+    """One optimiser step in ``history.json``."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    iterations: int
+    max_hops: int | None
+
+
+class EvaluationRecord(TypedDict):
+    """A periodic evaluation in ``history.json``: the accuracy table at that step."""
+
+    step: int
+    max_hops: int | None
+    accuracy: AccuracyRecord
+
+
+class CurriculumRecord(TypedDict):
+    """A change of the curriculum's max_hops in ``history.json``."""
+
+    step: int
+    max_hops: int | None
+
+
+class History(TypedDict):
+    """``history.json`` while a run trains (the finished file adds its timing)."""
+
+    steps: list[StepRecord]
+    evaluations: list[EvaluationRecord]
+    curriculum: list[CurriculumRecord]
+
+
 @dataclass
 class RunState:
     """The trainer's plain (JSON) state besides tensors, as a checkpoint restores it."""
 
     step: int
     max_hops: int | None
-    history: dict[str, Any]
+    history: History
 
 
 def config_differences(saved_path: Path, config: TrainConfig) -> list[str]:
@@ -173,7 +208,7 @@ def load_checkpoint(
 
 
 # The fields of trainer_state.json and their types.
-PLAIN_FIELDS: dict[str, Any] = {
+PLAIN_FIELDS: dict[str, type | tuple[type, ...]] = {
     "step": int, "max_hops": (int, type(None)), "history": dict, "parameter_names": list,
     "param_groups": list,
 }  # fmt: skip
@@ -202,10 +237,10 @@ def _check_plain_state(plain: dict[str, Any], path: Path, recovery: str) -> None
         raise DamagedFileError(f"{path}: field step={plain['step']} must be >= 0. {recovery}")
 
 
-def _kind_name(kind: Any) -> str:
+def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: object) -> None:
     write_text_atomically(path, json.dumps(data, indent=1) + "\n")

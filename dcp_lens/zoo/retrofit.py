@@ -24,10 +24,10 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +126,32 @@ def retrofit(
 # ------------------------------------------------------------------------------ the data
 
 
+class CorpusSettings(TypedDict):
+    """How a `SampledCorpus` was drawn, as ``pair.json`` records it."""
+
+    n_train: int
+    n_held_out: int
+    length: int
+    seed: int
+    temperature: float
+
+
+class DistillationSettings(TypedDict, total=False):
+    """The settings of a `distill` run (empty until one ran)."""
+
+    steps: int
+    lr: float
+    n_iterations: int | list[int]
+    batch_size: int
+    warmup_steps: int
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
+    ce_weight: float
+    seed: int
+    threads: int
+
+
 @dataclass
 class SampledCorpus:
     """Sequences sampled from a model, split into a training and a held-out part.
@@ -138,7 +164,7 @@ class SampledCorpus:
     seed: int
     temperature: float
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> CorpusSettings:
         """How the corpus was drawn (for ``pair.json``)."""
         return {
             "n_train": int(self.train.shape[0]),
@@ -226,9 +252,9 @@ class DistillationReport:
     kl: list[float] = field(default_factory=list)
     iterations: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: DistillationSettings = field(default_factory=DistillationSettings)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -284,7 +310,7 @@ def distill(
         )
     choices = _iteration_choices(student, n_iterations)
     warmup = max(1, steps // 10) if warmup_steps is None else warmup_steps
-    settings = {
+    settings: DistillationSettings = {
         "steps": steps,
         "lr": lr,
         "n_iterations": list(choices) if len(choices) > 1 else choices[0],
@@ -429,7 +455,7 @@ def save_pair(
     out: str | Path,
     original: HookedRecurrentTransformer,
     retrofitted: HookedRecurrentTransformer,
-    summary: dict[str, Any],
+    summary: Mapping[str, object],
     tokenizer_file: str | Path | None = None,
 ) -> Path:
     """Write ``out/original`` and ``out/retrofit`` (`save_pretrained` folders), ``out/pair.json``
@@ -449,7 +475,7 @@ def save_pair(
 
 def load_pair(
     out: str | Path,
-) -> tuple[HookedRecurrentTransformer, HookedRecurrentTransformer, dict[str, Any]]:
+) -> tuple[HookedRecurrentTransformer, HookedRecurrentTransformer, dict[str, object]]:
     """(original, retrofitted, pair.json contents) from a `save_pair` folder; a llama2.c
     tokenizer saved with the pair is attached to both models."""
     from dcp_lens.zoo.loaders.tokenizer import Llama2cTokenizer

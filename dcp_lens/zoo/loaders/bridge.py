@@ -21,15 +21,18 @@ and `dcp_lens.load` imports every loader module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from transformer_lens.config import TransformerBridgeConfig
+from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.folder import CONFIG_FILE, PICKLE_SUFFIXES, pickle_message
+from dcp_lens.model.tokenization import Tokenizer
 from dcp_lens.utils.checks import check_inside, read_json_object
 from dcp_lens.utils.devices import check_device, check_dtype
 from dcp_lens.utils.errors import MissingFileError, WeightsError
@@ -61,7 +64,7 @@ class BridgeModel:
         ValueError: the bridge has no ``blocks``, ``ln_final`` or ``unembed``, or fails the check.
     """
 
-    def __init__(self, bridge: Any, *, check: bool = True) -> None:
+    def __init__(self, bridge: object, *, check: bool = True) -> None:
         from transformer_lens.model_bridge import TransformerBridge
 
         if not isinstance(bridge, TransformerBridge):
@@ -91,7 +94,7 @@ class BridgeModel:
     # ------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_bridge(cls, bridge: Any, *, check: bool = True) -> BridgeModel:
+    def from_bridge(cls, bridge: object, *, check: bool = True) -> BridgeModel:
         """Wrap a booted `TransformerBridge` (checked with `check_readout`)."""
         return cls(bridge, check=check)
 
@@ -99,7 +102,7 @@ class BridgeModel:
     def from_hf_model(
         cls,
         hf_model: nn.Module,
-        tokenizer: Any | None = None,
+        tokenizer: Tokenizer | None = None,
         *,
         name: str | None = None,
         check: bool = True,
@@ -184,12 +187,12 @@ class BridgeModel:
     # ------------------------------------------------------------------------ iteration model
 
     @property
-    def cfg(self) -> Any:
+    def cfg(self) -> TransformerBridgeConfig:
         """The bridge's config (``n_layers``, ``d_model``, ``d_vocab``, ``n_ctx``, ...)."""
         return self.bridge.cfg
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer | None:
         return self.bridge.tokenizer
 
     @property
@@ -249,9 +252,9 @@ class BridgeModel:
         names.append(self.readout_hook_name)
         seen: dict[str, list[Tensor]] = {name: [] for name in names}
 
-        def recorder(name: str) -> Any:
+        def recorder(name: str) -> Callable[[Tensor, HookPoint], None]:
             # Keyed by the name asked for: an alias reports its hook point's canonical name.
-            def record(state: Tensor, hook: Any) -> None:
+            def record(state: Tensor, hook: HookPoint) -> None:
                 seen[name].append(state)
 
             return record

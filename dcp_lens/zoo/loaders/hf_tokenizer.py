@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
+import tokenizers
 import torch
 from jaxtyping import Int
 from torch import Tensor
@@ -54,7 +54,7 @@ class HFTokenizer:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: tokenizers.Tokenizer,
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
@@ -81,17 +81,15 @@ class HFTokenizer:
             FileNotFoundError: the folder has no ``tokenizer.json``.
             ValueError: a file is unreadable, or a special token is not in the vocabulary.
         """
-        from tokenizers import Tokenizer
-
         folder = Path(folder)
         path = folder / TOKENIZER_FILE
         if not path.is_file():
             raise MissingFileError(f"{path} does not exist; a tokenizer folder needs it.")
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as error:  # the Rust library raises its own exception type
             raise DamagedFileError(f"{path} is not a readable tokenizers file: {error}") from error
-        config: dict[str, Any] = {}
+        config: dict[str, object] = {}
         config_path = folder / TOKENIZER_CONFIG_FILE
         if config_path.is_file():
             config = read_json_object(config_path)
@@ -187,7 +185,7 @@ def load_checkpoint_tokenizer(folder: str | Path) -> HFTokenizer | None:
     return HFTokenizer.from_folder(folder) if (folder / TOKENIZER_FILE).is_file() else None
 
 
-def _token_string(config: dict[str, Any], field: str, source: Path) -> str | None:
+def _token_string(config: dict[str, object], field: str, source: Path) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string, ``{"content": ...}``,
     or null/absent (None); anything else is refused naming the file and field."""
     value = config.get(field)

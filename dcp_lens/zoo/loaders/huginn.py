@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 from torch import Tensor
@@ -46,7 +47,7 @@ from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
 
 # Architecture switches of RavenConfig and the values this mapping implements (Huginn-0125's).
-SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
+SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool, ...]] = {
     "architecture_class_name": ("RecurrentGPT",),
     "block_class_name": ("SandwichBlock",),
     "norm_class_name": ("RMSNorm_llama",),
@@ -63,7 +64,7 @@ OUR_PART = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
 ROPE_BUFFER = "freqs_cis"
 TIED_HEAD = "lm_head.weight"
 # Types of the RavenConfig fields read here (checked before any is used).
-SOURCE_FIELDS: dict[str, Any] = {
+SOURCE_FIELDS: dict[str, type | UnionType] = {
     "n_embd": int,
     "n_heads": int,
     "num_attention_heads": int,

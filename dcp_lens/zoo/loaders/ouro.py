@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import UnionType
 from typing import Any
 
 import torch
@@ -47,12 +48,13 @@ from dcp_lens.model.folder import (
     split_overrides,
 )
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.model.tokenization import Tokenizer
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
 
-SUPPORTED_SWITCHES: dict[str, tuple[Any, ...]] = {
+SUPPORTED_SWITCHES: dict[str, tuple[str | bool | None, ...]] = {
     "hidden_act": ("silu",),
     "use_sliding_window": (False, None),
     "rope_scaling": (None,),
@@ -68,7 +70,7 @@ LAYER_NORMS = {
 GATE_PREFIX = "model.early_exit_gate"
 HEAD = "lm_head.weight"
 # Types of the OuroConfig fields read here (checked before any is used).
-SOURCE_FIELDS: dict[str, Any] = {
+SOURCE_FIELDS: dict[str, type | UnionType] = {
     "hidden_size": int,
     "num_attention_heads": int,
     "num_key_value_heads": int | None,
@@ -141,7 +143,7 @@ class OuroRecurrentTransformer(HookedRecurrentTransformer):
     ``load("ouro:path")``.
     """
 
-    def __init__(self, cfg: RecurrentConfig, tokenizer: Any | None = None):
+    def __init__(self, cfg: RecurrentConfig, tokenizer: Tokenizer | None = None):
         super().__init__(cfg, tokenizer)
         self.exit_gate = ExitGate(cfg)
         if self.exit_gate.weight.device.type != "meta":
