@@ -22,7 +22,7 @@ from dcp_lens.protocol.calibration import (
     MIN_STATES,
     CalibrationFallbackWarning,
     CalibrationMap,
-    StateMap,
+    FittedMap,
     StreamingMoments,
     all_finite,
 )
@@ -75,8 +75,8 @@ class FittedMaps:
         states: per source label, the calibration states its map was fitted from.
     """
 
-    maps: dict[str, StateMap | None]
-    null: StateMap | None
+    maps: dict[str, FittedMap | None]
+    null: FittedMap | None
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
@@ -85,7 +85,7 @@ class FittedMaps:
     jackknife: list[FittedMaps] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
 
-    def __call__(self, source: Condition) -> StateMap | None:
+    def __call__(self, source: Condition) -> FittedMap | None:
         """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
         return self.fitted(source)
 
@@ -102,7 +102,7 @@ class FittedMaps:
             )
         return self.translators[source.label]
 
-    def fitted(self, source: Condition) -> StateMap | None:
+    def fitted(self, source: Condition) -> FittedMap | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
         label = source.at_depth(self.n_iterations).label
         if label not in self.maps:
@@ -289,12 +289,12 @@ def fit_maps(
 
     totals = {label: _merge_groups(groups) for label, groups in streams.items()}
 
-    def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
+    def fitted_maps(left_out: int | None) -> dict[str, FittedMap | None]:
         merged = {
             label: _left_out(totals[label], groups, left_out) for label, groups in streams.items()
         }
         reference = merged["full"]
-        maps: dict[str, StateMap | None] = {}
+        maps: dict[str, FittedMap | None] = {}
         for label, source in merged.items():
             try:
                 maps[label] = None if source is None or reference is None else _fit_map(
@@ -338,15 +338,15 @@ def _refit_left_out(
     streams: dict[str, list[StreamingMoments] | None],
     totals: dict[str, StreamingMoments | None],
     samples: dict[str, Subsample],
-    whole: dict[str, StateMap | None],
-) -> list[dict[str, StateMap | None]]:
+    whole: dict[str, FittedMap | None],
+) -> list[dict[str, FittedMap | None]]:
     """Every map refitted with each calibration group left out, one stream at a time: full
     depth's left-out moments are formed once per group, each other stream's group moments are
     released once its refits are done, and each refit is held as a difference from the whole
     split's map (`LeftOutAffine`). None where a refit cannot be fitted (too few states)."""
     config, n_groups = context.config, max(1, context.config.calibration_groups)
     references = [_left_out(totals["full"], streams["full"], g) for g in range(n_groups)]
-    refits: list[dict[str, StateMap | None]] = [{} for _ in range(n_groups)]
+    refits: list[dict[str, FittedMap | None]] = [{} for _ in range(n_groups)]
     labels = [label for label in streams if label != "full"] + ["full"]
     with warnings.catch_warnings():  # the whole split's fit already said so
         warnings.simplefilter("ignore")
@@ -355,7 +355,7 @@ def _refit_left_out(
                 source = (
                     reference if label == "full" else _left_out(totals[label], streams[label], g)
                 )
-                fitted: StateMap | None = None
+                fitted: FittedMap | None = None
                 if source is not None and reference is not None:
                     try:
                         fitted = _fit_map(
@@ -713,7 +713,7 @@ def _fit_map(
     reference: StreamingMoments,
     source_sample: Subsample | None,
     reference_sample: Subsample | None,
-) -> StateMap:
+) -> FittedMap:
     if entry.from_moments is not None:
         return entry.from_moments(source, reference, config)  # type: ignore[arg-type]
     assert source_sample is not None and reference_sample is not None
@@ -731,7 +731,7 @@ def _fit_null(
     config: object,
     sample: Subsample,
     halves: list[StreamingMoments] | None,
-) -> StateMap | None:
+) -> FittedMap | None:
     """The calibration null: from the moments of even and odd examples' full-depth states where
     the map is fitted from moments, else from the probe's subsample (`_fit_halves`)."""
     if halves is None or entry.from_moments is None:
@@ -744,7 +744,7 @@ def _fit_null(
         return None
 
 
-def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> StateMap | None:
+def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> FittedMap | None:
     """The real calibration null: the same kind of map fitted between two disjoint halves
     of the calibration split's full-depth states (even and odd examples). It should leave
     full depth's readout as it is; `calibrate(full)` fitted onto itself is the identity by
@@ -761,7 +761,7 @@ def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> Sta
         return None
 
 
-def apply_map(mapping: StateMap | None, state: Tensor) -> Tensor:
+def apply_map(mapping: FittedMap | None, state: Tensor) -> Tensor:
     """``mapping(state)``, or NaN where no calibration could be fitted."""
     return mapping(state) if mapping is not None else torch.full_like(state, math.nan)
 
