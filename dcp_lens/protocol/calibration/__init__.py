@@ -19,7 +19,7 @@ from dcp_lens.protocol.calibration.linalg import (
     symmetric_power,
 )
 from dcp_lens.protocol.calibration.mixture import MixtureCalibration
-from dcp_lens.protocol.calibration.moments import StreamingMoments, all_finite
+from dcp_lens.protocol.calibration.moments import MomentsState, StreamingMoments, all_finite
 from dcp_lens.protocol.calibration.registry import (
     CALIBRATION_MAPS,
     CalibrationMap,
@@ -39,6 +39,7 @@ __all__ = [
     "FittedMap",
     "MapSettings",
     "MixtureCalibration",
+    "MomentsState",
     "ShrunkCovariance",
     "StateMap",
     "StreamingMoments",

@@ -4,7 +4,7 @@ Ledoit-Wolf shrinkage needs), in one pass that merges and subtracts exactly."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TypedDict
 
 import torch
 from jaxtyping import Float
@@ -19,6 +19,16 @@ def all_finite(x: Tensor) -> bool:
     if x.numel() == 0:
         return True
     return bool(torch.isfinite(x.amax())) and bool(torch.isfinite(x.amin()))
+
+
+class MomentsState(TypedDict):
+    """A `StreamingMoments`' count and float64 sums (None before the first sample)."""
+
+    count: int
+    mean: Tensor | None
+    scatter: Tensor | None
+    norm_weighted_sum: Tensor | None
+    fourth_sum: Tensor | None
 
 
 class StreamingMoments:
@@ -185,7 +195,7 @@ class StreamingMoments:
         )
         self._scatter = self._scatter.to(self._storage)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> MomentsState:
         """The count and the float64 sums, all `from_state` needs (tensors and an int)."""
         return {
             "count": self._count,
@@ -197,7 +207,7 @@ class StreamingMoments:
 
     @classmethod
     def from_state(
-        cls, state: dict[str, Any], storage: torch.dtype = torch.float64
+        cls, state: MomentsState, storage: torch.dtype = torch.float64
     ) -> StreamingMoments:
         """The moments `state` recorded, exactly (the scatter kept in ``storage`` from then)."""
         moments = cls(storage)
