@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +42,11 @@ from dcp_lens.protocol.subsample import Subsample
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
 
+if TYPE_CHECKING:
+    from dcp_lens.protocol.results import Decomposition
+
+# A paired translator of the S bracket's upper end: the whole split's, or a jackknife refit.
+Translator = AffineTranslator | LeftOutTranslator
 TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
 
 
@@ -72,7 +77,7 @@ class FittedMaps:
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
-    translators: dict[str, Any] = field(default_factory=dict)
+    translators: Mapping[str, Translator | None] = field(default_factory=dict)
     base_rate: Tensor | None = None
     jackknife: list[FittedMaps] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
@@ -104,10 +109,10 @@ class FittedMaps:
             )
         return self.maps[label]
 
-    def fitted_record(self) -> dict[str, dict[str, Any]]:
+    def fitted_record(self) -> dict[str, dict[str, int | str | None]]:
         """Per map (and the null): the states it was fitted from and the mode it was fitted in
         (None where it could not be fitted), as results record them."""
-        record: dict[str, dict[str, Any]] = {
+        record: dict[str, dict[str, int | str | None]] = {
             label: {"states": self.states.get(label, 0), "mode": getattr(m, "mode", None)}
             for label, m in self.maps.items()
         }
@@ -334,7 +339,7 @@ def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> S
 
 def fit_translators(
     context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor] | None = None
-) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Any]]]:
+) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Translator | None]]]:
     """A paired `AffineTranslator` per source of `translator_sources`: the ridge least-squares
     affine map from the source's readout inputs to full depth's states s_r at the same positions
     (`_least_squares`), over the pooled positions of the leading calibration sequences (at most
@@ -351,7 +356,7 @@ def fit_translators(
     same translators from the same bytes (no merge needed)."""
     wanted = translator_sources(context)
     n_groups = context.config.calibration_groups
-    left_out: list[dict[str, Any]] = [{} for _ in range(max(0, n_groups))]
+    left_out: list[dict[str, Translator | None]] = [{} for _ in range(max(0, n_groups))]
     if n_groups < 2:
         left_out = []
     if not wanted:
@@ -557,7 +562,7 @@ UNBOUNDED_MAP_REASON = (
 )
 
 
-def bounded(decomposition: Any, mode: str) -> Any:
+def bounded(decomposition: Decomposition, mode: str) -> Decomposition:
     """``decomposition`` as it is where calibration map ``mode`` bounds S from below; else with
     S unidentified at every k and the verdict inconclusive (`CalibrationMap.lower_bound`)."""
     shares = decomposition.bracket_shares

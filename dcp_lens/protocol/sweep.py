@@ -6,9 +6,9 @@ Hands a `SweepOutput` to the probe and decomposition stages."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -36,6 +36,7 @@ from dcp_lens.protocol.sweep_records import (
     ProbeSampler,
     SweepOutput,
     SweepRecords,
+    Values,
     nan_max,
 )
 from dcp_lens.utils import distributed
@@ -135,8 +136,8 @@ class Sweep:
             records = SweepRecords.merged(gathered, context.device())
         self._replay = records.replay_difference
         chosen = run.keys % JACKKNIFE_EVALUATION_STRIDE == 0
-        rows = torch.nonzero(chosen).squeeze(1) if run.left_out else None
-        return records.output(len(evaluation), context.metrics, self.maps, rows)
+        jackknife_rows = torch.nonzero(chosen).squeeze(1) if run.left_out else None
+        return records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
 
     def _evaluation(self, evaluation: EvaluationSet) -> _Evaluation:
         built = {k: self.conditions_at(k) for k in {*self.context.k_grid, self.context.r}}
@@ -313,13 +314,15 @@ def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     for draw in range(1, draws):
         with _noise_seed(sweep.context.model, draw):
             more = sweep.evaluate(evaluation, f"evaluation.{draw}").values
-        values = _accumulate(values, more)
+        values = _added(values, more)
     if draws > 1:
-        values = _scale(values, 1.0 / draws)
+        values = _each_vector(values, lambda v, at: v * (1.0 / draws))
     # The bootstrap resamples positions in this order: make it the examples' own.
     order = torch.argsort(evaluation.example_keys(), stable=True)
-    output.values = _reorder(values, order)
-    output.walked = _reorder(output.walked, order)
+    output.values = _each_vector(values, lambda v, at: v[order])
+    output.walked = {
+        kind: {k: v[order] for k, v in per_k.items()} for kind, per_k in output.walked.items()
+    }
     if output.jackknife_rows is not None:
         position = torch.empty_like(order)
         position[order] = torch.arange(len(order))
@@ -385,10 +388,22 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
 
 
+@runtime_checkable
+class _Seeded(Protocol):
+    """A model config with an initial-state noise seed."""
+
+    state_init_seed: int
+
+
 @contextlib.contextmanager
-def _noise_seed(model: Any, draw: int) -> Iterator[None]:
-    """The model's initial-state noise seed moved by ``draw`` (restored afterwards)."""
-    cfg = model.cfg
+def _noise_seed(model: object, draw: int) -> Iterator[None]:
+    """The model's initial-state noise seed (``model.cfg.state_init_seed``) moved by ``draw``
+    (restored afterwards)."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, _Seeded):
+        raise TypeError(
+            f"noise draws need a model config with a state_init_seed, got {type(cfg).__name__}."
+        )
     seed = cfg.state_init_seed
     cfg.state_init_seed = seed + 1_000_003 * draw
     try:
@@ -397,20 +412,28 @@ def _noise_seed(model: Any, draw: int) -> Iterator[None]:
         cfg.state_init_seed = seed
 
 
-def _accumulate(values: Any, more: Any) -> Any:
+def _each_vector(
+    values: Values, change: Callable[[Tensor, tuple[str, str, int | None]], Tensor]
+) -> Values:
+    """``values`` with each per-example vector, at (metric, condition, k) (k None for full
+    depth's), replaced by ``change(vector, (metric, condition, k))``."""
+    out: Values = {}
+    for metric, per in values.items():
+        out[metric] = {}
+        for name, cells in per.items():
+            if isinstance(cells, Tensor):
+                out[metric][name] = change(cells, (metric, name, None))
+            else:
+                out[metric][name] = {k: change(v, (metric, name, k)) for k, v in cells.items()}
+    return out
+
+
+def _added(values: Values, more: Values) -> Values:
     """Per-example values of two evaluations added, cell by cell."""
-    if isinstance(values, Tensor):
-        return values + more
-    return {key: _accumulate(value, more[key]) for key, value in values.items()}
+    return _each_vector(values, lambda v, at: v + _vector_at(more, at))
 
 
-def _reorder(values: Any, order: Tensor) -> Any:
-    if isinstance(values, Tensor):
-        return values[order]
-    return {key: _reorder(value, order) for key, value in values.items()}
-
-
-def _scale(values: Any, factor: float) -> Any:
-    if isinstance(values, Tensor):
-        return values * factor
-    return {key: _scale(value, factor) for key, value in values.items()}
+def _vector_at(values: Values, at: tuple[str, str, int | None]) -> Tensor:
+    metric, name, k = at
+    cells = values[metric][name]
+    return cells if k is None else cells[k]

@@ -18,7 +18,7 @@ import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import torch
 from jaxtyping import Float
@@ -60,6 +60,15 @@ def usable_mode(mode: str, n_states: int, width: int) -> str:
 def _check_mode(mode: str) -> None:
     if mode not in AFFINE_MODES:
         raise ValueError(f"mode={mode!r} is not one of {AFFINE_MODES}; pick one of those strings.")
+
+
+class AffineDict(TypedDict):
+    """An `AffineCalibration` as plain lists (`AffineCalibration.to_dict`)."""
+
+    mode: str
+    source_mean: list[float]
+    reference_mean: list[float]
+    linear: list[float] | list[list[float]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,7 +210,7 @@ class AffineCalibration:
         """Whether both max |A - I| and max |b| (see `identity_deviation`) are <= ``tol``."""
         return all(value <= tol for value in self.identity_deviation().values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> AffineDict:
         """Plain-list form (float64 values survive a JSON round trip exactly)."""
         return {
             "mode": self.mode,
@@ -212,7 +221,7 @@ class AffineCalibration:
 
     @classmethod
     def from_dict(
-        cls, data: dict[str, Any], device: str | torch.device | None = None
+        cls, data: AffineDict, device: str | torch.device | None = None
     ) -> AffineCalibration:
         """Inverse of `to_dict`; tensors are placed on ``device`` (CPU by default)."""
         missing = {"mode", "source_mean", "reference_mean", "linear"} - set(data)
@@ -221,14 +230,14 @@ class AffineCalibration:
                 f"calibration dict lacks keys {sorted(missing)}; it must come from to_dict()."
             )
 
-        def tensor(key: str) -> Tensor:
-            return torch.tensor(data[key], dtype=torch.float64, device=device)
+        def tensor(values: list[float] | list[list[float]]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float64, device=device)
 
         return cls(
             mode=data["mode"],
-            source_mean=tensor("source_mean"),
-            reference_mean=tensor("reference_mean"),
-            linear=tensor("linear"),
+            source_mean=tensor(data["source_mean"]),
+            reference_mean=tensor(data["reference_mean"]),
+            linear=tensor(data["linear"]),
         )
 
 

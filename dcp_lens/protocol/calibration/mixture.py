@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -49,7 +48,7 @@ class MixtureCalibration:
     log_weights: Float[Tensor, " K"]
     linear: Float[Tensor, "K d d"]
     offset: Float[Tensor, "K d"]
-    settings: dict[str, Any]
+    settings: dict[str, int | str]
     reverse: MixtureCalibration | None = None
 
     mode = "mixture"
@@ -117,7 +116,11 @@ class MixtureCalibration:
         # An isotropic Gaussian per cluster: its variance per dimension is the mean spread.
         spread = (moved - means[source_cluster]).pow(2).mean()
         temperature = float(spread.clamp(min=1e-12))
-        settings = {"components": components, "seed": seed, "cost": "Wasserstein-2 (Bures)"}
+        settings: dict[str, int | str] = {
+            "components": components,
+            "seed": seed,
+            "cost": "Wasserstein-2 (Bures)",
+        }
         mapping = cls(
             base=base,
             centres=means,
@@ -176,7 +179,7 @@ class MixtureCalibration:
             "offset": max(base["offset"], float((self.offset - self.centres).abs().max())),
         }
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, int | str]:
         """The map and its settings, for results."""
         return {"mode": self.mode, **self.settings}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -56,7 +56,7 @@ class CalibrationMap:
     from_moments: Callable[[StreamingMoments, StreamingMoments, MapSettings], FittedMap] | None = (
         None
     )
-    describe: Callable[[MapSettings], dict[str, Any]] = lambda settings: {}
+    describe: Callable[[MapSettings], dict[str, int | str]] = lambda settings: {}
     lower_bound: bool = True
 
     @property
