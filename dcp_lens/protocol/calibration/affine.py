@@ -30,7 +30,7 @@ from dcp_lens.protocol.calibration.moments import StreamingMoments
 # The affine modes, simplest first: a split too small for a mode falls back along this order.
 AFFINE_MODES = ("mean", "diag", "full")
 # Fewest states each mode is fitted from: a full covariance of width d needs d + 1 states to be
-# more than shrinkage fitted to noise (one program moved a share by 0.15 that way); per-dimension
+# more than shrinkage fitted to noise (which can move a share on its own); per-dimension
 # variances need 3 (see the singular-covariance error of "diag").
 MIN_STATES = {"full": lambda width: width + 1, "diag": lambda width: 3, "mean": lambda width: 1}
 
@@ -84,7 +84,7 @@ class AffineCalibration:
     reference_mean: Float[Tensor, " d"]
     linear: Float[Tensor, " d"] | Float[Tensor, "d d"]
     # The parameters in the precision and on the device they are applied in, by (dtype, device):
-    # a sweep applies one map to every batch, and casting [d, d] each time cost a sixth of a call.
+    # a sweep applies one map to every batch, so [d, d] is cast once rather than once a batch.
     _cast: dict[tuple[torch.dtype, torch.device], tuple[Tensor, ...]] = field(
         default_factory=dict, init=False, repr=False
     )

@@ -267,8 +267,8 @@ class StreamingMoments:
     def for_refit(self) -> StreamingMoments:
         """These moments with `shrunk_power`'s eigendecomposition taken in float32 (returns self):
         for the jackknife's refits (`dcp_lens.protocol.fit.fit_maps`), whose maps differ from the
-        whole split's by about 1e-2 relative, at half a float64 decomposition's time (the refits'
-        largest cost). Only where the shrunk covariance is well conditioned (`symmetric_eigh`):
+        whole split's by about 1e-2 relative, at a fraction of a float64 decomposition's cost (the
+        refits' largest). Only where the shrunk covariance is well conditioned (`symmetric_eigh`):
         there the float32 powers are within about 1e-5 of the float64 ones; elsewhere float64.
         Their powers stay float64."""
         self._eigh_dtype = torch.float32
