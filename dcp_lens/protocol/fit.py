@@ -1,6 +1,7 @@
 """The fit stage: every calibration map the sweep's conditions ask for, fitted label-free on the
 calibration split (streaming moments, or subsamples of states for a map fitted to states), the
-calibration null, and the probe's reference states. Hands a `FittedMaps` to the later stages."""
+calibration null, and the probe's reference states, from what one pass over the split
+accumulates (`CalibrationRecords`). Hands a `FittedMaps` to the later stages."""
 
 from __future__ import annotations
 

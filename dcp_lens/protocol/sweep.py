@@ -1,7 +1,8 @@
 """The sweep stage: every sweep condition at every k of the grid on the evaluation set, from one
 full-depth pass per batch (`readouts`), scored per example, with the null control and the
-probe's subsamples. Snapshots for ``--resume`` and the merge over processes live here too.
-Hands a `SweepOutput` to the probe and decomposition stages."""
+probe's subsamples, accumulated batch by batch into `SweepRecords` (which snapshot for
+``--resume`` and merge over processes). Hands a `SweepOutput` to the probe and decomposition
+stages."""
 
 from __future__ import annotations
 
