@@ -1,5 +1,5 @@
-"""The sweep's and the fit's accumulators: what a snapshot restores and what a merge over
-processes gives equal what one uninterrupted process accumulates, bit for bit."""
+"""The sweep's accumulators: what a snapshot restores and what a merge over processes gives equal
+what one uninterrupted process accumulates, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import math
 
 import torch
 
-from dcp_lens.protocol.calibration import StreamingMoments
-from dcp_lens.protocol.fit_records import GroupMoments
 from dcp_lens.protocol.sweep_records import ExampleCells, Maxima, NullControl
 
 
@@ -51,22 +49,3 @@ def test_maxima_and_the_null_control_keep_a_nan_over_a_merge() -> None:
     restored: Maxima[int] = Maxima()
     restored.restore(_through_snapshot(maxima.state()))  # type: ignore[arg-type]
     assert restored.values == maxima.values
-
-
-def test_group_moments_restore_exactly_and_drop_a_non_finite_source() -> None:
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(40, 4, generator=generator)
-    groups = torch.arange(40) % 2
-    present = [(g, groups == g) for g in range(2)]
-    moments = GroupMoments(2, torch.float32)
-    assert moments.add(rows, present, rows=8)
-    restored = GroupMoments(2, torch.float32)
-    restored.restore(_through_snapshot(moments.state()))  # type: ignore[arg-type]
-    total, again = moments.total(), restored.total()
-    assert total is not None and again is not None
-    assert torch.equal(total.mean, again.mean) and torch.equal(total.covariance, again.covariance)
-    whole = StreamingMoments.from_samples(rows)
-    assert total.count == whole.count == 40
-    assert torch.allclose(total.mean, whole.mean)
-    assert not moments.add(torch.full((40, 4), math.inf), present, rows=8)
-    assert moments.groups is None and moments.total() is None
