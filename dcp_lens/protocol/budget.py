@@ -15,7 +15,7 @@ would reuse; on the CPU, the memory the system reports available.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,7 @@ class MemoryEstimate:
         lines.append(f"  peak ({self.peak_stage}): {self.peak_bytes / GIB:.2f} GiB")
         return "\n".join(lines)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float | str | dict[str, float] | list[str]]:
         return {
             "terms_gib": {name: value / GIB for name, value in self.terms.items()},
             "stages_gib": {stage: self.stage_bytes(stage) / GIB for stage in self.stages},
@@ -289,7 +289,7 @@ def estimate_run_memory(
     return estimate
 
 
-def largest_fitting_batch(fits: Any, batch_size: int) -> int:
+def largest_fitting_batch(fits: Callable[[int], bool], batch_size: int) -> int:
     """The largest batch in 1..``batch_size`` for which ``fits(batch)`` is True (0: none)."""
     low, high = 0, batch_size
     while low < high:

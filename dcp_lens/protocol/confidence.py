@@ -32,6 +32,27 @@ class ConfidenceMatching:
     def __init__(self, context: RunContext) -> None:
         self.context = context
         self.stash: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._stashing = False
+
+    def start_stash(self) -> None:
+        """Stash what `fit` reads of each calibration batch `stash_batch` is given from now."""
+        self.stash, self._stashing = {}, True
+
+    def stash_batch(
+        self,
+        calibration: EvaluationSet,
+        index: int,
+        rows: slice,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+    ) -> None:
+        """Keep what `fit` reads of calibration batch ``index`` (rows ``rows``, its states
+        ``states``); nothing once a batch past the budget was seen (later ones are not read)."""
+        if not self._stashing:
+            return
+        pieces = self.pieces(calibration, index, rows)
+        self._stashing = pieces is not None
+        if pieces:
+            self.stash[index] = self.keep(states, pieces, rows.start)
 
     @torch.no_grad()
     def fit(self, calibration: EvaluationSet, fitted: MapLookup) -> Temperatures:

@@ -3,9 +3,9 @@ metrics, progress bars and run snapshots), handed to each stage by `DepthControl
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from jaxtyping import Bool
@@ -26,6 +26,8 @@ from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.utils.memory import release_free_memory
 from dcp_lens.utils.snapshots import Checkpoint
+
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -57,7 +59,7 @@ class RunContext:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def each(self, items: Sequence[Any], description: str) -> Iterator[Any]:
+    def each(self, items: Sequence[Item], description: str) -> Iterator[Item]:
         """``items`` with a progress bar; the heap's free pages go back to the system after
         each (`dcp_lens.utils.memory.release_free_memory`)."""
         for item in tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False):
@@ -70,7 +72,8 @@ class RunContext:
             return 0, None
         return self.checkpoint.restore(stage, self.device())
 
-    def snapshot(self, stage: str, done: int, total: int, state: Any) -> None:
+    def snapshot(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
+        """Snapshot ``state()`` after ``done`` of ``total`` batches of ``stage`` (when due)."""
         if self.checkpoint is not None:
             self.checkpoint.save(stage, done, total, state)
 

@@ -42,7 +42,7 @@ from dcp_lens.protocol.budget import (
     estimate_run_memory,
     largest_fitting_batch,
 )
-from dcp_lens.protocol.calibration import CALIBRATION_MAPS, StateMap
+from dcp_lens.protocol.calibration import CALIBRATION_MAPS, FittedMap
 from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching, Temperatures
 from dcp_lens.protocol.config import ProtocolConfig, check_k
@@ -154,12 +154,12 @@ class DepthControlProtocol:
     checkpoint = property(lambda self: self.context.checkpoint)
 
     @property
-    def calibrations(self) -> dict[str, StateMap | None] | None:
+    def calibrations(self) -> dict[str, FittedMap | None] | None:
         """The fitted maps by source condition's label (None before `fit`)."""
         return None if self.maps is None else self.maps.maps
 
     @property
-    def calibration_null(self) -> StateMap | None:
+    def calibration_null(self) -> FittedMap | None:
         return None if self.maps is None else self.maps.null
 
     # ------------------------------------------------------------------------ public API
@@ -269,7 +269,7 @@ class DepthControlProtocol:
         self.sweep = Sweep(self.context, self._require_maps(), self.temperatures)
         return self.sweep.evaluate(evaluation, stage)
 
-    def fitted(self, source: Condition) -> StateMap | None:
+    def fitted(self, source: Condition) -> FittedMap | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
         return self._require_maps().fitted(source)
 

@@ -1,56 +1,54 @@
 """The fit stage: every calibration map the sweep's conditions ask for, fitted label-free on the
 calibration split (streaming moments, or subsamples of states for a map fitted to states), the
-calibration null, and the probe's reference states. Hands a `FittedMaps` to the later stages."""
+calibration null, and the probe's reference states, from what one pass over the split
+accumulates (`CalibrationRecords`). Hands a `FittedMaps` to the later stages."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from dcp_lens.protocol.budget import device_memory_bytes
 from dcp_lens.protocol.calibration import (
     CALIBRATION_MAPS,
     MIN_STATES,
     CalibrationFallbackWarning,
     CalibrationMap,
-    StateMap,
+    FittedMap,
+    MapSettings,
     StreamingMoments,
     all_finite,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full, position_bucket
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full
 from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.fit_records import (
+    CalibrationRecords,
+    LeadingStates,
+    leading_states,
+    translator_rows,
+)
 from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
-from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.protocol.subsample import Subsample
 from dcp_lens.protocol.translator import AffineTranslator
 from dcp_lens.utils import distributed
-from dcp_lens.utils.errors import ResourceLimitError
 
-# The paired translators of the S bracket's upper end (`fit_translators`): the least-squares
-# affine map from each source's readout inputs to the same positions' full-depth states (closed
-# form), on at most this many calibration positions (the leading sequences of the calibration
-# split, kept from the fit stage's own pass).
-TRANSLATOR_POINTS = 2048
+if TYPE_CHECKING:
+    from dcp_lens.protocol.results import Decomposition
+
+# A paired translator of the S bracket's upper end: the whole split's, or a jackknife refit.
+Translator = AffineTranslator | LeftOutTranslator
 TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
-# A calibration group's states are folded into its moments once this many have come: fewer
-# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
-# is then small beside its product).
-GROUP_BUFFER_ROWS = 4096
-GROUP_BUFFER_ELEMENTS = 2**18
-# The fit refuses to start when its moments would take more than this share of the free memory.
-MOMENT_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -75,17 +73,17 @@ class FittedMaps:
         states: per source label, the calibration states its map was fitted from.
     """
 
-    maps: dict[str, StateMap | None]
-    null: StateMap | None
+    maps: dict[str, FittedMap | None]
+    null: FittedMap | None
     probe_reference: Tensor | None
     mode: str
     n_iterations: int
-    translators: dict[str, Any] = field(default_factory=dict)
+    translators: Mapping[str, Translator | None] = field(default_factory=dict)
     base_rate: Tensor | None = None
     jackknife: list[FittedMaps] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
 
-    def __call__(self, source: Condition) -> StateMap | None:
+    def __call__(self, source: Condition) -> FittedMap | None:
         """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
         return self.fitted(source)
 
@@ -102,7 +100,7 @@ class FittedMaps:
             )
         return self.translators[source.label]
 
-    def fitted(self, source: Condition) -> StateMap | None:
+    def fitted(self, source: Condition) -> FittedMap | None:
         """The map fitted from ``source``'s readout inputs to full depth's (None: non-finite)."""
         label = source.at_depth(self.n_iterations).label
         if label not in self.maps:
@@ -112,10 +110,10 @@ class FittedMaps:
             )
         return self.maps[label]
 
-    def fitted_record(self) -> dict[str, dict[str, Any]]:
+    def fitted_record(self) -> dict[str, dict[str, int | str | None]]:
         """Per map (and the null): the states it was fitted from and the mode it was fitted in
         (None where it could not be fitted), as results record them."""
-        record: dict[str, dict[str, Any]] = {
+        record: dict[str, dict[str, int | str | None]] = {
             label: {"states": self.states.get(label, 0), "mode": getattr(m, "mode", None)}
             for label, m in self.maps.items()
         }
@@ -164,61 +162,18 @@ def fit_maps(
     """Fit every map of `sources` on ``calibration`` (streaming moments of each source's readout
     inputs against full depth's), snapshotting as it goes. ``confidence`` (when matching) keeps
     the states it will read, so that it needs no forward pass of its own."""
-    config, r, device = context.config, context.r, context.device()
+    config, device = context.config, context.device()
     entry = CALIBRATION_MAPS[config.calibration_mode]
     wanted = _wanted(context)
-    conditions = wanted.maps
-    n_groups = max(1, config.calibration_groups)
-    # One stream of moments per source and calibration group (example key mod n_groups; the
-    # groups' moments merge into the whole split's); a stream that ever turns non-finite
-    # (replay can explode) is dropped, and the conditions that need it reported non-finite.
-    # With groups, each group's scatter is kept in float32 (a group is only ever subtracted from
-    # the float64 whole they merge into); alone, the one group is the whole, kept in float64.
-    storage = torch.float32 if n_groups >= 2 else torch.float64
-    streams: dict[str, list[StreamingMoments] | None] = {
-        label: [StreamingMoments(storage) for _ in range(n_groups)] for label in conditions
-    }
-    samples = {
-        label: Subsample(config.calibration_points, config.seed + 7 + i)
-        for i, label in enumerate(conditions if entry.needs_states else ())
-    }
-    sample = Subsample(config.probe_points, config.seed)
-    # Moments of full depth's states of even and odd examples: the null's map is fitted from
-    # every calibration state (a map fitted from moments), not from the probe's subsample.
-    halves = [StreamingMoments(), StreamingMoments()] if entry.from_moments else None
-    if distributed.rank_and_world()[1] > 1:
-        halves = None  # each rank would hold only its own batches: the merged subsample fits it
     announce_fallbacks(context, calibration, config.calibration_mode)
-    base = _BaseRateSums(1, calibration) if wanted.wants_base_rate else None
-    # Each group's states wait here until there are enough for one update (small groups of a
-    # batch would make many tiny updates).
-    pending: dict[str, list[list[Tensor]]] = {
-        label: [[] for _ in range(n_groups)] for label in conditions
-    }
-    buffer_rows = 0  # set from the states' width on the first batch, with the memory check
-    calibration_keys = calibration.example_keys()
-    batches = distributed.assigned(calibration.batches(config.batch_size))
+    records = CalibrationRecords(context, calibration, wanted.maps, entry, wanted.wants_base_rate)
     done, saved = context.restore("calibration")
     if saved is not None:
-        streams = {
-            label: None
-            if states is None
-            else [StreamingMoments.from_state(s, storage) for s in states]
-            for label, states in saved["streams"].items()
-        }
-        for label, state in saved["samples"].items():
-            samples[label].restore(state)
-        sample.restore(saved["sample"])
-        if base is not None and saved.get("base") is not None:
-            base.restore(saved["base"])
-        if halves is not None and saved.get("halves") is not None:
-            halves = [StreamingMoments.from_state(state) for state in saved["halves"]]
-    matching = confidence is not None
+        records.restore(saved)
     if confidence is not None:
-        confidence.stash = {}
-    # The translators' leading positions of each batch this pass reads (`fit_translators`).
-    leading: dict[int, Tensor] = {}
-    n_leading = translator_rows(calibration)
+        confidence.start_stash()
+    leading = LeadingStates(calibration)
+    batches = distributed.assigned(calibration.batches(config.batch_size))
     plan = context.readout_plan(calibration)
     for batch_number, (index, rows) in enumerate(
         context.each(batches[done:], "calibration"), start=done
@@ -227,141 +182,94 @@ def fit_maps(
         states, _ = capture_states(
             context.model, calibration.tokens[rows].to(device), stop_after_last=True
         )
-        if not buffer_rows:  # before any moments are held
-            width = int(states.shape[-1])
-            buffer_rows = max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
-            check_moment_memory(len(conditions), n_groups, width, buffer_rows, device)
-        pieces = None
-        if confidence is not None and matching:
-            pieces = confidence.pieces(calibration, index, rows)
-            matching = pieces is not None  # past the budget, later batches are not read
-            if pieces:
-                confidence.stash[index] = confidence.keep(states, pieces, rows.start)
-        if base is not None:  # full depth's readout in chunks of examples, summed on the device
-            for chunk in plan.example_chunks(rows.stop - rows.start):
-                chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
-                full_logits = context.model.readout(states[r][chunk])
-                base.add(full_logits, calibration_keys[chunk_rows], chunk_rows)
-                del full_logits
-        if rows.start < n_leading:
-            leading[index] = _leading_states(context, calibration, rows, states, n_leading)
-        keep = context.pooled_positions(calibration, rows)
-        pooled = states[:, keep]  # [r + 1, n_tokens, d]
-        example, position = row_ids(calibration_keys[rows], keep)
-        sample.add(pooled[r], example, position)
-        if halves is not None and not all_finite(pooled[r]):
-            halves = None  # the null falls back to the probe's subsample, which says so
-        if halves is not None:  # full depth's states by example parity: the calibration null
-            even = (example % 2 == 0).to(pooled.device)
-            halves[0].update(pooled[r][even])
-            halves[1].update(pooled[r][~even])
-        group = (example % n_groups).to(pooled.device)
-        present = [(g, group == g) for g in range(n_groups) if bool((group == g).any())]
-        for label, moments in streams.items():
-            if moments is None:
-                continue
-            state = conditions[label].readout_input(pooled)
-            if all_finite(state):
-                for g, rows_of_group in present:
-                    pending[label][g].append(state[rows_of_group])
-                    if sum(len(x) for x in pending[label][g]) >= buffer_rows:
-                        moments[g].update(torch.cat(pending[label][g]))
-                        pending[label][g] = []
-                if entry.needs_states:
-                    samples[label].add(state, example, position)
-            else:
-                streams[label] = None
-        context.snapshot(
-            "calibration", batch_number + 1, len(batches),
-            lambda: {
-                "streams": _flushed(streams, pending) and {
-                    n: None if m is None else [g.state() for g in m] for n, m in streams.items()
-                },
-                "samples": {label: s.state() for label, s in samples.items()},
-                "sample": sample.state(),
-                "base": None if base is None else base.state(),
-                "halves": _halves_state(halves),  # noqa: B023 (called now, in this batch)
-            },
-        )  # fmt: skip
-    _flushed(streams, pending)
+        records.add(context, calibration, rows, states, plan)
+        if confidence is not None:
+            confidence.stash_batch(calibration, index, rows, states)
+        leading.add(context, calibration, index, rows, states)
+        context.snapshot("calibration", batch_number + 1, len(batches), records.state)
+    records.flush()
     if distributed.rank_and_world()[1] > 1:
-        streams, samples, sample, base = _merged_fit(streams, samples, sample, base, device)
+        records.merge_processes(device)
+    return _fitted(context, calibration, entry, records, leading)
 
-    totals = {label: _merge_groups(groups) for label, groups in streams.items()}
 
-    def fitted_maps(left_out: int | None) -> dict[str, StateMap | None]:
-        merged = {
-            label: _left_out(totals[label], groups, left_out) for label, groups in streams.items()
-        }
-        reference = merged["full"]
-        maps: dict[str, StateMap | None] = {}
-        for label, source in merged.items():
-            try:
-                maps[label] = None if source is None or reference is None else _fit_map(
-                    entry, config, source, reference,
-                    _without(samples.get(label), left_out, n_groups),
-                    _without(samples.get("full"), left_out, n_groups),
-                )  # fmt: skip
-            except ValueError:
-                if left_out is None:
-                    raise
-                maps[label] = None  # too few states without the group: no jackknife cell
-        return maps
-
-    translators, left_out_translators = fit_translators(context, calibration, leading)
+def _fitted(
+    context: RunContext,
+    calibration: EvaluationSet,
+    entry: CalibrationMap,
+    records: CalibrationRecords,
+    leading: LeadingStates,
+) -> FittedMaps:
+    """The maps, the calibration null and the translators fitted from the calibration pass's
+    ``records``, and with calibration groups their refits with each group left out."""
+    config, r = context.config, context.r
+    totals = {label: moments.total() for label, moments in records.streams.items()}
+    translators, left_out_translators = fit_translators(context, calibration, leading.states)
+    base_rate = None if records.base is None else records.base.table()
     maps = FittedMaps(
-        fitted_maps(None), _fit_null(entry, config, sample, halves), sample.tensor(),
-        config.calibration_mode, r, translators, None if base is None else base.table(),
+        _fit_whole(entry, config, records, totals),
+        _fit_null(entry, config, records.sample, records.halves), records.sample.tensor(),
+        config.calibration_mode, r, translators, base_rate,
     )  # fmt: skip
     maps.states = {label: 0 if total is None else total.count for label, total in totals.items()}
-    populated = sum(bool(m.count) for m in (streams.get("full") or []))
+    populated = sum(bool(m.count) for m in (records.streams["full"].groups or []))
     if config.calibration_groups >= 2 and populated >= 2:
-        left_out_maps = _refit_left_out(context, entry, streams, totals, samples, maps.maps)
-        for g in range(n_groups):
+        left_out_maps = _refit_left_out(context, entry, records, totals, maps.maps)
+        for refits, refit_translators in zip(left_out_maps, left_out_translators, strict=True):
+            # The base rate is not refitted: see `BaseRateSums.table`.
             maps.jackknife.append(
                 FittedMaps(
-                    left_out_maps[g],
-                    None,
-                    None,
-                    config.calibration_mode,
-                    r,
-                    left_out_translators[g],
-                    maps.base_rate,  # the base rate is not refitted: see `_BaseRateSums.table`
-                )  # fmt: skip
+                    refits, None, None, config.calibration_mode, r, refit_translators, base_rate
+                )
             )
     return maps
+
+
+def _fit_whole(
+    entry: CalibrationMap,
+    config: MapSettings,
+    records: CalibrationRecords,
+    totals: dict[str, StreamingMoments | None],
+) -> dict[str, FittedMap | None]:
+    """Every map fitted on the whole calibration split (None where its states were
+    non-finite)."""
+    reference = totals["full"]
+    return {
+        label: None if source is None or reference is None else _fit_map(
+            entry, config, source, reference, records.samples.get(label),
+            records.samples.get("full"),
+        )
+        for label, source in totals.items()
+    }  # fmt: skip
 
 
 def _refit_left_out(
     context: RunContext,
     entry: CalibrationMap,
-    streams: dict[str, list[StreamingMoments] | None],
+    records: CalibrationRecords,
     totals: dict[str, StreamingMoments | None],
-    samples: dict[str, Subsample],
-    whole: dict[str, StateMap | None],
-) -> list[dict[str, StateMap | None]]:
+    whole: dict[str, FittedMap | None],
+) -> list[dict[str, FittedMap | None]]:
     """Every map refitted with each calibration group left out, one stream at a time: full
     depth's left-out moments are formed once per group, each other stream's group moments are
     released once its refits are done, and each refit is held as a difference from the whole
     split's map (`LeftOutAffine`). None where a refit cannot be fitted (too few states)."""
-    config, n_groups = context.config, max(1, context.config.calibration_groups)
-    references = [_left_out(totals["full"], streams["full"], g) for g in range(n_groups)]
-    refits: list[dict[str, StateMap | None]] = [{} for _ in range(n_groups)]
+    config, n_groups, streams = context.config, records.n_groups, records.streams
+    references = [streams["full"].left_out(totals["full"], g) for g in range(n_groups)]
+    refits: list[dict[str, FittedMap | None]] = [{} for _ in range(n_groups)]
     labels = [label for label in streams if label != "full"] + ["full"]
     with warnings.catch_warnings():  # the whole split's fit already said so
         warnings.simplefilter("ignore")
         for label in context.each(labels, "jackknife fits"):
             for g, reference in enumerate(references):
-                source = (
-                    reference if label == "full" else _left_out(totals[label], streams[label], g)
-                )
-                fitted: StateMap | None = None
+                source = reference if label == "full" else streams[label].left_out(totals[label], g)
+                fitted: FittedMap | None = None
                 if source is not None and reference is not None:
                     try:
                         fitted = _fit_map(
                             entry, config, source, reference,
-                            _without(samples.get(label), g, n_groups),
-                            _without(samples.get("full"), g, n_groups),
+                            _without(records.samples.get(label), g, n_groups),
+                            _without(records.samples.get("full"), g, n_groups),
                         )  # fmt: skip
                     except ValueError:
                         fitted = None  # too few states without the group: no jackknife cell
@@ -369,7 +277,8 @@ def _refit_left_out(
                     None if fitted is None else LeftOutAffine.of(whole[label], fitted)
                 )
             if label != "full":  # its groups' moments are no longer needed
-                streams[label], totals[label] = None, None
+                streams[label].release()
+                totals[label] = None
     return [{label: refit[label] for label in whole} for refit in refits]
 
 
@@ -417,138 +326,6 @@ def announce_fallbacks(context: RunContext, calibration: EvaluationSet, mode: st
     )
 
 
-def moment_bytes(n_streams: int, n_groups: int, width: int, buffer_rows: int) -> int:
-    """Bytes the fit stage's moments hold: per stream and calibration group, a float64 d x d
-    scatter and its vectors, and up to ``buffer_rows`` float32 states waiting; per stream the
-    whole split's merged moments once more."""
-    per_moments = 8 * (width * width + 3 * width)
-    waiting = 4 * buffer_rows * width
-    return n_streams * (n_groups * (per_moments + waiting) + per_moments)
-
-
-def check_moment_memory(
-    n_streams: int, n_groups: int, width: int, buffer_rows: int, device: torch.device
-) -> None:
-    """Refuse, before the calibration pass, a fit whose moments (`moment_bytes`) would take more
-    than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
-    needed = moment_bytes(n_streams, n_groups, width, buffer_rows)
-    # What the device can give, PyTorch's cached memory included (it is reused before the
-    # driver is asked): memory a notebook's earlier work left cached does not count as taken.
-    free = device_memory_bytes(device) or 0
-    if free and needed > MOMENT_MEMORY_SHARE * free:
-        single = moment_bytes(n_streams, 1, width, buffer_rows)
-        raise ResourceLimitError(
-            f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
-            f"conditions x {n_groups} calibration groups of {width} x {width} float64), more "
-            f"than {MOMENT_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device}. "
-            f"Pass fewer calibration groups (--calibration-groups 0 turns the jackknife off: "
-            f"{single / 2**30:.1f} GiB) or a shorter --k grid."
-        )
-
-
-def _flushed(
-    streams: dict[str, list[StreamingMoments] | None], pending: dict[str, list[list[Tensor]]]
-) -> bool:
-    """Fold every group's waiting states into its moments (dropped for a non-finite stream)."""
-    for label, groups in pending.items():
-        moments = streams[label]
-        for g, waiting in enumerate(groups):
-            if waiting and moments is not None:
-                moments[g].update(torch.cat(waiting))
-            groups[g] = []
-    return True
-
-
-class _BaseRateSums:
-    """Full depth's predicted distributions summed per calibration group and position bucket
-    (`position_bucket`) over scored positions: the base rate's table, whole or with one group
-    left out."""
-
-    def __init__(self, n_groups: int, calibration: EvaluationSet) -> None:
-        self.n_groups = n_groups
-        self.targets = calibration.targets
-        length = int(calibration.tokens.shape[1])
-        self.buckets = position_bucket(torch.arange(length))
-        self.n_buckets = int(self.buckets.max()) + 1 if length else 1
-        self.sums: Tensor | None = None  # [n_groups, n_buckets, d_vocab] float64
-        self.counts = torch.zeros(n_groups, self.n_buckets, dtype=torch.float64)
-
-    def add(self, full_logits: Tensor, keys: Tensor, rows: slice) -> None:
-        """Fold one chunk of full depth's logits ``[n, pos, d_vocab]`` (the examples ``rows``,
-        their keys ``keys``) into the sums, on the logits' device (no copy to the host)."""
-        device = full_logits.device
-        probs = full_logits.float().softmax(-1)
-        scored = (self.targets[rows] != IGNORE_INDEX).to(device)
-        if self.sums is None:
-            self.sums = torch.zeros(
-                self.n_groups, self.n_buckets, probs.shape[-1], dtype=torch.float64, device=device
-            )
-            self.counts = self.counts.to(device)
-        buckets = self.buckets[: probs.shape[1]].to(device)
-        group = keys.to(device) % self.n_groups
-        for g in range(self.n_groups):
-            weight = (scored & (group == g)[:, None]).to(probs.dtype)
-            total = torch.einsum("npv,np->pv", probs, weight).double()  # [pos, d_vocab]
-            self.sums[g].index_add_(0, buckets, total)
-            self.counts[g].index_add_(0, buckets, weight.sum(0).double())
-
-    def table(self) -> Tensor | None:
-        """``[n_buckets, d_vocab]`` log mean distribution; a bucket with no scored position takes
-        the mean over every position.
-
-        The jackknife keeps this table for every left-out group: the base rate is a discount,
-        and the accuracy of a near-tied mode read on a tenth of the evaluation examples jumps
-        when the mode flips, a spread of that subsample rather than of the fit."""
-        if self.sums is None:
-            return None
-        sums, counts = self.sums.sum(0), self.counts.sum(0)
-        overall = sums.sum(0) / counts.sum().clamp(min=1.0)
-        mean = torch.where(
-            counts[:, None] > 0, sums / counts.clamp(min=1.0)[:, None], overall[None]
-        )
-        return mean.clamp(min=1e-12).log().float()
-
-    def state(self) -> dict[str, Tensor | None]:
-        return {"sums": self.sums, "counts": self.counts}
-
-    def restore(self, state: dict[str, Tensor | None]) -> None:
-        self.sums, counts = state["sums"], state["counts"]
-        assert counts is not None
-        self.counts = counts
-
-    def merge(self, other: _BaseRateSums) -> None:
-        if other.sums is None:
-            return
-        if self.sums is None:
-            self.sums, self.counts = other.sums.clone(), other.counts.clone()
-            return
-        self.sums = self.sums + other.sums.to(self.sums.device)
-        self.counts = self.counts + other.counts.to(self.counts.device)
-
-
-def _merge_groups(groups: list[StreamingMoments] | None) -> StreamingMoments | None:
-    """Every group's moments merged (None where there are none); a group is left out later by
-    subtraction (`_left_out`)."""
-    if groups is None:
-        return None
-    total = StreamingMoments()
-    for moments in groups:
-        total.merge(moments)
-    return total if total.count else None
-
-
-def _left_out(
-    total: StreamingMoments | None, groups: list[StreamingMoments] | None, left_out: int | None
-) -> StreamingMoments | None:
-    """``total`` (every group merged) less group ``left_out``'s moments, to be decomposed in float32
-    (`StreamingMoments.for_refit`): the jackknife's refit of one stream. ``total`` itself where
-    ``left_out`` is None."""
-    if total is None or groups is None or left_out is None:
-        return total
-    rest = total.without(groups[left_out])
-    return None if rest is None else rest.for_refit()
-
-
 def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> Subsample | None:
     """``sample`` less the rows of calibration group ``left_out`` (None: as it is)."""
     if sample is None or left_out is None or sample.tensor() is None:
@@ -563,7 +340,7 @@ def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> S
 
 def fit_translators(
     context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor] | None = None
-) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Any]]]:
+) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Translator | None]]]:
     """A paired `AffineTranslator` per source of `translator_sources`: the ridge least-squares
     affine map from the source's readout inputs to full depth's states s_r at the same positions
     (`_least_squares`), over the pooled positions of the leading calibration sequences (at most
@@ -575,12 +352,12 @@ def fit_translators(
         none) the translators fitted with that group's positions left out (the jackknife's).
 
     ``leading`` holds, by calibration batch index, those positions' states [r + 1, n, d_model]
-    as the fit stage's pass kept them (`_leading_states`); a batch missing from it (after a
+    as the fit stage's pass kept them (`leading_states`); a batch missing from it (after a
     resume, or read by another rank) is recomputed in the same batch, so every rank fits the
     same translators from the same bytes (no merge needed)."""
     wanted = translator_sources(context)
     n_groups = context.config.calibration_groups
-    left_out: list[dict[str, Any]] = [{} for _ in range(max(0, n_groups))]
+    left_out: list[dict[str, Translator | None]] = [{} for _ in range(max(0, n_groups))]
     if n_groups < 2:
         left_out = []
     if not wanted:
@@ -594,7 +371,7 @@ def fit_translators(
         if piece is None:
             tokens = calibration.tokens[rows].to(context.device())
             states, _ = capture_states(context.model, tokens, stop_after_last=True)
-            piece = _leading_states(context, calibration, rows, states, n_rows)
+            piece = leading_states(context, calibration, rows, states, n_rows)
         pieces.append(piece)
         keys.append(_leading_keys(context, calibration, rows, n_rows))
     states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
@@ -619,33 +396,10 @@ def fit_translators(
     return translators, left_out
 
 
-def translator_rows(calibration: EvaluationSet) -> int:
-    """How many leading calibration sequences the translators are fitted on: as many whole
-    sequences as `TRANSLATOR_POINTS` positions hold (at least one)."""
-    length = max(1, int(calibration.tokens.shape[1]))
-    return max(1, min(len(calibration), TRANSLATOR_POINTS // length))
-
-
-def _leading_states(
-    context: RunContext,
-    calibration: EvaluationSet,
-    rows: slice,
-    states: Float[Tensor, "r_plus_1 batch pos d_model"],
-    n_rows: int,
-) -> Float[Tensor, "r_plus_1 n d_model"]:
-    """The states of ``rows``' (one calibration batch) sequences below ``n_rows`` at their pooled
-    positions (every position where none is pooled), a copy."""
-    rows = slice(rows.start, min(rows.stop, n_rows))
-    keep = context.pooled_positions(calibration, rows)
-    if not bool(keep.any()):
-        keep = torch.ones_like(keep)
-    return states[:, : rows.stop - rows.start][:, keep]
-
-
 def _leading_keys(
     context: RunContext, calibration: EvaluationSet, rows: slice, n_rows: int
 ) -> Tensor:
-    """The example key of every position `_leading_states` keeps of ``rows`` (same order)."""
+    """The example key of every position `leading_states` keeps of ``rows`` (same order)."""
     rows = slice(rows.start, min(rows.stop, n_rows))
     keep = context.pooled_positions(calibration, rows)
     if not bool(keep.any()):
@@ -693,7 +447,7 @@ def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | No
     gram = gram.clone()
     ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
     gram.diagonal().add_(ridge)
-    # The ridged gram is positive definite: a Cholesky solve, about half an LU solve's time.
+    # The ridged gram is positive definite: a Cholesky solve, cheaper than an LU solve.
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:
         solution = torch.cholesky_solve(moment, factor)
@@ -713,7 +467,7 @@ def _fit_map(
     reference: StreamingMoments,
     source_sample: Subsample | None,
     reference_sample: Subsample | None,
-) -> StateMap:
+) -> FittedMap:
     if entry.from_moments is not None:
         return entry.from_moments(source, reference, config)  # type: ignore[arg-type]
     assert source_sample is not None and reference_sample is not None
@@ -722,16 +476,12 @@ def _fit_map(
     return entry.from_states(source_states, reference_states, config)  # type: ignore[arg-type]
 
 
-def _halves_state(halves: list[StreamingMoments] | None) -> list[dict[str, Any]] | None:
-    return None if halves is None else [h.state() for h in halves]
-
-
 def _fit_null(
     entry: CalibrationMap,
     config: object,
     sample: Subsample,
     halves: list[StreamingMoments] | None,
-) -> StateMap | None:
+) -> FittedMap | None:
     """The calibration null: from the moments of even and odd examples' full-depth states where
     the map is fitted from moments, else from the probe's subsample (`_fit_halves`)."""
     if halves is None or entry.from_moments is None:
@@ -744,7 +494,7 @@ def _fit_null(
         return None
 
 
-def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> StateMap | None:
+def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> FittedMap | None:
     """The real calibration null: the same kind of map fitted between two disjoint halves
     of the calibration split's full-depth states (even and odd examples). It should leave
     full depth's readout as it is; `calibrate(full)` fitted onto itself is the identity by
@@ -761,44 +511,9 @@ def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> Sta
         return None
 
 
-def apply_map(mapping: StateMap | None, state: Tensor) -> Tensor:
+def apply_map(mapping: FittedMap | None, state: Tensor) -> Tensor:
     """``mapping(state)``, or NaN where no calibration could be fitted."""
     return mapping(state) if mapping is not None else torch.full_like(state, math.nan)
-
-
-def _merged_fit(
-    streams: dict[str, list[StreamingMoments] | None],
-    samples: dict[str, Subsample],
-    sample: Subsample,
-    base: _BaseRateSums | None,
-    device: torch.device,
-) -> tuple[
-    dict[str, list[StreamingMoments] | None], dict[str, Subsample], Subsample, _BaseRateSums | None
-]:
-    """`fit_maps`'s moments (per group), subsamples and base-rate sums merged over every rank, in
-    rank order on every rank (so every rank fits the same maps), on ``device``. A stream that
-    turned non-finite on any rank is dropped."""
-    parts = distributed.all_gather((streams, samples, sample, base))
-    merged: dict[str, list[StreamingMoments] | None] = {}
-    for label in streams:
-        each = [part[0][label] for part in parts]
-        total: list[StreamingMoments] | None = None
-        if all(groups is not None for groups in each):
-            total = [StreamingMoments() for _ in each[0]]
-            for groups in each:
-                for g, moments in enumerate(groups):
-                    total[g].merge(moments)
-        merged[label] = distributed.moved(total, device)
-    merged_samples = {
-        label: distributed.moved(Subsample.merged([part[1][label] for part in parts]), device)
-        for label in samples
-    }
-    probe = distributed.moved(Subsample.merged([part[2] for part in parts]), device)
-    merged_base = parts[0][3]  # every part is a copy: merge into the first
-    for part in parts[1:]:
-        if merged_base is not None:
-            merged_base.merge(part[3])
-    return merged, merged_samples, probe, merged_base
 
 
 class _Pending:
@@ -848,7 +563,7 @@ UNBOUNDED_MAP_REASON = (
 )
 
 
-def bounded(decomposition: Any, mode: str) -> Any:
+def bounded(decomposition: Decomposition, mode: str) -> Decomposition:
     """``decomposition`` as it is where calibration map ``mode`` bounds S from below; else with
     S unidentified at every k and the verdict inconclusive (`CalibrationMap.lower_bound`)."""
     shares = decomposition.bracket_shares

@@ -11,13 +11,12 @@ from the rebuilt float64 linear part when first asked for.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from dcp_lens.protocol.calibration import AffineCalibration
+from dcp_lens.protocol.calibration import AffineCalibration, FittedMap
 from dcp_lens.protocol.translator import AffineTranslator
 
 
@@ -44,7 +43,7 @@ class LeftOutAffine:
         self._cast: dict[tuple[torch.dtype, torch.device], tuple[Tensor, ...]] = {}
 
     @classmethod
-    def of(cls, whole: Any, refit: Any) -> Any:
+    def of(cls, whole: FittedMap | None, refit: FittedMap) -> FittedMap:
         """``refit`` compressed against ``whole`` where both are full-mode affine maps, else
         ``refit`` as it is."""
         if (

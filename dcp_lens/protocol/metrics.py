@@ -171,7 +171,7 @@ class Readout:
         """What the top-1 hits read: the largest logit ``[batch, pos]``, whether all logits are
         finite ``[batch, pos]``, where the largest is tied ``[batch, pos]``, and the argmax of
         the tied positions only ``[n_tied]``."""
-        # PyTorch's CPU max with indices (and argmax) is about ten times slower than amax, a
+        # PyTorch's CPU max with indices (and argmax) is much slower than amax, a
         # fast enough pass to take twice: the largest, then the number of logits below it (the
         # sum of the signs of logit - largest, -1 below and 0 at a tie). Where the largest is
         # unique, a reference is the prediction exactly when its logit is the largest; only

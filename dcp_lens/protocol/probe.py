@@ -343,7 +343,7 @@ class ResidualOODProbe:
         threads = torch.get_num_threads()
         if inputs.device.type == "cpu":
             # These matmuls are too small to gain from threads, and on a busy machine OpenMP's
-            # spin-waiting makes them 10-50x slower; restored below.
+            # spin-waiting makes them many times slower; restored below.
             torch.set_num_threads(1)
         try:
             with torch.enable_grad():

@@ -18,7 +18,7 @@ def capture_states(
     iterations: Sequence[int] | None = None,
     *,
     stop_after_last: bool = False,
-    **forward_kwargs: Any,
+    **forward_kwargs: object,
 ) -> tuple[Float[Tensor, "n_states batch pos d_model"], Any]:
     """One forward pass with a hook on the state after each t of ``iterations``.
 
@@ -43,8 +43,8 @@ def capture_states(
     captured: dict[str, Tensor] = {}
     last = names[max(wanted)]
 
-    def keep(name: str) -> Callable[[Tensor, Any], None]:
-        def hook(state: Tensor, hook: Any) -> None:
+    def keep(name: str) -> Callable[[Tensor, object], None]:
+        def hook(state: Tensor, hook: object) -> None:
             captured[name] = state
             if stop_after_last and name == last:
                 raise _Captured

@@ -5,12 +5,20 @@ position so it never depends on the batch size, the order of the examples or the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+
+
+class SubsampleState(TypedDict):
+    """A `Subsample`'s kept rows, their example keys and priorities (int64 bits of the uint64)."""
+
+    rows: Tensor | None
+    keys: Tensor | None
+    priority: Tensor
 
 
 class Subsample:
@@ -48,12 +56,12 @@ class Subsample:
         self.rows, self.keys = rows[index.to(rows.device)], keys[index]
         self.priority = priority[order]
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> SubsampleState:
         """The kept rows, their example keys and priorities (tensors), for `restore`."""
         priority = torch.from_numpy(self.priority.view(np.int64).copy())
         return {"rows": self.rows, "keys": self.keys, "priority": priority}
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def restore(self, state: SubsampleState) -> None:
         """Keep exactly what `state` recorded."""
         self.rows, self.keys = state["rows"], state["keys"]
         if self.keys is not None:

@@ -1,15 +1,15 @@
 """The sweep stage: every sweep condition at every k of the grid on the evaluation set, from one
 full-depth pass per batch (`readouts`), scored per example, with the null control and the
-probe's subsamples. Snapshots for ``--resume`` and the merge over processes live here too.
-Hands a `SweepOutput` to the probe and decomposition stages."""
+probe's subsamples, accumulated batch by batch into `SweepRecords` (which snapshot for
+``--resume`` and merge over processes). Hands a `SweepOutput` to the probe and decomposition
+stages."""
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -21,47 +21,29 @@ from dcp_lens.protocol.budget import (
     out_of_memory_message,
     release_device_memory,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full, Truncate
+from dcp_lens.protocol.conditions import SWEEP, Condition
 from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
-from dcp_lens.protocol.fit import FittedMaps, apply_map
+from dcp_lens.protocol.fit import FittedMaps
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol.probe import ProbeSamples
 from dcp_lens.protocol.readout import readouts
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.subsample import Subsample, row_ids
+from dcp_lens.protocol.sweep_records import (
+    BatchScores,
+    Maxima,
+    NullControl,
+    ProbeSampler,
+    SweepOutput,
+    SweepRecords,
+    Values,
+    nan_max,
+)
 from dcp_lens.utils import distributed
-
-# Per metric: ``"full"`` -> [n] and per sweep condition {k: [n]} (float64, per example).
-Values = dict[str, dict[str, Any]]
-
 
 # The jackknife reads the mapped conditions on the evaluation examples whose key is 0 mod this.
 JACKKNIFE_EVALUATION_STRIDE = 10
-# Per-example records that are not a metric's cells: keys of `Sweep.evaluate`'s accumulators.
-_WALK, _JACKKNIFE_ROWS = "_walk", "_jackknife_rows"
-
-
-@dataclass
-class SweepOutput:
-    """The sweep stage's hand-off: per-example `Values`, the null control's record and the
-    probe's samples (empty on a process other than rank 0).
-
-    Attributes:
-        walked: `walk_fractions`' records, ``[n]`` per kind and k: where replay *walks* (its
-            top-1 moves to one a later truncation of the grid reads; docs/bracket.md).
-        jackknife: per left-out calibration group, ``{metric: {condition: {k: [m]}}}`` for the
-            conditions whose maps the jackknife refits, on the ``m`` evaluation examples of
-            ``jackknife_rows`` (indices into ``values``' example order).
-    """
-
-    values: Values
-    null_control: dict[str, Any]
-    probe_samples: ProbeSamples
-    walked: dict[str, dict[int, Tensor]] = field(default_factory=dict)
-    jackknife: list[Values] = field(default_factory=list)
-    jackknife_rows: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -92,34 +74,16 @@ class _Reference:
         )
 
 
-@dataclass
-class _BatchScores:
-    """What one evaluation batch adds to the sweep's records: per-example cells by key (chunks of
-    examples while the batch is read, joined into one tensor per key at its end), and the null
-    control's and replay's maxima and sums over the batch."""
+@dataclass(frozen=True)
+class _Evaluation:
+    """What every batch of one evaluation reads: the data and its examples' keys, the sweep
+    conditions at every k of the grid and at r, and per left-out calibration group the
+    conditions its maps change (only those are read again for the jackknife)."""
 
-    cells: dict[tuple[str, str, int], Any] = field(default_factory=dict)
-    replay_difference: dict[int, float] = field(default_factory=dict)
-    null: dict[str, float] = field(default_factory=dict)
-    halves_diff: float = 0.0
-    halves_change: dict[str, float] = field(default_factory=dict)
-
-    def add(self, key: tuple[Any, ...], values: Any) -> Any:
-        """Append a chunk's values: a tensor under ``key``, or a metric's under ``(metric,
-        *key)``; returns ``values``."""
-        if isinstance(values, Tensor):
-            self.cells.setdefault(key, []).append(values)
-        else:
-            for metric, value in values.items():
-                self.cells.setdefault((metric, *key), []).append(value)
-        return values
-
-    def joined(self) -> _BatchScores:
-        self.cells = {
-            key: torch.cat(parts) if isinstance(parts, list) else parts
-            for key, parts in self.cells.items()
-        }
-        return self
+    data: EvaluationSet
+    keys: Int[Tensor, " n"]
+    built: dict[int, dict[str, Condition | None]]
+    left_out: list[dict[int, dict[str, Condition | None]]]
 
 
 class Sweep:
@@ -132,7 +96,11 @@ class Sweep:
         self.context = context
         self.maps = maps
         self.temperatures = temperatures
-        self.replay_difference: dict[int, float] = {}
+        self._replay: Maxima[int] = Maxima()
+
+    @property
+    def replay_difference(self) -> dict[int, float]:
+        return self._replay.values
 
     def conditions_at(self, k: int) -> dict[str, Condition | None]:
         """Every sweep condition at k (None where a map it needs could not be fitted)."""
@@ -141,163 +109,66 @@ class Sweep:
     @torch.no_grad()
     def evaluate(self, evaluation: EvaluationSet, stage: str = "evaluation.0") -> SweepOutput:
         """Every condition at every k on ``evaluation`` (snapshot under ``stage``)."""
-        context, config, r = self.context, self.context.config, self.context.r
-        k_grid, metrics = context.k_grid, context.metrics
-        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
-        # The null control: every condition that must reproduce full depth at k = r.
-        null: dict[str, float] = {
-            name: 0.0
-            for name, condition in self.conditions_at(r).items()
-            if condition is None or condition.reproduces_full_at_r
-        }
-        n, points = len(evaluation), config.probe_points
-        sample = Subsample(points, config.seed + 1)
-        trajectory = [Subsample(points, config.seed + 2 + t) for t in range(r + 1)]
-        calibrated = {k: Subsample(points, config.seed + 1000 + k) for k in k_grid}
-        evaluation_keys = evaluation.example_keys()
-        built = {k: self.conditions_at(k) for k in {*k_grid, r}}
-        # Under each left-out group's maps, only the conditions those maps change.
-        left_out = [_changed(built, maps, k_grid) for maps in self.maps.jackknife]
-        halves_diff, halves_change = 0.0, dict[str, float]()
-        null_map = self.maps.null
-        batches = distributed.assigned(evaluation.batches(config.batch_size))
+        context, config = self.context, self.context.config
+        run = self._evaluation(evaluation)
+        records = self._records(run)
         done, saved = context.restore(stage)
         if saved is not None:
-            per_example = {(m, c, int(k)): list(chunks) for m, c, k, chunks in saved["per_example"]}
-            null, halves_diff = dict(saved["null"]), float(saved["halves_diff"])
-            halves_change = dict(saved["halves_change"])
-            self.replay_difference = {int(k): v for k, v in saved["replay_difference"].items()}
-            sample.restore(saved["sample"])
-            for t, state in enumerate(saved["trajectory"]):
-                trajectory[t].restore(state)
-            for k, state in saved["calibrated"].items():
-                calibrated[int(k)].restore(state)
-
-        def snapshot() -> dict[str, Any]:
-            return {
-                "per_example": [[*key, chunks] for key, chunks in per_example.items()],
-                "null": null, "halves_diff": halves_diff, "halves_change": halves_change,
-                "replay_difference": dict(self.replay_difference),
-                "sample": sample.state(), "trajectory": [s.state() for s in trajectory],
-                "calibrated": {k: s.state() for k, s in calibrated.items()},
-            }  # fmt: skip
-
+            records.restore(saved)
+        batches = distributed.assigned(evaluation.batches(config.batch_size))
         plan = context.readout_plan(evaluation)
-        for batch_number, (_, rows) in enumerate(
+        for batch_number, (index, rows) in enumerate(
             context.each(batches[done:], "evaluation"), start=done
         ):
             try:
-                states, scored, plan = self._scored_batch(
-                    evaluation, rows, plan, built, left_out, evaluation_keys
-                )
+                states, scores, plan = self._scored_batch(run, rows, plan)
             except OutOfMemoryStop:  # keep every finished batch for --resume
-                context.snapshot(stage, batch_number, batch_number, snapshot)
+                context.snapshot(stage, batch_number, batch_number, records.state)
                 raise
-            for key, value in scored.cells.items():
-                per_example.setdefault(key, []).append(value)
-            for k, difference in scored.replay_difference.items():
-                self.replay_difference[k] = nan_max(self.replay_difference.get(k, 0.0), difference)
-            for name, difference in scored.null.items():
-                null[name] = nan_max(null[name], difference)
-            halves_diff = nan_max(halves_diff, scored.halves_diff)
-            for metric, change in scored.halves_change.items():
-                halves_change[metric] = halves_change.get(metric, 0.0) + change
+            records.add(index, scores)
             if config.probe != "none":
-                # Held-out reference from even examples, probed states from odd ones: a two-sample
-                # test needs independent samples, not two views of the same sequences.
-                # The example of each state goes along: the C2ST splits by example, since the
-                # positions of one sequence share its content and are not independent draws.
                 keep = context.pooled_positions(evaluation, rows)
-                example, position = row_ids(evaluation_keys[rows], keep)
-                even = example % 2 == 0
-                held_out = states[r][keep][even.to(keep.device)]
-                sample.add(held_out, example[even], position[even])
-                probed = states[:, keep][:, (~even).to(keep.device)]
-                probed_examples, probed_positions = example[~even], position[~even]
-                for t in range(r + 1):
-                    trajectory[t].add(probed[t], probed_examples, probed_positions)
-                for k in k_grid:
-                    mapping = self.maps.fitted(Truncate(k))
-                    calibrated[k].add(
-                        apply_map(mapping, probed[k]), probed_examples, probed_positions
-                    )
-            context.snapshot(stage, batch_number + 1, len(batches), snapshot)
+                records.probe.add(states, keep, run.keys[rows], self.maps)
+            context.snapshot(stage, batch_number + 1, len(batches), records.state)
         if distributed.rank_and_world()[1] > 1:
-            gathered = distributed.gather_to_main(
-                ([i for i, _ in batches], per_example, null, halves_diff, halves_change,
-                 self.replay_difference, sample, trajectory, calibrated)
-            )  # fmt: skip
+            gathered = distributed.gather_to_main(records)
             if gathered is None:  # not rank 0: rank 0 decomposes
                 return SweepOutput({}, {}, ProbeSamples())
-            per_example, null, halves_diff, halves_change, sample, trajectory, calibrated = (
-                self._merged(gathered)
-            )
-        values: Values = {}
-        walked: dict[str, dict[int, Tensor]] = {}
-        jackknife: list[Values] = [{} for _ in left_out]
-        jackknife_rows: Tensor | None = None
-        for (metric, condition, k), chunks in per_example.items():
-            vector = torch.cat(chunks).double().cpu()
-            if metric == _WALK:
-                walked.setdefault(condition, {})[k] = vector
-            elif metric == _JACKKNIFE_ROWS:
-                jackknife_rows = vector.long()
-            elif "@" in condition:
-                name, group = condition.rsplit("@", 1)
-                cells = jackknife[int(group)].setdefault(metric, {})
-                cells.setdefault(name, {})[k] = vector
-            elif condition == "full":
-                values.setdefault(metric, {})["full"] = vector
-            else:
-                values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
-        full_map = self.maps.fitted(Full())
-        null_control: dict[str, Any] = {
-            "max_abs_logit_diff": nan_max(null.pop("truncate"), null.pop("replay")),
-            "calibrate_full_max_abs_logit_diff": nan_max(
-                null.pop("calibrate_truncate"), null.pop("calibrate_replay")
-            ),
-            "shift_at_r_max_abs_logit_diff": null.pop("shift"),
-            "calibrate_full_identity_deviation": (
-                full_map.identity_deviation() if full_map is not None else math.nan
-            ),
-            **{f"{name}_at_r_max_abs_logit_diff": value for name, value in null.items()},
-            "calibrate_full_halves_max_abs_logit_diff": (
-                halves_diff if null_map is not None else math.nan
-            ),
-            "calibrate_full_halves_metric_change": {
-                metric: halves_change.get(metric, math.nan) / n for metric in metrics
-            },
-        }
-        probe_samples = ProbeSamples(
-            held_out=sample.tensor(),
-            held_out_groups=sample.groups(),
-            trajectory=[(s.tensor(), s.groups()) for s in trajectory],
-            calibrate_truncate={
-                k: (calibrated[k].tensor(), calibrated[k].groups()) for k in k_grid
-            },
-        )
-        return SweepOutput(
-            values, null_control, probe_samples, walked,
-            jackknife if jackknife_rows is not None else [], jackknife_rows,
-        )  # fmt: skip
+            records = SweepRecords.merged(gathered, context.device())
+        self._replay = records.replay_difference
+        chosen = run.keys % JACKKNIFE_EVALUATION_STRIDE == 0
+        jackknife_rows = torch.nonzero(chosen).squeeze(1) if run.left_out else None
+        return records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
+
+    def _evaluation(self, evaluation: EvaluationSet) -> _Evaluation:
+        built = {k: self.conditions_at(k) for k in {*self.context.k_grid, self.context.r}}
+        # Under each left-out group's maps, only the conditions those maps change.
+        left_out = [_changed(built, maps, self.context.k_grid) for maps in self.maps.jackknife]
+        return _Evaluation(evaluation, evaluation.example_keys(), built, left_out)
+
+    def _records(self, run: _Evaluation) -> SweepRecords:
+        """Empty records of ``run`` (replay's differences go on from earlier evaluations)."""
+        context, config = self.context, self.context.config
+        # The null control: every condition that must reproduce full depth at k = r.
+        null = [
+            name
+            for name, condition in run.built[context.r].items()
+            if condition is None or condition.reproduces_full_at_r
+        ]
+        probe = ProbeSampler(config.probe_points, config.seed, context.r, context.k_grid)
+        return SweepRecords(NullControl(null), self._replay, probe)
 
     def _scored_batch(
-        self,
-        evaluation: EvaluationSet,
-        rows: slice,
-        plan: ReadoutPlan,
-        built: dict[int, dict[str, Condition | None]],
-        left_out: list[dict[int, dict[str, Condition | None]]],
-        keys: Tensor,
-    ) -> tuple[Tensor, _BatchScores, ReadoutPlan]:
+        self, run: _Evaluation, rows: slice, plan: ReadoutPlan
+    ) -> tuple[Tensor, BatchScores, ReadoutPlan]:
         """`_score_batch`, redone with readout calls of half the rows after the device runs out
         of memory; the plan that fitted comes back for the next batch. Where one example's
         readouts do not fit either, stops with what to change (nothing is recorded of a batch
         that did not finish: ``--resume`` continues from the last finished one)."""
-        batch, positions = rows.stop - rows.start, int(evaluation.tokens.shape[1])
+        batch, positions = rows.stop - rows.start, int(run.data.tokens.shape[1])
         while True:
             try:
-                states, scores = self._score_batch(evaluation, rows, plan, built, left_out, keys)
+                states, scores = self._score_batch(run, rows, plan)
                 return states, scores, plan
             except torch.OutOfMemoryError as error:
                 release_device_memory(self.context.device())
@@ -311,35 +182,31 @@ class Sweep:
                 plan = smaller
 
     def _score_batch(
-        self,
-        evaluation: EvaluationSet,
-        rows: slice,
-        plan: ReadoutPlan,
-        built: dict[int, dict[str, Condition | None]],
-        left_out: list[dict[int, dict[str, Condition | None]]],
-        keys: Tensor,
-    ) -> tuple[Tensor, _BatchScores]:
+        self, run: _Evaluation, rows: slice, plan: ReadoutPlan
+    ) -> tuple[Tensor, BatchScores]:
         """Every cell of one evaluation batch: its states and the batch's scores, the readouts
         read and scored in chunks of whole examples (``plan``), so that what a batch holds is
         its states, full depth's logits and one chunk's readouts."""
         context, r, k_grid = self.context, self.context.r, self.context.k_grid
         metrics, device, model = context.metrics, context.device(), context.model
-        targets = evaluation.targets[rows].to(device)
-        states, full_logits = capture_all(context, evaluation.tokens[rows])
-        scores = _BatchScores()
+        built, left_out = run.built, run.left_out
+        targets = run.data.targets[rows].to(device)
+        states, full_logits = capture_all(context, run.data.tokens[rows])
+        scores = BatchScores()
+        null = scores.null
         top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
-        chosen = keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
+        chosen = run.keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
         null_map = self.maps.null
         for examples in plan.example_chunks(rows.stop - rows.start):
             chunk_states, chunk_logits = states[:, examples], full_logits[examples]
             scoring = _Reference.of(chunk_logits, targets[examples])
-            reference = scores.add(("full", 0), scoring.score(chunk_logits, metrics))
+            reference = scores.add("full", 0, scoring.score(chunk_logits, metrics))
             at_r: dict[str, Tensor] | None = None
             for k in k_grid:
                 read = readouts(model, r, chunk_states, built[k], chunk_logits, plan)
                 for name in read:
                     tempered = self._tempered(read[name], name, k)
-                    scores.add((name, k), scoring.score(tempered, metrics))
+                    scores.add(name, k, scoring.score(tempered, metrics))
                     del tempered
                 difference = _max_diff(read["replay"], read["truncate"])
                 scores.replay_difference[k] = nan_max(
@@ -356,42 +223,42 @@ class Sweep:
                 at_full = built[r][name]
                 if at_full is None or at_full.reproduces_full_at_r:
                     difference = _max_diff(at_r[name], chunk_logits)
-                    scores.null[name] = nan_max(scores.null.get(name, 0.0), difference)
+                    null.differences[name] = nan_max(null.differences.get(name, 0.0), difference)
             del at_r
             if null_map is not None:
                 halves = model.readout(null_map(chunk_states[r]))
-                scores.halves_diff = nan_max(scores.halves_diff, _max_diff(halves, chunk_logits))
+                null.halves_difference = nan_max(
+                    null.halves_difference, _max_diff(halves, chunk_logits)
+                )
                 moved = scoring.score(halves, metrics)
                 for metric in metrics:
                     change = float((moved[metric] - reference[metric]).double().sum())
-                    scores.halves_change[metric] = scores.halves_change.get(metric, 0.0) + change
+                    null.halves_change[metric] = null.halves_change.get(metric, 0.0) + change
                 del halves
             if left_out:
+                picked = chosen[examples].to(device)
                 self._score_jackknife(
-                    scores, chunk_states[:, chosen[examples].to(device)],
-                    chunk_logits[chosen[examples].to(device)],
-                    targets[examples][chosen[examples].to(device)], left_out, plan,
+                    scores, chunk_states[:, picked], chunk_logits[picked],
+                    targets[examples][picked], left_out, plan,
                 )  # fmt: skip
         for kind, per_k in walk_fractions(
             {name: {k: torch.cat(parts) for k, parts in per.items()} for name, per in top1.items()},
             full_logits.argmax(-1), targets, r,
         ).items():  # fmt: skip
             for k, value in per_k.items():
-                scores.add((_WALK, kind, k), value)
+                scores.walked[(kind, k)] = [value]
         if left_out:
-            index = torch.arange(rows.start, rows.stop)[chosen].double()
-            scores.cells[(_JACKKNIFE_ROWS, "rows", 0)] = index
             empty = torch.zeros(0, dtype=torch.float64, device=device)
-            for k in k_grid:  # a chunk for every key in every batch, empty where none is read
+            for k in k_grid:  # a cell for every key, empty where none is read
                 for g, conditions in enumerate(left_out):
                     for name in conditions[k]:
                         for metric in metrics:
-                            scores.cells.setdefault((metric, f"{name}@{g}", k), empty)
-        return states, scores.joined()
+                            scores.jackknife.setdefault((g, metric, name, k), [empty])
+        return states, scores
 
     def _score_jackknife(
         self,
-        scores: _BatchScores,
+        scores: BatchScores,
         states: Tensor,
         full_logits: Tensor,
         targets: Tensor,
@@ -407,7 +274,7 @@ class Sweep:
         scoring = _Reference.of(full_logits, targets)
         for k in context.k_grid:
             each = {
-                f"{name}@{g}": condition
+                (g, name): condition
                 for g, conditions in enumerate(left_out)
                 for name, condition in conditions[k].items()
             }
@@ -415,13 +282,14 @@ class Sweep:
             # No call holds more rows than the main readouts of a chunk do (all of a k's).
             held = len(SWEEP) * plan.examples * states.shape[2]
             for group in plan.condition_groups(len(labels), states.shape[1], states.shape[2], held):
-                names = labels[group]
+                named = {f"{name}@{g}": (g, name) for g, name in labels[group]}
                 read = readouts(
-                    context.model, r, states, {n: each[n] for n in names}, full_logits, plan
+                    context.model, r, states, {n: each[named[n]] for n in named}, full_logits, plan
                 )
-                for label in names:
-                    tempered = self._tempered(read[label], label.rsplit("@", 1)[0], k)
-                    scores.add((label, k), scoring.score(tempered, context.metrics))
+                for label, (g, name) in named.items():
+                    tempered = self._tempered(read[label], name, k)
+                    for metric, value in scoring.score(tempered, context.metrics).items():
+                        scores.jackknife.setdefault((g, metric, name, k), []).append(value)
                     del tempered  # a view keeps the whole call's logits alive
                 del read
 
@@ -429,38 +297,6 @@ class Sweep:
         """``logits`` at the temperature confidence matching fitted for ``(name, k)``."""
         temperature = self.temperatures.get((name, k), 1.0)
         return logits if temperature == 1.0 else logits / temperature
-
-    def _merged(self, gathered: list[Any]) -> tuple[Any, ...]:
-        """Every rank's `evaluate` accumulators combined on rank 0, as one process would have
-        them: per-example chunks in batch order, maxima and sums over ranks, subsamples merged."""
-        context = self.context
-        per_example: dict[tuple[str, str, int], list[Tensor]] = {}
-        ordered = sorted(
-            (index, key, chunks[position])
-            for part in gathered
-            for position, index in enumerate(part[0])
-            for key, chunks in part[1].items()
-        )
-        for _, key, chunk in ordered:
-            per_example.setdefault(key, []).append(chunk.to(context.device()))
-        null = {name: nan_max_all(part[2][name] for part in gathered) for name in gathered[0][2]}
-        halves_diff = nan_max_all(part[3] for part in gathered)
-        halves_change: dict[str, float] = {}
-        for part in gathered:
-            for metric, change in part[4].items():
-                halves_change[metric] = halves_change.get(metric, 0.0) + change
-        for k in context.k_grid:
-            differences = [part[5][k] for part in gathered if k in part[5]]
-            if differences:
-                self.replay_difference[k] = nan_max_all(differences)
-        sample = Subsample.merged([part[6] for part in gathered])
-        trajectory = [
-            Subsample.merged([part[7][t] for part in gathered]) for t in range(context.r + 1)
-        ]
-        calibrated = {
-            k: Subsample.merged([part[8][k] for part in gathered]) for k in context.k_grid
-        }
-        return per_example, null, halves_diff, halves_change, sample, trajectory, calibrated
 
 
 def capture_all(
@@ -479,13 +315,15 @@ def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     for draw in range(1, draws):
         with _noise_seed(sweep.context.model, draw):
             more = sweep.evaluate(evaluation, f"evaluation.{draw}").values
-        values = _accumulate(values, more)
+        values = _added(values, more)
     if draws > 1:
-        values = _scale(values, 1.0 / draws)
+        values = _each_vector(values, lambda v, at: v * (1.0 / draws))
     # The bootstrap resamples positions in this order: make it the examples' own.
     order = torch.argsort(evaluation.example_keys(), stable=True)
-    output.values = _reorder(values, order)
-    output.walked = _reorder(output.walked, order)
+    output.values = _each_vector(values, lambda v, at: v[order])
+    output.walked = {
+        kind: {k: v[order] for k, v in per_k.items()} for kind, per_k in output.walked.items()
+    }
     if output.jackknife_rows is not None:
         position = torch.empty_like(order)
         position[order] = torch.arange(len(order))
@@ -547,27 +385,26 @@ def walk_fractions(
     return out
 
 
-def nan_max(a: float, b: float) -> float:
-    """max(a, b), NaN if either is NaN: a non-finite null control never reads as passing."""
-    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
-
-
-def nan_max_all(values: Any) -> float:
-    """The maximum of ``values``, NaN if any is NaN (see `nan_max`)."""
-    result = -math.inf
-    for value in values:
-        result = nan_max(result, value)
-    return result
-
-
 def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a - b).abs().max())
 
 
+@runtime_checkable
+class _Seeded(Protocol):
+    """A model config with an initial-state noise seed."""
+
+    state_init_seed: int
+
+
 @contextlib.contextmanager
-def _noise_seed(model: Any, draw: int) -> Iterator[None]:
-    """The model's initial-state noise seed moved by ``draw`` (restored afterwards)."""
-    cfg = model.cfg
+def _noise_seed(model: object, draw: int) -> Iterator[None]:
+    """The model's initial-state noise seed (``model.cfg.state_init_seed``) moved by ``draw``
+    (restored afterwards)."""
+    cfg = getattr(model, "cfg", None)
+    if not isinstance(cfg, _Seeded):
+        raise TypeError(
+            f"noise draws need a model config with a state_init_seed, got {type(cfg).__name__}."
+        )
     seed = cfg.state_init_seed
     cfg.state_init_seed = seed + 1_000_003 * draw
     try:
@@ -576,20 +413,28 @@ def _noise_seed(model: Any, draw: int) -> Iterator[None]:
         cfg.state_init_seed = seed
 
 
-def _accumulate(values: Any, more: Any) -> Any:
+def _each_vector(
+    values: Values, change: Callable[[Tensor, tuple[str, str, int | None]], Tensor]
+) -> Values:
+    """``values`` with each per-example vector, at (metric, condition, k) (k None for full
+    depth's), replaced by ``change(vector, (metric, condition, k))``."""
+    out: Values = {}
+    for metric, per in values.items():
+        out[metric] = {}
+        for name, cells in per.items():
+            if isinstance(cells, Tensor):
+                out[metric][name] = change(cells, (metric, name, None))
+            else:
+                out[metric][name] = {k: change(v, (metric, name, k)) for k, v in cells.items()}
+    return out
+
+
+def _added(values: Values, more: Values) -> Values:
     """Per-example values of two evaluations added, cell by cell."""
-    if isinstance(values, Tensor):
-        return values + more
-    return {key: _accumulate(value, more[key]) for key, value in values.items()}
+    return _each_vector(values, lambda v, at: v + _vector_at(more, at))
 
 
-def _reorder(values: Any, order: Tensor) -> Any:
-    if isinstance(values, Tensor):
-        return values[order]
-    return {key: _reorder(value, order) for key, value in values.items()}
-
-
-def _scale(values: Any, factor: float) -> Any:
-    if isinstance(values, Tensor):
-        return values * factor
-    return {key: _scale(value, factor) for key, value in values.items()}
+def _vector_at(values: Values, at: tuple[str, str, int | None]) -> Tensor:
+    metric, name, k = at
+    cells = values[metric][name]
+    return cells if k is None else cells[k]

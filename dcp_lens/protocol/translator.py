@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -45,7 +44,9 @@ class AffineTranslator:
         self.bias = torch.zeros(d_model) if bias is None else bias.detach().clone()
         # (I + W)^T and b per device and dtype, keyed on the tensors' identity and version (a
         # refit or an in-place edit of weight or bias makes a new entry).
-        self._cast: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
+        self._cast: dict[
+            tuple[torch.device, torch.dtype, int, int, int, int], tuple[Tensor, Tensor]
+        ] = {}
         if self.weight.shape != (d_model, d_model) or self.bias.shape != (d_model,):
             raise TranslatorError(
                 f"weight {tuple(self.weight.shape)} / bias {tuple(self.bias.shape)} do not fit "

@@ -315,7 +315,7 @@ def test_a_refit_decomposes_in_float32_to_float64_powers() -> None:
 def test_an_ill_conditioned_refit_falls_back_to_float64() -> None:
     """Past a condition number of 1e3 float32 would move the inverse root by 4e-4 and more, a
     sizeable part of a group's leave-out deviation: the refit decomposes in float64 there."""
-    from dcp_lens.protocol.calibration import _power_of, symmetric_eigh
+    from dcp_lens.protocol.calibration.linalg import _power_of, symmetric_eigh
 
     generator = torch.Generator().manual_seed(5)
     basis, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator, dtype=torch.float64))

@@ -171,16 +171,16 @@ def test_maps_and_translators_apply_as_written() -> None:
 def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None:
     """Each calibration group holds a float64 d x d moment per condition: at a Huginn-sized
     width the jackknife's moments run to tens of GiB, refused up front with the way out."""
-    from dcp_lens.protocol import fit
+    from dcp_lens.protocol import fit_records
     from dcp_lens.utils.errors import ResourceLimitError
 
-    huge = fit.moment_bytes(21, 10, 5280, 64)
-    assert huge > 10 * fit.moment_bytes(21, 0, 5280, 64)  # the groups are most of it
+    huge = fit_records.moment_bytes(21, 10, 5280, 64)
+    assert huge > 10 * fit_records.moment_bytes(21, 0, 5280, 64)  # the groups are most of it
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fit, "device_memory_bytes", lambda device: 8 * 2**30)
+        patch.setattr(fit_records, "device_memory_bytes", lambda device: 8 * 2**30)
         with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
-            fit.check_moment_memory(21, 10, 5280, 64, torch.device("cpu"))
-        fit.check_moment_memory(21, 10, 256, 1024, torch.device("cpu"))  # small: passes
+            fit_records.check_moment_memory(21, 10, 5280, 64, torch.device("cpu"))
+        fit_records.check_moment_memory(21, 10, 256, 1024, torch.device("cpu"))  # small: passes
 
 
 def test_a_left_out_refit_held_as_a_float16_difference_applies_as_the_refit() -> None:

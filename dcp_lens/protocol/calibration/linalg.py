@@ -1,0 +1,97 @@
+"""Linear algebra of the calibration maps: Ledoit-Wolf shrinkage of a covariance and powers of
+symmetric positive-definite matrices through their eigendecomposition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dcp_lens.protocol.calibration.moments import StreamingMoments
+
+
+@dataclass(frozen=True, eq=False)
+class ShrunkCovariance:
+    """A Ledoit-Wolf estimate: ``(1 - intensity) * S + intensity * scale * I``."""
+
+    covariance: Float[Tensor, "d d"]
+    intensity: float
+    scale: float
+
+
+def ledoit_wolf_shrinkage(moments: StreamingMoments) -> ShrunkCovariance:
+    """Ledoit-Wolf (2004) shrinkage of the sample covariance toward ``mu * I``, mu = trace / d.
+
+    With S the ML covariance of n samples and the normalised norm |A|^2 = tr(A A^T) / d::
+
+        delta^2 = |S - mu I|^2
+        beta^2  = min(delta^2, sum_k |y_k y_k^T - S|^2 / n^2)
+        intensity = beta^2 / delta^2
+
+    where sum_k |y_k y_k^T - S|_F^2 = sum_k |y_k|^4 - n |S|_F^2 comes from the streamed fourth
+    moments, so one pass over the data suffices. Returns a `ShrunkCovariance` whose
+    ``covariance`` is float64 ``[d, d]``.
+    """
+    covariance = moments.covariance
+    count = moments.count
+    width = covariance.shape[0]
+    scale = float(torch.diagonal(covariance).sum()) / width
+    identity = torch.eye(width, dtype=covariance.dtype, device=covariance.device)
+    distance = float((covariance - scale * identity).pow(2).sum()) / width
+    frobenius_sq = float(covariance.pow(2).sum())
+    # Clamped at zero: the difference of two sums can round to a tiny negative.
+    dispersion = max(moments.fourth_moment_sum - count * frobenius_sq, 0.0) / count**2 / width
+    intensity = 0.0 if distance == 0.0 else min(dispersion, distance) / distance
+    shrunk = (1.0 - intensity) * covariance + (intensity * scale) * identity
+    return ShrunkCovariance(covariance=shrunk, intensity=intensity, scale=scale)
+
+
+def symmetric_power(
+    matrix: Float[Tensor, "d d"], exponent: float, name: str = "covariance"
+) -> Float[Tensor, "d d"]:
+    """``matrix ** exponent`` for a symmetric positive-definite matrix, via float64 eigh.
+
+    Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
+    precision. Returns float64 ``[d, d]``.
+    """
+    return _power_of(*symmetric_eigh(matrix, name), exponent)
+
+
+# The smallest eigenvalue over the largest below which a float32 decomposition is not used.
+FLOAT32_CONDITION = 1e-3
+
+
+def symmetric_eigh(
+    matrix: Float[Tensor, "d d"], name: str = "covariance", dtype: torch.dtype = torch.float64
+) -> tuple[Float[Tensor, " d"], Float[Tensor, "d d"]]:
+    """Float64 eigenvalues (ascending) and eigenvectors of the symmetric part of ``matrix``,
+    decomposed in ``dtype`` (float64 unless asked; a lower precision falls back to float64 where
+    the matrix's condition number exceeds 1 / `FLOAT32_CONDITION`).
+
+    Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
+    precision."""
+    if dtype != torch.float64:
+        low = (matrix.to(dtype) + matrix.to(dtype).T) / 2
+        values, vectors = torch.linalg.eigh(low)
+        # Only a well-conditioned matrix: at a condition number of 1e3 the float32 powers are
+        # within 1.4e-5 (relative) of the float64 ones, at 1e4 already 4e-4.
+        if float(values[-1]) > 0.0 and float(values[0]) > FLOAT32_CONDITION * float(values[-1]):
+            return values.to(torch.float64), vectors.to(torch.float64)
+    symmetric = (matrix.to(torch.float64) + matrix.to(torch.float64).T) / 2
+    eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
+    if largest <= 0.0 or smallest <= largest * symmetric.shape[0] * torch.finfo(torch.float64).eps:
+        raise ValueError(
+            f"{name} is singular (smallest eigenvalue {smallest:.3e}, largest {largest:.3e}). "
+            "After Ledoit-Wolf shrinkage this happens only when the states are constant or "
+            "there are fewer than 3 of them; check the states and the split."
+        )
+    return eigenvalues, eigenvectors
+
+
+def _power_of(eigenvalues: Tensor, eigenvectors: Tensor, exponent: float) -> Tensor:
+    return (eigenvectors * eigenvalues.pow(exponent)) @ eigenvectors.T

@@ -1,0 +1,405 @@
+"""What the fit stage accumulates over the calibration split, as accumulators that `add` a batch,
+give their `state` for a ``--resume`` snapshot, `restore` one, and are merged over the processes
+of a data-parallel run: each source's moments per calibration group (`GroupMoments`), full
+depth's predicted distributions (`BaseRateSums`), and all of them with the subsamples a map, the
+probe and the calibration null are fitted from (`CalibrationRecords`). The translators' leading
+states (`LeadingStates`) are kept beside them, never snapshotted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypedDict
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from dcp_lens.protocol.budget import ReadoutPlan, device_memory_bytes
+from dcp_lens.protocol.calibration import (
+    CalibrationMap,
+    MomentsState,
+    StreamingMoments,
+    all_finite,
+)
+from dcp_lens.protocol.conditions import Condition, position_bucket
+from dcp_lens.protocol.context import RunContext
+from dcp_lens.protocol.evaluation_set import EvaluationSet
+from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
+from dcp_lens.utils import distributed
+from dcp_lens.utils.errors import ResourceLimitError
+
+# A calibration group's states are folded into its moments once this many have come: fewer
+# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
+# is then small beside its product).
+GROUP_BUFFER_ROWS = 4096
+GROUP_BUFFER_ELEMENTS = 2**18
+# The fit refuses to start when its moments would take more than this share of the free memory.
+MOMENT_MEMORY_SHARE = 0.5
+# The paired translators of the S bracket's upper end are fitted on at most this many
+# calibration positions (the leading sequences of the calibration split, `translator_rows`).
+TRANSLATOR_POINTS = 2048
+
+
+class GroupMoments:
+    """One source's streamed moments per calibration group (example key mod the groups; the
+    groups merge into the whole split's). A group's states wait in a buffer until there are
+    enough for one update (small groups of a batch would make many tiny updates). Once the
+    source's states turn non-finite (replay can explode) its moments are dropped: ``groups`` is
+    None, and the conditions that need it are reported non-finite."""
+
+    def __init__(self, n_groups: int, storage: torch.dtype) -> None:
+        # With groups, each group's scatter is kept in float32 (a group is only ever subtracted
+        # from the float64 whole they merge into); alone, the one group is the whole (float64).
+        self.storage = storage
+        self.groups: list[StreamingMoments] | None = [
+            StreamingMoments(storage) for _ in range(n_groups)
+        ]
+        self.pending: list[list[Tensor]] = [[] for _ in range(n_groups)]
+
+    def add(
+        self, state: Float[Tensor, "n d"], present: list[tuple[int, Bool[Tensor, " n"]]], rows: int
+    ) -> bool:
+        """Buffer ``state``'s rows of each group present, folding a group's buffer into its
+        moments once it holds ``rows``; returns whether ``state`` was finite (else drops)."""
+        if self.groups is None:
+            return False
+        if not all_finite(state):
+            self.groups = None
+            return False
+        for g, rows_of_group in present:
+            self.pending[g].append(state[rows_of_group])
+            if sum(len(x) for x in self.pending[g]) >= rows:
+                self.groups[g].update(torch.cat(self.pending[g]))
+                self.pending[g] = []
+        return True
+
+    def flush(self) -> None:
+        """Fold every group's waiting states into its moments."""
+        for g, waiting in enumerate(self.pending):
+            if waiting and self.groups is not None:
+                self.groups[g].update(torch.cat(waiting))
+            self.pending[g] = []
+
+    def state(self) -> list[MomentsState] | None:
+        """The groups' moments, their buffers folded in first."""
+        self.flush()
+        return None if self.groups is None else [g.state() for g in self.groups]
+
+    def restore(self, state: list[MomentsState] | None) -> None:
+        self.groups = (
+            None if state is None else [StreamingMoments.from_state(s, self.storage) for s in state]
+        )
+
+    @classmethod
+    def merged(cls, parts: Sequence[GroupMoments]) -> GroupMoments:
+        """The groups' moments over every part, merged group by group in float64 (None where any
+        part's turned non-finite); the parts' buffers are flushed."""
+        groups = [part.groups for part in parts]
+        merged = cls(len(groups[0] or ()), torch.float64)
+        if any(each is None for each in groups):
+            merged.groups = None
+            return merged
+        total = [StreamingMoments() for _ in groups[0] or ()]
+        for each in groups:
+            for g, moments in enumerate(each or ()):
+                total[g].merge(moments)
+        merged.groups = total
+        return merged
+
+    def total(self) -> StreamingMoments | None:
+        """Every group's moments merged (None where there are none); a group is left out later
+        by subtraction (`left_out`)."""
+        if self.groups is None:
+            return None
+        total = StreamingMoments()
+        for moments in self.groups:
+            total.merge(moments)
+        return total if total.count else None
+
+    def left_out(self, total: StreamingMoments | None, group: int) -> StreamingMoments | None:
+        """``total`` (every group merged) less ``group``'s moments, to be decomposed in float32
+        (`StreamingMoments.for_refit`): the jackknife's refit of this source."""
+        if total is None or self.groups is None:
+            return total
+        rest = total.without(self.groups[group])
+        return None if rest is None else rest.for_refit()
+
+    def release(self) -> None:
+        self.groups = None
+
+
+class BaseRateState(TypedDict):
+    sums: Tensor | None
+    counts: Tensor
+
+
+class BaseRateSums:
+    """Full depth's predicted distributions summed per calibration group and position bucket
+    (`position_bucket`) over scored positions: the base rate's table, whole or with one group
+    left out."""
+
+    def __init__(self, n_groups: int, calibration: EvaluationSet) -> None:
+        self.n_groups = n_groups
+        self.targets = calibration.targets
+        length = int(calibration.tokens.shape[1])
+        self.buckets = position_bucket(torch.arange(length))
+        self.n_buckets = int(self.buckets.max()) + 1 if length else 1
+        self.sums: Tensor | None = None  # [n_groups, n_buckets, d_vocab] float64
+        self.counts = torch.zeros(n_groups, self.n_buckets, dtype=torch.float64)
+
+    def add(
+        self, full_logits: Float[Tensor, "n pos d_vocab"], keys: Int[Tensor, " n"], rows: slice
+    ) -> None:
+        """Fold one chunk of full depth's logits (the examples ``rows``, their keys ``keys``)
+        into the sums, on the logits' device (no copy to the host)."""
+        device = full_logits.device
+        probs = full_logits.float().softmax(-1)
+        scored = (self.targets[rows] != IGNORE_INDEX).to(device)
+        if self.sums is None:
+            self.sums = torch.zeros(
+                self.n_groups, self.n_buckets, probs.shape[-1], dtype=torch.float64, device=device
+            )
+            self.counts = self.counts.to(device)
+        buckets = self.buckets[: probs.shape[1]].to(device)
+        group = keys.to(device) % self.n_groups
+        for g in range(self.n_groups):
+            weight = (scored & (group == g)[:, None]).to(probs.dtype)
+            total = torch.einsum("npv,np->pv", probs, weight).double()  # [pos, d_vocab]
+            self.sums[g].index_add_(0, buckets, total)
+            self.counts[g].index_add_(0, buckets, weight.sum(0).double())
+
+    def table(self) -> Tensor | None:
+        """``[n_buckets, d_vocab]`` log mean distribution; a bucket with no scored position takes
+        the mean over every position.
+
+        The jackknife keeps this table for every left-out group: the base rate is a discount,
+        and the accuracy of a near-tied mode read on a tenth of the evaluation examples jumps
+        when the mode flips, a spread of that subsample rather than of the fit."""
+        if self.sums is None:
+            return None
+        sums, counts = self.sums.sum(0), self.counts.sum(0)
+        overall = sums.sum(0) / counts.sum().clamp(min=1.0)
+        mean = torch.where(
+            counts[:, None] > 0, sums / counts.clamp(min=1.0)[:, None], overall[None]
+        )
+        return mean.clamp(min=1e-12).log().float()
+
+    def state(self) -> BaseRateState:
+        return {"sums": self.sums, "counts": self.counts}
+
+    def restore(self, state: BaseRateState) -> None:
+        self.sums, self.counts = state["sums"], state["counts"]
+
+    def merge(self, other: BaseRateSums) -> None:
+        if other.sums is None:
+            return
+        if self.sums is None:
+            self.sums, self.counts = other.sums.clone(), other.counts.clone()
+            return
+        self.sums = self.sums + other.sums.to(self.sums.device)
+        self.counts = self.counts + other.counts.to(self.counts.device)
+
+
+class CalibrationState(TypedDict):
+    streams: dict[str, list[MomentsState] | None]
+    samples: dict[str, SubsampleState]
+    sample: SubsampleState
+    base: BaseRateState | None
+    halves: list[MomentsState] | None
+
+
+class CalibrationRecords:
+    """Everything the calibration pass accumulates: per source condition (by label) its moments
+    per group (`GroupMoments`) and, for a map fitted to states, its subsample; the probe's
+    reference subsample of full depth's states; the moments of even and odd examples' full-depth
+    states (``halves``, the calibration null of a map fitted from moments); and full depth's
+    predicted distributions (the base-rate control) where a sweep condition reads them."""
+
+    def __init__(
+        self,
+        context: RunContext,
+        calibration: EvaluationSet,
+        conditions: dict[str, Condition],
+        entry: CalibrationMap,
+        wants_base_rate: bool,
+    ) -> None:
+        config = context.config
+        self.conditions = conditions
+        self.n_groups = max(1, config.calibration_groups)
+        storage = torch.float32 if self.n_groups >= 2 else torch.float64
+        self.streams = {label: GroupMoments(self.n_groups, storage) for label in conditions}
+        self.samples = {
+            label: Subsample(config.calibration_points, config.seed + 7 + i)
+            for i, label in enumerate(conditions if entry.needs_states else ())
+        }
+        self.sample = Subsample(config.probe_points, config.seed)
+        self.halves: list[StreamingMoments] | None = None
+        # The null's map is fitted from every calibration state (a map fitted from moments), not
+        # from the probe's subsample; each rank would hold only its own batches: under torchrun
+        # the merged subsample fits it.
+        if entry.from_moments and distributed.rank_and_world()[1] == 1:
+            self.halves = [StreamingMoments(), StreamingMoments()]
+        self.base = BaseRateSums(1, calibration) if wants_base_rate else None
+        self.buffer_rows = 0  # set from the states' width on the first batch
+
+    def add(
+        self,
+        context: RunContext,
+        calibration: EvaluationSet,
+        rows: slice,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        plan: ReadoutPlan,
+    ) -> None:
+        """Fold one calibration batch's states (rows ``rows``) into every record."""
+        r, keys = context.r, calibration.example_keys()
+        if not self.buffer_rows:  # before any moments are held
+            width = int(states.shape[-1])
+            self.buffer_rows = max(
+                64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width))
+            )
+            check_moment_memory(
+                len(self.conditions), self.n_groups, width, self.buffer_rows, context.device()
+            )
+        if self.base is not None:  # full depth's readout in chunks of examples
+            for chunk in plan.example_chunks(rows.stop - rows.start):
+                chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
+                full_logits = context.model.readout(states[r][chunk])
+                self.base.add(full_logits, keys[chunk_rows], chunk_rows)
+                del full_logits
+        keep = context.pooled_positions(calibration, rows)
+        pooled = states[:, keep]  # [r + 1, n_tokens, d]
+        example, position = row_ids(keys[rows], keep)
+        self.sample.add(pooled[r], example, position)
+        if self.halves is not None and not all_finite(pooled[r]):
+            self.halves = None  # the null falls back to the probe's subsample, which says so
+        if self.halves is not None:  # full depth's states by example parity
+            even = (example % 2 == 0).to(pooled.device)
+            self.halves[0].update(pooled[r][even])
+            self.halves[1].update(pooled[r][~even])
+        group = (example % self.n_groups).to(pooled.device)
+        present = [(g, group == g) for g in range(self.n_groups) if bool((group == g).any())]
+        for label, moments in self.streams.items():
+            if moments.groups is None:
+                continue
+            state = self.conditions[label].readout_input(pooled)
+            if moments.add(state, present, self.buffer_rows) and label in self.samples:
+                self.samples[label].add(state, example, position)
+
+    def flush(self) -> None:
+        for moments in self.streams.values():
+            moments.flush()
+
+    def state(self) -> CalibrationState:
+        return {
+            "streams": {label: moments.state() for label, moments in self.streams.items()},
+            "samples": {label: s.state() for label, s in self.samples.items()},
+            "sample": self.sample.state(),
+            "base": None if self.base is None else self.base.state(),
+            "halves": None if self.halves is None else [h.state() for h in self.halves],
+        }
+
+    def restore(self, state: CalibrationState) -> None:
+        for label, moments in state["streams"].items():
+            self.streams[label].restore(moments)
+        for label, sample in state["samples"].items():
+            self.samples[label].restore(sample)
+        self.sample.restore(state["sample"])
+        if self.base is not None and state["base"] is not None:
+            self.base.restore(state["base"])
+        if self.halves is not None:
+            halves = state["halves"]
+            self.halves = (
+                None if halves is None else [StreamingMoments.from_state(h) for h in halves]
+            )
+
+    def merge_processes(self, device: torch.device) -> None:
+        """Every rank's moments (per group), subsamples and base-rate sums merged in rank order
+        on every rank (so every rank fits the same maps), on ``device``. A source whose states
+        turned non-finite on any rank is dropped."""
+        parts: list[CalibrationRecords] = distributed.all_gather(self)
+        for label in self.streams:
+            merged = GroupMoments.merged([part.streams[label] for part in parts])
+            self.streams[label] = distributed.moved(merged, device)
+        for label in self.samples:
+            merged_sample = Subsample.merged([part.samples[label] for part in parts])
+            self.samples[label] = distributed.moved(merged_sample, device)
+        self.sample = distributed.moved(Subsample.merged([p.sample for p in parts]), device)
+        self.base = parts[0].base  # every part is a copy: merge into the first
+        for part in parts[1:]:
+            if self.base is not None and part.base is not None:
+                self.base.merge(part.base)
+
+
+class LeadingStates:
+    """The translators' leading calibration positions of each batch the calibration pass reads
+    (by batch index), so that `fit_translators` needs no forward pass of its own. Not
+    snapshotted nor merged: a batch missing here (after a resume, or read by another rank) is
+    recomputed from the same bytes."""
+
+    def __init__(self, calibration: EvaluationSet) -> None:
+        self.rows = translator_rows(calibration)
+        self.states: dict[int, Tensor] = {}
+
+    def add(
+        self,
+        context: RunContext,
+        calibration: EvaluationSet,
+        index: int,
+        rows: slice,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+    ) -> None:
+        if rows.start < self.rows:
+            self.states[index] = leading_states(context, calibration, rows, states, self.rows)
+
+
+def translator_rows(calibration: EvaluationSet) -> int:
+    """How many leading calibration sequences the translators are fitted on: as many whole
+    sequences as `TRANSLATOR_POINTS` positions hold (at least one)."""
+    length = max(1, int(calibration.tokens.shape[1]))
+    return max(1, min(len(calibration), TRANSLATOR_POINTS // length))
+
+
+def leading_states(
+    context: RunContext,
+    calibration: EvaluationSet,
+    rows: slice,
+    states: Float[Tensor, "r_plus_1 batch pos d_model"],
+    n_rows: int,
+) -> Float[Tensor, "r_plus_1 n d_model"]:
+    """The states of ``rows``' (one calibration batch) sequences below ``n_rows`` at their pooled
+    positions (every position where none is pooled), a copy."""
+    rows = slice(rows.start, min(rows.stop, n_rows))
+    keep = context.pooled_positions(calibration, rows)
+    if not bool(keep.any()):
+        keep = torch.ones_like(keep)
+    return states[:, : rows.stop - rows.start][:, keep]
+
+
+def moment_bytes(n_streams: int, n_groups: int, width: int, buffer_rows: int) -> int:
+    """Bytes the fit stage's moments hold: per stream and calibration group, a float64 d x d
+    scatter and its vectors, and up to ``buffer_rows`` float32 states waiting; per stream the
+    whole split's merged moments once more."""
+    per_moments = 8 * (width * width + 3 * width)
+    waiting = 4 * buffer_rows * width
+    return n_streams * (n_groups * (per_moments + waiting) + per_moments)
+
+
+def check_moment_memory(
+    n_streams: int, n_groups: int, width: int, buffer_rows: int, device: torch.device
+) -> None:
+    """Refuse, before the calibration pass, a fit whose moments (`moment_bytes`) would take more
+    than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
+    needed = moment_bytes(n_streams, n_groups, width, buffer_rows)
+    # What the device can give, PyTorch's cached memory included (it is reused before the
+    # driver is asked): memory a notebook's earlier work left cached does not count as taken.
+    free = device_memory_bytes(device) or 0
+    if free and needed > MOMENT_MEMORY_SHARE * free:
+        single = moment_bytes(n_streams, 1, width, buffer_rows)
+        raise ResourceLimitError(
+            f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
+            f"conditions x {n_groups} calibration groups of {width} x {width} float64), more "
+            f"than {MOMENT_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device}. "
+            f"Pass fewer calibration groups (--calibration-groups 0 turns the jackknife off: "
+            f"{single / 2**30:.1f} GiB) or a shorter --k grid."
+        )

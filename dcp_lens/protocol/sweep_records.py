@@ -1,0 +1,383 @@
+"""What the sweep stage accumulates over its evaluation batches, as accumulators that `add` a
+batch, give their `state` for a ``--resume`` snapshot, `restore` one, and are `merged` over the
+processes of a data-parallel run: per-example cells (`ExampleCells`), running maxima (`Maxima`),
+the null control (`NullControl`), the probe's subsamples (`ProbeSampler`), and all of them
+together (`SweepRecords`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypedDict, TypeVar
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from dcp_lens.protocol.conditions import Full, Truncate
+from dcp_lens.protocol.fit import FittedMaps, apply_map
+from dcp_lens.protocol.probe import ProbeSamples
+from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
+
+# Per metric: ``"full"`` -> [n] and per sweep condition {k: [n]} (float64, per example).
+Values = dict[str, dict[str, Any]]
+# A metric's per-example cell: (metric, condition, k); full depth's is (metric, "full", 0).
+CellKey = tuple[str, str, int]
+# A `walk_fractions` record: (kind, k).
+WalkKey = tuple[str, int]
+# A jackknife cell: (left-out calibration group, metric, condition, k).
+JackknifeKey = tuple[int, str, str, int]
+Key = TypeVar("Key", bound=Hashable)
+
+
+def nan_max(a: float, b: float) -> float:
+    """max(a, b), NaN if either is NaN: a non-finite null control never reads as passing."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
+
+
+def nan_max_all(values: Iterable[float]) -> float:
+    """The maximum of ``values``, NaN if any is NaN (see `nan_max`)."""
+    result = -math.inf
+    for value in values:
+        result = nan_max(result, value)
+    return result
+
+
+class ExampleCells(Generic[Key]):
+    """Per-example values by key, one chunk per evaluation batch (its index in the evaluation):
+    `vectors` joins each key's chunks in batch order, whichever process read which batch."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[Key, dict[int, Tensor]] = {}
+
+    def add(self, batch: int, cells: Mapping[Key, Sequence[Tensor]]) -> None:
+        """Batch ``batch``'s cells, each key's chunks of examples joined."""
+        for key, chunks in cells.items():
+            self.chunks.setdefault(key, {})[batch] = torch.cat(list(chunks))
+
+    def state(self) -> list[tuple[Key, dict[int, Tensor]]]:
+        return list(self.chunks.items())
+
+    def restore(self, state: Sequence[tuple[Key, dict[int, Tensor]]]) -> None:
+        self.chunks = {key: dict(chunks) for key, chunks in state}
+
+    @classmethod
+    def merged(cls, parts: Sequence[ExampleCells[Key]], device: torch.device) -> ExampleCells[Key]:
+        """Every part's chunks (each batch read by one part), on ``device``."""
+        merged: ExampleCells[Key] = cls()
+        for part in parts:
+            for key, chunks in part.chunks.items():
+                for batch, chunk in chunks.items():
+                    merged.chunks.setdefault(key, {})[batch] = chunk.to(device)
+        return merged
+
+    def vectors(self) -> dict[Key, Float[Tensor, " n"]]:
+        """Per key, its chunks joined in batch order: float64 on the CPU."""
+        return {
+            key: torch.cat([chunks[b] for b in sorted(chunks)]).double().cpu()
+            for key, chunks in self.chunks.items()
+        }
+
+
+class Maxima(Generic[Key]):
+    """The largest value seen per key (from 0), NaN once any is NaN (`nan_max`)."""
+
+    def __init__(self, keys: Iterable[Key] = ()) -> None:
+        self.values: dict[Key, float] = dict.fromkeys(keys, 0.0)
+
+    def add(self, values: Mapping[Key, float]) -> None:
+        for key, value in values.items():
+            self.values[key] = nan_max(self.values.get(key, 0.0), value)
+
+    def state(self) -> dict[Key, float]:
+        return dict(self.values)
+
+    def restore(self, state: Mapping[Key, float]) -> None:
+        self.values = dict(state)
+
+    @classmethod
+    def merged(cls, parts: Sequence[Maxima[Key]]) -> Maxima[Key]:
+        merged: Maxima[Key] = cls()
+        for key in {key: None for part in parts for key in part.values}:
+            merged.values[key] = nan_max_all(p.values[key] for p in parts if key in p.values)
+        return merged
+
+
+class NullState(TypedDict):
+    differences: dict[str, float]
+    halves_difference: float
+    halves_change: dict[str, float]
+
+
+class ProbeState(TypedDict):
+    held_out: SubsampleState
+    trajectory: list[SubsampleState]
+    calibrated: dict[int, SubsampleState]
+
+
+# The null control as results record it: largest differences, and per-metric changes.
+NullRecord = dict[str, float | dict[str, float]]
+
+
+@dataclass
+class BatchNull:
+    """One evaluation batch's side of the null control (`NullControl`)."""
+
+    differences: dict[str, float]
+    halves_difference: float
+    halves_change: dict[str, float]
+
+
+class NullControl:
+    """The null control over the batches: per condition that must reproduce full depth at
+    k = r, its largest |logit difference| from full depth's; the same for full depth's states
+    under the calibration null's map, and each metric's change under it summed over examples."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.differences = Maxima(names)
+        self.halves_difference = 0.0
+        self.halves_change: dict[str, float] = {}
+
+    def add(self, batch: BatchNull) -> None:
+        self.differences.add(batch.differences)
+        self.halves_difference = nan_max(self.halves_difference, batch.halves_difference)
+        self._sum(batch.halves_change)
+
+    def _sum(self, change: Mapping[str, float]) -> None:
+        for metric, value in change.items():
+            self.halves_change[metric] = self.halves_change.get(metric, 0.0) + value
+
+    def state(self) -> NullState:
+        return {
+            "differences": self.differences.state(),
+            "halves_difference": self.halves_difference,
+            "halves_change": dict(self.halves_change),
+        }
+
+    def restore(self, state: NullState) -> None:
+        self.differences.restore(state["differences"])
+        self.halves_difference = state["halves_difference"]
+        self.halves_change = dict(state["halves_change"])
+
+    @classmethod
+    def merged(cls, parts: Sequence[NullControl]) -> NullControl:
+        merged = cls(())
+        merged.differences = Maxima.merged([part.differences for part in parts])
+        merged.halves_difference = nan_max_all(part.halves_difference for part in parts)
+        for part in parts:
+            merged._sum(part.halves_change)
+        return merged
+
+    def record(self, n: int, metrics: Sequence[str], maps: FittedMaps) -> NullRecord:
+        """The null control as results record it (over ``n`` examples)."""
+        null = dict(self.differences.values)
+        full_map = maps.fitted(Full())
+        return {
+            "max_abs_logit_diff": nan_max(null.pop("truncate"), null.pop("replay")),
+            "calibrate_full_max_abs_logit_diff": nan_max(
+                null.pop("calibrate_truncate"), null.pop("calibrate_replay")
+            ),
+            "shift_at_r_max_abs_logit_diff": null.pop("shift"),
+            "calibrate_full_identity_deviation": (
+                full_map.identity_deviation() if full_map is not None else math.nan
+            ),
+            **{f"{name}_at_r_max_abs_logit_diff": value for name, value in null.items()},
+            "calibrate_full_halves_max_abs_logit_diff": (
+                self.halves_difference if maps.null is not None else math.nan
+            ),
+            "calibrate_full_halves_metric_change": {
+                metric: self.halves_change.get(metric, math.nan) / n for metric in metrics
+            },
+        }
+
+
+class ProbeSampler:
+    """The probe's subsamples of the evaluation's states (`ProbeSamples`): full depth's states
+    of even examples (the held-out reference), and of odd examples every s_t and
+    calibrate(truncate(k)) at every k of the grid. A two-sample test needs independent samples,
+    not two views of the same sequences; and each state keeps its example, since the C2ST splits
+    by example (the positions of one sequence share its content)."""
+
+    def __init__(self, points: int, seed: int, r: int, k_grid: Sequence[int]) -> None:
+        self.held_out = Subsample(points, seed + 1)
+        self.trajectory = [Subsample(points, seed + 2 + t) for t in range(r + 1)]
+        self.calibrated = {k: Subsample(points, seed + 1000 + k) for k in k_grid}
+
+    def add(
+        self,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        keep: Bool[Tensor, "batch pos"],
+        keys: Int[Tensor, " batch"],
+        maps: FittedMaps,
+    ) -> None:
+        """Sample the pooled positions ``keep`` of one batch's ``states`` (its examples' keys)."""
+        example, position = row_ids(keys, keep)
+        even = example % 2 == 0
+        r = len(self.trajectory) - 1
+        self.held_out.add(states[r][keep][even.to(keep.device)], example[even], position[even])
+        probed = states[:, keep][:, (~even).to(keep.device)]
+        probed_examples, probed_positions = example[~even], position[~even]
+        for t, subsample in enumerate(self.trajectory):
+            subsample.add(probed[t], probed_examples, probed_positions)
+        for k, subsample in self.calibrated.items():
+            mapped = apply_map(maps.fitted(Truncate(k)), probed[k])
+            subsample.add(mapped, probed_examples, probed_positions)
+
+    def state(self) -> ProbeState:
+        return {
+            "held_out": self.held_out.state(),
+            "trajectory": [s.state() for s in self.trajectory],
+            "calibrated": {k: s.state() for k, s in self.calibrated.items()},
+        }
+
+    def restore(self, state: ProbeState) -> None:
+        self.held_out.restore(state["held_out"])
+        for subsample, saved in zip(self.trajectory, state["trajectory"], strict=True):
+            subsample.restore(saved)
+        for k, saved in state["calibrated"].items():
+            self.calibrated[k].restore(saved)
+
+    @classmethod
+    def merged(cls, parts: Sequence[ProbeSampler]) -> ProbeSampler:
+        merged = object.__new__(cls)
+        merged.held_out = Subsample.merged([part.held_out for part in parts])
+        merged.trajectory = [
+            Subsample.merged([part.trajectory[t] for part in parts])
+            for t in range(len(parts[0].trajectory))
+        ]
+        merged.calibrated = {
+            k: Subsample.merged([part.calibrated[k] for part in parts]) for k in parts[0].calibrated
+        }
+        return merged
+
+    def samples(self) -> ProbeSamples:
+        return ProbeSamples(
+            held_out=self.held_out.tensor(),
+            held_out_groups=self.held_out.groups(),
+            trajectory=[(s.tensor(), s.groups()) for s in self.trajectory],
+            calibrate_truncate={k: (s.tensor(), s.groups()) for k, s in self.calibrated.items()},
+        )
+
+
+@dataclass
+class BatchScores:
+    """What one evaluation batch adds to `SweepRecords`: per-example cells by key (chunks of
+    examples while the batch is read), replay's largest difference from truncate per k, and the
+    batch's side of the null control."""
+
+    values: dict[CellKey, list[Tensor]] = field(default_factory=dict)
+    walked: dict[WalkKey, list[Tensor]] = field(default_factory=dict)
+    jackknife: dict[JackknifeKey, list[Tensor]] = field(default_factory=dict)
+    replay_difference: dict[int, float] = field(default_factory=dict)
+    null: BatchNull = field(default_factory=lambda: BatchNull({}, 0.0, {}))
+
+    def add(self, condition: str, k: int, scores: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+        """Append a chunk's ``scores`` ([chunk] per metric) of ``condition`` at k."""
+        for metric, value in scores.items():
+            self.values.setdefault((metric, condition, k), []).append(value)
+        return scores
+
+
+class SweepState(TypedDict):
+    values: list[tuple[CellKey, dict[int, Tensor]]]
+    walked: list[tuple[WalkKey, dict[int, Tensor]]]
+    jackknife: list[tuple[JackknifeKey, dict[int, Tensor]]]
+    null: NullState
+    replay_difference: dict[int, float]
+    probe: ProbeState
+
+
+@dataclass
+class SweepRecords:
+    """Every accumulator of one evaluation: the metrics' per-example cells, where replay walks
+    (`walk_fractions`' records), the jackknife's cells, the null control, replay's largest
+    difference from truncate per k, and the probe's subsamples."""
+
+    null: NullControl
+    replay_difference: Maxima[int]
+    probe: ProbeSampler
+    values: ExampleCells[CellKey] = field(default_factory=ExampleCells)
+    walked: ExampleCells[WalkKey] = field(default_factory=ExampleCells)
+    jackknife: ExampleCells[JackknifeKey] = field(default_factory=ExampleCells)
+
+    def add(self, batch: int, scores: BatchScores) -> None:
+        self.values.add(batch, scores.values)
+        self.walked.add(batch, scores.walked)
+        self.jackknife.add(batch, scores.jackknife)
+        self.null.add(scores.null)
+        self.replay_difference.add(scores.replay_difference)
+
+    def state(self) -> SweepState:
+        return {
+            "values": self.values.state(),
+            "walked": self.walked.state(),
+            "jackknife": self.jackknife.state(),
+            "null": self.null.state(),
+            "replay_difference": self.replay_difference.state(),
+            "probe": self.probe.state(),
+        }
+
+    def restore(self, state: SweepState) -> None:
+        self.values.restore(state["values"])
+        self.walked.restore(state["walked"])
+        self.jackknife.restore(state["jackknife"])
+        self.null.restore(state["null"])
+        self.replay_difference.restore(state["replay_difference"])
+        self.probe.restore(state["probe"])
+
+    @classmethod
+    def merged(cls, parts: Sequence[SweepRecords], device: torch.device) -> SweepRecords:
+        """Every process's records combined, as one process reading every batch would have them:
+        cells in batch order, maxima and sums over the processes, subsamples merged."""
+        return cls(
+            NullControl.merged([part.null for part in parts]),
+            Maxima.merged([part.replay_difference for part in parts]),
+            ProbeSampler.merged([part.probe for part in parts]),
+            ExampleCells.merged([part.values for part in parts], device),
+            ExampleCells.merged([part.walked for part in parts], device),
+            ExampleCells.merged([part.jackknife for part in parts], device),
+        )
+
+    def output(
+        self, n: int, metrics: Sequence[str], maps: FittedMaps, jackknife_rows: Tensor | None
+    ) -> SweepOutput:
+        """The sweep's hand-off over ``n`` examples; the jackknife's cells where
+        ``jackknife_rows`` says which examples it read."""
+        values: Values = {}
+        for (metric, condition, k), vector in self.values.vectors().items():
+            if condition == "full":
+                values.setdefault(metric, {})["full"] = vector
+            else:
+                values.setdefault(metric, {}).setdefault(condition, {})[k] = vector
+        walked: dict[str, dict[int, Tensor]] = {}
+        for (kind, k), vector in self.walked.vectors().items():
+            walked.setdefault(kind, {})[k] = vector
+        jackknife: list[Values] = [{} for _ in maps.jackknife] if jackknife_rows is not None else []
+        for (group, metric, condition, k), vector in self.jackknife.vectors().items():
+            jackknife[group].setdefault(metric, {}).setdefault(condition, {})[k] = vector
+        return SweepOutput(
+            values, self.null.record(n, metrics, maps), self.probe.samples(), walked, jackknife,
+            jackknife_rows,
+        )  # fmt: skip
+
+
+@dataclass
+class SweepOutput:
+    """The sweep stage's hand-off: per-example `Values`, the null control's record and the
+    probe's samples (empty on a process other than rank 0).
+
+    Attributes:
+        walked: `walk_fractions`' records, ``[n]`` per kind and k: where replay *walks* (its
+            top-1 moves to one a later truncation of the grid reads; docs/bracket.md).
+        jackknife: per left-out calibration group, ``{metric: {condition: {k: [m]}}}`` for the
+            conditions whose maps the jackknife refits, on the ``m`` evaluation examples of
+            ``jackknife_rows`` (indices into ``values``' example order).
+    """
+
+    values: Values
+    null_control: NullRecord
+    probe_samples: ProbeSamples
+    walked: dict[str, dict[int, Tensor]] = field(default_factory=dict)
+    jackknife: list[Values] = field(default_factory=list)
+    jackknife_rows: Tensor | None = None
