@@ -40,7 +40,7 @@ from dcp_lens.protocol.fit_records import (
 from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample
-from dcp_lens.protocol.translator import AffineTranslator
+from dcp_lens.protocol.translator import AffineTranslator, MeanTranslator
 from dcp_lens.utils import distributed
 
 if TYPE_CHECKING:
@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 # A paired translator of the S bracket's upper end: the whole split's, or a jackknife refit.
 Translator = AffineTranslator | LeftOutTranslator
+# The translators' held-out test (`_gated`): its folds where the jackknife is off, and the
+# positions per parameter of one row of the map below which the test is not made.
+GATE_FOLDS = 10
+GATE_POINTS_PER_PARAMETER = 10
 TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
 
 
@@ -119,6 +123,11 @@ class FittedMaps:
         }
         record["calibration_null"] = {"mode": getattr(self.null, "mode", None)}
         return record
+
+    def mean_translators(self) -> list[str]:
+        """Sources whose paired translator predicted no held-out state better than the mean and
+        was replaced by `MeanTranslator` (`_gated`)."""
+        return [label for label, t in self.translators.items() if isinstance(t, MeanTranslator)]
 
     def failures(self) -> list[str]:
         """Source conditions whose map could not be fitted (non-finite states)."""
@@ -375,7 +384,8 @@ def fit_translators(
         pieces.append(piece)
         keys.append(_leading_keys(context, calibration, rows, n_rows))
     states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
-    group = torch.cat(keys).to(states.device) % max(1, n_groups)
+    example_keys = torch.cat(keys).to(states.device)
+    group = example_keys % max(1, n_groups)
     target = states[-1]
     translators: dict[str, AffineTranslator | None] = {}
     for label, source in wanted.items():
@@ -383,9 +393,14 @@ def fit_translators(
         finite = all_finite(state) and all_finite(target)
         if finite and left_out:
             # The whole split's normal equations are the groups' summed: formed once for both.
-            translators[label], each = _least_squares_left_out(state, target, group, n_groups)
+            fitted, each = _least_squares_left_out(state, target, group, n_groups)
+            translators[label], each = _gated(state, target, group, fitted, each)
         else:
             translators[label], each = (_least_squares(state, target) if finite else None), []
+            if translators[label] is not None:  # the jackknife is off: the gate's own folds
+                folds = example_keys % GATE_FOLDS
+                _, refits = _least_squares_left_out(state, target, folds, GATE_FOLDS)
+                translators[label], _ = _gated(state, target, folds, translators[label], refits)
         whole = translators[label]
         if left_out and whole is not None:
             for fitted, translator in zip(left_out, each, strict=True):
@@ -440,6 +455,45 @@ def _least_squares_left_out(
     d_model = source.shape[-1]
     whole = _solved(gram, moment, d_model)
     return whole, [_solved(gram - grams[g], moment - moments[g], d_model) for g in range(n_groups)]
+
+
+def _gated(
+    source: Float[Tensor, "n d_model"],
+    target: Float[Tensor, "n d_model"],
+    group: Int[Tensor, " n"],
+    whole: AffineTranslator | None,
+    refits: list[AffineTranslator | None],
+) -> tuple[AffineTranslator | None, list[AffineTranslator | None]]:
+    """The paired translator kept only where its least-squares fit predicts held-out states:
+    summed over the folds ``group``, the refit without a fold must predict that fold's
+    full-depth states with less squared error than their mean without it.
+
+    A fit that does not has found no information in the source, yet the argmax of its near-flat
+    readout still leans, by chance, toward the answers of the sequences the calibration split
+    happens to hold most often: a gain that does not shrink as the split grows. Such a
+    translator is replaced by `MeanTranslator` (every state to the mean full-depth state: its
+    readout is the split's most frequent answer, a base rate), not refitted per fold, as the
+    base rate's table is not. The test is made only where the fit is well determined
+    (`GATE_POINTS_PER_PARAMETER` positions per parameter of one row of the map): with fewer, an
+    overfit map can fail it while its gain is real, and the upper end stays where it is, wide.
+    """
+    n, d_model = source.shape
+    if whole is None or n < GATE_POINTS_PER_PARAMETER * (d_model + 1):
+        return whole, refits
+    y = target.double()
+    fitted_error = mean_error = 0.0
+    for g, refit in enumerate(refits):
+        held = group == g
+        if not bool(held.any()) or bool(held.all()):
+            continue
+        if refit is None:
+            return whole, refits  # a fold without its refit: not testable
+        fitted_error += float(((refit(source[held]).double() - y[held]) ** 2).sum())
+        mean_error += float(((y[~held].mean(0) - y[held]) ** 2).sum())
+    if fitted_error < mean_error:
+        return whole, refits
+    constant = MeanTranslator(y.mean(0).float().cpu())
+    return constant, [None if refit is None else constant for refit in refits]
 
 
 def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | None:

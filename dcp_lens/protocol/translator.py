@@ -151,3 +151,18 @@ class AffineTranslator:
         if not Path(path).is_file():
             raise TranslatorError(f"{path} does not exist; write one with translator.save(path).")
         return cls.from_state_dict(load_file(str(path)))
+
+
+class MeanTranslator(AffineTranslator):
+    """The translator with no information: every state to ``mean`` (W = -I, b = ``mean``), so
+    its readout is that of the mean target state. The protocol puts it where a paired
+    translator's least-squares fit predicted no held-out target better than the targets' mean
+    (`dcp_lens.protocol.fit`).
+
+    Args:
+        mean: [d_model], the mean target state.
+    """
+
+    def __init__(self, mean: Float[Tensor, " d_model"]) -> None:
+        d_model = int(mean.shape[-1])
+        super().__init__(d_model, -torch.eye(d_model, dtype=mean.dtype), mean)

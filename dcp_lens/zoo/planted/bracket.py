@@ -35,6 +35,10 @@ def distinct_computation_context(
     (r - k) step, is independent of node_k (the step is uniform and (r - k) step is uniform mod a
     prime): no map of s_k, affine or not, beats the base rate (S = 0); a replayed update
     lands on no node the readout reads as new (B = 0); each iteration is new work (D = 1).
+    Replay's readout input s_k + (r - k)(s_k - s_{k-1}) does hold node_{k-1} beside node_k, and
+    so the answer, but only through their modular sum: its least-squares affine map onto s_r is
+    flat in the population, and the paired translator is replaced by the mean (the protocol's
+    held-out gate, `dcp_lens.protocol.fit`).
 
     ``skew`` > 0 adds ``skew`` * ``size`` tokens that copy the pairs whose answer is node 0:
     answer 0 then holds (1 + skew) / (size + skew) of the answers while node_k stays uniform, so

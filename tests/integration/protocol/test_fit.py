@@ -1,0 +1,40 @@
+"""The translators' held-out gate in a run: on a model whose states carry no affine information
+about the answer the S bracket's upper end falls to the mean translator's base rate, with the
+jackknife and without it; on a readout shift every translator is kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from dcp_lens import DepthControlProtocol
+from dcp_lens.zoo import planted
+
+N = 128
+
+
+def _run(name: str, groups: int) -> dict:
+    model = planted.load_planted(name, seed=0)
+    task = model.planted_task
+    protocol = DepthControlProtocol(
+        model, metrics=("accuracy",), n_bootstrap=50, probe="none", progress=False, seed=0,
+        calibration_groups=groups,
+    )  # fmt: skip
+    results = protocol.run(task.evaluation(N), task.calibration(N)).to_results_json()
+    return results["runs"][0] if "runs" in results else results
+
+
+@pytest.mark.parametrize("groups", [10, 0])
+def test_translators_without_information_give_way_to_the_mean(groups: int) -> None:
+    run = _run("distinct_computation_context", groups)
+    replaced = run["metadata"]["translators_replaced_by_the_mean"]
+    assert {"truncate(1)", "replay(1)"} <= set(replaced)
+    rows = [row for row in run["decomposition"] if row["metric"] == "accuracy" and row["k"] < 8]
+    # The upper end is the mean translator's base-rate gain at every k: one small number.
+    assert max(row["S_upper"] for row in rows) < 0.05
+    assert run["shares"]["accuracy"]["S_identified"] is True
+
+
+def test_a_readout_shift_keeps_every_translator() -> None:
+    run = _run("readout_shift", 10)
+    assert run["metadata"]["translators_replaced_by_the_mean"] == []
+    assert run["shares"]["accuracy"]["verdict"] == "S"
