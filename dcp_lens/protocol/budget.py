@@ -221,6 +221,7 @@ def estimate_run_memory(
     d, vocab, es = shape.d_model, shape.d_vocab, shape.element_bytes
     positions = batch_size * seq_len
     groups = calibration_groups if calibration_groups >= 2 else 0
+    on_device = groups if device_type == "cpu" else min(groups, 1)
     full = calibration_mode == "full"
     square = d * d if full else d
     n_inverses, n_translators = (n_streams - 1) // 2, n_streams - 1
@@ -230,9 +231,11 @@ def estimate_run_memory(
         # One block's transient activations (the MLP's hidden pair, q, k, v and a few streams).
         "forward_activations": positions * (3 * shape.d_mlp + 8 * d) * es,
         "full_logits": positions * vocab * es,
-        # Per stream: a float32 scatter per group, the float64 whole they merge into, and the
-        # groups' waiting rows.
-        "moments": n_streams * (groups * square * 4 + square * 8 + max(1, groups) * 64 * d * 4),
+        # Per stream: a float32 scatter per group on the device (one, on an accelerator: the
+        # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`), the float64
+        # whole they merge into, and the groups' waiting rows.
+        "moments": n_streams
+        * (on_device * square * 4 + square * 8 + max(1, on_device) * 64 * d * 4),
         # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
         "jackknife_refits": groups * 3 * square * 8,
         "base_rate_sums": 16 * vocab * 8,

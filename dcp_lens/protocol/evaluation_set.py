@@ -119,6 +119,13 @@ class EvaluationSet:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def reordered(self, order: Int[Tensor, " n"]) -> EvaluationSet:
+        """The examples in the order ``order`` (a permutation of the example indices)."""
+        mask = None if self.attention_mask is None else self.attention_mask[order]
+        metadata = {name: value[order] for name, value in self.metadata.items()}
+        tokens, targets = self.tokens[order], self.targets[order]
+        return EvaluationSet(tokens, targets, mask, self.has_answers, metadata)
+
     def batches(self, batch_size: int) -> list[slice]:
         return [slice(i, min(i + batch_size, len(self))) for i in range(0, len(self), batch_size)]
 

@@ -34,10 +34,13 @@ from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit_records import (
     CalibrationRecords,
     LeadingStates,
+    group_major,
     leading_states,
+    moments_host,
     translator_rows,
 )
 from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
+from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample
 from dcp_lens.protocol.translator import AffineTranslator, MeanTranslator
@@ -175,7 +178,14 @@ def fit_maps(
     entry = CALIBRATION_MAPS[config.calibration_mode]
     wanted = _wanted(context)
     announce_fallbacks(context, calibration, config.calibration_mode)
-    records = CalibrationRecords(context, calibration, wanted.maps, entry, wanted.wants_base_rate)
+    host = moments_host(context)
+    if host is not None:  # one group filled at a time: the pass reads the split group by group
+        leading = max(translator_rows(calibration), _confidence_rows(calibration, confidence))
+        groups = config.calibration_groups
+        calibration = group_major(calibration, config.batch_size, groups, leading)
+    records = CalibrationRecords(
+        context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
+    )
     done, saved = context.restore("calibration")
     if saved is not None:
         records.restore(saved)
@@ -200,6 +210,14 @@ def fit_maps(
     if distributed.rank_and_world()[1] > 1:
         records.merge_processes(device)
     return _fitted(context, calibration, entry, records, leading)
+
+
+def _confidence_rows(calibration: EvaluationSet, confidence: ConfidenceMatching | None) -> int:
+    """The leading calibration sequences confidence matching reads (0 without it)."""
+    if confidence is None:
+        return 0
+    scored = (calibration.targets != IGNORE_INDEX).sum(-1).cumsum(0)
+    return int(torch.searchsorted(scored, confidence.budget(calibration))) + 1
 
 
 def _fitted(

@@ -41,6 +41,32 @@ MOMENT_MEMORY_SHARE = 0.5
 TRANSLATOR_POINTS = 2048
 
 
+def moments_host(context: RunContext) -> torch.device | None:
+    """Where a calibration group's moments wait while another group is filled: the host, for a
+    run with calibration groups on an accelerator in one process (the device then holds one
+    group's moments per source, not every group's); None otherwise (every group stays where the
+    states are: on the CPU the host is the device)."""
+    if context.config.calibration_groups < 2 or context.device().type == "cpu":
+        return None
+    return None if distributed.rank_and_world()[1] > 1 else torch.device("cpu")
+
+
+def group_major(
+    calibration: EvaluationSet, batch_size: int, n_groups: int, leading_rows: int
+) -> EvaluationSet:
+    """``calibration`` in the order a pass with parked groups reads it: the batches holding the
+    first ``leading_rows`` sequences as they are (the translators and confidence matching read
+    the leading sequences), then the rest by calibration group (example key mod ``n_groups``),
+    each group in its own order. The groups and every record but the float rounding of the
+    moments' sums do not depend on the order."""
+    n = len(calibration)
+    front = min(n, -(-leading_rows // batch_size) * batch_size)
+    rest = torch.arange(front, n)
+    group = calibration.example_keys()[rest] % max(1, n_groups)
+    order = torch.cat([torch.arange(front), rest[torch.argsort(group, stable=True)]])
+    return calibration.reordered(order)
+
+
 class GroupMoments:
     """One source's streamed moments per calibration group (example key mod the groups; the
     groups merge into the whole split's). A group's states wait in a buffer until there are
@@ -48,7 +74,9 @@ class GroupMoments:
     source's states turn non-finite (replay can explode) its moments are dropped: ``groups`` is
     None, and the conditions that need it are reported non-finite."""
 
-    def __init__(self, n_groups: int, storage: torch.dtype) -> None:
+    def __init__(
+        self, n_groups: int, storage: torch.dtype, host: torch.device | None = None
+    ) -> None:
         # With groups, each group's scatter is kept in float32 (a group is only ever subtracted
         # from the float64 whole they merge into); alone, the one group is the whole (float64).
         self.storage = storage
@@ -56,30 +84,71 @@ class GroupMoments:
             StreamingMoments(storage) for _ in range(n_groups)
         ]
         self.pending: list[list[Tensor]] = [[] for _ in range(n_groups)]
+        # With a ``host``, one group at a time is filled on the states' device (``resident``);
+        # the others wait on the host, their moments and their stray rows (``parked``), so the
+        # device holds one group's moments, not every group's (`group_major` orders the pass).
+        self.host, self.resident = host, None
+        self.parked: list[list[Tensor]] = [[] for _ in range(n_groups)]
+        self.compute: torch.device | None = None
 
     def add(
         self, state: Float[Tensor, "n d"], present: list[tuple[int, Bool[Tensor, " n"]]], rows: int
     ) -> bool:
         """Buffer ``state``'s rows of each group present, folding a group's buffer into its
-        moments once it holds ``rows``; returns whether ``state`` was finite (else drops)."""
+        moments once it holds ``rows``; returns whether ``state`` was finite (else drops).
+        With a host, the group with most of the rows becomes the resident one first, and the
+        other groups' rows are parked on the host."""
         if self.groups is None:
             return False
         if not all_finite(state):
             self.groups = None
             return False
+        if self.host is not None and present:
+            self.compute = state.device
+            most = max(present, key=lambda item: int(item[1].sum()))[0]
+            if most != self.resident:
+                self._make_resident(most)
         for g, rows_of_group in present:
+            if self.host is not None and g != self.resident:
+                self.parked[g].append(state[rows_of_group].to(self.host))
+                continue
             self.pending[g].append(state[rows_of_group])
             if sum(len(x) for x in self.pending[g]) >= rows:
                 self.groups[g].update(torch.cat(self.pending[g]))
                 self.pending[g] = []
         return True
 
+    def _make_resident(self, group: int) -> None:
+        """Fill ``group`` on the compute device from now on: the resident group's moments go
+        to the host, ``group``'s come to the device with its parked rows folded in."""
+        assert self.groups is not None and self.host is not None and self.compute is not None
+        if self.resident is not None:
+            self._fold_pending(self.resident)
+            self.groups[self.resident] = self.groups[self.resident].to(self.host)
+        self.groups[group] = self.groups[group].to(self.compute)
+        self.resident = group
+        if self.parked[group]:
+            self.groups[group].update(torch.cat(self.parked[group]).to(self.compute))
+            self.parked[group] = []
+
+    def _fold_pending(self, group: int) -> None:
+        if self.pending[group] and self.groups is not None:
+            self.groups[group].update(torch.cat(self.pending[group]))
+        self.pending[group] = []
+
     def flush(self) -> None:
-        """Fold every group's waiting states into its moments."""
-        for g, waiting in enumerate(self.pending):
-            if waiting and self.groups is not None:
-                self.groups[g].update(torch.cat(waiting))
-            self.pending[g] = []
+        """Fold every group's waiting states into its moments (a parked group's on the compute
+        device, the result merged into its moments on the host)."""
+        for g in range(len(self.pending)):
+            self._fold_pending(g)
+            if self.parked[g] and self.groups is not None and self.compute is not None:
+                assert self.host is not None
+                part = StreamingMoments(self.storage)
+                part.update(torch.cat(self.parked[g]).to(self.compute))
+                moments = self.groups[g]
+                moments.merge(part.to(self.host))
+                self.groups[g] = moments.to(self.host)
+            self.parked[g] = []
 
     def state(self) -> list[MomentsState] | None:
         """The groups' moments, their buffers folded in first."""
@@ -90,6 +159,9 @@ class GroupMoments:
         self.groups = (
             None if state is None else [StreamingMoments.from_state(s, self.storage) for s in state]
         )
+        if self.host is not None and self.groups is not None:
+            self.groups = [moments.to(self.host) for moments in self.groups]
+            self.resident = None
 
     @classmethod
     def merged(cls, parts: Sequence[GroupMoments]) -> GroupMoments:
@@ -113,8 +185,8 @@ class GroupMoments:
         if self.groups is None:
             return None
         total = StreamingMoments()
-        for moments in self.groups:
-            total.merge(moments)
+        for moments in self.groups:  # one group at a time on the compute device
+            total.merge(moments if self.compute is None else moments.to(self.compute))
         return total if total.count else None
 
     def left_out(self, total: StreamingMoments | None, group: int) -> StreamingMoments | None:
@@ -223,12 +295,14 @@ class CalibrationRecords:
         conditions: dict[str, Condition],
         entry: CalibrationMap,
         wants_base_rate: bool,
+        host: torch.device | None = None,
     ) -> None:
         config = context.config
         self.conditions = conditions
         self.n_groups = max(1, config.calibration_groups)
+        self.host = host  # where groups not being filled wait (`moments_host`)
         storage = torch.float32 if self.n_groups >= 2 else torch.float64
-        self.streams = {label: GroupMoments(self.n_groups, storage) for label in conditions}
+        self.streams = {label: GroupMoments(self.n_groups, storage, host) for label in conditions}
         self.samples = {
             label: Subsample(config.calibration_points, config.seed + 7 + i)
             for i, label in enumerate(conditions if entry.needs_states else ())
@@ -258,8 +332,9 @@ class CalibrationRecords:
             self.buffer_rows = max(
                 64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width))
             )
+            on_device = 1 if self.host is not None else self.n_groups
             check_moment_memory(
-                len(self.conditions), self.n_groups, width, self.buffer_rows, context.device()
+                len(self.conditions), on_device, width, self.buffer_rows, context.device()
             )
         if self.base is not None:  # full depth's readout in chunks of examples
             for chunk in plan.example_chunks(rows.stop - rows.start):

@@ -231,6 +231,20 @@ class StreamingMoments:
         """Dimension d of the samples, or None before the first update."""
         return None if self._mean is None else int(self._mean.shape[0])
 
+    def to(self, device: torch.device) -> StreamingMoments:
+        """These moments with their sums on ``device`` (``self`` where they are there already,
+        or hold none yet)."""
+        if self._mean is None or self._mean.device == device:
+            return self
+        assert self._scatter is not None
+        assert self._norm_weighted_sum is not None and self._fourth_sum is not None
+        moved = StreamingMoments(self._storage)
+        moved._count, moved._eigh_dtype = self._count, self._eigh_dtype
+        moved._mean, moved._scatter = self._mean.to(device), self._scatter.to(device)
+        moved._norm_weighted_sum = self._norm_weighted_sum.to(device)
+        moved._fourth_sum = self._fourth_sum.to(device)
+        return moved
+
     @property
     def device(self) -> torch.device | None:
         """Device the moments live on (that of the first samples), or None before any."""

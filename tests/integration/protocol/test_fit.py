@@ -38,3 +38,36 @@ def test_a_readout_shift_keeps_every_translator() -> None:
     run = _run("readout_shift", 10)
     assert run["metadata"]["translators_replaced_by_the_mean"] == []
     assert run["shares"]["accuracy"]["verdict"] == "S"
+
+
+def test_a_pass_with_parked_groups_gives_the_same_results(monkeypatch) -> None:
+    """On an accelerator the calibration groups wait on the host, one filled at a time, and the
+    pass reads the split group by group: forced here on the CPU, the results equal the default
+    pass's up to the float rounding of the moments' sums."""
+    import json
+
+    import torch
+
+    from dcp_lens.protocol import fit
+
+    def run() -> dict:
+        model = planted.load_planted("readout_shift", seed=0)
+        task = model.planted_task
+        protocol = DepthControlProtocol(
+            model, n_bootstrap=50, probe="none", progress=False, seed=0, batch_size=8
+        )
+        results = protocol.run(task.evaluation(96), task.calibration(96)).to_results_json()
+        return json.loads(json.dumps(results))
+
+    default = run()
+    monkeypatch.setattr(fit, "moments_host", lambda context: torch.device("cpu"))
+    parked = run()
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "acceptance"))
+    from compare_results import compare
+
+    result = compare(default, parked)
+    assert not result["structural"], result["structural"][:5]
+    assert result["numbers"] > 1000 and result["max_abs_diff"] < 1e-4, result

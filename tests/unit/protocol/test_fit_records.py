@@ -37,3 +37,48 @@ def test_group_moments_restore_exactly_and_drop_a_non_finite_source() -> None:
     assert torch.allclose(total.mean, whole.mean)
     assert not moments.add(torch.full((40, 4), math.inf), present, rows=8)
     assert moments.groups is None and moments.total() is None
+
+
+def test_parked_groups_hold_the_moments_of_groups_filled_together() -> None:
+    """With a host, one group is filled at a time and the others' rows are parked; the moments
+    equal those of every group filled at once, whatever order the rows come in."""
+    generator = torch.Generator().manual_seed(2)
+    n, d, n_groups = 300, 5, 3
+    states = torch.randn(n, d, generator=generator, dtype=torch.float64) * 3.0 + 1.0
+    group = torch.randint(0, n_groups, (n,), generator=generator)
+    together = GroupMoments(n_groups, torch.float64)
+    parked = GroupMoments(n_groups, torch.float64, host=torch.device("cpu"))
+    # A mixed leading batch, then the rest group by group, in batches of 25.
+    order = torch.cat([torch.arange(25), 25 + torch.argsort(group[25:], stable=True)])
+    residents = set()
+    for start in range(0, n, 25):
+        rows = order[start : start + 25]
+        present = [(g, group[rows] == g) for g in range(n_groups) if bool((group[rows] == g).any())]
+        assert together.add(states[rows], present, rows=8)
+        assert parked.add(states[rows], present, rows=8)
+        residents.add(parked.resident)
+    assert residents == set(range(n_groups))  # every group was filled in its turn
+    together.flush()
+    parked.flush()
+    assert all(not rows for rows in parked.parked)
+    for mine, theirs in zip(parked.groups or [], together.groups or [], strict=True):
+        assert mine.count == theirs.count
+        assert torch.allclose(mine.mean, theirs.mean, atol=1e-12)
+        assert torch.allclose(mine.covariance, theirs.covariance, atol=1e-10)
+    whole, reference = parked.total(), together.total()
+    assert whole is not None and reference is not None
+    assert torch.allclose(whole.covariance, reference.covariance, atol=1e-10)
+
+
+def test_group_major_keeps_the_leading_batches_and_orders_the_rest_by_group() -> None:
+    from dcp_lens.protocol.evaluation_set import EvaluationSet
+    from dcp_lens.protocol.fit_records import group_major
+
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 50, (40, 6), generator=generator)
+    data = EvaluationSet(tokens, tokens.roll(-1, 1))
+    ordered = group_major(data, batch_size=8, n_groups=4, leading_rows=3)
+    assert torch.equal(ordered.tokens[:8], data.tokens[:8])  # the first batch as it was
+    groups = ordered.example_keys()[8:] % 4
+    assert bool((groups[1:] >= groups[:-1]).all())  # then group by group
+    assert sorted(map(tuple, ordered.tokens.tolist())) == sorted(map(tuple, data.tokens.tolist()))
