@@ -1,7 +1,7 @@
 """Derived results of the controlled training intervention (docs/design.md §6): each run's numbers,
 their aggregate over seeds, and the verdict on the prediction (`PREDICTION`). Pure functions over
 numbers; `dcp_lens.studies.intervention` runs the trainings and writes the files,
-`dcp_lens.report.html` renders.
+`dcp_lens.studies.intervention_markdown` renders them in words.
 
 Per regime, ``S``, ``B``, ``D`` are the means over seeds of each run's share of the gap's area and
 ``slope`` the mean of each run's classic truncation slope (`Decomposition.truncation_slope`); their
@@ -172,9 +172,8 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ the verdict
-# Each check returns its ``label`` and ``why`` (the reason in words); `dcp_lens.report.html` adds
-# the
-# numbers it compared.
+# Each check returns its ``label`` and ``why`` (the reason in words);
+# `dcp_lens.studies.intervention_markdown.explain_verdict` adds the numbers it compared.
 
 
 def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
