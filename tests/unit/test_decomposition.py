@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dcp_lens.protocol.conditions import DECOMPOSED as CONDITIONS
-from dcp_lens.protocol.decomposition import decompose, factors
+from dcp_lens.protocol.decomposition import decompose
+from dcp_lens.protocol.equations import factors
 from dcp_lens.protocol.records import NullControl, ProbeSummary
 from dcp_lens.protocol.results import (
     Decomposition,
