@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 
 from dcp_lens.protocol.records import ProbeSummary
-from dcp_lens.protocol.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolResults
+from dcp_lens.protocol.results import (
+    FACTORS,
+    REPLAY_NOT_REALIZABLE,
+    S_NOT_IDENTIFIED,
+    ProtocolResults,
+)
 from dcp_lens.utils.errors import DCPLensError
 
 # The verdicts on a metric's shares. D (distinct computation) is not among them: no test run
@@ -50,10 +55,6 @@ S_BRACKET_WIDE = (
     "0.1 of the gap (affine readout shift lies inside the bracket [S_lower, S_upper])"
 )
 # The flag of a row whose S is not identified, in the report and on its figures' hover.
-S_NOT_IDENTIFIED = (
-    "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
-    "still differ from full depth)"
-)
 B_NOT_IDENTIFIED = "B not identified (the B bracket is wide, or replay walks)"
 NOT_AFFINE = "not_affine"
 

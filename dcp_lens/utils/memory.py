@@ -32,7 +32,6 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 M_TRIM_THRESHOLD = -1
@@ -146,10 +145,10 @@ def _bytes_variable(name: str, default: int, example: str) -> int:
     return int(text)
 
 
-_LIBC: list[Any] = []  # [the C library] once looked up; [None] where it is not glibc
+_LIBC: list[ctypes.CDLL | None] = []  # [the C library] once looked up; [None] where it is not glibc
 
 
-def _glibc() -> Any:
+def _glibc() -> ctypes.CDLL | None:
     if not _LIBC:
         library = None
         if sys.platform.startswith("linux"):
@@ -188,7 +187,7 @@ def available_memory_bytes() -> int | None:
     return physical_memory_bytes()
 
 
-def annotated(result: dict[str, Any]) -> dict[str, Any]:
+def annotated(result: dict[str, object]) -> dict[str, object]:
     """A benchmark's ``result`` with the allocator setting it ran under (``"allocator"``)."""
     threshold = fixed_threshold()
     result["allocator"] = (
