@@ -48,7 +48,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -98,9 +98,9 @@ class ProtocolModel(IterationModel, Protocol):
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
-    def eval(self) -> Self: ...
+    def eval(self) -> torch.nn.Module: ...
 
-    def train(self, mode: bool = True) -> Self: ...
+    def train(self, mode: bool = True) -> torch.nn.Module: ...
 
 
 class Condition(ABC):
