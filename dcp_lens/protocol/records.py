@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, TypeVar, overload
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
 
 import numpy as np
 
@@ -37,6 +37,8 @@ class JSONRecord(Mapping[str, JSONValue]):
     them)."""
 
     other: Mapping[str, JSONValue]
+    # Fields that hold a record of their own, read with that record's `from_json`.
+    nested: ClassVar[Mapping[str, type[JSONRecord]]] = {}
 
     def to_json(self) -> JSONObject:
         """The record as a JSON object (NaN as NaN; `encode_json` makes it strict JSON)."""
@@ -64,7 +66,11 @@ class JSONRecord(Mapping[str, JSONValue]):
             raise ValueError(
                 f"{cls.__name__} record has keys {sorted(decoded)}; it needs {missing}."
             )
-        given = {key: value for key, value in decoded.items() if key in named}
+        given: dict[str, object] = {key: value for key, value in decoded.items() if key in named}
+        for key, record_type in cls.nested.items():
+            value = given.get(key)
+            if isinstance(value, Mapping):
+                given[key] = record_type.from_json(value)
         other = {key: value for key, value in decoded.items() if key not in named}
         # The subclass is a dataclass whose fields are the named keys (checked when tested).
         return cls(**given, other=other)  # type: ignore[call-arg]
@@ -142,14 +148,7 @@ class CalibrationRecord(JSONRecord):
     skip_first_position: bool | None = None
     confidence_matching: ConfidenceMatching | None = None
     other: Mapping[str, JSONValue] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, record: Mapping[str, object]) -> CalibrationRecord:
-        read = super().from_json(record)
-        matching = read.confidence_matching
-        if isinstance(matching, Mapping) and not isinstance(matching, ConfidenceMatching):
-            return replace(read, confidence_matching=ConfidenceMatching.from_json(matching))
-        return read
+    nested: ClassVar[Mapping[str, type[JSONRecord]]] = {"confidence_matching": ConfidenceMatching}
 
 
 # ----------------------------------------------------------------------------- JSON
