@@ -165,9 +165,7 @@ class DepthControlProtocol:
 
     # ------------------------------------------------------------------------ public API
 
-    def run(
-        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any
-    ) -> ProtocolResults:
+    def run(self, evaluation: object, calibration: object) -> ProtocolResults:
         """Fit the calibrations on ``calibration``, evaluate every condition on ``evaluation``
         and decompose. The two sets must not share an example. Task batches
         (`dcp_lens.tasks.TaskBatch`) are converted with `EvaluationSet.from_task_batch`."""
@@ -199,9 +197,7 @@ class DepthControlProtocol:
         results = self._decompose(swept, probe_summary, evaluation, calibration)
         return distributed.broadcast_from_main(results)
 
-    def estimate(
-        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any = None
-    ) -> MemoryEstimate:
+    def estimate(self, evaluation: object, calibration: object = None) -> MemoryEstimate:
         """This run's peak memory by term and stage (`dcp_lens.protocol.budget`), from the
         model's shape and the settings alone: nothing is read or allocated. Sized on the longer
         of the two sets' sequences."""
