@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from dcp_lens.model.loss import IGNORE_INDEX
 from dcp_lens.tasks.base import SPLITS, Split, Task, TaskBatch, check_task_tokens
@@ -50,7 +51,7 @@ def get_task(name: str, **kwargs: object) -> Task:
         raise ConfigError(f"task {name!r}: {error}") from error
 
 
-def task_of(model: object) -> Task:
+def task_of(model: object) -> Any:
     """The task a model was trained on, built from its ``task_config`` (the ``task.json`` beside
     its weights), or the task it was built with (``model.task_object``, planted models):
     ``task_of(model).evaluation(256)`` feeds `DepthControlProtocol.run`.
