@@ -5,7 +5,7 @@ objects and never recompute science."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -377,10 +377,11 @@ def _null_checks(run: Mapping[str, Any]) -> dict[NullCheck, str]:
     return checks
 
 
-def _within(value: Any, tolerance: float) -> str:
+def _within(value: object, tolerance: float) -> str:
     """``value`` with a pass mark when it is at most ``tolerance``."""
     finite = _all_finite([value])
-    return _marked_text(_readable(value), finite, finite and value <= tolerance)
+    passed = finite and isinstance(value, float | int) and value <= tolerance
+    return _marked_text(_readable(value), finite, passed)
 
 
 def _marked_text(text: str, measured: bool, passed: bool) -> str:
@@ -392,13 +393,13 @@ def _marked_text(text: str, measured: bool, passed: bool) -> str:
     return f"{text} <span class='mark fail'>&#10007; fail</span>"
 
 
-def _all_finite(values: Any) -> bool:
+def _all_finite(values: Iterable[object]) -> bool:
     return all(
         isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) for v in values
     )
 
 
-def _readable(value: Any) -> str:
+def _readable(value: object) -> str:
     """A number as a reader reads it (HTML): three significant digits, a small one as
     m x 10^e; NaN and non-numbers as n/a."""
     if isinstance(value, bool) or not isinstance(value, float | int) or not math.isfinite(value):
@@ -437,13 +438,13 @@ def _command_html(report_data: Mapping[str, Any]) -> str:
     return f"<p>Reproduce with: <code>{escape(command)}</code></p>"
 
 
-def _current_environment() -> dict[str, Any]:
+def _current_environment() -> dict[str, str | None]:
     from dcp_lens.utils.environment import environment
 
     return environment()
 
 
-def _dl(items: Mapping[str, Any]) -> str:
+def _dl(items: Mapping[str, object]) -> str:
     """A table of settings, one per row: a nested mapping becomes one row per entry under its
     key (``config / seed``), a list its items joined by commas, an empty one "none"."""
     rows = "".join(
@@ -452,7 +453,7 @@ def _dl(items: Mapping[str, Any]) -> str:
     return f"<table class='settings'>{rows}</table>"
 
 
-def _flatten(items: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+def _flatten(items: Mapping[str, object], prefix: str = "") -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key, value in items.items():
         name = f"{prefix}{key}"
@@ -463,7 +464,7 @@ def _flatten(items: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]
     return rows
 
 
-def _setting_text(value: Any) -> str:
+def _setting_text(value: object) -> str:
     """One setting as plain text: lists joined by commas, mappings as ``key: value`` pairs,
     numbers as they are, nothing as "none"."""
     if value is None or (isinstance(value, list | tuple | Mapping) and not value):
