@@ -246,7 +246,7 @@ def _settings(
 ) -> dict[str, str]:
     """What makes a run's results (recorded for --resume): the specs, the task, the data's
     size and reading, the dtype and every protocol setting."""
-    values: dict[str, Any] = {
+    values: dict[str, object] = {
         "model": model, "dense": dense, "task": task, "n_eval": options.n_eval,
         "n_calibration": options.n_calibration, "dtype": options.dtype,
         **{f"text.{k}": v for k, v in asdict(options.text).items()},
@@ -343,7 +343,7 @@ def _run_plans(
 
     main = distributed.is_main()
     runs: list[ProtocolResults] = []
-    extras: list[dict[str, Any]] = []
+    extras: list[dict[str, object]] = []
     for plan in plans:
         folder = work / plan.name
         if plan.protocol is None:
