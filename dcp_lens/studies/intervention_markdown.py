@@ -5,7 +5,8 @@ the numbers of `dcp_lens.studies.intervention_outcomes`)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NotRequired, TypedDict
 
 from dcp_lens.protocol.verdicts import format_number as _number
 from dcp_lens.studies.intervention_outcomes import (
@@ -14,18 +15,31 @@ from dcp_lens.studies.intervention_outcomes import (
     BRACKET_ABSOLUTE,
     CONFIDENCE,
     NEGATIVE_CONTROL,
+    Check,
+    Regime,
     mean_over_seeds,
+    number,
 )
 
 
+class ExplainedCheck(TypedDict):
+    """A check as ``intervention.json`` stores it: its label, the reason with the numbers
+    compared, and the measured label or predicted slope where the check has one."""
+
+    label: str
+    reason: str
+    measured: NotRequired[str]
+    predicted_slope: NotRequired[float]
+
+
 def explain_verdict(
-    verdict: dict[str, dict[str, dict[str, Any]]], regimes: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, dict[str, Any]]]:
+    verdict: Mapping[str, Mapping[str, Check]], regimes: Mapping[str, Regime]
+) -> dict[str, dict[str, ExplainedCheck]]:
     """The verdict as ``intervention.json`` stores it: each check of
     `dcp_lens.studies.intervention_outcomes.verdict` with its ``why`` turned into a ``reason``
     that states the numbers compared (``regimes``: the
     `dcp_lens.studies.intervention_outcomes.aggregate` of every regime)."""
-    explained: dict[str, dict[str, dict[str, Any]]] = {}
+    explained: dict[str, dict[str, ExplainedCheck]] = {}
     for regime, checks in verdict.items():
         explained[regime] = {}
         for name, check in checks.items():
@@ -33,8 +47,12 @@ def explain_verdict(
             if check["label"] != "not tested":
                 numbers = _compared(name, check, regimes[regime], regimes[BASELINE])
                 reason = f"{numbers}: {reason}"
-            rest = {key: value for key, value in check.items() if key not in ("label", "why")}
-            explained[regime][name] = {"label": check["label"], "reason": reason, **rest}
+            said: ExplainedCheck = {"label": check["label"], "reason": reason}
+            if "measured" in check:
+                said["measured"] = check["measured"]
+            if "predicted_slope" in check:
+                said["predicted_slope"] = check["predicted_slope"]
+            explained[regime][name] = said
     return explained
 
 
@@ -66,7 +84,9 @@ def format_markdown(document: dict[str, Any]) -> str:
 
 
 def _metric_section(
-    metric: str, regimes: dict[str, dict[str, Any]], verdict: dict[str, dict[str, Any]]
+    metric: str,
+    regimes: Mapping[str, Regime],
+    verdict: Mapping[str, Mapping[str, ExplainedCheck]],
 ) -> list[str]:
     lines = [
         *markdown_table(regimes),
@@ -99,7 +119,7 @@ CHECK_NAMES = {
 }
 
 
-def verdict_lines(verdict: dict[str, dict[str, Any]]) -> list[str]:
+def verdict_lines(verdict: Mapping[str, Mapping[str, ExplainedCheck]]) -> list[str]:
     """The explained verdict (`explain_verdict`) as markdown bullets: per tested regime, each
     check's label and reason."""
     lines = []
@@ -110,7 +130,7 @@ def verdict_lines(verdict: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
+def markdown_table(regimes: Mapping[str, Regime]) -> list[str]:
     """The lines of a markdown table: regime, seeds, then the shares S, B, D, the slope, the gap
     and S, B, D in the metric's units (means over k), each with its interval, and the accuracy at
     full depth and at k = 1 (means over seeds)."""
@@ -124,36 +144,36 @@ def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
         cells = [_interval(row, name) for name in AGGREGATED if name not in BRACKET_ABSOLUTE]
         for factor in ("S", "D"):
             cells.append(_bracket_cell(row, factor))
-        cells.append(", ".join(str(v) if v else "-" for v in row.get("verdicts", [])) or "-")
-        seeds = ",".join(str(seed) for seed in row["seeds"])
-        if row["undefined_seeds"]:
-            seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
-        if row.get("S_bound_seeds"):
-            seeds += f" (S bound: {','.join(str(seed) for seed in row['S_bound_seeds'])})"
+        cells.append(", ".join(str(v) if v else "-" for v in _listed(row, "verdicts")) or "-")
+        seeds = ",".join(str(seed) for seed in _listed(row, "seeds"))
+        if undefined := _listed(row, "undefined_seeds"):
+            seeds += f" (undefined: {','.join(str(seed) for seed in undefined)})"
+        if bound := _listed(row, "S_bound_seeds"):
+            seeds += f" (S bound: {','.join(str(seed) for seed in bound)})"
         accuracy = [_number(mean_over_seeds(row, key)) for key in ("full_accuracy", "k1_accuracy")]
         cells.append(" / ".join(accuracy))
         lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _bracket_cell(row: dict[str, Any], factor: str) -> str:
+def _bracket_cell(row: Regime, factor: str) -> str:
     """``[lower, upper]`` of a regime's ``factor`` bracket in units (means over seeds), with the
     lower end's interval low and the upper end's interval high after it; "-" without one."""
-    low, high = row.get(f"{factor}_lower_abs"), row.get(f"{factor}_upper_abs")
-    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+    low, high = number(row, f"{factor}_lower_abs"), number(row, f"{factor}_upper_abs")
+    if not (math.isfinite(low) and math.isfinite(high)):
         return "-"
-    outer = (_number(row[f"{factor}_lower_abs_lo"]), _number(row[f"{factor}_upper_abs_hi"]))
+    ends = number(row, f"{factor}_lower_abs_lo"), number(row, f"{factor}_upper_abs_hi")
+    outer = (_number(ends[0]), _number(ends[1]))
     return f"[{_number(low)}, {_number(high)}] ({outer[0]} to {outer[1]})"
 
 
-def _compared(
-    check_name: str, check: dict[str, Any], tested: dict[str, Any], fixed: dict[str, Any]
-) -> str:
+def _compared(check_name: str, check: Check, tested: Regime, fixed: Regime) -> str:
     """The numbers a check of the verdict compared, in words."""
     if check_name == "slope_follows_S":
         return (
-            f"slope {_interval(tested, 'slope')}, predicted {_number(check['predicted_slope'])} "
-            f"from fixed slope {_number(fixed['slope'])} and the change in S"
+            f"slope {_interval(tested, 'slope')}, predicted "
+            f"{_number(check.get('predicted_slope'))} "
+            f"from fixed slope {_number(number(fixed, 'slope'))} and the change in S"
         )
     factor = {"S_lower": "S", "D_stays": "D"}[check_name]
     name = f"{factor}_abs"
@@ -164,5 +184,12 @@ def _compared(
     return f"{said}; {factor} bracket {brackets[0]} against fixed {brackets[1]}"
 
 
-def _interval(row: dict[str, Any], name: str) -> str:
-    return f"{_number(row[name])} [{_number(row[f'{name}_lo'])}, {_number(row[f'{name}_hi'])}]"
+def _interval(row: Regime, name: str) -> str:
+    point, low, high = (_number(number(row, name + end)) for end in ("", "_lo", "_hi"))
+    return f"{point} [{low}, {high}]"
+
+
+def _listed(row: Regime, name: str) -> list[object]:
+    """The list ``name`` of a regime (seeds, verdicts), empty where it has none."""
+    value = row.get(name)
+    return list(value) if isinstance(value, list) else []
