@@ -33,6 +33,7 @@ from dcp_lens.protocol.results import (
     FACTORS,
     REPLAY_NOT_REALIZABLE,
     S_NOT_IDENTIFIED,
+    Decomposition,
     ProtocolResults,
 )
 from dcp_lens.utils.errors import DCPLensError
@@ -474,13 +475,16 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
     return groups
 
 
-def _per_k_cautions(run: Mapping[str, Any], decomposition: Any) -> list[str]:
+def _per_k_cautions(run: Mapping[str, Any], decomposition: Decomposition) -> list[str]:
     """The per-k identification flags of one metric, in words (k < r)."""
     below = [i for i, k in enumerate(decomposition.k_grid) if k < decomposition.n_iterations]
     ks = decomposition.k_grid
     same = replay_same(run.get("metadata", {}), ks)
-    s_open = [ks[i] for i in below if not decomposition.s_identified[i]]
-    b_open = [ks[i] for i in below if not decomposition.b_identified[i] and not same[i]]
+    # Arrays after construction (flags not measured are False).
+    s_identified = np.asarray(decomposition.s_identified, bool)
+    b_identified = np.asarray(decomposition.b_identified, bool)
+    s_open = [ks[i] for i in below if not s_identified[i]]
+    b_open = [ks[i] for i in below if not b_identified[i] and not same[i]]
     parts = []
     if s_open and decomposition.bracket is not None:
         parts.append(

@@ -206,7 +206,7 @@ def _extra_colour(condition: str) -> str:
     return _EXTRA_COLOURS[sum(map(ord, condition)) % len(_EXTRA_COLOURS)]
 
 
-def _view_buttons(drawn: Sequence[str]) -> dict[str, Any]:
+def _view_buttons(drawn: Sequence[str]) -> dict[str, object]:
     """Buttons over the plot that show one view of `CONDITION_VIEWS` each (the others stay in
     the legend, greyed, a click away)."""
     buttons = []
@@ -472,7 +472,7 @@ def _band(
 
 def _error_bars(
     values: list[float], low: list[float | None], high: list[float | None]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     def distance(a: float | None, b: float) -> float:
         return math.nan if _missing(a) or _missing(b) else abs(float(a) - b)  # type: ignore[arg-type]
 
