@@ -331,7 +331,7 @@ class Decomposition:
             )
         cells = {key: _floats(by_k[k][key] for k in grid) for key in _TABLE_COLUMNS}
         flags: dict[str, np.ndarray] = {}
-        for key, name in _FLAG_FIELDS.items():  # absent from results.json written before 0.2
+        for key, name in _FLAG_FIELDS.items():  # absent from older results.json files
             if all(key in by_k[k] for k in grid):
                 values = [by_k[k][key] for k in grid]
                 is_flag = key.endswith("_identified")

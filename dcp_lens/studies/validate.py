@@ -1,5 +1,5 @@
 """`dcp-lens validate`: DCP on every planted model of known ground truth, on every metric, judged
-by the bracket rule of issue 25 (docs/bracket.md, docs/validation.md).
+by the bracket rule (docs/bracket.md, docs/validation.md).
 
 A row per (planted model, metric), judged from the run's results alone (`judge_run`, a pure
 function of a ``results.json`` run):
@@ -24,7 +24,7 @@ passes when every counted row passes and its false-alarm rate holds; a metric th
 ``point_rule_passed``, information only.
 
 `coverage` replicates planted models with different seeds and reports how often each 95%
-interval covers the truth (issue 25, item 8).
+interval covers the truth.
 """
 
 from __future__ import annotations
