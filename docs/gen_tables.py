@@ -420,9 +420,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
 
 def _intervention(name: str) -> str:
     """The training intervention's table and verdict on its first metric (accuracy), as
-    `dcp_lens.report.html` writes them into ``intervention.md``, from a committed
+    `dcp_lens.studies.intervention_markdown` writes them into ``intervention.md``, from a committed
     ``intervention.json``."""
-    from dcp_lens.report.html import markdown_table, verdict_lines
+    from dcp_lens.studies.intervention_markdown import markdown_table, verdict_lines
 
     document = _read(DATA / f"intervention_{name}.json")
     lines = [*markdown_table(document["regimes"]), "", *verdict_lines(document["verdict"])]

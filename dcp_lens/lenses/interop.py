@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from jaxtyping import Float
 from torch import Tensor
+from transformer_lens.hook_points import HookPoint
 
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol.conditions import HookList, IterationModel
 
 
@@ -37,7 +38,9 @@ class IterationSplit:
     coda: Tensor
 
 
-def split_by_iteration(model: Any, result: Tensor, layer_dim: int = 0) -> IterationSplit:
+def split_by_iteration(
+    model: HookedRecurrentTransformer, result: Tensor, layer_dim: int = 0
+) -> IterationSplit:
     """Regroup ``result``, whose dimension ``layer_dim`` runs over ``model.blocks`` (the active
     view's ``cfg.n_layers``), into prelude, core ``[iteration, layer, ...]`` and coda.
 
@@ -66,7 +69,7 @@ def split_by_iteration(model: Any, result: Tensor, layer_dim: int = 0) -> Iterat
 
 def splice_hooks(
     model: IterationModel,
-    module: Any,
+    module: object,
     iterations: int | Sequence[int] | None = None,
     *,
     use_error_term: bool = False,
@@ -99,7 +102,7 @@ def splice_hooks(
 
     def spliced(t: int) -> Callable[..., Tensor]:
         def hook(
-            state: Float[Tensor, "batch pos d_model"], hook: Any
+            state: Float[Tensor, "batch pos d_model"], hook: HookPoint
         ) -> Float[Tensor, "batch pos d_model"]:
             latents = encode(state)
             if record is not None:
@@ -115,7 +118,7 @@ def splice_hooks(
     return [(model.state_hook_name(t), spliced(t)) for t in wanted]
 
 
-def _codec(module: Any) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+def _codec(module: object) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
     encode, decode = getattr(module, "encode", None), getattr(module, "decode", None)
     if callable(encode) and callable(decode):
         return encode, decode

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pandas as pd
 import torch
@@ -28,7 +27,8 @@ from transformer_lens.ActivationCache import ActivationCache
 
 from dcp_lens.model.names import DepthMismatchError
 from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
-from dcp_lens.protocol.conditions import ProtocolModel, truncate
+from dcp_lens.protocol.conditions import ProtocolModel, StateMap, truncate
+from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 
@@ -149,8 +149,8 @@ def fit_lens_calibrations(
 
 
 def protocol_calibrations(
-    protocol: Any, iterations: Sequence[int] | None = None
-) -> dict[int, AffineCalibration | None]:
+    protocol: DepthControlProtocol, iterations: Sequence[int] | None = None
+) -> dict[int, StateMap | None]:
     """The maps a fitted `DepthControlProtocol` uses for ``calibrate(truncate(t))``, per t.
 
     ``protocol.fit(calibration)`` (or ``run``) must have been called; t defaults to 1..r. A t
@@ -183,7 +183,7 @@ class PredictionTrajectory:
     def table(self, example: int = 0, position: int = -1) -> pd.DataFrame:
         """One position's trajectory: a row per iteration (iteration, target, rank,
         probability, top_token and, for Ouro, exit_probability)."""
-        columns: dict[str, Any] = {
+        columns: dict[str, object] = {
             "iteration": self.iterations,
             "target": int(self.target[example, position]),
             "rank": self.rank[:, example, position].tolist(),
@@ -245,15 +245,16 @@ def prediction_trajectory(
     )
 
 
-def _exit_probability(model: Any, source: LensSource, wanted: list[int]) -> Tensor | None:
+def _exit_probability(model: ProtocolModel, source: LensSource, wanted: list[int]) -> Tensor | None:
     """Ouro's exit distribution over steps 1..r, aligned with ``wanted`` (NaN at t = 0)."""
-    if getattr(model, "exit_gate", None) is None:
+    exit_gate = getattr(model, "exit_gate", None)
+    if exit_gate is None:
         return None
     from dcp_lens.model.components.exit_gate import exit_distribution
 
     steps = iteration_states(model, source, range(1, model.n_iterations + 1))
     with torch.no_grad():
-        pdf = exit_distribution(model.exit_gate(steps).movedim(0, -1)).movedim(-1, 0)
+        pdf = exit_distribution(exit_gate(steps).movedim(0, -1)).movedim(-1, 0)
     nan = torch.full_like(pdf[0], float("nan"))
     return torch.stack([nan if t == 0 else pdf[t - 1] for t in wanted])
 

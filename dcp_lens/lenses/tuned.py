@@ -14,15 +14,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.lenses.lens import LensSource, iteration_states
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.protocol.conditions import HookList
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.translator import AffineTranslator, TranslatorError
 from dcp_lens.utils.errors import DCPLensError
@@ -47,7 +49,7 @@ class TunedLens:
     @classmethod
     def fit(
         cls,
-        model: Any,
+        model: HookedRecurrentTransformer,
         tokens: Int[Tensor, "n pos"],
         iterations: Sequence[int] | None = None,
         *,
@@ -81,7 +83,10 @@ class TunedLens:
         return self.translators[t]
 
     def logits(
-        self, model: Any, source: LensSource, iterations: Sequence[int] | None = None
+        self,
+        model: HookedRecurrentTransformer,
+        source: LensSource,
+        iterations: Sequence[int] | None = None,
     ) -> Float[Tensor, "iteration batch pos d_vocab"]:
         """``model.readout(translator_t(s_t))`` for each t (default: every fitted t, in order)."""
         wanted = sorted(self.translators) if iterations is None else list(iterations)
@@ -124,7 +129,7 @@ class TunedLens:
         return cls(translators, int(metadata["n_iterations"]))
 
 
-def final_stream_hook(model: Any) -> str:
+def final_stream_hook(model: HookedRecurrentTransformer) -> str:
     """The hook holding the stream entering ``ln_final`` in the active view."""
     if model.cfg.n_coda or model.is_dense:
         return f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
@@ -146,7 +151,7 @@ class JacobianLens:
     @classmethod
     def fit(
         cls,
-        model: Any,
+        model: HookedRecurrentTransformer,
         tokens: Int[Tensor, "n pos"],
         iterations: Sequence[int] | None = None,
         *,
@@ -167,7 +172,10 @@ class JacobianLens:
         return cls({t: (total / len(tokens)) for t, total in totals.items()})
 
     def logits(
-        self, model: Any, source: LensSource, iterations: Sequence[int] | None = None
+        self,
+        model: HookedRecurrentTransformer,
+        source: LensSource,
+        iterations: Sequence[int] | None = None,
     ) -> Float[Tensor, "iteration batch pos d_vocab"]:
         """``ln_final(J_t s_t) @ W_U`` for each t (default every fitted t, in order)."""
         wanted = sorted(self.jacobians) if iterations is None else list(iterations)
@@ -185,7 +193,10 @@ class JacobianLens:
 
 
 def _prompt_jacobians(
-    model: Any, tokens: Int[Tensor, "1 pos"], wanted: list[int], skip_first: int
+    model: HookedRecurrentTransformer,
+    tokens: Int[Tensor, "1 pos"],
+    wanted: list[int],
+    skip_first: int,
 ) -> dict[int, Tensor]:
     """For one prompt: mean over source positions of the summed-over-targets Jacobian."""
     d = model.cfg.d_model
@@ -194,16 +205,16 @@ def _prompt_jacobians(
     probes = {t: torch.zeros(1, n_pos, d, requires_grad=True) for t in wanted}
     captured: dict[str, Tensor] = {}
 
-    def add_probe(t: int) -> Any:
-        def hook(state: Tensor, hook: Any) -> Tensor:
+    def add_probe(t: int) -> Callable[[Tensor, HookPoint], Tensor]:
+        def hook(state: Tensor, hook: HookPoint) -> Tensor:
             return state + probes[t].to(state.dtype)
 
         return hook
 
-    def keep(stream: Tensor, hook: Any) -> None:
+    def keep(stream: Tensor, hook: HookPoint) -> None:
         captured["final"] = stream
 
-    hooks = [(model.state_hook_name(t), add_probe(t)) for t in wanted]
+    hooks: HookList = [(model.state_hook_name(t), add_probe(t)) for t in wanted]
     hooks.append((final_stream_hook(model), keep))
     with torch.enable_grad():
         model.run_with_hooks(tokens, return_type=None, fwd_hooks=hooks)

@@ -12,7 +12,7 @@ the two S-repaired cells of each end are::
     upper end:  b_up  = max(ta, b)                       d_up  = max(tc, d)
     discounted_gain(x, y, z) = min(y - x, max(0, y - max(x, z)))
 
-and each end is the DCP decomposition (`dcp_lens.protocol.decomposition.factors`) with those cells
+and each end is the DCP decomposition (`dcp_lens.protocol.equations.factors`) with those cells
 in place of the calibrated ones, so S + B + D = gap at both ends::
 
     S_end = ((b_end - a) + (d_end - c)) / 2
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from jaxtyping import Float
 
+from dcp_lens.protocol.equations import factors, order_difference, share_of_gap
 from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
 from dcp_lens.protocol.verdicts import (
     BracketInputError,
@@ -150,11 +151,15 @@ def bracket_ends(cells: Cells) -> dict[str, np.ndarray]:
     lower = (a + discounted_gain(a, b, z), c + discounted_gain(c, d, z))
     upper = (np.maximum(np.asarray(cells["translate_truncate"]), b),
              np.maximum(np.asarray(cells["translate_replay"]), d))  # fmt: skip
-    ends: dict[str, np.ndarray] = {"gap": np.asarray(e - a)}
+    ends: dict[str, np.ndarray] = {}
     for end, (b_end, d_end) in (("lower", lower), ("upper", upper)):
-        ends[f"S_{end}"] = np.asarray(((b_end - a) + (d_end - c)) / 2)
-        ends[f"B_at_{end}"] = np.asarray(((c - a) + (d_end - b_end)) / 2)
-        ends[f"D_at_{end}"] = np.asarray(e - d_end)
+        b_end, d_end = np.asarray(b_end), np.asarray(d_end)
+        at_end = factors(
+            full=e, truncate=a, calibrate_truncate=b_end, replay=c, calibrate_replay=d_end
+        )
+        ends["gap"] = at_end["gap"]
+        ends[f"S_{end}"], ends[f"B_at_{end}"] = at_end["S"], at_end["B"]
+        ends[f"D_at_{end}"] = at_end["D"]
     for factor in ("B", "D"):
         pair = (ends[f"{factor}_at_lower"], ends[f"{factor}_at_upper"])
         ends[f"{factor}_lower"], ends[f"{factor}_upper"] = np.minimum(*pair), np.maximum(*pair)
@@ -206,7 +211,7 @@ def bracket(
     per_k["B_width_hi"] = _upper(sampled["B_upper"] - sampled["B_lower"], rule.confidence)
     # The order difference I_BS = (d - c) - (b - a): S taken first on truncate against S taken
     # after replay; its size (upper end of |I_BS|'s interval) is how far the two orders disagree.
-    per_k["order_width_hi"] = _upper(np.abs(order_difference(draw_cells)), rule.confidence)
+    per_k["order_width_hi"] = _upper(np.abs(_order_difference(draw_cells)), rule.confidence)
     same = _replay_same(replay_same, len(grid))
     per_k.update(identify_per_k(per_k, walk, same, rule))
 
@@ -346,12 +351,10 @@ def _with_intervals(
     return out
 
 
-def order_difference(cells: Cells) -> np.ndarray:
-    """``I_BS = (d - c) - (b - a)`` elementwise: S taken after replay minus S taken first on
-    truncate (equally, B taken after calibration minus B taken first)."""
-    a, b = np.asarray(cells["truncate"]), np.asarray(cells["calibrate_truncate"])
-    c, d = np.asarray(cells["replay"]), np.asarray(cells["calibrate_replay"])
-    return np.asarray((d - c) - (b - a))
+def _order_difference(cells: Cells) -> np.ndarray:
+    """`order_difference` (I_BS) of the calibrated cells in ``cells``."""
+    names = ("truncate", "calibrate_truncate", "replay", "calibrate_replay")
+    return order_difference(*(np.asarray(cells[name]) for name in names))
 
 
 def _replay_same(replay_same: Sequence[bool] | np.ndarray | None, n_k: int) -> np.ndarray:
@@ -389,9 +392,7 @@ def _shares(
         return np.asarray(array[..., used].sum(axis=-1))
 
     def share(quantities: dict[str, np.ndarray], name: str) -> np.ndarray:
-        gap = area(quantities["gap"])
-        safe = np.where(gap == 0, 1.0, gap)
-        return np.where(gap == 0, np.nan, area(quantities[name]) / safe)
+        return share_of_gap(quantities[name], quantities["gap"], used)
 
     shares: dict[str, float] = {}
     for name in BRACKET_QUANTITIES:
@@ -443,15 +444,15 @@ def _shares(
         )
         shares[name] = float(share({"gap": ends["gap"], name: point_worse}, name))
         shares[f"{name}_lo"], shares[f"{name}_hi"] = float(low[0]), float(high[0])
-    drawn_difference = share({"gap": sampled["gap"], "I": order_difference(draws)}, "I")
+    drawn_difference = share({"gap": sampled["gap"], "I": _order_difference(draws)}, "I")
     shares["order_difference"] = float(
-        share({"gap": ends["gap"], "I": order_difference(point)}, "I")
+        share({"gap": ends["gap"], "I": _order_difference(point)}, "I")
     )
     shares["order_width_hi"] = float(_upper(np.abs(drawn_difference)[:, None], confidence)[0])
     # The orders' span summed per k, so that differences of opposite sign at two k's do not
     # cancel: area(|I_BS|) / area(gap), with the upper end of its interval.
-    point_span = {"gap": ends["gap"], "I": np.abs(order_difference(point))}
-    drawn_span = share({"gap": sampled["gap"], "I": np.abs(order_difference(draws))}, "I")
+    point_span = {"gap": ends["gap"], "I": np.abs(_order_difference(point))}
+    drawn_span = share({"gap": sampled["gap"], "I": np.abs(_order_difference(draws))}, "I")
     shares["order_span"] = float(share(point_span, "I"))
     shares["order_span_hi"] = float(_upper(drawn_span[:, None], confidence)[0])
     return _ordered(shares)

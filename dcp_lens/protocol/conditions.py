@@ -48,15 +48,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.utils.registry import add_entry
 
-HookList = list[tuple[str, Callable[..., Any]]]
+HookList = list[tuple[str, Callable[[Tensor, HookPoint], Tensor | None]]]
 States = Float[Tensor, "r_plus_1 *batch d_model"]
 
 
@@ -93,13 +94,13 @@ class ProtocolModel(IterationModel, Protocol):
 
     def readout(self, state: Tensor) -> Tensor: ...
 
-    def run_with_hooks(self, *model_args: Any, **kwargs: Any) -> Any: ...
+    def run_with_hooks(self, *model_args: Tensor, **kwargs: object) -> Tensor: ...
 
-    def parameters(self, recurse: bool = True) -> Iterator[Any]: ...
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
-    def eval(self) -> Any: ...
+    def eval(self) -> torch.nn.Module: ...
 
-    def train(self, mode: bool = True) -> Any: ...
+    def train(self, mode: bool = True) -> torch.nn.Module: ...
 
 
 class Condition(ABC):
@@ -147,7 +148,7 @@ class Condition(ABC):
         readout is needed for them (`BaseRate`); None (the default): read them out."""
         return None
 
-    def _key(self) -> tuple[Any, ...]:
+    def _key(self) -> tuple[object, ...]:
         """What makes two conditions the same: class and label (and map, where there is one)."""
         return type(self), self.label
 
@@ -213,10 +214,10 @@ class Truncate(_AtDepth):
         self._check(model.n_iterations)
         captured: dict[str, Tensor] = {}
 
-        def keep(state: Tensor, hook: Any) -> None:
+        def keep(state: Tensor, hook: HookPoint) -> None:
             captured["state"] = state
 
-        def swap(readout_input: Tensor, hook: Any) -> Tensor:
+        def swap(readout_input: Tensor, hook: HookPoint) -> Tensor:
             return captured.pop("state")
 
         return [(model.state_hook_name(self.k), keep), (model.readout_hook_name, swap)]
@@ -244,14 +245,14 @@ class Replay(_AtDepth):
         self._check(model.n_iterations)
         k, captured = self.k, {}
 
-        def keep_previous(state: Tensor, hook: Any) -> None:
+        def keep_previous(state: Tensor, hook: HookPoint) -> None:
             captured["previous"] = state
 
-        def keep_update(state: Tensor, hook: Any) -> None:
+        def keep_update(state: Tensor, hook: HookPoint) -> None:
             captured["state"], captured["update"] = state, state - captured.pop("previous")
 
         def replayed(t: int) -> Callable[..., Tensor]:
-            def hook(state: Tensor, hook: Any) -> Tensor:
+            def hook(state: Tensor, hook: HookPoint) -> Tensor:
                 return captured["state"] + (t - k) * captured["update"]
 
             return hook
@@ -308,7 +309,7 @@ class Calibrate(Condition):
     def realizable(self, model: IterationModel) -> bool:
         return self.inner.realizable(model)
 
-    def _key(self) -> tuple[Any, ...]:
+    def _key(self) -> tuple[object, ...]:
         return type(self), self.label, id(self.state_map)
 
 
@@ -341,7 +342,7 @@ class Translate(Condition):
         return self.inner.coordinates(r)
 
     def fwd_hooks(self, model: IterationModel) -> HookList:
-        def hook(readout_input: Tensor, hook: Any) -> Tensor:
+        def hook(readout_input: Tensor, hook: HookPoint) -> Tensor:
             return self.translator(readout_input)
 
         return self.inner.fwd_hooks(model) + [(model.readout_hook_name, hook)]
@@ -359,7 +360,7 @@ class Translate(Condition):
     def realizable(self, model: IterationModel) -> bool:
         return self.inner.realizable(model)
 
-    def _key(self) -> tuple[Any, ...]:
+    def _key(self) -> tuple[object, ...]:
         return type(self), self.label, id(self.translator)
 
 
@@ -410,7 +411,7 @@ class BaseRate(Condition):
                 " BaseRate.logits(positions, batch, device) or protocol.condition_logits(...)."
             )
 
-        def hook(logits: Tensor, hook: Any) -> Tensor:
+        def hook(logits: Tensor, hook: HookPoint) -> Tensor:
             table = self.logits(logits.shape[1], logits.shape[0], logits.device)
             return table.to(logits.dtype)
 
@@ -426,7 +427,7 @@ class BaseRate(Condition):
             " use BaseRate.logits(positions, batch, device) for its readout."
         )
 
-    def _key(self) -> tuple[Any, ...]:
+    def _key(self) -> tuple[object, ...]:
         return type(self), self.label, id(self.log_probs)
 
     def logits_from_full(self, full_logits: Tensor) -> Tensor:
@@ -472,7 +473,7 @@ class Shift(_AtDepth):
         self._check(len(states) - 1)
         return self.state_map.inverse()(states[-1])
 
-    def _key(self) -> tuple[Any, ...]:
+    def _key(self) -> tuple[object, ...]:
         return type(self), self.label, id(self.state_map)
 
 
@@ -615,7 +616,7 @@ for _entry in (
 
 
 def _map_hook(state_map: StateMap) -> Callable[..., Tensor]:
-    def hook(readout_input: Tensor, hook: Any) -> Tensor:
+    def hook(readout_input: Tensor, hook: HookPoint) -> Tensor:
         return state_map(readout_input)
 
     return hook

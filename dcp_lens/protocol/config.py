@@ -17,7 +17,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError, ResourceLimitError
 
@@ -26,6 +26,8 @@ PROBES = ("trajectory", "none")
 # Each command's defaults where they differ from `ProtocolConfig`'s (plain values, so the CLI
 # reads them without importing torch). validate and the intervention run DCP on eleven and ten
 # models, so fewer bootstrap draws; the benchmark times the sweep, so no bootstrap, no probe.
+T = TypeVar("T")
+
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {"batch_size": 64},
     "validate": {"n_bootstrap": 200, "probe_points": 1000},
@@ -44,7 +46,7 @@ MAXIMA: dict[str, int] = {
 }  # fmt: skip
 
 
-def _option(default: Any, flag: str, help: str, **extra: Any) -> Any:
+def _option(default: T, flag: str, help: str, **extra: object) -> T:
     return field(default=default, metadata={"flag": flag, "help": help, **extra})
 
 
@@ -149,7 +151,7 @@ class ProtocolConfig:
             check_k(k, r)
         return grid
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The settings as plain JSON values (tuples as lists), what ``results.json`` records."""
         return {
             key: list(value) if isinstance(value, tuple) else value
@@ -157,7 +159,7 @@ class ProtocolConfig:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProtocolConfig:
+    def from_dict(cls, data: Mapping[str, object]) -> ProtocolConfig:
         """A config from `to_dict`'s output (unknown keys refused)."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
@@ -166,19 +168,19 @@ class ProtocolConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         return cls(**_checked({**defaults, **data}))
 
-    def replace(self, **changes: Any) -> ProtocolConfig:
+    def replace(self, **changes: object) -> ProtocolConfig:
         """A copy with ``changes`` (checked like `from_dict`)."""
         return self.from_dict({**self.to_dict(), **changes})
 
 
-def _checked(values: dict[str, Any]) -> dict[str, Any]:
+def _checked(values: dict[str, object]) -> dict[str, Any]:
     """``values`` (every field) checked and normalised (sequences as tuples, integers as int);
     the first wrong type or range is refused with a `ConfigError` / `ConfigTypeError`."""
     values = dict(values)
     if values["k_grid"] is not None:
         values["k_grid"] = _int_tuple(values["k_grid"], "k_grid", "--k 1,2,4")
-    if values["metrics"] is not None:
-        values["metrics"] = _name_tuple(values["metrics"])
+    metrics = None if values["metrics"] is None else _name_tuple(values["metrics"])
+    values["metrics"] = metrics
     for name, minimum in (
         ("mixture_components", 1),
         ("calibration_points", 1),
@@ -189,11 +191,10 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
         ("probe_points", 1),
         ("calibration_groups", 0),
     ):
-        _check_int(values[name], name, minimum)
-        values[name] = int(values[name])
-        if values[name] > MAXIMA[name]:
+        number = values[name] = _check_int(values[name], name, minimum)
+        if number > MAXIMA[name]:
             raise ResourceLimitError(
-                f"{name}={values[name]} is past dcp-lens's bound of {MAXIMA[name]:,} (a size "
+                f"{name}={number} is past dcp-lens's bound of {MAXIMA[name]:,} (a size "
                 "that would exhaust memory or never finish, or a seed past 64 bits); pass a "
                 "smaller value."
             )
@@ -214,9 +215,9 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(
                 f"{name}={values[name]!r} is not one of {allowed}; pass one of those names."
             )
-    if values["metrics"] is not None:
+    if metrics is not None:
         known = metric_names()
-        unknown = [m for m in values["metrics"] if m not in known]
+        unknown = [m for m in metrics if m not in known]
         if unknown:
             raise ConfigError(
                 f"metrics {unknown} are not registered; expected a non-empty subset of {known}."
@@ -224,15 +225,16 @@ def _checked(values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _gib(value: Any) -> float | None:
+def _gib(value: object) -> float | None:
     """A memory budget in GiB: None, a positive number, or text such as ``"40"`` / ``"40GiB"``."""
     if value is None:
         return None
-    text = (
-        value.strip().lower().removesuffix("gib").removesuffix("gb").removesuffix("g").strip()
-        if isinstance(value, str)
-        else value
-    )
+    text: str | float = "nan"  # neither text nor a number: refused below
+    if isinstance(value, str):
+        text = value.strip().lower().removesuffix("gib").removesuffix("gb").removesuffix("g")
+        text = text.strip()
+    elif isinstance(value, int | float):
+        text = value
     try:
         number = float(text)
     except (TypeError, ValueError):
@@ -268,7 +270,8 @@ def metric_names() -> tuple[str, ...]:
     return tuple(METRICS)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> None:
+def _check_int(value: object, name: str, minimum: int) -> int:
+    """``value`` as an int, refused unless it is an integer (not a bool) >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigTypeError(
             f"{name}={value!r} ({type(value).__name__}) must be an int >= {minimum}; pass an "
@@ -276,9 +279,10 @@ def _check_int(value: Any, name: str, minimum: int) -> None:
         )
     if value < minimum:
         raise ConfigError(f"{name}={value} must be >= {minimum}; pass a larger value.")
+    return int(value)
 
 
-def _int_tuple(values: Any, name: str, example: str) -> tuple[int, ...]:
+def _int_tuple(values: object, name: str, example: str) -> tuple[int, ...]:
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise ConfigTypeError(
             f"{name}={values!r} must be a sequence of ints (e.g. {example}); pass a list or tuple."
@@ -290,7 +294,7 @@ def _int_tuple(values: Any, name: str, example: str) -> tuple[int, ...]:
     return tuple(int(value) for value in values)
 
 
-def _name_tuple(values: Any) -> tuple[str, ...]:
+def _name_tuple(values: object) -> tuple[str, ...]:
     if isinstance(values, str) or not isinstance(values, Sequence):
         raise ConfigTypeError(
             f"metrics={values!r} must be a sequence of metric names; pass e.g. ('accuracy',)."

@@ -54,6 +54,7 @@ from dcp_lens.protocol.evaluation_set import task_data as task_data
 from dcp_lens.protocol.fit import FittedMaps, bounded, fit_maps
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, METRICS, NEEDS_ANSWERS, VALIDATION
 from dcp_lens.protocol.probe import ResidualOODProbe, probe_run, s_rank_correlation
+from dcp_lens.protocol.records import CalibrationRecord, NullControl, ProbeSummary
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
@@ -164,9 +165,7 @@ class DepthControlProtocol:
 
     # ------------------------------------------------------------------------ public API
 
-    def run(
-        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any
-    ) -> ProtocolResults:
+    def run(self, evaluation: object, calibration: object) -> ProtocolResults:
         """Fit the calibrations on ``calibration``, evaluate every condition on ``evaluation``
         and decompose. The two sets must not share an example. Task batches
         (`dcp_lens.tasks.TaskBatch`) are converted with `EvaluationSet.from_task_batch`."""
@@ -198,9 +197,7 @@ class DepthControlProtocol:
         results = self._decompose(swept, probe_summary, evaluation, calibration)
         return distributed.broadcast_from_main(results)
 
-    def estimate(
-        self, evaluation: EvaluationSet | Any, calibration: EvaluationSet | Any = None
-    ) -> MemoryEstimate:
+    def estimate(self, evaluation: object, calibration: object = None) -> MemoryEstimate:
         """This run's peak memory by term and stage (`dcp_lens.protocol.budget`), from the
         model's shape and the settings alone: nothing is read or allocated. Sized on the longer
         of the two sets' sequences."""
@@ -344,7 +341,9 @@ class DepthControlProtocol:
         results with their metadata."""
         assert self.sweep is not None
         replay_difference = self.sweep.replay_difference
-        flags = identification(probe_summary, self.k_grid, replay_difference)
+        flags = identification(
+            ProbeSummary.from_json(probe_summary), self.k_grid, replay_difference
+        )
         decompositions = {}
         for metric in self.metrics:
             decomposed = decompose(
@@ -357,14 +356,14 @@ class DepthControlProtocol:
                 },
             )  # fmt: skip
             # With a bracket, identification is read from it; the probe's scores stay beside it.
-            kept = {
-                name: value
-                for name, value in flags.items()
-                if decomposed.bracket is None or not name.endswith("_identified")
-            }
+            probed = decomposed.bracket is None
             decompositions[metric] = bounded(dataclasses.replace(
-                decomposed, **kept, validated=VALIDATION[metric][0],
-                validation_reason=VALIDATION[metric][1],
+                decomposed,
+                s_identified=flags["s_identified"] if probed else decomposed.s_identified,
+                b_identified=flags["b_identified"] if probed else decomposed.b_identified,
+                residual_auroc=flags["residual_auroc"],
+                residual_auroc_threshold=flags["residual_auroc_threshold"],
+                validated=VALIDATION[metric][0], validation_reason=VALIDATION[metric][1],
             ), self.calibration_mode)  # fmt: skip
         first = decompositions[self.metrics[0]]
         probe_summary["s_rank_correlation"] = s_rank_correlation(
@@ -377,8 +376,8 @@ class DepthControlProtocol:
             architecture="dense" if self.model.is_dense else "recurrent",
             n_iterations=self.r,
             decompositions=decompositions,
-            null_control=swept.null_control,
-            probe=probe_summary,
+            null_control=NullControl.from_json(swept.null_control),
+            probe=ProbeSummary.from_json(probe_summary),
             calibration=self._calibration_record(),
             metadata={
                 "k_grid": list(self.k_grid),
@@ -400,9 +399,9 @@ class DepthControlProtocol:
             },
         )
 
-    def _calibration_record(self) -> dict[str, Any]:
+    def _calibration_record(self) -> CalibrationRecord:
         """The S control's map and its settings, as results record them."""
-        record: dict[str, Any] = {
+        record: dict[str, object] = {
             "mode": self.calibration_mode,
             "fitted_on": "the calibration split, without labels (marginals only)",
             "covariance": "Ledoit-Wolf shrinkage",
@@ -417,7 +416,7 @@ class DepthControlProtocol:
                 },
             }
         record.update(CALIBRATION_MAPS[self.calibration_mode].describe(self.config))
-        return record
+        return CalibrationRecord.from_json(record)
 
     # ------------------------------------------------------------------------ checks
 

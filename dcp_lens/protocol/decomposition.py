@@ -1,21 +1,14 @@
 """The DCP decomposition (docs/design.md §4): split the truncation gap into S, B and D.
 
 For one model and one metric, per-example values Q (higher is better) on the *same* evaluation
-examples in every cell (a paired design), with::
-
-    a = truncate(k)   b = calibrate_truncate(k)   c = replay(k)   d = calibrate_replay(k)   e = full
-    gap(k)  = Q(e) - Q(a)
-    S(k)    = ((Q(b) - Q(a)) + (Q(d) - Q(c))) / 2        # readout shift
-    B(k)    = ((Q(c) - Q(a)) + (Q(d) - Q(b))) / 2        # block applications
-    D(k)    = Q(e) - Q(d)                                # distinct computation
-    I_BS(k) = (Q(d) - Q(c)) - (Q(b) - Q(a))              # interaction
-    shift_gap(k) = Q(e) - Q(shift(k))                    # positive control, set against S(k)
-
-so that S + B + D == gap exactly. Q of a cell is the mean over examples. Intervals are paired
+examples in every cell (a paired design): gap, S (readout shift), B (block applications), D
+(distinct computation) and I_BS (the order term) are `dcp_lens.protocol.equations.factors` of the
+cells' Q, so that S + B + D == gap exactly, and ``shift_gap(k) = Q(full) - Q(shift(k))`` is the
+positive control set against S(k). Q of a cell is the mean over examples. Intervals are paired
 bootstrap percentile intervals (`dcp_lens.protocol.statistics`): each draw resamples example
-indices once
-and recomputes every cell from those same indices. This module is the math only; the result,
-`dcp_lens.protocol.results.Decomposition`, holds the tables and the ``results.json`` records.
+indices once and recomputes every cell from those same indices. This module is the math only;
+the result, `dcp_lens.protocol.results.Decomposition`, holds the tables and the
+``results.json`` records.
 
 Conventions:
 
@@ -31,8 +24,8 @@ Conventions:
   every cell of the decomposition (a, b, c, d, e) is finite, listed in ``share_k_grid``; the
   truncation slope skips NaN points.
 - *Further conditions.* Conditions registered in the sweep beyond the five
-(`dcp_lens.protocol.conditions`)
-  are passed in ``values`` too; they get curves with intervals and take no part in the factors.
+  (`dcp_lens.protocol.conditions`) are passed in ``values`` too; they get curves with intervals
+  and take no part in the factors.
 - *The S bracket.* Where ``values`` hold every condition of
   `dcp_lens.protocol.bracket.BRACKET_CONDITIONS` (the translators and the base rate) and
   ``n_bootstrap >= 1``, the bracket (docs/bracket.md) is computed from the same means and the same
@@ -50,10 +43,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
-from jaxtyping import Float, Shaped
+from jaxtyping import Shaped
 
 from dcp_lens.protocol.bracket import BRACKET_CONDITIONS, Bracket, BracketRule, bracket
 from dcp_lens.protocol.conditions import DECOMPOSED
+from dcp_lens.protocol.equations import factors, share_of_gap
 from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.protocol.results import BRACKET_ROW_KEYS, FACTORS, QUANTITIES, Decomposition
 from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
@@ -62,29 +56,6 @@ QualityVector = Shaped[np.ndarray, "_n_examples"] | Shaped[torch.Tensor, "_n_exa
 
 # Loss values within this of zero are accepted with either sign (float error in KL).
 _SIGN_TOLERANCE = 1e-6
-
-
-def factors(
-    *,
-    full: Float[np.ndarray, "*batch"],
-    truncate: Float[np.ndarray, "*batch"],
-    calibrate_truncate: Float[np.ndarray, "*batch"],
-    replay: Float[np.ndarray, "*batch"],
-    calibrate_replay: Float[np.ndarray, "*batch"],
-) -> dict[str, Float[np.ndarray, "*batch"]]:
-    """The DCP quantities from cell qualities (higher is better), elementwise.
-
-    Returns:
-        ``{"gap", "S", "B", "D", "I_BS"}``, each of the inputs' common shape.
-    """
-    a, b, c, d, e = truncate, calibrate_truncate, replay, calibrate_replay, full
-    return {
-        "gap": np.asarray(e - a),
-        "S": np.asarray(((b - a) + (d - c)) / 2),
-        "B": np.asarray(((c - a) + (d - b)) / 2),
-        "D": np.asarray(e - d),
-        "I_BS": np.asarray((d - c) - (b - a)),
-    }
 
 
 def decompose(
@@ -433,10 +404,7 @@ def _shares(
     confidence: float,
 ) -> dict[str, float]:
     def share(quantities: dict[str, np.ndarray], name: str) -> np.ndarray:
-        gap_area = quantities["gap"][..., used].sum(axis=-1)
-        area = quantities[name][..., used].sum(axis=-1)
-        safe = np.where(gap_area == 0, 1.0, gap_area)
-        return np.where(gap_area == 0, np.nan, area / safe)
+        return share_of_gap(quantities[name], quantities["gap"], used)
 
     shares: dict[str, float] = {}
     if used.any():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -16,6 +16,9 @@ from torch import Tensor
 from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.errors import InputError, InputTypeError
+
+if TYPE_CHECKING:  # annotations only: a task batch is built by the tasks stage
+    from dcp_lens.tasks import TaskBatch
 
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -66,7 +69,7 @@ class EvaluationSet:
             raise InputError("a scored position is padding (attention_mask is False there).")
 
     @classmethod
-    def from_task_batch(cls, batch: Any) -> EvaluationSet:
+    def from_task_batch(cls, batch: TaskBatch) -> EvaluationSet:
         """From a `dcp_lens.tasks.TaskBatch` (tokens, targets with -100, attention mask)."""
         metadata = dict(getattr(batch, "metadata", {}) or {})
         return cls(
@@ -179,7 +182,7 @@ def task_data(
         n_eval, n_calibration = built.split_sizes(n_eval, n_calibration)
     elif task is not None:
         name, _, path = task.partition(":")
-        kwargs: dict[str, Any] = {"path": path} if path else {}
+        kwargs: dict[str, str] = {"path": path} if path else {}
         built = get_task(name, seed=seed, **kwargs)
     elif getattr(model, "task_config", None):
         built = get_task(**model.task_config)
@@ -194,7 +197,7 @@ def task_data(
     return evaluation, calibration
 
 
-def as_evaluation_set(data: Any, name: str) -> EvaluationSet:
+def as_evaluation_set(data: object, name: str) -> EvaluationSet:
     """``data`` as an `EvaluationSet` (a `dcp_lens.tasks.TaskBatch` is converted)."""
     from dcp_lens.tasks import TaskBatch
 
@@ -208,7 +211,7 @@ def as_evaluation_set(data: Any, name: str) -> EvaluationSet:
     return data
 
 
-def _integer_tensor(value: Any, name: str) -> Tensor:
+def _integer_tensor(value: object, name: str) -> Tensor:
     """``value`` (a tensor, numpy array or nested list of whole numbers) as an int64 tensor on
     its device; floats with a fraction, booleans, complex values, strings and tensors without
     data (the meta device) are refused naming ``name``."""
@@ -247,7 +250,7 @@ def _integer_tensor(value: Any, name: str) -> Tensor:
     )
 
 
-def _mask_tensor(mask: Any, shape: tuple[int, ...]) -> Tensor:
+def _mask_tensor(mask: object, shape: tuple[int, ...]) -> Tensor:
     """An attention mask as a boolean tensor of ``shape``: booleans, or 0 / 1 integers."""
     if not isinstance(mask, Tensor):
         mask = torch.from_numpy(np.asarray(mask).copy())
@@ -266,7 +269,7 @@ def _mask_tensor(mask: Any, shape: tuple[int, ...]) -> Tensor:
     )
 
 
-def _checked_metadata(metadata: Any, n: int) -> dict[str, Tensor]:
+def _checked_metadata(metadata: object, n: int) -> dict[str, Tensor]:
     """Per-example metadata: a dict of tensors (or arrays, lists) whose first dimension is the
     number of examples ``n``."""
     if not isinstance(metadata, dict):

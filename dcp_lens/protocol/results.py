@@ -10,18 +10,39 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 from jaxtyping import Bool, Float
 
 from dcp_lens.protocol.conditions import DECOMPOSED, SWEEP
+from dcp_lens.protocol.records import (
+    CalibrationRecord,
+    JSONObject,
+    JSONValue,
+    NullControl,
+    ProbeSummary,
+    decode_float,
+    decode_json,
+    encode_json,
+    plain,
+)
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import DamagedFileError
 from dcp_lens.utils.files import check_complete, write_text_atomically
 from dcp_lens.utils.folders import OutputFolder, report_target
 from dcp_lens.utils.registry import renderer
+
+if TYPE_CHECKING:  # annotations only: the figures are drawn by the report stage
+    import plotly.graph_objects as go
+
+__all__ = [
+    "Decomposition", "ProtocolResults", "read_results_json", "write_results_json",
+    "encode_json", "decode_json",
+]  # fmt: skip
+# A value of a table row or a bracket record: a number, a flag or a name.
+Cell = float | int | bool | str
 
 FACTORS = ("S", "B", "D")
 QUANTITIES = ("gap", "S", "B", "D", "I_BS", "shift_gap")
@@ -120,7 +141,7 @@ class Decomposition:
     validated: bool = False
     validation_reason: str = "not validated"
     bracket: Mapping[str, Float[np.ndarray, " k"]] | None = None
-    bracket_shares: Mapping[str, Any] | None = None
+    bracket_shares: Mapping[str, Cell] | None = None
 
     def __post_init__(self) -> None:
         n_k = len(self.k_grid)
@@ -247,11 +268,11 @@ class Decomposition:
             }
         )
 
-    def _decomposition_rows(self) -> list[dict[str, Any]]:
+    def _decomposition_rows(self) -> list[dict[str, Cell]]:
         rows = []
         for i, k in enumerate(self.k_grid):
             flagged = self.full_nonfinite or any(bool(self.nonfinite[c][i]) for c in DECOMPOSED)
-            row: dict[str, Any] = {"metric": self.metric, "k": k}
+            row: dict[str, Cell] = {"metric": self.metric, "k": k}
             row.update({key: float(self.cells[key][i]) for key in _TABLE_COLUMNS})
             if self.bracket is not None:
                 row.update({key: float(self.bracket[key][i]) for key in BRACKET_ROW_KEYS})
@@ -264,7 +285,7 @@ class Decomposition:
             rows.append(row)
         return rows
 
-    def _curve_rows(self) -> list[dict[str, Any]]:
+    def _curve_rows(self) -> list[dict[str, Cell]]:
         full = (self.full, self.full_lo, self.full_hi, self.full_nonfinite)
         rows = [_curve_row(self.metric, "full", self.n_iterations, *full)]
         for condition in self.conditions:
@@ -274,7 +295,7 @@ class Decomposition:
                 rows.append(_curve_row(self.metric, condition, k, value, low, high, flagged))
         return rows
 
-    def _metric_record(self) -> dict[str, Any]:
+    def _metric_record(self) -> JSONObject:
         return {
             "higher_is_better": self.higher_is_better,
             "k_grid": list(self.k_grid),
@@ -296,78 +317,75 @@ class Decomposition:
         cls,
         metric: str,
         n_iterations: int,
-        record: Mapping[str, Any],
-        decomposition_rows: Sequence[Mapping[str, Any]],
-        curve_rows: Sequence[Mapping[str, Any]],
-        shares: Mapping[str, Any],
-        bracket_shares: Mapping[str, Any] | None = None,
+        record: JSONObject,
+        decomposition_rows: Sequence[JSONObject],
+        curve_rows: Sequence[JSONObject],
+        shares: JSONObject,
+        bracket_shares: JSONObject | None = None,
     ) -> Decomposition:
-        grid = tuple(int(k) for k in record["k_grid"])
-        by_k = {int(row["k"]): row for row in decomposition_rows}
+        grid = _ints(record["k_grid"], "k_grid")
+        by_k = {_int(row["k"], "k"): row for row in decomposition_rows}
         if sorted(by_k) != sorted(grid):
             raise ValueError(
                 f"metric {metric!r}: decomposition rows cover k={sorted(by_k)}, k_grid is {grid}."
             )
-        cells = {key: _decode_floats(by_k[k][key] for k in grid) for key in _TABLE_COLUMNS}
-        flags: dict[str, Any] = {}
-        for key, name in _FLAG_FIELDS.items():  # absent from results.json written before 0.2
+        cells = {key: _floats(by_k[k][key] for k in grid) for key in _TABLE_COLUMNS}
+        flags: dict[str, np.ndarray] = {}
+        for key, name in _FLAG_FIELDS.items():  # absent from older results.json files
             if all(key in by_k[k] for k in grid):
                 values = [by_k[k][key] for k in grid]
                 is_flag = key.endswith("_identified")
-                flags[name] = np.array(values, bool) if is_flag else _decode_floats(values)
+                flags[name] = np.array(values, bool) if is_flag else _floats(values)
         bracket = None
         if bracket_shares is not None and all(key in by_k[grid[0]] for key in BRACKET_ROW_KEYS):
-            bracket = {key: _decode_floats(by_k[k][key] for k in grid) for key in BRACKET_ROW_KEYS}
-        curve_at = {(row["condition"], int(row["k"])): row for row in curve_rows}
+            bracket = {key: _floats(by_k[k][key] for k in grid) for key in BRACKET_ROW_KEYS}
+        curve_at = {(str(row["condition"]), _int(row["k"], "k")): row for row in curve_rows}
         full_row = curve_at[("full", n_iterations)]
-        named = dict.fromkeys(row["condition"] for row in curve_rows if row["condition"] != "full")
+        named = dict.fromkeys(str(row["condition"]) for row in curve_rows)
+        named.pop("full", None)
         conditions = (*DECOMPOSED, *(c for c in named if c not in DECOMPOSED))
         curves: dict[str, np.ndarray] = {}
         nonfinite: dict[str, np.ndarray] = {}
         for condition in conditions:
             rows = [curve_at[(condition, k)] for k in grid]
             for suffix, key in (("", "value"), ("_lo", "value_lo"), ("_hi", "value_hi")):
-                curves[condition + suffix] = _decode_floats(row[key] for row in rows)
+                curves[condition + suffix] = _floats(row[key] for row in rows)
             nonfinite[condition] = np.array([bool(row["nonfinite"]) for row in rows])
         return cls(
             metric=metric,
             higher_is_better=bool(record["higher_is_better"]),
             n_iterations=n_iterations,
             k_grid=grid,
-            n_examples=int(record["n_examples"]),
-            n_bootstrap=int(record["n_bootstrap"]),
-            seed=int(record["seed"]),
-            confidence=float(record["confidence"]),
+            n_examples=_int(record["n_examples"], "n_examples"),
+            n_bootstrap=_int(record["n_bootstrap"], "n_bootstrap"),
+            seed=_int(record["seed"], "seed"),
+            confidence=decode_float(record["confidence"]),
             cells=cells,
             curves=curves,
-            full=_decode_float(full_row["value"]),
-            full_lo=_decode_float(full_row["value_lo"]),
-            full_hi=_decode_float(full_row["value_hi"]),
+            full=decode_float(full_row["value"]),
+            full_lo=decode_float(full_row["value_lo"]),
+            full_hi=decode_float(full_row["value_hi"]),
             nonfinite=nonfinite,
             full_nonfinite=bool(full_row["nonfinite"]),
-            shares={key: _decode_float(shares[key]) for key in _interval_keys(FACTORS)},
-            share_k_grid=tuple(int(k) for k in record["share_k_grid"]),
-            truncation_slope=_decode_float(record["truncation_slope"]),
-            truncation_slope_lo=_decode_float(record["truncation_slope_lo"]),
-            truncation_slope_hi=_decode_float(record["truncation_slope_hi"]),
+            shares={key: decode_float(shares[key]) for key in _interval_keys(FACTORS)},
+            share_k_grid=_ints(record["share_k_grid"], "share_k_grid"),
+            truncation_slope=decode_float(record["truncation_slope"]),
+            truncation_slope_lo=decode_float(record["truncation_slope_lo"]),
+            truncation_slope_hi=decode_float(record["truncation_slope_hi"]),
             conditions=conditions,
-            gap_area=_decode_float(shares.get("gap_area")),
-            gap_area_lo=_decode_float(shares.get("gap_area_lo")),
-            gap_area_hi=_decode_float(shares.get("gap_area_hi")),
+            gap_area=decode_float(shares.get("gap_area")),
+            gap_area_lo=decode_float(shares.get("gap_area_lo")),
+            gap_area_hi=decode_float(shares.get("gap_area_hi")),
             validated=bool(record.get("validated", False)),
             validation_reason=str(record.get("reason", "not validated")),
             bracket=bracket,
-            bracket_shares=bracket_shares,
+            bracket_shares=(
+                None
+                if bracket_shares is None
+                else {key: _share_value(value) for key, value in bracket_shares.items()}
+            ),
             **flags,
         )
-
-
-def _default_null_control() -> dict[str, Any]:
-    return {"max_abs_logit_diff": math.nan}
-
-
-def _default_probe() -> dict[str, Any]:
-    return {"reference_auroc": math.nan, "trajectory": []}
 
 
 @dataclass(frozen=True, eq=False)
@@ -376,10 +394,13 @@ class ProtocolResults:
 
     ``replay_realizable`` defaults to ``architecture == "recurrent"``: on a dense model replay is
     computable but is not the same model in another configuration (`REPLAY_NOT_REALIZABLE`).
-    ``null_control`` needs ``max_abs_logit_diff``; ``null_control``, ``probe`` and ``metadata`` must
-    be JSON-like (dicts with str keys, lists, str, bool, int, float; numpy scalars and arrays are
-    converted); None in them is stored as NaN, since JSON null stands for NaN here.
-    Equality is exact, NaN equal to NaN.
+    ``null_control``, ``probe`` and ``calibration`` are records (`NullControl`, `ProbeSummary`,
+    `CalibrationRecord` of `dcp_lens.protocol.records`; ``Record.from_json(dict)`` builds one),
+    each also readable as the JSON object it writes
+    (``results.null_control["max_abs_logit_diff"]``).
+    ``metadata`` must be JSON-like (dicts with str keys, lists, str, bool, int, float; numpy
+    scalars and arrays are converted); None in it is stored as NaN, since JSON null stands for NaN
+    here. Equality is exact, NaN equal to NaN.
     """
 
     model: str
@@ -387,10 +408,10 @@ class ProtocolResults:
     n_iterations: int
     decompositions: Mapping[str, Decomposition]
     replay_realizable: bool | None = None
-    null_control: Mapping[str, Any] = field(default_factory=_default_null_control)
-    probe: Mapping[str, Any] = field(default_factory=_default_probe)
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-    calibration: Mapping[str, Any] = field(default_factory=dict)
+    null_control: NullControl = field(default_factory=lambda: NullControl(math.nan))
+    probe: ProbeSummary = field(default_factory=ProbeSummary)
+    metadata: Mapping[str, object] = field(default_factory=dict)
+    calibration: CalibrationRecord = field(default_factory=CalibrationRecord)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -410,17 +431,12 @@ class ProtocolResults:
                     f" this run has n_iterations={self.n_iterations}."
                 )
             decompositions[metric] = decomposition
-        if "max_abs_logit_diff" not in self.null_control:
-            raise ValueError(
-                f"null_control has keys {sorted(self.null_control)}; it needs 'max_abs_logit_diff'."
-            )
         realizable = self.architecture == "recurrent"
         if self.replay_realizable is not None:
             realizable = bool(self.replay_realizable)
         object.__setattr__(self, "decompositions", decompositions)
         object.__setattr__(self, "replay_realizable", realizable)
-        for name in ("null_control", "probe", "metadata", "calibration"):
-            object.__setattr__(self, name, _plain(getattr(self, name), name))
+        object.__setattr__(self, "metadata", plain(self.metadata, "metadata"))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ProtocolResults):
@@ -450,7 +466,7 @@ class ProtocolResults:
         """The flagged cells: ``metric, condition, k`` for every cell with a non-finite value."""
         return pd.DataFrame(self._nonfinite_rows(), columns=["metric", "condition", "k"])
 
-    def to_results_json(self) -> dict[str, Any]:
+    def to_results_json(self) -> JSONObject:
         """This run as one element of ``results.json``'s ``runs`` list (docs/design.md §8).
 
         Returns:
@@ -496,47 +512,54 @@ class ProtocolResults:
             "metadata": self.metadata,
             "calibration": self.calibration,
         }
-        return encode_json(run)
+        return _object(encode_json(run), "run")
 
     @classmethod
-    def from_results_json(cls, run: Mapping[str, Any]) -> ProtocolResults:
+    def from_results_json(cls, run: Mapping[str, JSONValue]) -> ProtocolResults:
         """Rebuild from one ``runs`` element written by `to_results_json` (exactly)."""
         missing = [key for key in _RUN_KEYS if key not in run]
         if missing:
             raise ValueError(
                 f"results.json run is missing keys {missing}; was it written by dcp-lens?"
             )
-        n_iterations = int(run["n_iterations"])
+        n_iterations = _int(run["n_iterations"], "n_iterations")
+        rows = _objects(run["decomposition"], "decomposition")
+        curves = _objects(run["curves"], "curves")
+        shares = _object(run["shares"], "shares")
+        intervals = _object(run["share_intervals"], "share_intervals")
+        brackets = _object(run.get("bracket", {}), "bracket")
         decompositions = {
             metric: Decomposition._from_records(
                 metric,
                 n_iterations,
-                record,
-                [row for row in run["decomposition"] if row["metric"] == metric],
-                [row for row in run["curves"] if row["metric"] == metric],
-                {**run["shares"][metric], **run["share_intervals"][metric]},
-                run.get("bracket", {}).get(metric),
+                _object(record, f"metrics[{metric!r}]"),
+                [row for row in rows if row["metric"] == metric],
+                [row for row in curves if row["metric"] == metric],
+                {**_object(shares[metric], "shares"), **_object(intervals[metric], "intervals")},
+                _object(brackets[metric], "bracket") if metric in brackets else None,
             )
-            for metric, record in run["metrics"].items()
+            for metric, record in _object(run["metrics"], "metrics").items()
         }
         return cls(
-            model=run["model"],
-            architecture=run["architecture"],
+            model=str(run["model"]),
+            architecture=str(run["architecture"]),
             n_iterations=n_iterations,
             decompositions=decompositions,
             replay_realizable=bool(run["replay_realizable"]),
-            null_control=decode_json(run["null_control"]),
-            probe=decode_json(run["probe"]),
-            metadata=decode_json(run["metadata"]),
-            calibration=decode_json(run.get("calibration", {})),
+            null_control=NullControl.from_json(_object(run["null_control"], "null_control")),
+            probe=ProbeSummary.from_json(_object(run["probe"], "probe")),
+            metadata=_object(decode_json(run["metadata"]), "metadata"),
+            calibration=CalibrationRecord.from_json(
+                _object(run.get("calibration", {}), "calibration")
+            ),
         )
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> dict[str, go.Figure]:
         """The figures of report.html for this run as plotly figures (`dcp_lens.report.html.
         report_figures`): ``quality_<metric>``, ``decomposition_<metric>``, ``probe``."""
         return renderer().report_figures([self])
 
-    def report(self, path: str | Path, report_data: Mapping[str, Any] | None = None) -> Path:
+    def report(self, path: str | Path, report_data: Mapping[str, object] | None = None) -> Path:
         """Write report.html for this run to ``path``: an ``.html`` file (plotly.js in the folder
         ``<name>_files/`` beside it, which the report owns; no other file is touched), or a
         folder (new, a report's or a `save` folder) to hold ``report.html`` and
@@ -607,7 +630,7 @@ class ProtocolResults:
         table.insert(0, "model", self.model)
         return table
 
-    def _nonfinite_rows(self) -> list[dict[str, Any]]:
+    def _nonfinite_rows(self) -> list[dict[str, Cell]]:
         return [
             {"metric": row["metric"], "condition": row["condition"], "k": row["k"]}
             for d in self.decompositions.values()
@@ -617,7 +640,7 @@ class ProtocolResults:
 
 
 def write_results_json(
-    runs: Sequence[ProtocolResults | Mapping[str, Any]], path: str | Path
+    runs: Sequence[ProtocolResults | Mapping[str, object]], path: str | Path
 ) -> Path:
     """Write ``{"runs": [...]}`` to ``path`` as strict JSON (floats at full precision).
 
@@ -675,14 +698,14 @@ _RUN_KEYS = (
 )  # fmt: skip
 
 
-def _share_value(value: Any) -> Any:
+def _share_value(value: JSONValue) -> Cell:
     """A bracket share's value as `Decomposition` holds it: floats (None read back as NaN),
     bools and strings as they are."""
     if value is None or value in ("Infinity", "-Infinity"):
-        return _decode_float(value)
+        return decode_float(value)
     if isinstance(value, bool | str):
         return value
-    return float(value)
+    return decode_float(value)
 
 
 def _interval_keys(names: Sequence[str]) -> tuple[str, ...]:
@@ -691,7 +714,7 @@ def _interval_keys(names: Sequence[str]) -> tuple[str, ...]:
 
 def _curve_row(
     metric: str, condition: str, k: int, value: float, low: float, high: float, flagged: bool
-) -> dict[str, Any]:
+) -> dict[str, Cell]:
     values = (metric, condition, k, float(value), float(low), float(high), flagged)
     return dict(zip(_CURVE_COLUMNS, values, strict=True))
 
@@ -719,65 +742,31 @@ def _same(left: object, right: object) -> bool:
     return type(left) is type(right) and left == right
 
 
-def _plain(value: object, where: str) -> Any:
-    """``value`` as plain JSON-like Python (dict/list/str/bool/int/float), None read as NaN."""
-    if value is None:
-        return math.nan
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        return float(value)
-    if isinstance(value, str):
-        return value
-    if isinstance(value, np.ndarray):
-        return _plain(value.tolist(), where)
-    if isinstance(value, Mapping):
-        for key in value:
-            if not isinstance(key, str):
-                raise ValueError(f"{where} has key {key!r}; JSON keys must be str.")
-        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    raise ValueError(f"{where} is a {type(value).__name__} ({value!r}), which JSON cannot hold.")
+def _floats(values: Iterable[JSONValue]) -> np.ndarray:
+    return np.array([decode_float(value) for value in values], dtype=np.float64)
 
 
-def encode_json(value: Any) -> Any:
-    """``value`` in strict-JSON form: NaN (and None) -> None, +-inf -> "Infinity" / "-Infinity"."""
-    return _encode_floats(_plain(value, "results"))
-
-
-def _encode_floats(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {key: _encode_floats(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_encode_floats(item) for item in value]
+def _object(value: JSONValue, where: str) -> JSONObject:
+    """``value`` as a JSON object, or a `ValueError` naming where it was read."""
+    if not isinstance(value, dict):
+        raise ValueError(f"results.json: {where} is {value!r}; expected a JSON object.")
     return value
 
 
-def decode_json(value: Any) -> Any:
-    """Inverse of `_to_json` for free-form dicts: None -> NaN, "Infinity" -> inf."""
-    if value is None or (isinstance(value, str) and value in ("Infinity", "-Infinity")):
-        return _decode_float(value)
-    if isinstance(value, dict):
-        return {key: decode_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [decode_json(item) for item in value]
-    return value
+def _objects(value: JSONValue, where: str) -> list[JSONObject]:
+    """``value`` as a list of JSON objects, or a `ValueError` naming where it was read."""
+    if not isinstance(value, list):
+        raise ValueError(f"results.json: {where} is {value!r}; expected a list of objects.")
+    return [_object(item, f"{where}[{i}]") for i, item in enumerate(value)]
 
 
-def _decode_float(value: Any) -> float:
-    if value is None:
-        return math.nan
-    if value == "Infinity":
-        return math.inf
-    if value == "-Infinity":
-        return -math.inf
-    return float(value)
+def _ints(value: JSONValue, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"results.json: {where} is {value!r}; expected a list of integers.")
+    return tuple(_int(item, where) for item in value)
 
 
-def _decode_floats(values: Iterable[Any]) -> np.ndarray:
-    return np.array([_decode_float(value) for value in values], dtype=np.float64)
+def _int(value: JSONValue, where: str) -> int:
+    if not isinstance(value, (int, float, str)):
+        raise ValueError(f"results.json: {where} holds {value!r}; expected an integer.")
+    return int(value)

@@ -28,7 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from dcp_lens.protocol.results import FACTORS, REPLAY_NOT_REALIZABLE, ProtocolResults
+from dcp_lens.protocol.records import ProbeSummary
+from dcp_lens.protocol.results import (
+    FACTORS,
+    REPLAY_NOT_REALIZABLE,
+    S_NOT_IDENTIFIED,
+    Decomposition,
+    ProtocolResults,
+)
 from dcp_lens.utils.errors import DCPLensError
 
 # The verdicts on a metric's shares. D (distinct computation) is not among them: no test run
@@ -49,10 +56,6 @@ S_BRACKET_WIDE = (
     "0.1 of the gap (affine readout shift lies inside the bracket [S_lower, S_upper])"
 )
 # The flag of a row whose S is not identified, in the report and on its figures' hover.
-S_NOT_IDENTIFIED = (
-    "S is a lower bound and D an upper bound, B may hold the missed shift (calibrated states "
-    "still differ from full depth)"
-)
 B_NOT_IDENTIFIED = "B not identified (the B bracket is wide, or replay walks)"
 NOT_AFFINE = "not_affine"
 
@@ -357,17 +360,22 @@ def _gt(value: float | None, limit: float) -> bool:
     return _finite(value) and value > limit  # type: ignore[operator]
 
 
-def replay_same(metadata: Mapping[str, Any], k_grid: Sequence[int]) -> np.ndarray:
+def replay_same(metadata: Mapping[str, object], k_grid: Sequence[int]) -> np.ndarray:
     """``[K]`` bool from a run's metadata: replay(k) reads out as truncate(k) within
     `B_IDENTIFICATION_TOLERANCE` (``replay_truncate_max_abs_logit_diff``; False where absent)."""
-    differences = metadata.get("replay_truncate_max_abs_logit_diff") or {}
+    differences = metadata.get("replay_truncate_max_abs_logit_diff")
+    if not isinstance(differences, Mapping):
+        differences = {}
     values = [differences.get(str(k), differences.get(k)) for k in k_grid]
-    return np.array([_le(v, B_IDENTIFICATION_TOLERANCE) for v in values], dtype=bool)
+    return np.array(
+        [isinstance(v, float | int) and _le(v, B_IDENTIFICATION_TOLERANCE) for v in values],
+        dtype=bool,
+    )
 
 
 def identification(
-    probe: Mapping[str, Any], k_grid: Sequence[int], replay_difference: Mapping[int, float]
-) -> dict[str, Any]:
+    probe: ProbeSummary, k_grid: Sequence[int], replay_difference: Mapping[int, float]
+) -> dict[str, np.ndarray]:
     """Per k of ``k_grid``: is S identified (the calibrated truncated states pass the probe's
     null, or the truncated states were never told apart) and is B identified (replay(k) reads out
     differently from truncate(k) beyond `B_IDENTIFICATION_TOLERANCE`)?
@@ -376,13 +384,13 @@ def identification(
         ``s_identified``, ``b_identified`` (bool arrays) and ``residual_auroc``,
         ``residual_auroc_threshold`` (float arrays), one entry per k, as `Decomposition` holds.
     """
-    by_k = {row["k"]: row for row in probe.get("calibrate_truncate", [])}
+    by_k = {row["k"]: row for row in probe.calibrate_truncate or ()}
     auroc = np.array([by_k.get(k, {}).get("auroc", math.nan) for k in k_grid], float)
     threshold = np.array([by_k.get(k, {}).get("auroc_threshold", math.nan) for k in k_grid], float)
     # Truncated states that are themselves indistinguishable from full depth have no shift to
     # repair (discrete states, as in planted distinct_computation, where any calibration
     # moves them off their lattice and the classifier sees that).
-    raw = {row["iteration"]: row for row in probe.get("trajectory", [])}
+    raw = {row["iteration"]: row for row in probe.trajectory}
     raw_auroc = np.array([raw.get(k, {}).get("auroc", math.nan) for k in k_grid], float)
     raw_threshold = np.array(
         [raw.get(k, {}).get("auroc_threshold", math.nan) for k in k_grid], float
@@ -433,7 +441,8 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
         groups["read"].append("; ".join(parts))
     if not run["replay_realizable"]:
         groups["read"].append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
-    null = run["null_control"].get("max_abs_logit_diff")
+    null_control = run["null_control"]
+    null = null_control.get("max_abs_logit_diff") if isinstance(null_control, dict) else None
     if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
         groups["read"].append(f"null control failed: max |logit diff| {null} at k = r")
     cautions: dict[str, list[str]] = {}
@@ -456,7 +465,7 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
     if any(not results.decompositions[m].higher_is_better for m in validated):  # loss metrics
         groups["note"].extend(temperature_flags(run))
     first = next(iter(results.decompositions.values()))
-    same = replay_same(run.get("metadata", {}), list(first.k_grid))
+    same = replay_same(results.metadata, list(first.k_grid))
     ks = [k for k, flag in zip(first.k_grid, same, strict=True) if flag and k < first.n_iterations]
     if ks:
         groups["note"].append(
@@ -466,13 +475,16 @@ def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
     return groups
 
 
-def _per_k_cautions(run: Mapping[str, Any], decomposition: Any) -> list[str]:
+def _per_k_cautions(run: Mapping[str, Any], decomposition: Decomposition) -> list[str]:
     """The per-k identification flags of one metric, in words (k < r)."""
     below = [i for i, k in enumerate(decomposition.k_grid) if k < decomposition.n_iterations]
     ks = decomposition.k_grid
     same = replay_same(run.get("metadata", {}), ks)
-    s_open = [ks[i] for i in below if not decomposition.s_identified[i]]
-    b_open = [ks[i] for i in below if not decomposition.b_identified[i] and not same[i]]
+    # Arrays after construction (flags not measured are False).
+    s_identified = np.asarray(decomposition.s_identified, bool)
+    b_identified = np.asarray(decomposition.b_identified, bool)
+    s_open = [ks[i] for i in below if not s_identified[i]]
+    b_open = [ks[i] for i in below if not b_identified[i] and not same[i]]
     parts = []
     if s_open and decomposition.bracket is not None:
         parts.append(

@@ -17,11 +17,14 @@ import re
 from collections.abc import Iterable, Mapping
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
+
+if TYPE_CHECKING:  # annotations only: plotly is imported when a figure is drawn
+    import plotly.graph_objects as go
 
 PLOTLY_JS = "plotly.min.js"
 ASSETS_SUFFIX = "_files"
@@ -89,7 +92,7 @@ def plotly_script(src: str | None) -> str:
     )
 
 
-def script_json(value: Any) -> str:
+def script_json(value: object) -> str:
     """``value`` as JSON that is safe inside an HTML ``<script>`` (`script_safe`)."""
     return script_safe(json.dumps(value))
 
@@ -119,7 +122,7 @@ def figure_ids(names: Iterable[str]) -> dict[str, str]:
     return ids
 
 
-def figure_html(figure: Any, div_id: str, config: Mapping[str, Any] = FIGURE_CONFIG) -> str:
+def figure_html(figure: go.Figure, div_id: str, config: Mapping[str, bool] = FIGURE_CONFIG) -> str:
     """A plotly figure as a ``<div>`` and the ``<script>`` that draws it into the div (plotly.js
     loaded by the page), its JSON escaped by `script_safe`."""
     import plotly.io

@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dcp_lens.protocol.results import FACTORS, ProtocolResults, decode_json
+from dcp_lens.protocol.results import FACTORS, Decomposition, ProtocolResults, decode_json
 from dcp_lens.protocol.verdicts import SEVERITIES, flag_groups, verdict
 
 WIDTH = 100
@@ -104,7 +104,7 @@ def _quality_text(run: Mapping[str, Any], metric: str) -> str:
     return f"full depth {_number(full)}{first}; mean gap over k {_number(mean_gap)}"
 
 
-def _shares_text(decomposition: Any) -> str:
+def _shares_text(decomposition: Decomposition) -> str:
     parts = []
     for factor in FACTORS:
         value = decomposition.shares[factor]

@@ -57,7 +57,7 @@ CONDITION_VIEWS: dict[str, tuple[str, ...] | None] = {
 OVERLAP_TOLERANCE = 0.005
 
 
-def plot_text(value: Any) -> str:
+def plot_text(value: object) -> str:
     """``value`` as text for a plotly title, legend, axis label, tick or hover text: plotly reads
     those strings as a small subset of HTML, so ``<``, ``>`` and ``&`` become entities (shown as
     themselves) and ``%`` one too (no hover-template placeholder can be formed)."""
@@ -167,8 +167,8 @@ def _overlaps(rows: Mapping[str, list[Mapping[str, Any]]]) -> dict[str, str]:
     return found
 
 
-def _close(a: Any, b: Any, tolerance: float) -> bool:
-    if _missing(a) or _missing(b):
+def _close(a: float | int | None, b: float | int | None, tolerance: float) -> bool:
+    if a is None or b is None or _missing(a) or _missing(b):
         return _missing(a) and _missing(b)
     return abs(float(a) - float(b)) <= tolerance
 
@@ -206,7 +206,7 @@ def _extra_colour(condition: str) -> str:
     return _EXTRA_COLOURS[sum(map(ord, condition)) % len(_EXTRA_COLOURS)]
 
 
-def _view_buttons(drawn: Sequence[str]) -> dict[str, Any]:
+def _view_buttons(drawn: Sequence[str]) -> dict[str, object]:
     """Buttons over the plot that show one view of `CONDITION_VIEWS` each (the others stay in
     the legend, greyed, a click away)."""
     buttons = []
@@ -472,7 +472,7 @@ def _band(
 
 def _error_bars(
     values: list[float], low: list[float | None], high: list[float | None]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     def distance(a: float | None, b: float) -> float:
         return math.nan if _missing(a) or _missing(b) else abs(float(a) - b)  # type: ignore[arg-type]
 
@@ -492,9 +492,9 @@ def _target_hover(lens: Mapping[str, Any], t: int, p: int) -> str:
     return f"<br>target {plot_text(repr(lens['targets'][p]))} p={targets[t][p]:.3f}"
 
 
-def _missing(value: Any) -> bool:
+def _missing(value: object) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _number(value: Any) -> str:
-    return "nan" if _missing(value) else f"{float(value):.3f}"
+def _number(value: float | int | None) -> str:
+    return "nan" if value is None or _missing(value) else f"{float(value):.3f}"

@@ -1,11 +1,11 @@
-"""Every rendering of dcp-lens results: console summaries, markdown and report.html (plotly
+"""Every rendering of dcp-lens results: the training table, the headline and report.html (plotly
 figures from `dcp_lens.report.figures`, imported only when drawing). Functions here read results
 objects and never recompute science."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,14 +25,6 @@ from dcp_lens.report.assets import (
     figure_ids,
     plotly_script,
     write_plotly_js,
-)
-from dcp_lens.training.outcomes import (
-    AGGREGATED,
-    BASELINE,
-    BRACKET_ABSOLUTE,
-    CONFIDENCE,
-    NEGATIVE_CONTROL,
-    mean_over_seeds,
 )
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
@@ -54,156 +46,6 @@ def format_accuracy_table(table: AccuracyTable) -> str:
         lines.append(f"{h:>6} {cells}   ({table.queries_per_hop[h]} queries)")
     lines.append(f"{'all':>6} " + " ".join(f"{table.overall[k]:5.2f}" for k in table.k_values))
     return "\n".join(lines)
-
-
-def explain_verdict(
-    verdict: dict[str, dict[str, dict[str, Any]]], regimes: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """The verdict as ``intervention.json`` stores it: each check of
-    `dcp_lens.training.outcomes.verdict`
-    with its ``why`` turned into a ``reason`` that states the numbers compared (``regimes``: the
-    `dcp_lens.training.outcomes.aggregate` of every regime)."""
-    explained: dict[str, dict[str, dict[str, Any]]] = {}
-    for regime, checks in verdict.items():
-        explained[regime] = {}
-        for name, check in checks.items():
-            reason = check["why"]
-            if check["label"] != "not tested":
-                numbers = _compared(name, check, regimes[regime], regimes[BASELINE])
-                reason = f"{numbers}: {reason}"
-            rest = {key: value for key, value in check.items() if key not in ("label", "why")}
-            explained[regime][name] = {"label": check["label"], "reason": reason, **rest}
-    return explained
-
-
-def format_markdown(document: dict[str, Any]) -> str:
-    """``intervention.md`` from the content of ``intervention.json``: the prediction, then per
-    validated metric a table of every regime and the verdict."""
-    metric = document["metric"]
-    lines = [
-        f"# Training intervention: preset `{document['preset']}`, metric `{metric}`",
-        "",
-        f"**Prediction.** {document['prediction'][0].upper()}{document['prediction'][1:]}.",
-        "",
-    ]
-    validated = document.get("validated_metrics")
-    if validated is not None:
-        lines += [
-            "Metrics validated on planted models (`dcp-lens validate`), each reported below: "
-            + (", ".join(f"`{name}`" for name in validated) or "none")
-            + ". A metric not validated is not reported.",
-            "",
-        ]
-        if metric not in validated:
-            lines += [f"**`{metric}` is not validated: read its numbers with care.**", ""]
-    lines += _metric_section(metric, document["regimes"], document["verdict"])
-    for name, section in (document.get("other_metrics") or {}).items():
-        lines += ["", f"# Metric `{name}`", ""]
-        lines += _metric_section(name, section["regimes"], section["verdict"])
-    return "\n".join(lines) + "\n"
-
-
-def _metric_section(
-    metric: str, regimes: dict[str, dict[str, Any]], verdict: dict[str, dict[str, Any]]
-) -> list[str]:
-    lines = [
-        *markdown_table(regimes),
-        "",
-        f"S, B, D: shares of the truncation gap's area over k ({metric}); slope: the classic "
-        "truncation slope (quality against k / r); gap, S, B, D in units: their means over k "
-        f"in {metric} itself, which the verdict reads (a share of a gap near zero is unstable; "
-        "single-seed rows have no interval for these). Each is the mean over the seeds where it is "
-        f"defined, with a {CONFIDENCE:.0%} t-interval over them (defined in one seed only: that "
-        "run's bootstrap interval over evaluation examples). Shares are undefined in a run whose "
-        "truncation gap has zero area (the same predictions at every depth). S and D brackets, "
-        "units: the means over seeds of each run's bracket ends (docs/bracket.md), then the "
-        "lower end's interval low and the upper end's interval high; the verdict compares "
-        'these, so that a bound cannot reverse it. Seeds marked "S bound" have an S bracket '
-        "wider than the tolerance (S not identified: the truth lies anywhere in it). DCP verdict "
-        "per seed: each run's own verdict on its shares (S, B, D, mixed or inconclusive).",
-    ]
-    if NEGATIVE_CONTROL in regimes:
-        lines.append(
-            "The dense row is the negative control: a dense model of distinct layers, whose S is "
-            "that of truncating its own layers."
-        )
-    return [*lines, "", f"## Verdict ({metric})", "", *verdict_lines(verdict)]
-
-
-CHECK_NAMES = {
-    "S_lower": "S lower than fixed",
-    "D_stays": "D stays",
-    "slope_follows_S": "slope flattens by about the change in S",
-}
-
-
-def verdict_lines(verdict: dict[str, dict[str, Any]]) -> list[str]:
-    """The explained verdict (`explain_verdict`) as markdown bullets: per tested regime, each
-    check's label and reason."""
-    lines = []
-    for regime, checks in verdict.items():
-        lines.append(f"- **{regime}**")
-        for key, check in checks.items():
-            lines.append(f"  - {CHECK_NAMES[key]}: **{check['label']}** ({check['reason']})")
-    return lines
-
-
-def markdown_table(regimes: dict[str, dict[str, Any]]) -> list[str]:
-    """The lines of a markdown table: regime, seeds, then the shares S, B, D, the slope, the gap
-    and S, B, D in the metric's units (means over k), each with its interval, and the accuracy at
-    full depth and at k = 1 (means over seeds)."""
-    lines = [
-        "| regime | seeds | S [lo, hi] | B [lo, hi] | D [lo, hi] | slope [lo, hi] "
-        "| gap, units | S, units | B, units | D, units | S bracket, units | D bracket, units "
-        "| DCP verdict per seed | accuracy full / k=1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for regime, row in regimes.items():
-        cells = [_interval(row, name) for name in AGGREGATED if name not in BRACKET_ABSOLUTE]
-        for factor in ("S", "D"):
-            cells.append(_bracket_cell(row, factor))
-        cells.append(", ".join(str(v) if v else "-" for v in row.get("verdicts", [])) or "-")
-        seeds = ",".join(str(seed) for seed in row["seeds"])
-        if row["undefined_seeds"]:
-            seeds += f" (undefined: {','.join(str(seed) for seed in row['undefined_seeds'])})"
-        if row.get("S_bound_seeds"):
-            seeds += f" (S bound: {','.join(str(seed) for seed in row['S_bound_seeds'])})"
-        accuracy = [_number(mean_over_seeds(row, key)) for key in ("full_accuracy", "k1_accuracy")]
-        cells.append(" / ".join(accuracy))
-        lines.append(f"| {regime} | {seeds} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def _bracket_cell(row: dict[str, Any], factor: str) -> str:
-    """``[lower, upper]`` of a regime's ``factor`` bracket in units (means over seeds), with the
-    lower end's interval low and the upper end's interval high after it; "-" without one."""
-    low, high = row.get(f"{factor}_lower_abs"), row.get(f"{factor}_upper_abs")
-    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
-        return "-"
-    outer = (_number(row[f"{factor}_lower_abs_lo"]), _number(row[f"{factor}_upper_abs_hi"]))
-    return f"[{_number(low)}, {_number(high)}] ({outer[0]} to {outer[1]})"
-
-
-def _compared(
-    check_name: str, check: dict[str, Any], tested: dict[str, Any], fixed: dict[str, Any]
-) -> str:
-    """The numbers a check of the verdict compared, in words."""
-    if check_name == "slope_follows_S":
-        return (
-            f"slope {_interval(tested, 'slope')}, predicted {_number(check['predicted_slope'])} "
-            f"from fixed slope {_number(fixed['slope'])} and the change in S"
-        )
-    factor = {"S_lower": "S", "D_stays": "D"}[check_name]
-    name = f"{factor}_abs"
-    said = f"{factor} {_interval(tested, name)} against fixed {_interval(fixed, name)}"
-    brackets = _bracket_cell(tested, factor), _bracket_cell(fixed, factor)
-    if "-" in brackets:
-        return said
-    return f"{said}; {factor} bracket {brackets[0]} against fixed {brackets[1]}"
-
-
-def _interval(row: dict[str, Any], name: str) -> str:
-    return f"{_number(row[name])} [{_number(row[f'{name}_lo'])}, {_number(row[f'{name}_hi'])}]"
 
 
 # ------------------------------------------------------------------ report.html
@@ -535,10 +377,11 @@ def _null_checks(run: Mapping[str, Any]) -> dict[NullCheck, str]:
     return checks
 
 
-def _within(value: Any, tolerance: float) -> str:
+def _within(value: object, tolerance: float) -> str:
     """``value`` with a pass mark when it is at most ``tolerance``."""
     finite = _all_finite([value])
-    return _marked_text(_readable(value), finite, finite and value <= tolerance)
+    passed = finite and isinstance(value, float | int) and value <= tolerance
+    return _marked_text(_readable(value), finite, passed)
 
 
 def _marked_text(text: str, measured: bool, passed: bool) -> str:
@@ -550,13 +393,13 @@ def _marked_text(text: str, measured: bool, passed: bool) -> str:
     return f"{text} <span class='mark fail'>&#10007; fail</span>"
 
 
-def _all_finite(values: Any) -> bool:
+def _all_finite(values: Iterable[object]) -> bool:
     return all(
         isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) for v in values
     )
 
 
-def _readable(value: Any) -> str:
+def _readable(value: object) -> str:
     """A number as a reader reads it (HTML): three significant digits, a small one as
     m x 10^e; NaN and non-numbers as n/a."""
     if isinstance(value, bool) or not isinstance(value, float | int) or not math.isfinite(value):
@@ -595,13 +438,13 @@ def _command_html(report_data: Mapping[str, Any]) -> str:
     return f"<p>Reproduce with: <code>{escape(command)}</code></p>"
 
 
-def _current_environment() -> dict[str, Any]:
+def _current_environment() -> dict[str, str | None]:
     from dcp_lens.utils.environment import environment
 
     return environment()
 
 
-def _dl(items: Mapping[str, Any]) -> str:
+def _dl(items: Mapping[str, object]) -> str:
     """A table of settings, one per row: a nested mapping becomes one row per entry under its
     key (``config / seed``), a list its items joined by commas, an empty one "none"."""
     rows = "".join(
@@ -610,7 +453,7 @@ def _dl(items: Mapping[str, Any]) -> str:
     return f"<table class='settings'>{rows}</table>"
 
 
-def _flatten(items: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+def _flatten(items: Mapping[str, object], prefix: str = "") -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     for key, value in items.items():
         name = f"{prefix}{key}"
@@ -621,7 +464,7 @@ def _flatten(items: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]
     return rows
 
 
-def _setting_text(value: Any) -> str:
+def _setting_text(value: object) -> str:
     """One setting as plain text: lists joined by commas, mappings as ``key: value`` pairs,
     numbers as they are, nothing as "none"."""
     if value is None or (isinstance(value, list | tuple | Mapping) and not value):

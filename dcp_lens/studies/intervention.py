@@ -18,8 +18,9 @@ A rerun on the same ``out_dir`` continues: finished trainings and DCP runs are r
 interrupted training resumes from its checkpoint, so the result is the same as one uninterrupted
 run.
 
-The shares, their aggregate over seeds and the verdict are `dcp_lens.training.outcomes`'s;
-`dcp_lens.report.html` renders ``intervention.md``.
+The shares, their aggregate over seeds and the verdict are
+`dcp_lens.studies.intervention_outcomes`'s; `dcp_lens.studies.intervention_markdown` writes
+``intervention.md``.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from tqdm.auto import tqdm
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
 from dcp_lens.protocol.results import ProtocolResults, encode_json
-from dcp_lens.report.html import explain_verdict, format_markdown, write_report
-from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
-from dcp_lens.training import preset as training_preset
-from dcp_lens.training.config import MODEL_DIR, TABLE_FILE, TRAIN_CONFIG_FILE
-from dcp_lens.training.outcomes import (
+from dcp_lens.report.html import write_report
+from dcp_lens.studies.intervention_markdown import (
+    explain_verdict,
+    format_markdown,
+    markdown_table,
+)
+from dcp_lens.studies.intervention_outcomes import (
     CONFIDENCE,
     NEGATIVE_CONTROL,
     PREDICTION,
@@ -53,6 +56,9 @@ from dcp_lens.training.outcomes import (
     validated_metrics,
     verdict,
 )
+from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
+from dcp_lens.training import preset as training_preset
+from dcp_lens.training.config import MODEL_DIR, TABLE_FILE, TRAIN_CONFIG_FILE
 from dcp_lens.training.state import config_differences
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import write_text_atomically
@@ -222,8 +228,6 @@ def run_training_intervention(
 def print_summary(document: dict[str, Any], out: Path) -> None:
     """What ``dcp-lens experiment`` prints at its end: the shares over seeds per regime, the
     verdicts and the files written."""
-    from dcp_lens.report.html import markdown_table
-
     print(f"\n{document['metric']} shares over seeds (preset {document['preset']}):")
     print("\n".join(markdown_table(document["regimes"])))
     for regime, checks in document["verdict"].items():

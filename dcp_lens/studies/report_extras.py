@@ -13,7 +13,7 @@ re-renders a finished run without the model:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from dcp_lens.lenses.lens import logit_lens
 from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.decomposition import decompose
+from dcp_lens.protocol.records import JSONValue
 from dcp_lens.protocol.results import decode_json, encode_json
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import DamagedFileError
@@ -41,7 +42,7 @@ def collect_report_data(
     vocab: Sequence[str] | None = None,
     example: int = 0,
     n_bootstrap: int = 200,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The report's model-dependent figures for one finished run of ``protocol`` (after `run`).
 
     Args:
@@ -76,7 +77,7 @@ def lens_record(
     evaluation: EvaluationSet,
     example: int,
     vocab: Sequence[str] | None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Readout of every s_t (t = 0..r) of one example: ``iterations``, ``tokens`` (input),
     ``targets`` (the scored answers, None elsewhere), ``top_tokens`` and ``top_probs``
     ``[t][position]``, ``target_probs`` ``[t][position]`` (None where nothing is scored).
@@ -107,7 +108,7 @@ def attention_across_iterations(
     evaluation: EvaluationSet,
     example: int,
     vocab: Sequence[str] | None,
-) -> dict[str, Any] | None:
+) -> dict[str, object] | None:
     """The attention pattern of core layer 0 at every iteration t = 1..r (layer t on a dense
     model) for one example: ``patterns`` ``[t][head][dest][src]``. None for models without
     `HookedRecurrentTransformer` hook names."""
@@ -130,7 +131,7 @@ def attention_across_iterations(
 
 def hop_breakdown(
     protocol: DepthControlProtocol, evaluation: EvaluationSet, n_bootstrap: int
-) -> dict[str, Any] | None:
+) -> dict[str, object] | None:
     """Accuracy per hop count, for every condition at every k, and its decomposition.
 
     Needs ``evaluation.metadata["hops"]`` ``[n, answer]`` whose answers are the scored positions
@@ -159,7 +160,7 @@ def hop_breakdown(
     groups = []
     for h in sorted(int(h) for h in answer_hops.unique()):
         pick = answer_hops == h
-        values: dict[str, Any] = {"full": flat[("full", 0)][pick]}
+        values: dict[str, Tensor | dict[int, Tensor]] = {"full": flat[("full", 0)][pick]}
         for name in DECOMPOSED:
             values[name] = {k: flat[(name, k)][pick] for k in protocol.k_grid}
         decomposition = decompose(
@@ -179,11 +180,11 @@ def hop_breakdown(
 
 
 def write_report_data(
-    entries: Sequence[dict[str, Any]],
+    entries: Sequence[Mapping[str, object]],
     path: str | Path,
     *,
     command: str | None = None,
-    environment: dict[str, Any] | None = None,
+    environment: Mapping[str, object] | None = None,
 ) -> Path:
     """Write ``{"command", "environment", "runs": [entry, ...]}`` (one `collect_report_data`
     entry per run) as strict JSON. Returns the path."""
@@ -241,7 +242,7 @@ def _names(ids: Tensor, vocab: Sequence[str] | None) -> list[str]:
     return [_name(int(token), vocab) for token in ids]
 
 
-def _rounded(values: Tensor) -> Any:
+def _rounded(values: Tensor) -> JSONValue:
     return torch.round(values.float().cpu(), decimals=4).tolist()
 
 

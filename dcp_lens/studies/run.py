@@ -246,7 +246,7 @@ def _settings(
 ) -> dict[str, str]:
     """What makes a run's results (recorded for --resume): the specs, the task, the data's
     size and reading, the dtype and every protocol setting."""
-    values: dict[str, Any] = {
+    values: dict[str, object] = {
         "model": model, "dense": dense, "task": task, "n_eval": options.n_eval,
         "n_calibration": options.n_calibration, "dtype": options.dtype,
         **{f"text.{k}": v for k, v in asdict(options.text).items()},
@@ -343,12 +343,12 @@ def _run_plans(
 
     main = distributed.is_main()
     runs: list[ProtocolResults] = []
-    extras: list[dict[str, Any]] = []
+    extras: list[dict[str, object]] = []
     for plan in plans:
         folder = work / plan.name
         if plan.protocol is None:
             runs.append(_read_finished(folder))
-            extras.append(read_report_data(folder)["runs"][runs[-1].model])
+            extras.append(report_data_of(folder)["runs"][runs[-1].model])
             continue
         results = _resumed(plan, work, options.resume)
         if not main:  # rank 0 writes
@@ -370,7 +370,7 @@ def _run_plans(
         return runs
     env = environment()
     write_report_data(extras, work / REPORT_DATA, command=options.command, environment=env)
-    write_report(runs, work, read_report_data(work))
+    write_report(runs, work, report_data_of(work))
     write_results_json(runs, work / "results.json")  # last: results.json means finished
     shutil.rmtree(work / CHECKPOINTS, ignore_errors=True)
     die_if_asked("written")
@@ -469,12 +469,11 @@ def _read_finished(folder: Path) -> ProtocolResults:
     return ProtocolResults.from_results_json(document["runs"][0])
 
 
-def read_report_data(folder: Path) -> dict[str, Any]:
+def report_data_of(folder: Path) -> dict[str, Any]:
     """The ``report_data.json`` of a run folder (or of one model's subfolder)."""
-    from dcp_lens.studies.report_extras import REPORT_DATA
-    from dcp_lens.studies.report_extras import read_report_data as read
+    from dcp_lens.studies.report_extras import REPORT_DATA, read_report_data
 
-    return read(folder / REPORT_DATA)
+    return read_report_data(folder / REPORT_DATA)
 
 
 def _vocab(model: Any, task: str | None, seed: int) -> list[str] | None:
@@ -513,7 +512,7 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
     from dcp_lens.report.html import write_report
 
     runs = read_results_json(folder / "results.json")
-    data = read_report_data(folder)
+    data = report_data_of(folder)
     if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
         return write_report(runs, target.file, data)
     with target.folder as work:

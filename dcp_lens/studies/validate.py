@@ -1,5 +1,5 @@
 """`dcp-lens validate`: DCP on every planted model of known ground truth, on every metric, judged
-by the bracket rule of issue 25 (docs/bracket.md, docs/validation.md).
+by the bracket rule (docs/bracket.md, docs/validation.md).
 
 A row per (planted model, metric), judged from the run's results alone (`judge_run`, a pure
 function of a ``results.json`` run):
@@ -24,7 +24,7 @@ passes when every counted row passes and its false-alarm rate holds; a metric th
 ``point_rule_passed``, information only.
 
 `coverage` replicates planted models with different seeds and reports how often each 95%
-interval covers the truth (issue 25, item 8).
+interval covers the truth.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ class ValidationRow:
     shares: dict[str, float]  # point S, B, D and each _lo / _hi
     bracket: dict[str, float]  # BRACKET_KEYS with _lo / _hi, S_width_hi, B_width_hi
     expected: dict[str, float]  # the true S, B, D
-    per_k: list[dict[str, Any]]  # PER_K_KEYS of every k < r
+    per_k: list[dict[str, object]]  # PER_K_KEYS of every k < r
     judgement: Judgement
     passed: bool
     point_rule_passed: bool  # the older rule, information only
     counted: bool  # False where the results mark the metric not validated
-    flags: dict[str, Any] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict)  # the results' whole bracket record
+    flags: dict[str, object] = field(default_factory=dict)
+    record: dict[str, object] = field(default_factory=dict)  # the results' whole bracket record
 
 
 def judge(planted_factor: str, shares: Mapping[str, float], expected: Mapping[str, float]) -> bool:
@@ -127,10 +127,10 @@ def judge(planted_factor: str, shares: Mapping[str, float], expected: Mapping[st
 def judge_bracket(
     bracket: Mapping[str, float],
     shares: Mapping[str, float],
-    per_k: Sequence[Mapping[str, Any]],
+    per_k: Sequence[Mapping[str, object]],
     expected: Mapping[str, float],
     identifiable: bool,
-    verdict: Mapping[str, Any] | None = None,
+    verdict: Mapping[str, object] | None = None,
 ) -> Judgement:
     """The bracket rule on one row (module docstring): ``bracket`` the share-level bracket
     (`BRACKET_KEYS` with ``_lo`` / ``_hi``, ``S_width_hi``; for S and B spanned with both orders'
@@ -165,7 +165,7 @@ def judge_bracket(
         false_alarms = sum(row.get("S_identified") is not True for row in gapped)
     else:
         unflagged = [
-            int(row["k"])
+            int(_get(row, "k"))
             for row in gapped
             if row.get("S_identified") is not False and row.get("B_identified") is not False
         ]
@@ -190,7 +190,7 @@ ORDER_SHARES = {"S": ("S_first", "S_after_B"), "B": ("B_first", "B_after_S"), "D
 
 
 def _span(
-    bracket: Mapping[str, float], record: Mapping[str, Any], factor: str
+    bracket: Mapping[str, float], record: Mapping[str, object], factor: str
 ) -> tuple[float, float]:
     """``factor``'s bracket, lower end's interval low to upper end's interval high, spanned with
     both orders' intervals where the results carry them."""
@@ -203,7 +203,7 @@ def _span(
 
 
 def judge_verdict(
-    verdict: Mapping[str, Any], expected: Mapping[str, float], identifiable: bool,
+    verdict: Mapping[str, object], expected: Mapping[str, float], identifiable: bool,
     in_bracket: bool,
 ) -> tuple[str, bool | None, bool]:  # fmt: skip
     """(the verdict as counted, whether it is right on an identifiable model, whether it is
@@ -256,7 +256,7 @@ def bracket_of(run: Mapping[str, Any], metric: str) -> dict[str, float]:
     return {key: _float(source.get(key)) for key in (*keys, "S_width_hi", "B_width_hi")}
 
 
-def per_k_of(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
+def per_k_of(run: Mapping[str, Any], metric: str) -> list[dict[str, object]]:
     """`PER_K_KEYS` of ``metric``'s decomposition rows at k < r (at k = r every factor is 0 by
     construction; the flags speak of the k below it)."""
     return [
@@ -321,7 +321,7 @@ def validate(
     n_eval: int = 512,
     n_calibration: int = 512,
     progress: bool = False,
-    **settings: Any,
+    **settings: object,
 ) -> list[ValidationRow]:
     """Run DCP on each planted model (default: all of `dcp_lens.zoo.planted.BRACKET_PLANTED`,
     built with the config's seed) on each metric (default: every metric of
@@ -358,7 +358,7 @@ def coverage(
     n_eval: int = 512,
     n_calibration: int = 512,
     progress: bool = False,
-    **settings: Any,
+    **settings: object,
 ) -> dict[str, Any]:
     """How often each 95% interval covers the truth over ``replicates`` runs of each planted
     model (default: the mixtures of `planted.BRACKET_PLANTED`), replicate i built and run with
@@ -483,7 +483,8 @@ def rejudge(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
     for row in rows:
         record = dict(row.record)
         if record:
-            decided = share_verdict(record, BracketRule())
+            numbers = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
+            decided = share_verdict(numbers, BracketRule())
             record.update(
                 verdict=decided.verdict, reason=decided.reason, bound=decided.bound,
                 stable=decided.stable, S_identified=decided.S_identified,
@@ -517,7 +518,7 @@ def rejudge_file(path: str | Path) -> Path:
 def save(
     rows: Sequence[ValidationRow],
     out: Path,
-    settings: dict[str, Any],
+    settings: dict[str, object],
     coverage_table: dict[str, Any] | None = None,
 ) -> None:
     """Write ``out/validation.json`` (settings, rules, rows, the summary per metric, coverage
@@ -662,7 +663,7 @@ def _models(models: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _config(
-    config: ProtocolConfig | None, metrics: Sequence[str] | None, settings: dict[str, Any]
+    config: ProtocolConfig | None, metrics: Sequence[str] | None, settings: dict[str, object]
 ) -> ProtocolConfig:
     config = (config or VALIDATE_CONFIG).replace(**settings)
     wanted = tuple(metrics) if metrics else (config.metrics or tuple(METRICS))
@@ -688,7 +689,9 @@ def _run_planted(
     return run, expected
 
 
-def _row(name: str, metric: str, run: dict[str, Any], expected: dict[str, float]) -> ValidationRow:
+def _row(
+    name: str, metric: str, run: Mapping[str, Any], expected: dict[str, float]
+) -> ValidationRow:
     identifiable = planted.IDENTIFIABLE[name]
     shares = shares_of(run, metric)
     judgement = judge_run(run, metric, expected, identifiable)
@@ -704,7 +707,7 @@ def _row(name: str, metric: str, run: dict[str, Any], expected: dict[str, float]
     )  # fmt: skip
 
 
-def _flags(run: Mapping[str, Any], metric: str) -> dict[str, Any]:
+def _flags(run: Mapping[str, Any], metric: str) -> dict[str, object]:
     """The verdict, stability and validation record the results carry for ``metric``."""
     shares = {**run["shares"][metric], **run.get("bracket", {}).get(metric, {})}
     flags = {key: shares[key] for key in ("verdict", "bound", "stable") if key in shares}
@@ -742,12 +745,17 @@ def _fraction(lows: Sequence[float], highs: Sequence[float], values: Sequence[fl
     return sum(lo <= v <= h for lo, h, v in zip(lows, highs, values, strict=True)) / len(values)
 
 
-def _get(values: Mapping[str, Any], key: str) -> float:
+def _get(values: Mapping[str, object], key: str) -> float:
     return _float(values.get(key))
 
 
-def _float(value: Any) -> float:
-    return math.nan if value is None else float(value)
+def _float(value: object) -> float:
+    """A number of a results record as a float (None, JSON's NaN, as NaN)."""
+    if value is None:
+        return math.nan
+    if not isinstance(value, int | float | str):
+        raise TypeError(f"{value!r} is not a number of a results record.")
+    return float(value)
 
 
 def _number(value: float, digits: int = 3) -> str:

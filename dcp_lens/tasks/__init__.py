@@ -35,7 +35,7 @@ def register_task(task_class: type[Task]) -> type[Task]:
     return add_entry(TASKS, task_class.name, task_class, "task")
 
 
-def get_task(name: str, **kwargs: Any) -> Task:
+def get_task(name: str, **kwargs: object) -> Task:
     """The task registered as ``name``, built with ``kwargs`` (its parameters).
 
     Raises:
@@ -51,7 +51,7 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise ConfigError(f"task {name!r}: {error}") from error
 
 
-def task_of(model: Any) -> Any:
+def task_of(model: object) -> Any:
     """The task a model was trained on, built from its ``task_config`` (the ``task.json`` beside
     its weights), or the task it was built with (``model.task_object``, planted models):
     ``task_of(model).evaluation(256)`` feeds `DepthControlProtocol.run`.
@@ -73,7 +73,7 @@ def task_of(model: Any) -> Any:
     return get_task(**config)
 
 
-def check_task_config(config: Any, source: str) -> None:
+def check_task_config(config: object, source: str) -> None:
     """Check a task's ``to_dict()`` (as ``task.json`` holds it): an object with a registered
     ``name`` and that task's parameters, each of its declared type.
 

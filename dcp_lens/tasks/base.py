@@ -178,7 +178,7 @@ class Task(ABC):
         """The first ``n`` evaluation examples (a fixed set for a given seed)."""
         return self.batch("evaluation", n)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Name and parameters, JSON-ready: ``get_task(**task.to_dict())`` rebuilds the task."""
         assert dataclasses.is_dataclass(self), "tasks are dataclasses"
         params = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}

@@ -191,7 +191,7 @@ class TextLM(Task):
             f"{self.n_windows} windows of {self.n_ctx}), seed {self.seed}"
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Name and parameters; the tokenizer is given by its fingerprint (pass the model's
         tokenizer again to rebuild)."""
         params = super().to_dict()

@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import NoReturn
 
 from dcp_lens.utils.errors import ConfigError, DCPLensError
 
@@ -64,10 +65,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
-def path_argument(text: str) -> Any:
+def path_argument(text: str) -> Path:
     """A path argument; an empty one is refused (``Path("")`` would quietly be the cwd)."""
-    from pathlib import Path
-
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path; pass a file or folder")
     return Path(text)
@@ -154,7 +153,7 @@ def one_line(error: BaseException) -> str:
     return text
 
 
-def show_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+def show_warning(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
     """Warnings as one line each: ``dcp-lens: warning: ...``."""
     print(f"dcp-lens: warning: {' '.join(str(message).split())}", file=sys.stderr)
 

@@ -21,7 +21,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -72,7 +72,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 # ----------------------------------------------------------------------------- config fields
 
 
-def check_field_types(cls: type, values: Mapping[str, Any], source: str) -> None:
+def check_field_types(cls: type, values: Mapping[str, object], source: str) -> None:
     """Raise `ConfigTypeError` for the first value whose type its dataclass field does not declare.
 
     Integers are ints (never booleans), floats are finite ints or floats, booleans are booleans,
@@ -93,14 +93,16 @@ def as_declared_floats(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
     constructor sees the declared type."""
     hints = _type_hints(cls)
 
-    def declared(name: str, value: Any) -> Any:
+    def declared(name: str, value: object) -> object:
         whole = isinstance(value, int) and not isinstance(value, bool)
-        return float(value) if whole and _declares_float(hints.get(name)) else value
+        if whole and isinstance(value, int) and _declares_float(hints.get(name)):
+            return float(value)
+        return value
 
     return {name: declared(name, value) for name, value in values.items()}
 
 
-def _declares_float(annotation: Any) -> bool:
+def _declares_float(annotation: object) -> bool:
     if annotation is float:
         return True
     origin = typing.get_origin(annotation)
@@ -108,7 +110,10 @@ def _declares_float(annotation: Any) -> bool:
 
 
 def check_source_fields(
-    config: Mapping[str, Any], schema: Mapping[str, Any], source: str, positive: tuple[str, ...]
+    config: Mapping[str, object],
+    schema: Mapping[str, object],
+    source: str,
+    positive: tuple[str, ...],
 ) -> None:
     """Check a loader's source config against ``schema`` (key -> annotation, e.g. ``int | None``)
     and that the keys in ``positive`` hold numbers > 0 where present."""
@@ -125,7 +130,7 @@ def check_source_fields(
             )
     for key in positive:
         value = config.get(key)
-        if value is not None and not value > 0:
+        if value is not None and not (isinstance(value, int | float) and value > 0):
             raise ConfigError(f"{source}: field {key}={value!r} must be > 0.")
 
 
@@ -152,7 +157,7 @@ def naming_file(source: str | Path) -> Iterator[None]:
         raise type(error)(f"{source}: {text}") from error
 
 
-def describe_type(annotation: Any) -> str:
+def describe_type(annotation: object) -> str:
     """``int | None`` -> "an int or None", in words for error messages."""
     if annotation is type(None) or annotation is None:
         return "None"
@@ -183,18 +188,18 @@ def describe_type(annotation: Any) -> str:
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def _type_hints(cls: type) -> dict[str, object]:
     try:
         return typing.get_type_hints(cls)
     except Exception:  # an unresolvable annotation in a base class: check the fields we can
-        hints: dict[str, Any] = {}
+        hints: dict[str, object] = {}
         for f in dataclasses.fields(cls):
             if not isinstance(f.type, str):
                 hints[f.name] = f.type
         return hints
 
 
-def _matches(value: Any, annotation: Any) -> bool:
+def _matches(value: object, annotation: object) -> bool:
     if annotation is Any:
         return True
     if annotation is type(None) or annotation is None:
@@ -393,7 +398,7 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def _refused(text: str) -> Any:
+def _refused(text: str) -> NoReturn:
     raise _NotFinite(text)
 
 
@@ -401,7 +406,7 @@ def _then(recovery: str) -> str:
     return f" {recovery}" if recovery else ""
 
 
-def _json_kind(value: Any) -> str:
+def _json_kind(value: object) -> str:
     kinds = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
     return "null" if value is None else kinds.get(type(value), type(value).__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -51,43 +51,44 @@ def all_gather(value: Any) -> list[Any]:
     return gathered
 
 
-def gather_to_main(value: Any) -> list[Any] | None:
+def gather_to_main(value: T) -> list[T] | None:
     """Every rank's ``value`` (moved to the CPU), in rank order, on rank 0; None elsewhere."""
     rank, world = rank_and_world()
     if world == 1:
         return [value]
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    gathered: list[T | None] | None = [None] * world if rank == 0 else None
     dist.gather_object(to_cpu(value), gathered, dst=0)
-    return gathered
+    return cast(list[T] | None, gathered)  # on rank 0 every rank filled its slot
 
 
-def broadcast_from_main(value: Any) -> Any:
-    """Rank 0's ``value`` (moved to the CPU) on every rank."""
+def broadcast_from_main(value: T | None) -> T:
+    """Rank 0's ``value`` (moved to the CPU) on every rank; the other ranks pass None."""
     if rank_and_world()[1] == 1:
-        return value
+        return cast(T, value)  # one rank: rank 0's own value
     box = [to_cpu(value) if is_main() else None]
     dist.broadcast_object_list(box, src=0)
-    return value if is_main() else box[0]
+    return cast(T, value if is_main() else box[0])  # rank 0 passes a T
 
 
-def to_cpu(value: Any) -> Any:
+def to_cpu(value: T) -> T:
     """``value`` with every tensor in its dicts, lists, tuples and objects moved to the CPU."""
     return moved(value, torch.device("cpu"))
 
 
-def moved(value: Any, device: torch.device | str) -> Any:
+def moved(value: T, device: torch.device | str) -> T:
     """A copy of ``value`` with every tensor in its dicts, lists, tuples and plain objects
     (those with a ``__dict__``) on ``device``."""
+    # Each branch rebuilds a value of the type it was given.
     if isinstance(value, Tensor):
-        return value.detach().to(device)
+        return cast(T, value.detach().to(device))
     if isinstance(value, dict):
-        return {key: moved(item, device) for key, item in value.items()}
+        return cast(T, {key: moved(item, device) for key, item in value.items()})
     if isinstance(value, list | tuple):
-        return type(value)(moved(item, device) for item in value)
+        return cast(T, type(value)(moved(item, device) for item in value))
     if hasattr(value, "__dict__") and not isinstance(value, type):
         copy = object.__new__(type(value))
         copy.__dict__.update({key: moved(item, device) for key, item in vars(value).items()})
-        return copy
+        return cast(T, copy)
     return value
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
-from typing import Any
 
 
-def environment() -> dict[str, Any]:
+def environment() -> dict[str, str | None]:
     """Versions of Python, the platform and the packages a run depends on."""
-    versions: dict[str, Any] = {
+    versions: dict[str, str | None] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
     }

@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Literal
 
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import (
@@ -152,17 +153,17 @@ class OutputFolder:
                     "overwritten."
                 )
             return legacy
-        kind = manifest.get("kind")
+        kind = manifest.kind
         if kind != self.kind and kind not in self.accepts:
             raise ConfigError(
                 f"{self.flag} {self.path} is the folder of a dcp-lens {kind} command "
                 f"({_names(files)}), not of {self.kind}; pass another folder."
             )
-        finished = bool(manifest.get("finished")) and not (real / MARKER).exists()
-        if manifest.get("finished"):
-            own = [f for f in files if f in set(manifest.get("files", ()))]
+        finished = manifest.finished and not (real / MARKER).exists()
+        if manifest.finished:
+            own = [f for f in files if f in set(manifest.files)]
         else:
-            kept = set(manifest.get("kept", ()))
+            kept = set(manifest.kept)
             own = [f for f in files if f not in kept]
         own_set = set(own)
         return Contents(str(kind), finished, own, [f for f in files if f not in own_set])
@@ -252,8 +253,8 @@ class OutputFolder:
                 old_own = self.contents.own if self.contents is not None else []
                 swap_folders(self.work, real, _rescue_foreign(old_own))
             else:
-                manifest = _read_manifest(real) or {}
-                kept = set(manifest.get("kept", ()))
+                manifest = _read_manifest(real)
+                kept = set(manifest.kept if manifest is not None else ())
                 own = [f for f in files_in(real) if f not in kept]
                 self._write_manifest(real, finished=True, files=own, kept=sorted(kept))
         finally:
@@ -301,7 +302,12 @@ class OutputFolder:
         self.open()
         return self.prepare()
 
-    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if error is None:
             self.finish()
         else:
@@ -362,7 +368,7 @@ def _link_into(old: Path, new: Path, relative: Iterable[str]) -> None:
                 shutil.copy2(source, target)
 
 
-def _rescue_foreign(old_own: Sequence[str]) -> Any:
+def _rescue_foreign(old_own: Sequence[str]) -> Callable[[Path, Path], None]:
     """After a swap: move the files a user added to the old folder while it was being
     replaced (neither the old command's nor linked already) into the new one."""
     own = set(old_own)
@@ -385,7 +391,18 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _read_manifest(folder: Path) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Manifest:
+    """A folder's `MANIFEST`: the kind of command that wrote it, whether it finished, the files
+    it wrote and the files it found there and kept."""
+
+    kind: str
+    finished: bool
+    files: list[str]
+    kept: list[str]
+
+
+def _read_manifest(folder: Path) -> Manifest | None:
     path = folder / MANIFEST
     if not path.is_file():
         return None
@@ -405,7 +422,12 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
         value = document.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{path}: {key!r} must be a list of file names; remove it.")
-    return document
+    return Manifest(
+        document["kind"],
+        bool(document.get("finished")),
+        document.get("files", []),
+        document.get("kept", []),
+    )
 
 
 def _names(files: Sequence[str], shown: int = 4) -> str:

@@ -15,7 +15,6 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from dcp_lens.utils.errors import DCPLensError, InputError
 
@@ -96,12 +95,12 @@ class FolderLock:
         self.release()
 
 
-_IN_USE: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_IN_USE: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
 _IN_USE_GUARD = threading.Lock()
 
 
 @contextlib.contextmanager
-def model_in_use(model: Any) -> Iterator[None]:
+def model_in_use(model: object) -> Iterator[None]:
     """Hold ``model`` for one protocol run: the run installs hooks, iteration settings and
     per-run state on the model object, so a second run on the same object at the same time
     (another thread) is refused at once with an `InputError` saying what to do."""

@@ -3,25 +3,20 @@
 glibc's malloc serves a request of at least ``M_MMAP_THRESHOLD`` bytes with its own mmap, returned
 to the system on free; smaller ones come from the heap. By default the threshold is dynamic (each
 large block freed raises it, up to 32 MB), and so is the trimming of the heap's top. Left so, a
-DCP sweep's per-batch tensors come from a heap that fragments, and what it holds grows with the
-number of batches: 2.3 GB at 500k tokens of `dcp-lens run --model
-huginn:demos/data/fixtures/huginn_tiny --task text:demos/data/tinyshakespeare.txt` (3.8 GB before
-this release trimmed the sweep's temporaries), against 0.6 GB at 50k; and tensors freed and
-allocated again are often unmapped and faulted in afresh (half a million page faults a
-`dcp-lens bench` sweep).
+DCP sweep's per-batch tensors come from a heap that fragments, so that what it holds grows with
+the number of batches, and tensors freed and allocated again are often unmapped and faulted in
+afresh.
 
 `dcp-lens` therefore, when it starts (`limit_heap_fragmentation`), fixes the mmap threshold at its
 largest (32 MB) and the heap's automatic trimming at 512 MB, so that within a batch freed tensors
 are reused, and the protocol calls `release_free_memory` after every batch: once the heap holds
 more than `TRIM_KEEP_BYTES` (256 MB) free, glibc's ``malloc_trim(0)`` returns its free pages,
-fragmented or not. Below that the pages stay for the next batch: trimming after every batch made
-the kernel fault and zero them again each time (about 62k page faults a `dcp-lens bench` round
-of a forward and a sweep, against 3k-9k with the pages kept). The run above peaked at 767 MB at
-50k tokens (32 s) and 852 MB at 500k (186 s); trimming after every batch
-(``DCP_LENS_TRIM_KEEP=0``), measured beside it on the same day: 612 MB (34 s) and 810 MB (222 s).
+fragmented or not. Below that the pages stay for the next batch: trimming after every batch makes
+the kernel fault and zero them again each time, which costs time for little memory (the
+measurements are in docs/models.md).
 
-The older bound, a fixed 128 kB threshold (every tensor above it a fresh mapping whose pages the
-kernel zeroes on first touch), held the 500k run at 705 MB but took 360 s. It stays available:
+A fixed small threshold (every tensor above it a fresh mapping whose pages the kernel zeroes on
+first touch) bounds memory too, but slowly. It stays available:
 ``DCP_LENS_MMAP_THRESHOLD=BYTES`` fixes that threshold instead; ``DCP_LENS_TRIM_KEEP=BYTES`` sets
 the free heap kept (0: trim after every batch); ``DCP_LENS_TRIM=0`` turns the trimming off.
 """
@@ -32,7 +27,6 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
 M_TRIM_THRESHOLD = -1
@@ -146,10 +140,10 @@ def _bytes_variable(name: str, default: int, example: str) -> int:
     return int(text)
 
 
-_LIBC: list[Any] = []  # [the C library] once looked up; [None] where it is not glibc
+_LIBC: list[ctypes.CDLL | None] = []  # [the C library] once looked up; [None] where it is not glibc
 
 
-def _glibc() -> Any:
+def _glibc() -> ctypes.CDLL | None:
     if not _LIBC:
         library = None
         if sys.platform.startswith("linux"):
@@ -188,7 +182,7 @@ def available_memory_bytes() -> int | None:
     return physical_memory_bytes()
 
 
-def annotated(result: dict[str, Any]) -> dict[str, Any]:
+def annotated(result: dict[str, object]) -> dict[str, object]:
     """A benchmark's ``result`` with the allocator setting it ran under (``"allocator"``)."""
     threshold = fixed_threshold()
     result["allocator"] = (

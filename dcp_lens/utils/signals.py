@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
 
 STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
@@ -49,7 +48,7 @@ def stop_on_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous: dict[int, Any] = {}
+    previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
     for signum in STOP_SIGNALS:
         previous[signum] = signal.signal(signum, _raise)
     try:

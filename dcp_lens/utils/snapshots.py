@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,7 @@ class Checkpoint:
             )
         return done, snapshot["state"]
 
-    def save(self, stage: str, done: int, total: int, state: Any) -> None:
+    def save(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
         """Snapshot ``state()`` after ``done`` of ``total`` batches, every ``every`` batches and
         after the last (``state`` is called only then)."""
         if done % self.every and done != total:

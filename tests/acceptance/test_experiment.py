@@ -17,8 +17,7 @@ from dcp_lens.cli import main
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.statistics import t_interval
 from dcp_lens.studies.intervention import run_training_intervention
-from dcp_lens.training import REGIMES, preset, train
-from dcp_lens.training.outcomes import (
+from dcp_lens.studies.intervention_outcomes import (
     LABELS,
     PREDICTION,
     aggregate,
@@ -27,6 +26,7 @@ from dcp_lens.training.outcomes import (
     slope_verdict,
     verdict,
 )
+from dcp_lens.training import REGIMES, preset, train
 
 SEEDS = (0, 1)
 # Small DCP settings: the tiny models are for plumbing, not science.

@@ -351,9 +351,10 @@ def test_a_gap_of_float_rounding_is_no_gap_to_identify():
 
 def percentile_bounds(draws):
     """I_BS's 95% interval per k from the cells' draws."""
-    from dcp_lens.protocol.bracket import order_difference
+    from dcp_lens.protocol.equations import order_difference
 
-    spread = order_difference(draws)
+    names = ("truncate", "calibrate_truncate", "replay", "calibrate_replay")
+    spread = order_difference(*(np.asarray(draws[name]) for name in names))
     return np.percentile(spread, 2.5, axis=0), np.percentile(spread, 97.5, axis=0)
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from dcp_lens.protocol.conditions import DECOMPOSED as CONDITIONS
-from dcp_lens.protocol.decomposition import decompose, factors
+from dcp_lens.protocol.decomposition import decompose
+from dcp_lens.protocol.equations import factors
+from dcp_lens.protocol.records import NullControl, ProbeSummary
 from dcp_lens.protocol.results import (
     Decomposition,
     ProtocolResults,
@@ -340,14 +342,16 @@ def make_run(architecture: str = "dense") -> ProtocolResults:
         architecture=architecture,
         n_iterations=R,
         decompositions={"accuracy": accuracy, "cross_entropy": loss},
-        null_control={"max_abs_logit_diff": 1.1920928955078125e-07},
-        probe={
-            "reference_auroc": 0.5123456789012345,
-            "trajectory": [
-                {"iteration": t, "mahalanobis": 1.0 / 3 + t, "auroc": None} for t in range(3)
-            ],
-            "replay_mahalanobis": np.array([np.inf, 2.5]),
-        },
+        null_control=NullControl(max_abs_logit_diff=1.1920928955078125e-07),
+        probe=ProbeSummary.from_json(
+            {
+                "reference_auroc": 0.5123456789012345,
+                "trajectory": [
+                    {"iteration": t, "mahalanobis": 1.0 / 3 + t, "auroc": None} for t in range(3)
+                ],
+                "replay_mahalanobis": np.array([np.inf, 2.5]),
+            }
+        ),
         metadata={"task": "char_lm", "seed": 0},
     )
 
@@ -364,6 +368,8 @@ def test_save_and_load_round_trip_exactly(tmp_path) -> None:
         assert loss.cells[key].tobytes() == original.cells[key].tobytes()
     assert loaded.probe["trajectory"][0]["auroc"] != loaded.probe["trajectory"][0]["auroc"]
     assert loaded.probe["replay_mahalanobis"] == [math.inf, 2.5]
+    assert loaded.probe.other["replay_mahalanobis"] == [math.inf, 2.5]
+    assert math.isnan(loaded.probe.trajectory[1]["auroc"])
 
     text = (tmp_path / "out" / "results.json").read_text()
 
@@ -511,7 +517,7 @@ def test_protocol_results_validate_their_metadata() -> None:
     with pytest.raises(ValueError, match="n_iterations=4"):
         ProtocolResults("m", "recurrent", 4, {"accuracy": accuracy})
     with pytest.raises(ValueError, match="max_abs_logit_diff"):
-        ProtocolResults("m", "recurrent", R, {"accuracy": accuracy}, null_control={"diff": 0.0})
+        NullControl.from_json({"diff": 0.0})
     with pytest.raises(ValueError, match="decompositions is empty"):
         ProtocolResults("m", "recurrent", R, {})
     with pytest.raises(ValueError, match="holds metric 'accuracy'"):

@@ -1,7 +1,7 @@
 """Derived results of the controlled training intervention (docs/design.md §6): each run's numbers,
 their aggregate over seeds, and the verdict on the prediction (`PREDICTION`). Pure functions over
 numbers; `dcp_lens.studies.intervention` runs the trainings and writes the files,
-`dcp_lens.report.html` renders.
+`dcp_lens.studies.intervention_markdown` renders them in words.
 
 Per regime, ``S``, ``B``, ``D`` are the means over seeds of each run's share of the gap's area and
 ``slope`` the mean of each run's classic truncation slope (`Decomposition.truncation_slope`); their
@@ -14,8 +14,8 @@ listed in ``undefined_seeds``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import NotRequired, TypedDict
 
 import numpy as np
 
@@ -43,8 +43,27 @@ ABSOLUTE = ("gap_abs", "S_abs", "B_abs", "D_abs")
 BRACKET_ABSOLUTE = ("S_lower_abs", "S_upper_abs", "D_lower_abs", "D_upper_abs")
 AGGREGATED = (*FACTORS, "slope", *ABSOLUTE, *BRACKET_ABSOLUTE)
 
+# One run's numbers (`seed_numbers`): numbers by name, its seed, its own verdict and the k where
+# its S is not identified.
+SeedValue = float | int | str | bool | list[int] | None
+SeedRow = dict[str, SeedValue]
+# One regime over seeds (`aggregate`): numbers by name and the seed lists, counts and rows
+# beside them.
+RegimeValue = float | int | list[int] | list[str | None] | list[SeedRow] | dict[str, int] | None
+Regime = Mapping[str, RegimeValue]
 
-def shared_metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
+
+class Check(TypedDict):
+    """A check of the verdict: its label (`LABELS`), why in words, what the measured values
+    alone say where a compared value is a bound, and the slope a slope check predicted."""
+
+    label: str
+    why: str
+    measured: NotRequired[str]
+    predicted_slope: NotRequired[float]
+
+
+def shared_metric(runs: Mapping[str, list[tuple[int, ProtocolResults]]]) -> str:
     """The protocol's first metric (its default: accuracy on tasks with answers), which every
     run must share."""
     metrics = {results.metrics[0] for per_regime in runs.values() for _, results in per_regime}
@@ -53,7 +72,7 @@ def shared_metric(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> str:
     return metrics.pop()
 
 
-def validated_metrics(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> list[str]:
+def validated_metrics(runs: Mapping[str, list[tuple[int, ProtocolResults]]]) -> list[str]:
     """The metrics every run decomposed and marked validated, in the first run's order."""
     everyone = [results for per_regime in runs.values() for _, results in per_regime]
     if not everyone:
@@ -68,12 +87,12 @@ def validated_metrics(runs: dict[str, list[tuple[int, ProtocolResults]]]) -> lis
     ]
 
 
-def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, Any]:
+def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> SeedRow:
     """One run's shares and slope (with bootstrap intervals), its gap and factors in the metric's
     units (means over the share k grid), and its accuracy at k = r and k = 1: a row of
     `aggregate`'s ``per_seed``."""
     decomposition = results.decompositions[metric]
-    row: dict[str, Any] = {"seed": seed, **decomposition.shares}
+    row: SeedRow = {"seed": seed, **decomposition.shares}
     row.update(
         slope=decomposition.truncation_slope,
         slope_lo=decomposition.truncation_slope_lo,
@@ -118,7 +137,7 @@ def seed_numbers(seed: int, results: ProtocolResults, metric: str) -> dict[str, 
     return row
 
 
-def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(per_seed: Sequence[SeedRow]) -> dict[str, RegimeValue]:
     """One regime over seeds: the mean of ``S, B, D, slope`` and a 95% interval for each.
 
     Each quantity is taken over the seeds where it is defined (the shares are NaN in a run whose
@@ -139,45 +158,44 @@ def aggregate(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not per_seed:
         raise ValueError("per_seed is empty; aggregate needs at least one seed's run.")
-    summary: dict[str, Any] = {}
+    summary: dict[str, RegimeValue] = {}
     counts: dict[str, int] = {}
     undefined: set[int] = set()
     for name in AGGREGATED:
         # A run made before the bracket has no bracket ends: NaN there, and not "undefined".
-        defined = [row for row in per_seed if math.isfinite(float(row.get(name, math.nan)))]
+        defined = [row for row in per_seed if math.isfinite(number(row, name))]
         if name not in BRACKET_ABSOLUTE:
-            undefined |= {int(row["seed"]) for row in per_seed} - {int(r["seed"]) for r in defined}
-        values = np.array([float(row[name]) for row in defined])
+            undefined |= {_seed(row) for row in per_seed} - {_seed(r) for r in defined}
+        values = np.array([number(row, name) for row in defined])
         counts[name] = len(defined)
         if not defined:
             low = high = mean = math.nan
         elif len(defined) == 1:
-            mean, low, high = (float(defined[0][name + s]) for s in ("", "_lo", "_hi"))
+            mean, low, high = (number(defined[0], name + s) for s in ("", "_lo", "_hi"))
         else:
             mean = float(values.mean())
             low, high = t_interval(values, CONFIDENCE)
         summary.update({name: mean, f"{name}_lo": low, f"{name}_hi": high})
     summary["n_seeds"] = counts
-    summary["seeds"] = [int(row["seed"]) for row in per_seed]
+    summary["seeds"] = [_seed(row) for row in per_seed]
     summary["S_bound_seeds"] = [
-        int(row["seed"])
+        _seed(row)
         for row in per_seed
         if (row.get("S_identified") is False)
         or (row.get("S_identified") is None and row.get("S_unidentified_k"))
     ]
-    summary["verdicts"] = [row.get("dcp_verdict") for row in per_seed]
+    summary["verdicts"] = [_label(row.get("dcp_verdict")) for row in per_seed]
     summary["undefined_seeds"] = sorted(undefined)
     summary["per_seed"] = [dict(row) for row in per_seed]
     return summary
 
 
 # ------------------------------------------------------------------------------ the verdict
-# Each check returns its ``label`` and ``why`` (the reason in words); `dcp_lens.report.html` adds
-# the
-# numbers it compared.
+# Each check returns its ``label`` and ``why`` (the reason in words);
+# `dcp_lens.studies.intervention_markdown.explain_verdict` adds the numbers it compared.
 
 
-def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+def s_verdict(tested: Regime, fixed: Regime) -> Check:
     """Is S of ``tested`` lower than S of ``fixed``, in the metric's units (``S_abs``)?
 
     Where both regimes carry S brackets (``S_lower_abs``, ``S_upper_abs``: runs made with the
@@ -197,12 +215,12 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
         return _check("not resolved", "a value is undefined (NaN)")
     if _bracketed(tested, fixed, "S"):
         return _s_on_brackets(tested, fixed)
-    if tested["S_abs"] >= fixed["S_abs"]:
+    if number(tested, "S_abs") >= number(fixed, "S_abs"):
         measured = _check("not supported", "not lower")
         if fixed.get("S_bound_seeds"):  # fixed's S may be larger than measured
             return _on_bounds(measured, "fixed's S is a lower bound")
         return measured
-    if tested["S_abs_hi"] < fixed["S_abs_lo"]:
+    if number(tested, "S_abs_hi") < number(fixed, "S_abs_lo"):
         measured = _check("supported", "lower, the intervals do not overlap")
     else:
         measured = _check("not resolved", "lower, but the intervals overlap")
@@ -211,7 +229,7 @@ def s_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     return measured
 
 
-def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+def d_verdict(tested: Regime, fixed: Regime) -> Check:
     """Does D (in the metric's units, ``D_abs``) stay? With D brackets in both regimes:
     ``supported`` when the brackets, their outer intervals included, overlap, ``not supported``
     when they are apart. Without: ``supported`` when the intervals of
@@ -225,11 +243,12 @@ def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     if not _finite(tested, fixed, "D_abs"):
         return _check("not resolved", "a value is undefined (NaN)")
     if _bracketed(tested, fixed, "D"):
-        low, high = (tested["D_lower_abs_lo"], tested["D_upper_abs_hi"])
-        if low <= fixed["D_upper_abs_hi"] and fixed["D_lower_abs_lo"] <= high:
+        low, high = (number(tested, "D_lower_abs_lo"), number(tested, "D_upper_abs_hi"))
+        if low <= number(fixed, "D_upper_abs_hi") and number(fixed, "D_lower_abs_lo") <= high:
             return _check("supported", "the D brackets (intervals included) overlap")
         return _check("not supported", "the D brackets (intervals included) are apart")
-    if tested["D_abs_lo"] <= fixed["D_abs_hi"] and fixed["D_abs_lo"] <= tested["D_abs_hi"]:
+    low, high = number(tested, "D_abs_lo"), number(tested, "D_abs_hi")
+    if low <= number(fixed, "D_abs_hi") and number(fixed, "D_abs_lo") <= high:
         measured = _check("supported", "the intervals overlap")
     else:
         measured = _check("not supported", "the intervals do not overlap")
@@ -238,7 +257,7 @@ def d_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
     return measured
 
 
-def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+def slope_verdict(tested: Regime, fixed: Regime) -> Check:
     """Does the slope flatten by about the change in S?
 
     If the regime removes ``fixed S_abs - tested S_abs`` from fixed's gap (``gap_abs``, both
@@ -251,35 +270,44 @@ def slope_verdict(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, An
     Returns:
         ``{"label", "why", "predicted_slope"}``.
     """
-    removed = (
-        (fixed["S_abs"] - tested["S_abs"]) / fixed["gap_abs"] if fixed["gap_abs"] else math.nan
+    gap = number(fixed, "gap_abs")
+    removed = (number(fixed, "S_abs") - number(tested, "S_abs")) / gap if gap else math.nan
+    predicted = number(fixed, "slope") * (1.0 - removed)
+    values = [
+        predicted,
+        number(tested, "slope_lo"),
+        number(tested, "slope_hi"),
+        number(fixed, "slope"),
+    ]
+    if not all(math.isfinite(v) for v in values):
+        check = _check("not resolved", "a value is undefined (NaN)")
+        check["predicted_slope"] = predicted
+        return check
+    inside = number(tested, "slope_lo") <= predicted <= number(tested, "slope_hi")
+    fixed_inside = (
+        number(tested, "slope_lo") <= number(fixed, "slope") <= number(tested, "slope_hi")
     )
-    predicted = fixed["slope"] * (1.0 - removed)
-    result = {"predicted_slope": predicted}
-    values = [predicted, tested["slope_lo"], tested["slope_hi"], fixed["slope"]]
-    if not all(math.isfinite(float(v)) for v in values):
-        return {**_check("not resolved", "a value is undefined (NaN)"), **result}
-    inside = tested["slope_lo"] <= predicted <= tested["slope_hi"]
-    fixed_inside = tested["slope_lo"] <= fixed["slope"] <= tested["slope_hi"]
     if not inside:
         label, why = "not supported", "the prediction lies outside the interval"
     elif fixed_inside:
         label, why = "not resolved", "the interval also holds the fixed slope"
     else:
         label, why = "supported", "the prediction lies in the interval, the fixed slope does not"
-    return {**_check(label, why), **result}
+    check = _check(label, why)
+    check["predicted_slope"] = predicted
+    return check
 
 
-def verdict(regimes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+def verdict(regimes: Mapping[str, Regime]) -> dict[str, dict[str, Check]]:
     """For each of `TESTED_REGIMES`: ``{"S_lower", "D_stays", "slope_follows_S"}``, each a
     ``{"label", "why"}`` (labels in `LABELS`; ``not tested`` when the regime or ``fixed``
     was not run). ``regimes`` maps a regime name to its `aggregate` (None read as NaN)."""
-    checks: dict[str, Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]] = {
+    checks: dict[str, Callable[[Regime, Regime], Check]] = {
         "S_lower": s_verdict,
         "D_stays": d_verdict,
         "slope_follows_S": slope_verdict,
     }
-    result: dict[str, dict[str, dict[str, Any]]] = {}
+    result: dict[str, dict[str, Check]] = {}
     for regime in TESTED_REGIMES:
         missing = [name for name in (regime, BASELINE) if name not in regimes]
         if missing:
@@ -291,28 +319,30 @@ def verdict(regimes: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str,
     return result
 
 
-def mean_over_seeds(row: dict[str, Any], name: str) -> float:
+def mean_over_seeds(row: Regime, name: str) -> float:
     """The mean of the per-seed number ``name`` of an `aggregate` over the seeds where it is
     defined (NaN when none is)."""
-    values = (entry[name] for entry in row["per_seed"])
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    per_seed = row["per_seed"]
+    entries = per_seed if isinstance(per_seed, list) else []
+    values = (number(entry, name) for entry in entries if isinstance(entry, dict))
+    finite = [v for v in values if math.isfinite(v)]
     return sum(finite) / len(finite) if finite else math.nan
 
 
 # ----------------------------------------------------------------------------- internals
 
 
-def _decoded(row: dict[str, Any]) -> dict[str, Any]:
+def _decoded(row: Regime) -> dict[str, RegimeValue]:
     """An aggregate with JSON's None read back as NaN (numbers only)."""
     return {key: math.nan if value is None else value for key, value in row.items()}
 
 
-def _finite(tested: dict[str, Any], fixed: dict[str, Any], name: str) -> bool:
+def _finite(tested: Regime, fixed: Regime, name: str) -> bool:
     keys = (name, f"{name}_lo", f"{name}_hi")
-    return all(math.isfinite(float(row[key])) for row in (tested, fixed) for key in keys)
+    return all(math.isfinite(number(row, key)) for row in (tested, fixed) for key in keys)
 
 
-def _bracketed(tested: dict[str, Any], fixed: dict[str, Any], factor: str) -> bool:
+def _bracketed(tested: Regime, fixed: Regime, factor: str) -> bool:
     """Both regimes carry the ``factor`` bracket's ends in units, with intervals."""
     names = (f"{factor}_lower_abs", f"{factor}_upper_abs")
     keys = [f"{name}{suffix}" for name in names for suffix in ("", "_lo", "_hi")]
@@ -321,7 +351,7 @@ def _bracketed(tested: dict[str, Any], fixed: dict[str, Any], factor: str) -> bo
     return all(_finite(tested, fixed, name) for name in names)
 
 
-def _s_on_brackets(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, str]:
+def _s_on_brackets(tested: Regime, fixed: Regime) -> Check:
     """*S lower* on the S brackets in units: ``supported`` when the tested regime's whole bracket
     (its upper end's interval included) lies below fixed's (its lower end's interval included)
     and fixed's S is clearly above zero (a negative S, a map that costs quality, is not a shift
@@ -329,14 +359,14 @@ def _s_on_brackets(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, s
     ``not supported`` when the tested bracket's lower end is at least fixed's upper end (no
     value in one bracket is lower than any in the other); otherwise ``not resolved``, with what
     the lower ends alone (the point estimates) say beside it."""
-    if tested["S_lower_abs"] >= fixed["S_upper_abs"]:
+    if number(tested, "S_lower_abs") >= number(fixed, "S_upper_abs"):
         return _check("not supported", "the whole S bracket is at least fixed's")
-    no_shift = not fixed["S_lower_abs_lo"] > 0
-    if tested["S_upper_abs_hi"] < fixed["S_lower_abs_lo"] and not no_shift:
+    no_shift = not number(fixed, "S_lower_abs_lo") > 0
+    if number(tested, "S_upper_abs_hi") < number(fixed, "S_lower_abs_lo") and not no_shift:
         return _check("supported", "the whole S bracket is lower, intervals included")
-    if tested["S_abs"] >= fixed["S_abs"]:
+    if number(tested, "S_abs") >= number(fixed, "S_abs"):
         measured = _check("not supported", "not lower")
-    elif tested["S_abs_hi"] < fixed["S_abs_lo"]:
+    elif number(tested, "S_abs_hi") < number(fixed, "S_abs_lo"):
         measured = _check("supported", "lower, the intervals do not overlap")
     else:
         measured = _check("not resolved", "lower, but the intervals overlap")
@@ -345,11 +375,32 @@ def _s_on_brackets(tested: dict[str, Any], fixed: dict[str, Any]) -> dict[str, s
     return _on_bounds(measured, "the S brackets overlap")
 
 
-def _check(label: str, why: str) -> dict[str, str]:
+def _check(label: str, why: str) -> Check:
     return {"label": label, "why": why}
 
 
-def _on_bounds(measured: dict[str, str], bound: str) -> dict[str, str]:
+def number(row: Mapping[str, object], name: str) -> float:
+    """The number ``name`` of a run or regime (None, JSON's NaN, and absent as NaN)."""
+    value = row.get(name)
+    if value is None:
+        return math.nan
+    if not isinstance(value, int | float):
+        raise TypeError(f"{name}={value!r} is not a number.")
+    return float(value)
+
+
+def _seed(row: Mapping[str, object]) -> int:
+    seed = row["seed"]
+    if not isinstance(seed, int):
+        raise TypeError(f"seed={seed!r} is not an integer.")
+    return seed
+
+
+def _label(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _on_bounds(measured: Check, bound: str) -> Check:
     """``not resolved`` where a compared value is a bound, keeping what the measured values
     alone would say (``measured``) for the reader."""
     return {
