@@ -6,19 +6,22 @@ metrics, the residual-stream probe, the sweep itself, the decomposition and its 
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 _EXPORTS = {
-    "DepthControlProtocol": "dcp_lens.protocol.dcp",
-    "EvaluationSet": "dcp_lens.protocol.dcp",
-    "task_data": "dcp_lens.protocol.dcp",
-    "ProtocolResults": "dcp_lens.protocol.results",
+    "DepthControlProtocol": "dcp",
+    "EvaluationSet": "dcp",
+    "task_data": "dcp",
+    "ProtocolResults": "results",
 }
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+def __getattr__(name: str) -> object:
+    if _EXPORTS.get(name) == "dcp":
+        from dcp_lens.protocol import dcp
+
+        return getattr(dcp, name)
+    if _EXPORTS.get(name) == "results":
+        from dcp_lens.protocol import results
+
+        return getattr(results, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,20 +55,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
+from dcp_lens.protocol.maps import StateMap
 from dcp_lens.utils.registry import add_entry
 
 HookList = list[tuple[str, Callable[[Tensor, HookPoint], Tensor | None]]]
 States = Float[Tensor, "r_plus_1 *batch d_model"]
-
-
-@runtime_checkable
-class StateMap(Protocol):
-    """An invertible map of readout inputs, such as
-    `dcp_lens.protocol.calibration.AffineCalibration`."""
-
-    def __call__(self, h: Tensor) -> Tensor: ...
-
-    def inverse(self) -> StateMap: ...
 
 
 @runtime_checkable

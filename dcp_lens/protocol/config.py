@@ -110,9 +110,7 @@ class ProtocolConfig:
     noise_draws: int = _option(
         1, "--noise-draws", "noise draws averaged per example (noisy initial states only)"
     )
-    batch_size: int = _option(
-        32, "--batch-size", "sequences per forward pass", aliases=("--batch",)
-    )
+    batch_size: int = _option(32, "--batch-size", "sequences per forward pass")
     n_bootstrap: int = _option(1000, "--bootstrap", "paired bootstrap draws")
     seed: int = _option(0, "--seed", "seed of splits, noise, subsamples and bootstrap")
     probe: str = _option(

@@ -180,9 +180,9 @@ def fit_maps(
     announce_fallbacks(context, calibration, config.calibration_mode)
     host = moments_host(context)
     if host is not None:  # one group filled at a time: the pass reads the split group by group
-        leading = max(translator_rows(calibration), _confidence_rows(calibration, confidence))
+        front = max(translator_rows(calibration), _confidence_rows(calibration, confidence))
         groups = config.calibration_groups
-        calibration = group_major(calibration, config.batch_size, groups, leading)
+        calibration = group_major(calibration, config.batch_size, groups, front)
     records = CalibrationRecords(
         context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
     )
@@ -411,8 +411,8 @@ def fit_translators(
         finite = all_finite(state) and all_finite(target)
         if finite and left_out:
             # The whole split's normal equations are the groups' summed: formed once for both.
-            fitted, each = _least_squares_left_out(state, target, group, n_groups)
-            translators[label], each = _gated(state, target, group, fitted, each)
+            solved, each = _least_squares_left_out(state, target, group, n_groups)
+            translators[label], each = _gated(state, target, group, solved, each)
         else:
             translators[label], each = (_least_squares(state, target) if finite else None), []
             if translators[label] is not None:  # the jackknife is off: the gate's own folds

@@ -87,7 +87,8 @@ class GroupMoments:
         # With a ``host``, one group at a time is filled on the states' device (``resident``);
         # the others wait on the host, their moments and their stray rows (``parked``), so the
         # device holds one group's moments, not every group's (`group_major` orders the pass).
-        self.host, self.resident = host, None
+        self.host = host
+        self.resident: int | None = None
         self.parked: list[list[Tensor]] = [[] for _ in range(n_groups)]
         self.compute: torch.device | None = None
 

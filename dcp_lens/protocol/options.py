@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,25 +42,6 @@ def add_protocol_options(
         else:
             options.update(default=default, choices=meta.get("choices"))
         parser.add_argument(meta["flag"], **options)
-        dest = meta["flag"].lstrip("-").replace("-", "_")
-        for alias in meta.get("aliases", ()):
-            typed = {"type": options["type"]} if "type" in options else {}
-            parser.add_argument(
-                alias, dest=dest, action=DeprecatedAlias, default=argparse.SUPPRESS,
-                help=argparse.SUPPRESS, preferred=meta["flag"], **typed,
-            )  # fmt: skip
-
-
-class DeprecatedAlias(argparse.Action):
-    """An old spelling of an option: stores like the new one, with a warning naming it."""
-
-    def __init__(self, *args: Any, preferred: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.preferred = preferred
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        print(f"dcp-lens: warning: {option} is deprecated; use {self.preferred}.", file=sys.stderr)
-        setattr(namespace, self.dest, values)
 
 
 def protocol_config(args: argparse.Namespace, command: str) -> ProtocolConfig:

@@ -6,11 +6,8 @@ and console text. It never runs a model or recomputes the science.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 _EXPORTS = {
-    name: "dcp_lens.report.html"
+    name: "html"
     for name in (
         "explain_verdict",
         "format_accuracy_table",
@@ -21,13 +18,17 @@ _EXPORTS = {
         "write_report",
     )
 }
-_EXPORTS.update(
-    {name: "dcp_lens.report.console" for name in ("format_summaries", "format_summary")}
-)
+_EXPORTS.update({name: "console" for name in ("format_summaries", "format_summary")})
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+def __getattr__(name: str) -> object:
+    if _EXPORTS.get(name) == "html":
+        from dcp_lens.report import html
+
+        return getattr(html, name)
+    if _EXPORTS.get(name) == "console":
+        from dcp_lens.report import console
+
+        return getattr(console, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

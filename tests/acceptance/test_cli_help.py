@@ -52,10 +52,6 @@ def test_every_command_declares_every_protocol_setting_with_one_spelling(capsys)
     )  # fmt: skip
     assert config.n_bootstrap == COMMAND_DEFAULTS["validate"]["n_bootstrap"]
     assert protocol_config(parser.parse_args(["run", "--out", "x"]), "run").batch_size == 64
-    old = parser.parse_args(["bench", "--batch", "3"])  # the old spelling still works, and warns
-    assert (
-        old.batch_size == 3 and "--batch is deprecated; use --batch-size" in capsys.readouterr().err
-    )
     assert parser.parse_args(["train", "--no-resume", "--out", "x"]).resume is False
     assert parser.parse_args(["run", "--resume", "--out", "x"]).resume is True
 

@@ -151,9 +151,17 @@ def run_arguments(draw: st.DrawFn) -> tuple[list[str], str]:
                    "--bootstrap": "5", "--out": out}  # fmt: skip
         flags = ["--models", "--metrics", "--n-eval", "--seed", "--threads"]
     else:
-        options = {"--d-model": "16", "--iterations": "2", "--batch": "1", "--seq": "4",
+        options = {"--d-model": "16", "--iterations": "2", "--batch-size": "1", "--seq": "4",
                    "--repeats": "1", "--vocab": "16"}  # fmt: skip
-        flags = ["--d-model", "--iterations", "--batch", "--seq", "--vocab", "--k", "--threads"]
+        flags = [
+            "--d-model",
+            "--iterations",
+            "--batch-size",
+            "--seq",
+            "--vocab",
+            "--k",
+            "--threads",
+        ]
     for flag in draw(st.lists(st.sampled_from(flags), max_size=3, unique=True)):
         options[flag] = draw(HOSTILE)
     argv = [command]
