@@ -110,9 +110,8 @@ def run_training_intervention(
             (``"trajectory"`` or ``"none"``: faster, no probe in the results) when given.
         device: where to train and run DCP (bit-reproducible training on CPU only).
         jobs: trainings run at once, each in its own process on one thread (the runs are the
-            same bytes as with ``jobs=1``); the DCP runs follow one at a time. With the default
-            preset on a 2-core machine, ``jobs=2`` took 24 minutes (the ten trainings took 46
-            CPU-minutes between them, 3.7 to 5.2 minutes each).
+            same bytes as with ``jobs=1``); the DCP runs follow one at a time (docs/intervention.md
+            has the measured times).
         progress: progress bars.
 
     Returns:
