@@ -141,7 +141,7 @@ class Decomposition:
     validated: bool = False
     validation_reason: str = "not validated"
     bracket: Mapping[str, Float[np.ndarray, " k"]] | None = None
-    bracket_shares: Mapping[str, Cell] | None = None
+    bracket_shares: Mapping[str, Cell | None] | None = None
 
     def __post_init__(self) -> None:
         n_k = len(self.k_grid)

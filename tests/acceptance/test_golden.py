@@ -6,8 +6,8 @@ what a run computes, with each run's ``metadata`` (timings, environment) removed
 is meant to move numbers regenerates it and says why in its commit::
 
     dcp-lens run --model planted:readout_shift --n-eval 64 --n-calibration 64 \
-        --bootstrap 50 --quiet --out /tmp/golden
-    python tests/acceptance/golden/strip.py /tmp/golden/results.json \
+        --bootstrap 50 --quiet --out out/golden
+    python tests/acceptance/golden/strip.py out/golden/results.json \
         tests/acceptance/golden/readout_shift.json
 
 The slow test compares ``dcp-lens validate --seed 0`` with docs/data/validation_seed0.json the

@@ -20,7 +20,8 @@ from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, referen
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, flag_lines, verdict
 from dcp_lens.report.html import run_record
-from dcp_lens.zoo.planted import PlantedModel, PlantedTask, _base_config, _blank, _set_linear_mlp
+from dcp_lens.zoo.planted import PlantedModel, PlantedTask
+from dcp_lens.zoo.planted.base import base_config, blank_model, set_linear_mlp
 
 NUMBERS = ["gap", "S", "B", "D", "I_BS", "shift_gap"]
 CELLS = NUMBERS + [f"{n}_{s}" for n in NUMBERS for s in ("lo", "hi")]
@@ -48,15 +49,15 @@ def _turning_frame(n_answers: int, n_iterations: int, turn: float) -> PlantedMod
     planes (answers 2i, 2i + 1) by ``turn`` per iteration and started r turns back, so that
     s_r is the one-hot the readout reads. Nothing is computed; a pooled linear map (r - k turns)
     repairs s_k, but CORAL does not find it, and replaying the update keeps turning the frame."""
-    cfg = _base_config(n_answers, n_answers, n_iterations, 2 * n_answers)
-    model = _blank(cfg)
+    cfg = base_config(n_answers, n_answers, n_iterations, 2 * n_answers)
+    model = blank_model(cfg)
     step = torch.eye(n_answers)
     plane = torch.tensor([[math.cos(turn), math.sin(turn)], [-math.sin(turn), math.cos(turn)]])
     for i in range(0, n_answers, 2):
         step[i : i + 2, i : i + 2] = plane  # row vectors: s_t = s_{t-1} @ step
     with torch.no_grad():
         model.embed.W_E.copy_(torch.linalg.matrix_power(step, n_iterations).inverse())
-        _set_linear_mlp(model, step - torch.eye(n_answers), math.sqrt(1.0 / n_answers))
+        set_linear_mlp(model, step - torch.eye(n_answers), math.sqrt(1.0 / n_answers))
         model.unembedding.copy_(8.0 * torch.eye(n_answers))
     model.planted_task = PlantedTask(torch.arange(n_answers), n_answers, 0)
     return model
