@@ -415,7 +415,7 @@ def fit_translators(
             translators[label], each = _gated(state, target, group, solved, each)
         else:
             translators[label], each = (_least_squares(state, target) if finite else None), []
-            if translators[label] is not None:  # the jackknife is off: the gate's own folds
+            if translators[label] is not None and _testable(state):  # the gate's own folds
                 folds = example_keys % GATE_FOLDS
                 _, refits = _least_squares_left_out(state, target, folds, GATE_FOLDS)
                 translators[label], _ = _gated(state, target, folds, translators[label], refits)
@@ -495,8 +495,7 @@ def _gated(
     (`GATE_POINTS_PER_PARAMETER` positions per parameter of one row of the map): with fewer, an
     overfit map can fail it while its gain is real, and the upper end stays where it is, wide.
     """
-    n, d_model = source.shape
-    if whole is None or n < GATE_POINTS_PER_PARAMETER * (d_model + 1):
+    if whole is None or not _testable(source):
         return whole, refits
     y = target.double()
     fitted_error = mean_error = 0.0
@@ -512,6 +511,13 @@ def _gated(
         return whole, refits
     constant = MeanTranslator(y.mean(0).float().cpu())
     return constant, [None if refit is None else constant for refit in refits]
+
+
+def _testable(source: Float[Tensor, "n d_model"]) -> bool:
+    """Whether `_gated` tests a translator fitted on ``source``: at least
+    `GATE_POINTS_PER_PARAMETER` positions per parameter of one row of the map."""
+    n, d_model = source.shape
+    return n >= GATE_POINTS_PER_PARAMETER * (d_model + 1)
 
 
 def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | None:

@@ -89,3 +89,26 @@ def test_the_estimate_is_within_a_quarter_of_the_measured_peak(runs) -> None:
         # The baseline holds the weights: the estimate's peak less them is the run's own.
         own = measured["estimate"] - measured["weights"]
         assert abs(own - measured["above_baseline"]) <= 0.25 * measured["above_baseline"], measured
+
+
+def test_the_estimate_at_huginn_shape_fits_one_80_gb_gpu() -> None:
+    """The default run of 512 + 512 sequences x 1024 tokens at Huginn-0125's shape (bfloat16,
+    batches of 8, the default k grid and 10 calibration groups): at most 60 GiB at its peak, and
+    on an accelerator the fit's moments within 8 GiB (one calibration group on the device)."""
+    import torch
+
+    from dcp_lens import HookedRecurrentTransformer
+    from dcp_lens.protocol.budget import GIB, ModelShape, estimate_run_memory
+    from dcp_lens.studies.bench import bench_config, run_estimate
+
+    estimate = run_estimate("huginn", batch=8, dtype="bfloat16")
+    assert estimate["peak_gib"] <= 60.0, estimate["table"]
+    assert estimate["terms_gib"]["moments"] <= 8.0, estimate["table"]
+    # On the CPU (the host is the device) every group's moments count.
+    with torch.device("meta"):
+        model = HookedRecurrentTransformer(bench_config("huginn")).to(torch.bfloat16)
+    cpu = estimate_run_memory(
+        ModelShape.of(model), batch_size=8, seq_len=1024, n_streams=17,
+        calibration_groups=10, device_type="cpu",
+    )  # fmt: skip
+    assert cpu.terms["moments"] / GIB > 4 * estimate["terms_gib"]["moments"]
