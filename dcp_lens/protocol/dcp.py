@@ -457,11 +457,4 @@ class DepthControlProtocol:
             )
 
 
-def __getattr__(name: str) -> Any:
-    """``CALIBRATION_MODES``: the registered calibration maps' names, read live."""
-    if name == "CALIBRATION_MODES":
-        return tuple(CALIBRATION_MAPS)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["DepthControlProtocol", "EvaluationSet", "ProtocolConfig", "task_data"]

@@ -9,9 +9,7 @@ from __future__ import annotations
 _EXPORTS = {
     name: "html"
     for name in (
-        "explain_verdict",
         "format_accuracy_table",
-        "format_markdown",
         "headline_html",
         "render_report",
         "report_figures",

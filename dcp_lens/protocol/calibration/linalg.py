@@ -4,14 +4,25 @@ symmetric positive-definite matrices through their eigendecomposition."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from dcp_lens.protocol.calibration.moments import StreamingMoments
+
+@runtime_checkable
+class CovarianceMoments(Protocol):
+    """What `ledoit_wolf_shrinkage` reads of streamed moments (`StreamingMoments` has it)."""
+
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def covariance(self) -> Float[Tensor, "d d"]: ...
+
+    @property
+    def fourth_moment_sum(self) -> float: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,7 +34,7 @@ class ShrunkCovariance:
     scale: float
 
 
-def ledoit_wolf_shrinkage(moments: StreamingMoments) -> ShrunkCovariance:
+def ledoit_wolf_shrinkage(moments: CovarianceMoments) -> ShrunkCovariance:
     """Ledoit-Wolf (2004) shrinkage of the sample covariance toward ``mu * I``, mu = trace / d.
 
     With S the ML covariance of n samples and the normalised norm |A|^2 = tr(A A^T) / d::
