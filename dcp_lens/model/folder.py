@@ -359,7 +359,7 @@ def _materialise_rotary_tables(
     """The rotary cos/sin buffers are built from the config; on meta they hold no values."""
     if cfg.positional_embedding_type == "learned":
         return
-    cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+    cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base, cfg.rotary_scaling)
     model.register_buffer("rotary_cos", cos.to(device), persistent=False)
     model.register_buffer("rotary_sin", sin.to(device), persistent=False)
 

@@ -87,8 +87,9 @@ def load(spec: str, **overrides: Any) -> Any:
 
 def foreign_checkpoint(path: str) -> tuple[str, str] | None:
     """(loader kind, what it is) when ``path`` is a checkpoint a registered loader reads rather
-    than a `save_pretrained` folder: a Huginn or Ouro ``config.json``, or llama2.c ``.bin``
-    files; None otherwise (nothing is read but ``config.json``)."""
+    than a `save_pretrained` folder: a Huginn, retrofit or Ouro ``config.json``, or llama2.c
+    ``.bin`` files; None otherwise (nothing is read but ``config.json`` and, for a RavenConfig,
+    the safetensors headers that tell Huginn-0125 from a retrofit)."""
     import json
 
     location = Path(path)
@@ -109,6 +110,11 @@ def foreign_checkpoint(path: str) -> tuple[str, str] | None:
         return None
     model_type = str(fields.get("model_type", "")).lower()
     if fields.get("architecture_class_name") == "RecurrentGPT" or "huginn" in model_type:
+        from dcp_lens.zoo.loaders.raven_retrofit import KIND, folder_family
+
+        family = folder_family(folder)
+        if family in ("llama", "olmo"):
+            return KIND, f"a retrofitted-recurrence checkpoint ({family} variant, a RavenConfig)"
         return "huginn", "a Huginn checkpoint (config.json is a RavenConfig)"
     if model_type.startswith("ouro"):
         return "ouro", f"an Ouro checkpoint (config.json has model_type {model_type!r})"
@@ -133,6 +139,8 @@ def _import_builtin_kinds() -> None:
     from dcp_lens.zoo.loaders.huginn import load_huginn
     from dcp_lens.zoo.loaders.llama2c import load_llama2c
     from dcp_lens.zoo.loaders.ouro import load_ouro
+    from dcp_lens.zoo.loaders.raven_retrofit import KIND as RAVEN_RETROFIT
+    from dcp_lens.zoo.loaders.raven_retrofit import load_raven_retrofit
     from dcp_lens.zoo.planted import load_planted
 
     kinds: dict[str, Loader] = {
@@ -141,6 +149,7 @@ def _import_builtin_kinds() -> None:
         "ouro": load_ouro,
         "llama2c": load_llama2c,
         "bridge": load_bridge,
+        RAVEN_RETROFIT: load_raven_retrofit,
     }
     for kind, loader in kinds.items():
         add_entry(LOADERS, kind, loader, "loader kind")
