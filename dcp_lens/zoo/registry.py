@@ -19,6 +19,10 @@ from dcp_lens.utils.registry import add_entry
 Loader = Callable[..., Any]
 LOADERS: dict[str, Loader] = {}
 NAMED: dict[str, Loader] = {}
+# kind -> pairing(model_spec, dense_spec): how a dense control's layers line up with a model of
+# that kind (a JSON-like record, or None when it cannot tell), recorded with both runs' results.
+Pairing = Callable[[str, str], "dict[str, Any] | None"]
+PAIRINGS: dict[str, Pairing] = {}
 
 
 def register_loader(kind: str) -> Callable[[Loader], Loader]:
@@ -39,6 +43,25 @@ def register_named(name: str) -> Callable[[Loader], Loader]:
         return add_entry(NAMED, name, loader, "named model")
 
     return decorator
+
+
+def register_pairing(kind: str) -> Callable[[Pairing], Pairing]:
+    """Register ``pairing(model_spec, dense_spec)`` for models of ``kind`` (`layer_pairing`)."""
+
+    def decorator(pairing: Pairing) -> Pairing:
+        _import_builtin_kinds()
+        return add_entry(PAIRINGS, kind, pairing, "pairing")
+
+    return decorator
+
+
+def layer_pairing(model: str, dense: str) -> dict[str, Any] | None:
+    """How the dense control ``dense`` lines up with ``model`` layer by layer, from the pairing
+    registered for ``model``'s kind (a retrofit and its dense parent: which parent layers became
+    the prelude, the core and the coda); None when no pairing is registered or it cannot tell."""
+    _import_builtin_kinds()
+    pairing = PAIRINGS.get(model.partition(":")[0])
+    return None if pairing is None else pairing(model, dense)
 
 
 def load(spec: str, **overrides: Any) -> Any:
@@ -140,7 +163,7 @@ def _import_builtin_kinds() -> None:
     from dcp_lens.zoo.loaders.llama2c import load_llama2c
     from dcp_lens.zoo.loaders.ouro import load_ouro
     from dcp_lens.zoo.loaders.raven_retrofit import KIND as RAVEN_RETROFIT
-    from dcp_lens.zoo.loaders.raven_retrofit import load_raven_retrofit
+    from dcp_lens.zoo.loaders.raven_retrofit import load_raven_retrofit, parent_layers_of_specs
     from dcp_lens.zoo.planted import load_planted
 
     kinds: dict[str, Loader] = {
@@ -155,6 +178,7 @@ def _import_builtin_kinds() -> None:
         add_entry(LOADERS, kind, loader, "loader kind")
     for name in BUNDLED:
         add_entry(NAMED, name, bundled_loader(name), "named model")
+    add_entry(PAIRINGS, RAVEN_RETROFIT, parent_layers_of_specs, "pairing")
 
 
 _builtins_imported = False

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from dcp_lens.model.config import ROTARY_SCALING_FIELDS, RecurrentConfig
@@ -348,3 +349,113 @@ def load_raven_retrofit(path: str | Path, **overrides: Any) -> HookedRecurrentTr
     return build_model(
         HookedRecurrentTransformer, cfg, state, checkpoint.source, tokenizer, device=device
     )
+
+
+# ------------------------------------------------------------------ the dense parent's layers
+
+# Cosine similarity of a block's q/k/v weights with its parent layer's above which the layer is
+# taken as found: a conversion copies them (1.0), training moves them only part of the way.
+MATCH_SIMILARITY = 0.5
+PARENT_QKV = ("q_proj", "k_proj", "v_proj")
+RAVEN_COUNTS = {
+    "prelude": "n_layers_in_prelude", "core": "n_layers_in_recurrent_block",
+    "coda": "n_layers_in_coda",
+}  # fmt: skip
+
+
+def parent_layers(retrofit: str | Path, parent: str | Path) -> dict[str, Any]:
+    """Which layer of the dense ``parent`` (a Hugging Face Llama or OLMo-2 folder) each prelude,
+    core and coda block of ``retrofit`` was converted from, so the negative control's layers line
+    up with the recurrent model's parts (the dense model's iteration t is its layer t - 1).
+
+    Each block's ``Wqkv`` is compared with every parent layer's [q; k; v] by cosine similarity
+    (only the safetensors headers and those weights are read). When every block's best layer
+    clears `MATCH_SIMILARITY` the match is recorded (``found_by`` "weights"); otherwise the
+    converter's convention is (prelude the first layers, coda the last, the core just before the
+    coda, the layers between prelude and core dropped; ``found_by`` "convention").
+
+    Returns:
+        ``{"prelude": [...], "core": [...], "coda": [...], "dropped": [...], "n_parent_layers",
+        "found_by", "min_similarity"}``, parent layer indices from 0.
+
+    Raises:
+        ConfigError: a folder is not a retrofit checkpoint, or the parent has fewer layers than
+            the retrofit has blocks.
+    """
+    retrofit_config_path = Path(retrofit) / CONFIG_FILE
+    raven = read_json(retrofit_config_path)
+    blocks = SafetensorsCheckpoint(Path(retrofit))
+    if raven_family(raven, blocks.shapes) not in VARIANTS:
+        raise ConfigError(f"{retrofit} is not a retrofitted-recurrence checkpoint folder.")
+    counts = {our: required_int(raven, field, str(retrofit_config_path))
+              for our, field in RAVEN_COUNTS.items()}  # fmt: skip
+    layers = SafetensorsCheckpoint(Path(parent))
+    n_layers = len({key.split(".")[2] for key in layers.shapes if key.startswith("model.layers.")})
+    if n_layers < sum(counts.values()):
+        raise ConfigError(
+            f"{parent} has {n_layers} layers (model.layers.*) but {retrofit} has "
+            f"{sum(counts.values())} blocks; it is not this retrofit's dense parent."
+        )
+    wanted = [f"model.layers.{i}.self_attn.{name}.weight" for i in range(n_layers)
+              for name in PARENT_QKV]  # fmt: skip
+    parent_tensors = layers.read(wanted)
+    parent_qkv = [
+        torch.cat([parent_tensors[f"model.layers.{i}.self_attn.{n}.weight"] for n in PARENT_QKV])
+        .flatten().float()
+        for i in range(n_layers)
+    ]  # fmt: skip
+    mapping: dict[str, Any] = {}
+    similarities: list[float] = []
+    for (part, _), ours in zip(PARTS, ("prelude", "core", "coda"), strict=True):
+        keys = [f"transformer.{part}.{j}.attn.Wqkv.weight" for j in range(counts[ours])]
+        found = blocks.read(keys)
+        mapping[ours] = []
+        for key in keys:
+            weight = found[key].flatten().float()
+            scores = [_cosine(weight, candidate) for candidate in parent_qkv]
+            best = max(range(n_layers), key=scores.__getitem__)
+            mapping[ours].append(best)
+            similarities.append(scores[best])
+    if min(similarities, default=1.0) < MATCH_SIMILARITY:
+        mapping = _conventional_layers(counts, n_layers)
+        found_by = "convention"
+    else:
+        found_by = "weights"
+    used = {layer for part in ("prelude", "core", "coda") for layer in mapping[part]}
+    return {
+        **{part: mapping[part] for part in ("prelude", "core", "coda")},
+        "dropped": [i for i in range(n_layers) if i not in used],
+        "n_parent_layers": n_layers,
+        "found_by": found_by,
+        "min_similarity": round(min(min(similarities, default=1.0), 1.0), 6),
+    }
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    if a.shape != b.shape:
+        return -1.0
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+
+
+def _conventional_layers(counts: Mapping[str, int], n_layers: int) -> dict[str, list[int]]:
+    """The converters' layout: prelude the first layers, coda the last, core right before it."""
+    n_prelude, n_core, n_coda = counts["prelude"], counts["core"], counts["coda"]
+    core_start = n_layers - n_coda - n_core
+    return {
+        "prelude": list(range(n_prelude)),
+        "core": list(range(core_start, core_start + n_core)),
+        "coda": list(range(n_layers - n_coda, n_layers)),
+    }
+
+
+def parent_layers_of_specs(model: str, dense: str) -> dict[str, Any] | None:
+    """`parent_layers` for a run's model and dense-control specs, when the model is a
+    ``raven-retrofit:PATH`` and the control a ``bridge:PATH`` (or a plain folder) with Hugging
+    Face ``model.layers.*`` weights; None for any other pair."""
+    kind, _, path = model.partition(":")
+    if kind != KIND or not path:
+        return None
+    parent = dense.partition(":")[2] if dense.startswith("bridge:") else dense
+    if not Path(parent).is_dir():
+        return None
+    return parent_layers(Path(path).parent if Path(path).is_file() else path, parent)
