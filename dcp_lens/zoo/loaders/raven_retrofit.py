@@ -26,7 +26,7 @@ The dense parent a checkpoint was converted from is its negative control (`paren
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 from types import UnionType
 from typing import Any
@@ -37,6 +37,7 @@ from torch import Tensor
 from dcp_lens.model.config import ROTARY_SCALING_FIELDS, RecurrentConfig
 from dcp_lens.model.folder import (
     CONFIG_FILE,
+    LazyTensors,
     SafetensorsCheckpoint,
     Shape,
     build_model,
@@ -258,16 +259,18 @@ def retrofit_tensor_shapes(
 
 
 def retrofit_state_dict(
-    tensors: Mapping[str, Tensor], cfg: RecurrentConfig, variant: str
+    tensors: MutableMapping[str, Tensor], cfg: RecurrentConfig, variant: str
 ) -> dict[str, Tensor]:
-    """Original retrofit tensors -> our `canonical_state_dict` names and layouts."""
+    """Original retrofit tensors -> our `canonical_state_dict` names and layouts. Each tensor is
+    taken out of ``tensors`` as it is converted, so an original and its re-laid-out copy are
+    held together for one block at most (peak memory stays near the weights' size)."""
     state = {
-        "embed.W_E": tensors[EMBEDDING],
-        "inject.W_adapter": tensors["transformer.adapter.weight"],
-        "ln_final.w": tensors["transformer.ln_f.weight"],
+        "embed.W_E": tensors.pop(EMBEDDING),
+        "inject.W_adapter": tensors.pop("transformer.adapter.weight"),
+        "ln_final.w": tensors.pop("transformer.ln_f.weight"),
     }
     if not cfg.tie_unembed:
-        state["unembed.W_U"] = tensors[HEAD].T.contiguous()
+        state["unembed.W_U"] = tensors.pop(HEAD).T.contiguous()
     for part, count_field in PARTS:
         for i in range(getattr(cfg, count_field)):
             source, target = f"transformer.{part}.{i}", f"{OUR_PART[part]}.{i}"
@@ -276,28 +279,32 @@ def retrofit_state_dict(
 
 
 def _block_state(
-    tensors: Mapping[str, Tensor], source: str, target: str, cfg: RecurrentConfig, variant: str
+    tensors: MutableMapping[str, Tensor],
+    source: str,
+    target: str,
+    cfg: RecurrentConfig,
+    variant: str,
 ) -> dict[str, Tensor]:
     heads, kv, d_head, d_mlp = cfg.n_heads, cfg.n_key_value_heads, cfg.d_head, cfg.d_mlp
     assert kv is not None and d_mlp is not None
-    w_q, w_k, w_v = tensors[f"{source}.attn.Wqkv.weight"].split(
+    w_q, w_k, w_v = tensors.pop(f"{source}.attn.Wqkv.weight").split(
         [heads * d_head, kv * d_head, kv * d_head], dim=0
     )
-    gate, up = tensors[f"{source}.mlp.fc.weight"].split(d_mlp, dim=0)
+    gate, up = tensors.pop(f"{source}.mlp.fc.weight").split(d_mlp, dim=0)
     state = {
         f"{target}.attn.W_Q": heads_in(w_q, heads),
         f"{target}.attn.W_K": heads_in(w_k, kv),
         f"{target}.attn.W_V": heads_in(w_v, kv),
-        f"{target}.attn.W_O": heads_out(tensors[f"{source}.attn.proj.weight"], heads),
+        f"{target}.attn.W_O": heads_out(tensors.pop(f"{source}.attn.proj.weight"), heads),
         f"{target}.mlp.W_gate": gate.T.contiguous(),
         f"{target}.mlp.W_in": up.T.contiguous(),
-        f"{target}.mlp.W_out": tensors[f"{source}.mlp.proj.weight"].T.contiguous(),
+        f"{target}.mlp.W_out": tensors.pop(f"{source}.mlp.proj.weight").T.contiguous(),
     }
     for norm, ours in BLOCK_NORMS[variant].items():
-        state[f"{target}.{ours}.w"] = tensors[f"{source}.{norm}.weight"]
+        state[f"{target}.{ours}.w"] = tensors.pop(f"{source}.{norm}.weight")
     if variant == "olmo":
-        state[f"{target}.attn.q_norm.w"] = tensors[f"{source}.attn.q_norm.weight"]
-        state[f"{target}.attn.k_norm.w"] = tensors[f"{source}.attn.k_norm.weight"]
+        state[f"{target}.attn.q_norm.w"] = tensors.pop(f"{source}.attn.q_norm.weight")
+        state[f"{target}.attn.k_norm.w"] = tensors.pop(f"{source}.attn.k_norm.weight")
     return state
 
 
@@ -342,7 +349,7 @@ def load_raven_retrofit(path: str | Path, **overrides: Any) -> HookedRecurrentTr
         )
     expected, optional = retrofit_tensor_shapes(cfg, variant)
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
-    tensors = checkpoint.read(dtype=dtype)
+    tensors = LazyTensors(checkpoint, dtype)  # read one at a time as they are converted
     if cfg.tie_unembed:
         drop_tied_head(tensors, HEAD, EMBEDDING, checkpoint.source)
     state = retrofit_state_dict(tensors, cfg, variant)
