@@ -80,6 +80,21 @@ def test_every_iteration_is_hooked_under_our_names(
         assert _close(cache["ln_final.hook_normalized"], reference["final_hidden_steps_4"])
 
 
+def test_heads_and_neurons_add_up_to_each_sublayer_through_its_norm(variant: str) -> None:
+    """Per-head and per-neuron results go through a post-norm block's output norm (OLMo) at its
+    cached scale, and add up to what the sublayer adds to the stream, as in a pre-norm block."""
+    model = load(f"raven-retrofit:{fixture(variant)}", n_iterations=2, dtype="float64")
+    tokens = torch.randint(1, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+        cache.stack_head_results(layer=-1)
+        for i in range(model.cfg.n_layers):
+            heads = cache[f"blocks.{i}.attn.hook_result"].sum(-2)
+            assert (heads - cache[f"blocks.{i}.hook_attn_out"]).abs().max() <= 1e-10, i
+        neurons = cache.get_neuron_results(3).sum(-2)  # a core layer in iteration 1
+        assert (neurons - cache["blocks.3.hook_mlp_out"]).abs().max() <= 1e-10
+
+
 def test_config_mapping_reads_rope_theta_and_the_variant(variant: str) -> None:
     model = load(f"raven-retrofit:{fixture(variant)}")
     cfg = model.cfg
