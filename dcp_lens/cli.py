@@ -46,7 +46,13 @@ from dcp_lens.utils.memory import limit_heap_fragmentation
 from dcp_lens.utils.signals import exit_code, how_to_continue, signal_name, stop_on_signals
 
 EXPERIMENTS = ("training-intervention",)
-PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge")  # model specs KIND:PATH of local files
+PATH_KINDS = (
+    "huginn",
+    "ouro",
+    "llama2c",
+    "bridge",
+    "raven-retrofit",
+)  # model specs KIND:PATH of local files
 # One thread: OpenMP threads spin-wait for a core another process holds (docs/cli.md).
 DEFAULT_THREADS = 1
 
@@ -81,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model spec, see below (default: {DEFAULT_MODEL}, with {DEFAULT_DENSE} as --dense)",
     )  # fmt: skip
     run.add_argument(
-        "--dense", metavar="SPEC",
+        "--dense", "--dense-control", metavar="SPEC", dest="dense",
         help=f"a dense model spec run as the negative control (default: {DEFAULT_DENSE} when "
-        "--model is not given, else none)",
+        "--model is not given, else none); a retrofit's dense parent records which of its "
+        "layers became the prelude, core and coda",
     )  # fmt: skip
     run.add_argument(
         "--task", help="task name, char_lm:PATH or text:PATH (default: the model's own task)"

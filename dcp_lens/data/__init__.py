@@ -8,6 +8,9 @@ name                          what
                               a 64-token context, a byte-level tokenizer: about 60 characters),
                               with reference outputs; load it with ``huginn:PATH``
 ``ouro_tiny``                 the same in the Ouro (LoopLM) layout; ``ouro:PATH``
+``retrofit_llama_tiny``       the same for retrofitted recurrence from a Llama parent (the
+                              dense parent in ``parent/``); ``raven-retrofit:PATH``
+``retrofit_olmo_tiny``        the same from an OLMo-2 parent; ``raven-retrofit:PATH``
 ``stories260K``               a pretrained 260K-parameter llama2.c model and its tokenizer;
                               ``llama2c:PATH``
 ``tinyshakespeare``           the tiny-shakespeare corpus, 1.1 MB of plain text
@@ -32,6 +35,8 @@ DATA_DIR = Path(__file__).resolve().parent
 SHIPPED = {
     "huginn_tiny": "fixtures/huginn_tiny",
     "ouro_tiny": "fixtures/ouro_tiny",
+    "retrofit_llama_tiny": "fixtures/retrofit_llama_tiny",
+    "retrofit_olmo_tiny": "fixtures/retrofit_olmo_tiny",
     "stories260K": "stories260K",
     "tinyshakespeare": "tinyshakespeare.txt",
 }

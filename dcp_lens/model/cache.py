@@ -28,6 +28,7 @@ from torch import Tensor
 from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.utilities.slice import Slice, SliceInput
 
+from dcp_lens.model.components.block import OUTPUT_NORMED
 from dcp_lens.model.components.norms import LayerNorm, RMSNorm
 from dcp_lens.model.names import (
     BLOCK_NAME,
@@ -236,7 +237,7 @@ class RecurrentActivationCache(ActivationCache):
             block = self.model.blocks[index]
             z = self[f"blocks.{index}.attn.hook_z"]
             result = torch.einsum("...hd,hdm->...hm", z, block.attn.W_O.to(z.dtype))
-            if block.placement == "sandwich":
+            if block.placement in OUTPUT_NORMED:
                 result = self._through_norm(result, block.ln1_post, f"blocks.{index}.ln1_post")
             self.cache_dict[key] = result
         return all_cached
@@ -258,7 +259,7 @@ class RecurrentActivationCache(ActivationCache):
         """Each neuron's share of ``blocks.{layer}.hook_mlp_out`` [batch, pos, neuron, d_model]
         (through the sandwich norm's cached scale where the block has one; ``b_out`` apart)."""
         block = self.model.blocks[layer]
-        if block.placement != "sandwich":
+        if block.placement not in OUTPUT_NORMED:
             return super().get_neuron_results(layer, neuron_slice, pos_slice, project_output_onto)
         if project_output_onto is not None:
             raise DecompositionError(
@@ -450,7 +451,7 @@ class RecurrentActivationCache(ActivationCache):
         """An MLP's ``b_out`` carried to ``point`` (through its sandwich norm, if any)."""
         bias = torch.ones_like(value[..., :1]) * b_out
         block = self.model.blocks[source.layer]
-        if block.placement == "sandwich":
+        if block.placement in OUTPUT_NORMED:
             bias = self._through_norm(
                 bias[..., None, :], block.ln2_post, f"blocks.{source.layer}.ln2_post"
             )[..., 0, :]
@@ -461,7 +462,7 @@ class RecurrentActivationCache(ActivationCache):
     ) -> Tensor | None:
         """A LayerNorm sandwich norm's own bias (heads and neurons are centred and scaled only)."""
         block = self.model.blocks[source.layer]
-        if block.placement != "sandwich":
+        if block.placement not in OUTPUT_NORMED:
             return None
         norm = block.ln1_post if source.kind == "attn" else block.ln2_post
         if not hasattr(norm, "b"):

@@ -33,13 +33,19 @@ from dcp_lens.utils.errors import ConfigError, ConfigTypeError
 INJECTIONS = ("none", "add", "concat_adapter")
 STATE_INITS = ("zeros", "embed", "normal", "huginn")
 NORMALIZATION_TYPES = ("LN", "RMS")
-NORM_PLACEMENTS = ("pre", "sandwich", "sandwich_residual")
+NORM_PLACEMENTS = ("pre", "sandwich", "sandwich_residual", "post")
 EXTRA_NORMS = ("none", "own", "final")
 POSITIONAL_EMBEDDINGS = ("learned", "rotary_interleaved", "rotary_rotate_half")
 ACT_FNS = ("gelu", "silu_gated")
 
 # Fields that are derived from others (or describe the machine) and so are not written to JSON.
 _DERIVED_FIELDS = ("n_layers", "device", "dtype")
+# Fields added after the file format was first written: a file without them gets the default.
+_LATER_FIELDS = ("qk_norm", "rotary_scaling")
+# The fields of ``rotary_scaling``, in order (Llama 3's frequency scaling).
+ROTARY_SCALING_FIELDS = (
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+)  # fmt: skip
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -64,7 +70,12 @@ class RecurrentConfig(TransformerLensConfig):
     TransformerLens utilities that read ``cfg.n_layers`` see the model as it runs.
 
     Norm placement: ``"pre"`` is x + Sub(Norm(x)); ``"sandwich"`` (Ouro, Gemma-2) is
-    x + Norm(Sub(Norm(x))); ``"sandwich_residual"`` (Huginn) is Norm(x + Sub(Norm(x))).
+    x + Norm(Sub(Norm(x))); ``"sandwich_residual"`` (Huginn) is Norm(x + Sub(Norm(x)));
+    ``"post"`` (OLMo-2) is x + Norm(Sub(x)).
+    ``qk_norm``: RMSNorm over the whole query projection (n_heads * d_head features) and the whole
+    key projection (n_key_value_heads * d_head) before the split into heads and the rotary
+    embedding (OLMo-2). ``rotary_scaling``: Llama 3's rotary frequency scaling, the values of
+    `ROTARY_SCALING_FIELDS` (None: unscaled frequencies).
     ``pre_coda_norm`` and ``iteration_norm`` are ``"none"``, ``"own"`` (a norm with its own
     weights) or ``"final"`` (the final norm's weights, as Huginn's ln_f and Ouro's model.norm).
     """
@@ -98,6 +109,8 @@ class RecurrentConfig(TransformerLensConfig):
     rotary_base: float = 10000.0
     n_key_value_heads: int | None = None
     qk_bias: bool = False
+    qk_norm: bool = False
+    rotary_scaling: tuple[float, float, float, float] | None = None
     act_fn: str = "gelu"
     tie_unembed: bool = False
     embed_scale: float = 1.0
@@ -143,6 +156,7 @@ class RecurrentConfig(TransformerLensConfig):
             "positional_embedding_type", self.positional_embedding_type, POSITIONAL_EMBEDDINGS
         )
         _check_choice("act_fn", self.act_fn, ACT_FNS)
+        self._check_rotary_scaling()
         if self.positional_embedding_type != "learned" and self.d_head % 2:
             raise ConfigError(f"rotary embeddings need an even d_head, got d_head={self.d_head}.")
         for name in ("eps", "state_init_std", "init_std", "rotary_base", "embed_scale"):
@@ -161,6 +175,21 @@ class RecurrentConfig(TransformerLensConfig):
         self.n_layers = self.layers_for(self.n_iterations)
         if self.device is None:
             self.device = "cpu"
+
+    def _check_rotary_scaling(self) -> None:
+        if self.rotary_scaling is None:
+            return
+        factor, low, high, context = (float(v) for v in self.rotary_scaling)
+        values = (factor, low, high, context)
+        named = dict(zip(ROTARY_SCALING_FIELDS, values, strict=True))
+        if min(values) <= 0 or named["high_freq_factor"] <= named["low_freq_factor"]:
+            raise ConfigError(
+                f"rotary_scaling={named} needs positive values and high_freq_factor > "
+                "low_freq_factor (Llama 3 uses factor 32 or 8, low 1, high 4, original 8192)."
+            )
+        if self.positional_embedding_type == "learned":
+            raise ConfigError("rotary_scaling scales rotary frequencies; this model has none.")
+        self.rotary_scaling = values
 
     @property
     def is_dense(self) -> bool:
@@ -189,12 +218,15 @@ class RecurrentConfig(TransformerLensConfig):
             raise ConfigError(
                 f"unknown RecurrentConfig keys {unknown}; the known keys are {sorted(known)}."
             )
-        missing = sorted(known - set(config_dict))
+        missing = sorted(known - set(config_dict) - set(_LATER_FIELDS))
         if missing:
             raise ConfigError(
                 f"config is missing keys {missing}; write it with RecurrentConfig.to_dict()."
             )
-        values = {k: v for k, v in config_dict.items() if k in known}
+        # JSON has no tuples: a tuple field (rotary_scaling) comes back as a list.
+        values = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in config_dict.items() if k in known
+        }
         check_field_types(cls, values, "RecurrentConfig")  # before the constructor sees them
         return cls(**as_declared_floats(cls, values))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -150,6 +150,33 @@ class SafetensorsCheckpoint:
                 for key in file_keys:
                     tensors[key] = handle.get_tensor(key).to(device=device, dtype=dtype)
         return {key: tensors[key] for key in wanted}
+
+
+class LazyTensors(MutableMapping[str, Tensor]):
+    """The tensors of a `SafetensorsCheckpoint` as a mapping that reads each one when it is
+    taken (``tensors[key]``, ``tensors.pop(key)``) and forgets it once popped: a loader that
+    converts tensor by tensor then never holds the whole checkpoint beside its converted copy."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, dtype: torch.dtype | None = None):
+        self._checkpoint, self._dtype = checkpoint, dtype
+        self._left = dict.fromkeys(checkpoint.shapes)
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key not in self._left:
+            raise KeyError(key)
+        return self._checkpoint.read([key], dtype=self._dtype)[key]
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        raise TypeError("LazyTensors reads a checkpoint; it holds no tensors of its own.")
+
+    def __delitem__(self, key: str) -> None:
+        del self._left[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._left)
+
+    def __len__(self) -> int:
+        return len(self._left)
 
 
 def _weight_files(path: Path) -> dict[Path, set[str] | None]:
@@ -359,7 +386,7 @@ def _materialise_rotary_tables(
     """The rotary cos/sin buffers are built from the config; on meta they hold no values."""
     if cfg.positional_embedding_type == "learned":
         return
-    cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+    cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base, cfg.rotary_scaling)
     model.register_buffer("rotary_cos", cos.to(device), persistent=False)
     model.register_buffer("rotary_sin", sin.to(device), persistent=False)
 
@@ -460,7 +487,9 @@ def heads_out(
     return weight.T.unflatten(0, (n_heads, -1)).contiguous()
 
 
-def drop_tied_head(tensors: dict[str, Tensor], head: str, embedding: str, source: str) -> None:
+def drop_tied_head(
+    tensors: MutableMapping[str, Tensor], head: str, embedding: str, source: str
+) -> None:
     """Remove the stored copy of a tied unembedding, after checking it equals the embedding
     (the model ties the two itself; a differing copy means an inconsistent checkpoint)."""
     stored = tensors.pop(head, None)

@@ -99,7 +99,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
         else:
             self.pos_embed, self.hook_pos_embed = None, None
             with torch.device("cpu"):  # real values even when the model is built on meta
-                cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base)
+                cos, sin = rotary_tables(cfg.n_ctx, cfg.d_head, cfg.rotary_base, cfg.rotary_scaling)
             self.register_buffer("rotary_cos", cos, persistent=False)
             self.register_buffer("rotary_sin", sin, persistent=False)
         self.inject = Inject(cfg)

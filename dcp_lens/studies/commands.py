@@ -71,6 +71,9 @@ model specs (--model, --dense):
                     frame_warp, readout_shift_walk
   huginn:PATH       a local Huginn-0125 checkpoint folder (config.json and safetensors)
   ouro:PATH         a local Ouro checkpoint folder
+  raven-retrofit:PATH
+                    a local retrofitted-recurrence checkpoint (Llama or OLMo variant); its
+                    dense parent (bridge:PATH) is its negative control
   llama2c:PATH      a llama2.c checkpoint (.bin, or a folder with it and its tokenizer); dense
   bridge:PATH       a local Hugging Face folder through a TransformerLens TransformerBridge; dense
   PATH              a folder written by save_pretrained (dcp-lens train writes RUN/model)"""

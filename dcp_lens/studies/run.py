@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -344,6 +344,7 @@ def _run_plans(
     main = distributed.is_main()
     runs: list[ProtocolResults] = []
     extras: list[dict[str, object]] = []
+    pairing = _layer_pairing(plans)
     for plan in plans:
         folder = work / plan.name
         if plan.protocol is None:
@@ -353,6 +354,8 @@ def _run_plans(
         results = _resumed(plan, work, options.resume)
         if not main:  # rank 0 writes
             continue
+        if pairing is not None:  # both runs record how the control's layers line up
+            results = replace(results, metadata={**results.metadata, "layer_pairing": pairing})
         runs.append(results)
         vocab = _vocab(plan.model, task, config.seed)
         extra = collect_report_data(
@@ -375,6 +378,16 @@ def _run_plans(
     shutil.rmtree(work / CHECKPOINTS, ignore_errors=True)
     die_if_asked("written")
     return runs
+
+
+def _layer_pairing(plans: Sequence[_Plan]) -> dict[str, Any] | None:
+    """How the dense control's layers line up with the model's (`layer_pairing`), when the run
+    has a dense control and the model's kind registers a pairing."""
+    from dcp_lens.zoo.registry import layer_pairing
+
+    if len(plans) < 2:
+        return None
+    return layer_pairing(plans[0].spec, plans[1].spec)
 
 
 def _save_model(results: ProtocolResults, folder: Path) -> None:

@@ -19,6 +19,10 @@ from dcp_lens.utils.registry import add_entry
 Loader = Callable[..., Any]
 LOADERS: dict[str, Loader] = {}
 NAMED: dict[str, Loader] = {}
+# kind -> pairing(model_spec, dense_spec): how a dense control's layers line up with a model of
+# that kind (a JSON-like record, or None when it cannot tell), recorded with both runs' results.
+Pairing = Callable[[str, str], "dict[str, Any] | None"]
+PAIRINGS: dict[str, Pairing] = {}
 
 
 def register_loader(kind: str) -> Callable[[Loader], Loader]:
@@ -39,6 +43,25 @@ def register_named(name: str) -> Callable[[Loader], Loader]:
         return add_entry(NAMED, name, loader, "named model")
 
     return decorator
+
+
+def register_pairing(kind: str) -> Callable[[Pairing], Pairing]:
+    """Register ``pairing(model_spec, dense_spec)`` for models of ``kind`` (`layer_pairing`)."""
+
+    def decorator(pairing: Pairing) -> Pairing:
+        _import_builtin_kinds()
+        return add_entry(PAIRINGS, kind, pairing, "pairing")
+
+    return decorator
+
+
+def layer_pairing(model: str, dense: str) -> dict[str, Any] | None:
+    """How the dense control ``dense`` lines up with ``model`` layer by layer, from the pairing
+    registered for ``model``'s kind (a retrofit and its dense parent: which parent layers became
+    the prelude, the core and the coda); None when no pairing is registered or it cannot tell."""
+    _import_builtin_kinds()
+    pairing = PAIRINGS.get(model.partition(":")[0])
+    return None if pairing is None else pairing(model, dense)
 
 
 def load(spec: str, **overrides: Any) -> Any:
@@ -87,8 +110,9 @@ def load(spec: str, **overrides: Any) -> Any:
 
 def foreign_checkpoint(path: str) -> tuple[str, str] | None:
     """(loader kind, what it is) when ``path`` is a checkpoint a registered loader reads rather
-    than a `save_pretrained` folder: a Huginn or Ouro ``config.json``, or llama2.c ``.bin``
-    files; None otherwise (nothing is read but ``config.json``)."""
+    than a `save_pretrained` folder: a Huginn, retrofit or Ouro ``config.json``, or llama2.c
+    ``.bin`` files; None otherwise (nothing is read but ``config.json`` and, for a RavenConfig,
+    the safetensors headers that tell Huginn-0125 from a retrofit)."""
     import json
 
     location = Path(path)
@@ -109,6 +133,11 @@ def foreign_checkpoint(path: str) -> tuple[str, str] | None:
         return None
     model_type = str(fields.get("model_type", "")).lower()
     if fields.get("architecture_class_name") == "RecurrentGPT" or "huginn" in model_type:
+        from dcp_lens.zoo.loaders.raven_retrofit import KIND, folder_family
+
+        family = folder_family(folder)
+        if family in ("llama", "olmo"):
+            return KIND, f"a retrofitted-recurrence checkpoint ({family} variant, a RavenConfig)"
         return "huginn", "a Huginn checkpoint (config.json is a RavenConfig)"
     if model_type.startswith("ouro"):
         return "ouro", f"an Ouro checkpoint (config.json has model_type {model_type!r})"
@@ -133,6 +162,8 @@ def _import_builtin_kinds() -> None:
     from dcp_lens.zoo.loaders.huginn import load_huginn
     from dcp_lens.zoo.loaders.llama2c import load_llama2c
     from dcp_lens.zoo.loaders.ouro import load_ouro
+    from dcp_lens.zoo.loaders.raven_retrofit import KIND as RAVEN_RETROFIT
+    from dcp_lens.zoo.loaders.raven_retrofit import load_raven_retrofit, parent_layers_of_specs
     from dcp_lens.zoo.planted import load_planted
 
     kinds: dict[str, Loader] = {
@@ -141,11 +172,13 @@ def _import_builtin_kinds() -> None:
         "ouro": load_ouro,
         "llama2c": load_llama2c,
         "bridge": load_bridge,
+        RAVEN_RETROFIT: load_raven_retrofit,
     }
     for kind, loader in kinds.items():
         add_entry(LOADERS, kind, loader, "loader kind")
     for name in BUNDLED:
         add_entry(NAMED, name, bundled_loader(name), "named model")
+    add_entry(PAIRINGS, RAVEN_RETROFIT, parent_layers_of_specs, "pairing")
 
 
 _builtins_imported = False

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformer_lens.hook_points import HookPoint
 
+from dcp_lens.model.components.norms import RMSNorm
 from dcp_lens.model.components.rotary import apply_rotary
 from dcp_lens.model.config import RecurrentConfig
 
@@ -65,6 +66,9 @@ class Attention(nn.Module):
     Weights follow TransformerLens's layout: ``W_Q`` [head, d_model, d_head], ``W_K``/``W_V``
     [kv_head, d_model, d_head], ``W_O`` [head, d_head, d_model]; ``b_Q``/``b_K`` exist only with
     ``cfg.qk_bias`` and are added before the rotary embedding (as Huginn's qk_bias).
+    ``q_norm`` / ``k_norm`` exist only with ``cfg.qk_norm``: RMSNorms over the whole query
+    projection [n_heads * d_head] and key projection [kv_head * d_head], before the split into
+    heads (OLMo-2); ``hook_q`` and ``hook_k`` see their output.
     """
 
     def __init__(self, cfg: RecurrentConfig):
@@ -85,6 +89,13 @@ class Attention(nn.Module):
             self.b_K = nn.Parameter(torch.zeros(n_kv, cfg.d_head))
         else:
             self.b_Q, self.b_K = None, None
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg, cfg.n_heads * cfg.d_head)
+            self.k_norm = RMSNorm(cfg, n_kv * cfg.d_head)
+        else:
+            self.q_norm, self.k_norm = None, None
         self.hook_q = HookPoint()  # [batch, pos, head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -110,6 +121,8 @@ class Attention(nn.Module):
         q, k, v = (x @ fused).split(
             [w.shape[0] * self.d_head for w in (self.W_Q, self.W_K, self.W_V)], -1
         )
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(batch, n_pos, self.n_heads, self.d_head)
         k = k.view(batch, n_pos, self.n_kv_heads, self.d_head)
         v = v.view(batch, n_pos, self.n_kv_heads, self.d_head)

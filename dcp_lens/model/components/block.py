@@ -1,4 +1,4 @@
-"""One transformer block, in the three norm placements real recurrent models use."""
+"""One transformer block, in the four norm placements real recurrent models use."""
 
 from __future__ import annotations
 
@@ -8,24 +8,30 @@ from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.components.attention import Attention, KVCacheEntry
 from dcp_lens.model.components.mlp import make_mlp
-from dcp_lens.model.components.norms import make_norm
+from dcp_lens.model.components.norms import NoNorm, make_norm
 from dcp_lens.model.config import RecurrentConfig
+
+# Placements that normalise each sublayer's output before it is added to the stream.
+OUTPUT_NORMED = ("sandwich", "post")
 
 
 class TransformerBlock(nn.Module):
     """``pre``: x + Sub(ln(x)); ``sandwich`` (Ouro): x + ln_post(Sub(ln(x)));
-    ``sandwich_residual`` (Huginn): ln_post(x + Sub(ln(x))), for Sub = attention, then MLP.
+    ``sandwich_residual`` (Huginn): ln_post(x + Sub(ln(x))); ``post`` (OLMo-2):
+    x + ln_post(Sub(x)), for Sub = attention, then MLP.
 
     ``hook_attn_out`` and ``hook_mlp_out`` hold what each sublayer adds to the sum (after the
-    sandwich norm for ``sandwich``; before the residual renormalisation for ``sandwich_residual``).
+    output norm for ``sandwich`` and ``post``; before the residual renormalisation for
+    ``sandwich_residual``). With ``post`` the sublayers read the stream itself: ``ln1`` and
+    ``ln2`` are parameter-free identities that keep their ``hook_normalized``.
     """
 
     def __init__(self, cfg: RecurrentConfig):
         super().__init__()
         self.placement = cfg.norm_placement
-        self.ln1 = make_norm(cfg)
+        self.ln1: nn.Module = NoNorm(cfg) if self.placement == "post" else make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = make_norm(cfg)
+        self.ln2: nn.Module = NoNorm(cfg) if self.placement == "post" else make_norm(cfg)
         self.mlp = make_mlp(cfg)
         if self.placement != "pre":
             self.ln1_post = make_norm(cfg)
@@ -44,7 +50,7 @@ class TransformerBlock(nn.Module):
     ) -> Float[Tensor, "batch pos d_model"]:
         x = self.hook_resid_pre(resid_pre)
         attn_out = self.attn(self.ln1(x), rotary, kv_cache)
-        if self.placement == "sandwich":
+        if self.placement in OUTPUT_NORMED:
             attn_out = self.ln1_post(attn_out)
         attn_out = self.hook_attn_out(attn_out)
         mid = x + attn_out
@@ -52,7 +58,7 @@ class TransformerBlock(nn.Module):
             mid = self.ln1_post(mid)
         mid = self.hook_resid_mid(mid)
         mlp_out = self.mlp(self.ln2(mid))
-        if self.placement == "sandwich":
+        if self.placement in OUTPUT_NORMED:
             mlp_out = self.ln2_post(mlp_out)
         mlp_out = self.hook_mlp_out(mlp_out)
         post = mid + mlp_out

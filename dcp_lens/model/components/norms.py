@@ -31,16 +31,17 @@ class LayerNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm: x / sqrt(mean(x^2) + eps) * w."""
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * w, over the last ``width`` features (default
+    ``d_model``; a query or key projection's width for QK-norm)."""
 
-    def __init__(self, cfg: RecurrentConfig):
+    def __init__(self, cfg: RecurrentConfig, width: int | None = None):
         super().__init__()
         self.eps = cfg.eps
-        self.w = nn.Parameter(torch.ones(cfg.d_model))
+        self.w = nn.Parameter(torch.ones(cfg.d_model if width is None else width))
         self.hook_scale = HookPoint()  # [batch, pos, 1]
-        self.hook_normalized = HookPoint()  # [batch, pos, d_model]
+        self.hook_normalized = HookPoint()  # [batch, pos, width]
 
-    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+    def forward(self, x: Float[Tensor, "batch pos width"]) -> Float[Tensor, "batch pos width"]:
         if not (self.hook_scale.fwd_hooks or self.hook_normalized.fwd_hooks):
             return F.rms_norm(x, self.w.shape, self.w, self.eps)  # fused, same math
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())

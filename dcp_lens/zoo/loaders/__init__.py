@@ -1,9 +1,11 @@
 """Loaders of real checkpoints from local files (never pickle, never code from a checkpoint).
 
-``dcp_lens.load("huginn:PATH")``, ``load("ouro:PATH")``, ``load("llama2c:PATH")`` and
-``load("bridge:PATH")`` dispatch here:
+``dcp_lens.load("huginn:PATH")``, ``load("raven-retrofit:PATH")``, ``load("ouro:PATH")``,
+``load("llama2c:PATH")`` and ``load("bridge:PATH")`` dispatch here:
 
 - `huginn`: Huginn-0125 (config.json + safetensors, original key names).
+- `raven_retrofit`: retrofitted recurrence (Llama and OLMo variants), told from Huginn-0125 by its
+  keys; `parent_layers` lines its dense parent's layers up with prelude, core and coda.
 - `ouro`: Ouro LoopLM, as an `OuroRecurrentTransformer` with its early-exit gate.
 - `llama2c`: llama2.c version-0 ``.bin`` checkpoints with their tokenizer (stories260K).
 - `bridge`: any dense TransformerLens 4 `TransformerBridge` (a local Hugging Face folder) as a
@@ -24,6 +26,7 @@ from dcp_lens.zoo.loaders.ouro import (
     load_ouro,
     ouro_config,
 )
+from dcp_lens.zoo.loaders.raven_retrofit import load_raven_retrofit, parent_layers, retrofit_config
 
 __all__ = [
     "BridgeModel",
@@ -37,5 +40,8 @@ __all__ = [
     "load_huginn",
     "load_llama2c",
     "load_ouro",
+    "load_raven_retrofit",
     "ouro_config",
+    "parent_layers",
+    "retrofit_config",
 ]

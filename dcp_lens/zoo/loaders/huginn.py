@@ -19,7 +19,7 @@ the (interleaved) rotary embedding; ``mlp.fc`` rows are [gate | up].
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from types import UnionType
 from typing import Any
@@ -29,6 +29,7 @@ from torch import Tensor
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.folder import (
     CONFIG_FILE,
+    LazyTensors,
     SafetensorsCheckpoint,
     Shape,
     build_model,
@@ -202,12 +203,16 @@ def huginn_tensor_shapes(cfg: RecurrentConfig) -> tuple[dict[str, Shape], dict[s
     return expected, optional
 
 
-def huginn_state_dict(tensors: Mapping[str, Tensor], cfg: RecurrentConfig) -> dict[str, Tensor]:
-    """Original Huginn tensors -> our `canonical_state_dict` names and layouts."""
+def huginn_state_dict(
+    tensors: MutableMapping[str, Tensor], cfg: RecurrentConfig
+) -> dict[str, Tensor]:
+    """Original Huginn tensors -> our `canonical_state_dict` names and layouts. Each tensor is
+    taken out of ``tensors`` as it is converted, so an original and its re-laid-out copy are
+    held together for one block at most."""
     state = {
-        "embed.W_E": tensors["transformer.wte.weight"],
-        "inject.W_adapter": tensors["transformer.adapter.weight"],
-        "ln_final.w": tensors["transformer.ln_f.weight"],
+        "embed.W_E": tensors.pop("transformer.wte.weight"),
+        "inject.W_adapter": tensors.pop("transformer.adapter.weight"),
+        "ln_final.w": tensors.pop("transformer.ln_f.weight"),
     }
     for part, count_field in PARTS:
         for i in range(getattr(cfg, count_field)):
@@ -217,27 +222,27 @@ def huginn_state_dict(tensors: Mapping[str, Tensor], cfg: RecurrentConfig) -> di
 
 
 def _block_state(
-    tensors: Mapping[str, Tensor], source: str, target: str, cfg: RecurrentConfig
+    tensors: MutableMapping[str, Tensor], source: str, target: str, cfg: RecurrentConfig
 ) -> dict[str, Tensor]:
     heads, d_head, d_mlp = cfg.n_heads, cfg.d_head, cfg.d_mlp
     assert d_mlp is not None
-    w_q, w_k, w_v = tensors[f"{source}.attn.Wqkv.weight"].split(heads * d_head, dim=0)
-    gate, up = tensors[f"{source}.mlp.fc.weight"].split(d_mlp, dim=0)
+    w_q, w_k, w_v = tensors.pop(f"{source}.attn.Wqkv.weight").split(heads * d_head, dim=0)
+    gate, up = tensors.pop(f"{source}.mlp.fc.weight").split(d_mlp, dim=0)
     state = {
-        f"{target}.ln1.w": tensors[f"{source}.norm_1.weight"],
-        f"{target}.ln1_post.w": tensors[f"{source}.norm_2.weight"],
-        f"{target}.ln2.w": tensors[f"{source}.norm_3.weight"],
-        f"{target}.ln2_post.w": tensors[f"{source}.norm_4.weight"],
+        f"{target}.ln1.w": tensors.pop(f"{source}.norm_1.weight"),
+        f"{target}.ln1_post.w": tensors.pop(f"{source}.norm_2.weight"),
+        f"{target}.ln2.w": tensors.pop(f"{source}.norm_3.weight"),
+        f"{target}.ln2_post.w": tensors.pop(f"{source}.norm_4.weight"),
         f"{target}.attn.W_Q": heads_in(w_q, heads),
         f"{target}.attn.W_K": heads_in(w_k, heads),
         f"{target}.attn.W_V": heads_in(w_v, heads),
-        f"{target}.attn.W_O": heads_out(tensors[f"{source}.attn.proj.weight"], heads),
+        f"{target}.attn.W_O": heads_out(tensors.pop(f"{source}.attn.proj.weight"), heads),
         f"{target}.mlp.W_gate": gate.T.contiguous(),
         f"{target}.mlp.W_in": up.T.contiguous(),
-        f"{target}.mlp.W_out": tensors[f"{source}.mlp.proj.weight"].T.contiguous(),
+        f"{target}.mlp.W_out": tensors.pop(f"{source}.mlp.proj.weight").T.contiguous(),
     }
     if cfg.qk_bias:
-        qk_bias = tensors[f"{source}.attn.qk_bias"]
+        qk_bias = tensors.pop(f"{source}.attn.qk_bias")
         state[f"{target}.attn.b_Q"] = qk_bias[0, 0].contiguous()
         state[f"{target}.attn.b_K"] = qk_bias[1, 0].contiguous()
     return state
@@ -277,8 +282,7 @@ def load_huginn(path: str | Path, **overrides: Any) -> HookedRecurrentTransforme
     checkpoint = SafetensorsCheckpoint(path)
     expected, optional = huginn_tensor_shapes(cfg)
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
-    keys = [key for key in checkpoint.shapes if key != ROPE_BUFFER]
-    tensors = checkpoint.read(keys, dtype=dtype)
+    tensors = LazyTensors(checkpoint, dtype)  # read one at a time; the RoPE table never
     drop_tied_head(tensors, TIED_HEAD, "transformer.wte.weight", checkpoint.source)
     state = huginn_state_dict(tensors, cfg)
     return build_model(

@@ -206,6 +206,7 @@ def ouro_config(
     defaults to ``total_ut_steps``, and ``overrides`` replace any field."""
     check_source_fields(ouro, SOURCE_FIELDS, source, POSITIVE_FIELDS)
     require_values(ouro, SUPPORTED_SWITCHES, source)
+    _check_layer_types(ouro, source)
     rope = ouro.get("rope_parameters") or {}
     if "rope_theta" not in ouro:
         check_source_fields(rope, {"rope_theta": float}, f"{source} (rope_parameters)", ())
@@ -246,6 +247,26 @@ def ouro_config(
     fields.update(overrides)
     with naming_file(source):
         return RecurrentConfig(**fields)
+
+
+def _check_layer_types(ouro: Mapping[str, Any], source: str) -> None:
+    """Every layer attends to the whole context: ``layer_types`` (when given) lists only
+    "full_attention", one per layer; a sliding-window layer would be computed wrongly here."""
+    layer_types = ouro.get("layer_types")
+    if layer_types is None:
+        return
+    n_layers = ouro.get("num_hidden_layers")
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers:
+        raise ConfigError(
+            f"{source}: layer_types must list one type per layer (num_hidden_layers="
+            f"{n_layers}), got {layer_types!r}."
+        )
+    other = sorted({str(kind) for kind in layer_types} - {"full_attention"})
+    if other:
+        raise ConfigError(
+            f"{source}: layer_types holds {other}; dcp-lens implements full attention only (a "
+            "sliding window changes what each layer sees), so this checkpoint is not supported."
+        )
 
 
 def ouro_tensor_shapes(cfg: RecurrentConfig) -> tuple[dict[str, Shape], dict[str, Shape | None]]:

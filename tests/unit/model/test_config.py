@@ -48,7 +48,15 @@ def test_json_round_trip_is_lossless(tmp_path):
         (dict(n_key_value_heads=3), "n_key_value_heads=3"),
         (dict(injection="concat"), "injection='concat'"),
         (dict(state_init="random"), "state_init='random'"),
-        (dict(norm_placement="post"), "norm_placement='post'"),
+        (dict(norm_placement="postnorm"), "norm_placement='postnorm'"),
+        (
+            dict(
+                rotary_scaling=(32.0, 4.0, 1.0, 8192.0),
+                positional_embedding_type="rotary_rotate_half",
+            ),
+            "high_freq_factor > low_freq_factor",
+        ),
+        (dict(rotary_scaling=(32.0, 1.0, 4.0, 8192.0)), "this model has none"),
         (dict(normalization_type="BN"), "normalization_type='BN'"),
         (dict(positional_embedding_type="alibi"), "positional_embedding_type='alibi'"),
         (dict(act_fn="relu"), "act_fn='relu'"),
@@ -74,6 +82,19 @@ def test_config_file_with_unknown_or_missing_keys(tmp_path):
     (tmp_path / "missing.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="injection"):
         RecurrentConfig.from_json(tmp_path / "missing.json")
+
+
+def test_config_file_written_before_later_fields_loads_with_their_defaults(tmp_path):
+    data = RecurrentConfig().to_dict()
+    del data["qk_norm"], data["rotary_scaling"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    cfg = RecurrentConfig.from_json(tmp_path / "old.json")
+    assert cfg.qk_norm is False and cfg.rotary_scaling is None
+    scaled = RecurrentConfig(
+        positional_embedding_type="rotary_rotate_half", rotary_scaling=(8.0, 1.0, 4.0, 8192.0)
+    )
+    scaled.to_json(tmp_path / "scaled.json")
+    assert RecurrentConfig.from_json(tmp_path / "scaled.json") == scaled
 
 
 def test_bad_model_input_raises_naming_the_value():

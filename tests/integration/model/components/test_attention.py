@@ -20,6 +20,8 @@ SPECS = [
     "planted:distinct_computation",
     f"huginn:{FIXTURES / 'huginn_tiny'}",
     f"ouro:{FIXTURES / 'ouro_tiny'}",
+    f"raven-retrofit:{FIXTURES / 'retrofit_llama_tiny'}",
+    f"raven-retrofit:{FIXTURES / 'retrofit_olmo_tiny'}",
 ]
 
 
@@ -35,7 +37,10 @@ def _logits_both_ways(model, tokens) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.split("/")[-1])
 def test_fused_attention_gives_the_materialised_logits(spec: str) -> None:
-    model = dcp_lens.load(spec).float().eval()
+    # The retrofit fixtures' random adapters amplify float32 rounding over their default 32
+    # iterations (the paths differ by ~1e-4 there); 4 iterations compare the attention paths.
+    overrides = {"n_iterations": 4} if spec.startswith("raven-retrofit:") else {}
+    model = dcp_lens.load(spec, **overrides).float().eval()
     length = min(32, int(model.cfg.n_ctx))
     tokens = torch.randint(
         0, model.cfg.d_vocab, (3, length), generator=torch.Generator().manual_seed(1)
