@@ -178,13 +178,18 @@ def _full_decomposition(ctx: Context) -> str:
 def _accumulated_resid(ctx: Context) -> str:
     model, cache = ctx.model, ctx.cache
     stack = cache.accumulated_resid(apply_ln=True)
-    close(stack[-1] @ model.W_U, ctx.logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
+    close(stack[-1] @ model.W_U + model.b_U, ctx.logits, "accumulated_resid(apply_ln)[-1]")
     plain = cache.accumulated_resid(incl_mid=True)
     n = model.cfg.n_layers
     close(plain[-1], stream_at(ctx, n), "final entry")
     close(plain[2 * ctx.layer], cache[f"blocks.{ctx.layer}.hook_resid_pre"], "resid_pre entry")
-    close(stack[ctx.layer], model.ln_final(cache[f"blocks.{ctx.layer}.hook_resid_pre"]), "ln")
-    return "final entry @ W_U = logits; entries are the cached streams (ln_final applied)"
+    bias = getattr(model.ln_final, "b", 0.0)
+    entry = model.ln_final(cache[f"blocks.{ctx.layer}.hook_resid_pre"]) - bias
+    close(stack[ctx.layer], entry, "ln_final less its bias")
+    return (
+        "final entry @ W_U + b_U = logits; entries are the cached streams (ln_final applied, "
+        "its bias in b_U)"
+    )
 
 
 @check("ActivationCache.apply_ln_to_stack")
@@ -843,9 +848,13 @@ def _logit_diff(ctx: Context) -> str:
     )
     stack = cache.accumulated_resid(apply_ln=True)
     difference = logits[..., answers[0]] - logits[..., answers[1]]
-    close(stack[-1] @ direction, difference, "accumulated_resid(apply_ln=True) @ directions")
-    close(stack[-1] @ model.W_U, logits, "accumulated_resid(apply_ln=True)[-1] @ W_U")
-    return "accumulated_resid(apply_ln=True)[-1] @ (dir(a) - dir(b)) = the logit difference"
+    gap = model.b_U[answers[0]] - model.b_U[answers[1]]
+    close(stack[-1] @ direction + gap, difference, "accumulated_resid(apply_ln=True) @ dirs")
+    close(stack[-1] @ model.W_U + model.b_U, logits, "accumulated_resid(apply_ln)[-1] @ W_U")
+    return (
+        "accumulated_resid(apply_ln=True)[-1] @ (dir(a) - dir(b)) + b_U[a] - b_U[b] = the "
+        "logit difference"
+    )
 
 
 @check("workflow.apply_ln_to_stack_then_directions")
