@@ -162,7 +162,10 @@ class WeightViews:
     @property
     def W_pos(self) -> Tensor:
         if self.pos_embed is None:
-            raise AttributeError("this model uses rotary positions and has no W_pos.")
+            raise WeightViewError(
+                "W_pos: this model encodes positions by rotating queries and keys (rotary), so "
+                "it has no position embedding to view; use model.W_E."
+            )
         return self.pos_embed.W_pos
 
     def accumulated_bias(

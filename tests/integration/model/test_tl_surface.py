@@ -9,14 +9,17 @@ import warnings
 import pytest
 import torch
 from helpers import data_path, make_model, tokens_for
-from transformer_lens import SVDInterpreter, TransformerLensKeyValueCache
+from tl_names import is_static, surface_table
+from transformer_lens import SVDInterpreter, TransformerLensKeyValueCache, evals, head_detector
 from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.tools import analysis
 
 from dcp_lens import load
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.utils.errors import UnsupportedToolError
+from dcp_lens.utils.errors import DCPLensError, UnsupportedToolError
+
+TABLE = surface_table(set())
 
 
 def huginn() -> HookedRecurrentTransformer:
@@ -155,3 +158,134 @@ def test_direct_logit_attribution_adds_up_to_the_logit(spec: str) -> None:
         )
         total = result.attribution.sum(0) + model.b_U[3]
         close(total.detach(), logits[:, -1, 3].detach(), 1e-4, f"DLA by {unit}")
+
+
+# ----------------------------------------------------------------- the table, walked
+
+
+def _row_names(kind: str, status: str | None = None) -> list[str]:
+    return [
+        name.rsplit(".", 1)[1]
+        for name, (row, _) in TABLE.items()
+        if name.rsplit(".", 1)[0] == kind and (status is None or row == status)
+    ]
+
+
+@pytest.mark.parametrize("spec", ["default", "huginn"])
+def test_every_model_name_in_the_table_is_there_or_refused(spec: str) -> None:
+    """Reading any TransformerLens name on the model gives a value or a DCPLensError, never an
+    AttributeError, TypeError or KeyError; calling a refused one raises a DCPLensError."""
+    model = huginn() if spec == "huginn" else load("default").eval()
+    names = _row_names("model")
+    assert len(names) >= 80, names
+    for name in names:
+        try:
+            value = getattr(model, name)
+        except DCPLensError:
+            continue  # a property refused on this architecture (W_gate, b_V, W_pos, …)
+        if name in _row_names("model", "refused"):
+            assert callable(value), name
+            with pytest.raises(UnsupportedToolError, match="Instead: "):
+                value("gpt2") if is_static(f"model.{name}") else value()
+    _, cache = model.run_with_cache(tokens_for(model))
+    for name in _row_names("ActivationCache"):
+        assert callable(getattr(cache, name)), name
+
+
+def test_the_refused_analysis_functions_refuse() -> None:
+    model = make_model()
+    tokens = tokens_for(model)
+    for name in _row_names("tools.analysis", "refused"):
+        function = getattr(analysis, name)
+        with pytest.raises(DCPLensError):
+            if "direct_path" in name:
+                _, cache = model.run_with_cache(tokens)
+                function(model, tokens, cache, cache, lambda logits: logits.sum(), 0, 0)
+            else:
+                function(model, tokens)
+
+
+def test_bridge_accessors_match_the_model() -> None:
+    model = make_model(n_key_value_heads=2)
+    n, heads = model.cfg.n_layers, model.cfg.n_heads
+    assert model.W_E_pos.shape == (model.cfg.d_vocab + model.cfg.n_ctx, model.cfg.d_model)
+    assert torch.equal(model.W_E_pos[model.cfg.d_vocab + 3], model.pos_embed.W_pos[3])
+    assert model.all_head_labels == [f"L{i}H{h}" for i in range(n) for h in range(heads)]
+    assert model.attn_head_labels == model.all_head_labels
+    assert model.n_params_total == sum(p.numel() for p in set(model.parameters()))
+    assert model.hook_aliases == {} and model.original_model is None
+    for layers, matrix, view in (
+        (*model.QK_for_attn_layers(), model.QK),
+        (*model.OV_for_attn_layers(), model.OV),
+    ):
+        assert layers == list(range(n)) == model.composition_layer_indices()
+        close(matrix.AB, view.AB, 0.0, "factored view")
+    assert model.block_hooks(2) == [k for k in model.hook_dict if k.startswith("blocks.2.")]
+    assert model.block_submodules(0) == ["ln1", "attn", "ln2", "mlp"]
+    assert [(i, m) for i, m in model.blocks_with("attn")] == [
+        (i, b.attn) for i, b in enumerate(model.blocks)
+    ]
+    assert model.get_hook_point("blocks.3.hook_resid_pre") is model.blocks[3].hook_resid_pre
+    assert model.get_hook_point("no.such.hook") is None
+    with pytest.raises(UnsupportedToolError, match=f"0..{n - 1}"):
+        model.block_hooks(n)
+    with pytest.raises(Exception, match="W_E_pos: .*rotary"):
+        huginn().W_E_pos
+
+
+def test_loss_fn_init_weights_and_accumulated_bias() -> None:
+    model = make_model()
+    tokens = tokens_for(model)
+    logits = model(tokens)
+    close(model.loss_fn(logits, tokens), model(tokens, return_type="loss"), 1e-12, "loss_fn")
+    per_token = model.loss_fn(logits, tokens, per_token=True)
+    assert per_token.shape == (tokens.shape[0], tokens.shape[1] - 1)
+    with pytest.raises(UnsupportedToolError, match="unpadded"):
+        model.loss_fn(logits, tokens, attention_mask=torch.ones_like(tokens))
+    fresh = make_model(dtype=torch.float32)
+    other = make_model(dtype=torch.float32, seed=fresh.cfg.seed)
+    with torch.no_grad():
+        other.embed.W_E.add_(1.0)
+    fresh.init_weights()
+    other.init_weights()
+    close(fresh.embed.W_E, other.embed.W_E, 0.0, "init_weights from cfg.seed")
+    expected = sum(model.blocks[i].mlp.b_out for i in range(3))
+    close(model.accumulated_bias(3), expected, 1e-12, "accumulated_bias")
+
+
+def test_get_token_position_finds_the_token() -> None:
+    model = load("default")
+    tokens = model.to_tokens(model.to_string(torch.tensor([5, 9, 7, 9])), prepend_bos=False)
+    assert model.get_token_position(9, tokens) == 1
+    assert model.get_token_position(9, tokens, mode="last") == 3
+
+
+def test_detect_head_reads_every_unrolled_pattern() -> None:
+    model = load("default").eval()
+    text = model.to_string(torch.tensor([5, 9, 7, 9, 11, 5, 9, 8]))
+    scores = head_detector.detect_head(model, text, "previous_token_head")
+    tokens = model.to_tokens(text)
+    _, cache = model.run_with_cache(tokens)
+    pattern = head_detector.get_previous_token_head_detection_pattern(tokens.cpu())
+    assert scores.shape == (model.cfg.n_layers, model.cfg.n_heads)
+    for layer in (0, model.block_index(2, 0), model.cfg.n_layers - 1):
+        for head in range(model.cfg.n_heads):
+            expected = head_detector.compute_head_attention_similarity_score(
+                cache["pattern", layer][0, head],
+                pattern,
+                exclude_bos=False,
+                exclude_current_token=False,
+                error_measure="mul",
+            )
+            assert abs(float(scores[layer, head]) - expected) <= 1e-6
+
+
+def test_induction_loss_is_the_loss_on_the_repeated_half() -> None:
+    model = make_model(d_vocab=20_000)  # TransformerLens draws ids in 100..20000
+    torch.manual_seed(0)
+    loss = evals.induction_loss(model, batch_size=2, subseq_len=8, prepend_bos=False, device="cpu")
+    torch.manual_seed(0)
+    half = torch.randint(100, 20000, (2, 8))
+    tokens = torch.cat([half, half], dim=1)
+    per_token = model(tokens, return_type="loss", loss_per_token=True)
+    close(torch.as_tensor(loss), per_token[:, 9:].mean(), 1e-10, "induction loss")
