@@ -1,4 +1,4 @@
-"""TransformerLens's public surface, enumerated from the installed library (see `public_names`)."""
+"""TransformerLens's public surface, enumerated from the installed library (see `tl_public_names`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from transformer_lens.tools import analysis
 
 
 def _class_names(cls: type, label: str) -> list[str]:
-    module_names = set(dir(nn.Module))
+    module_names = set(dir(nn.Module)) if issubclass(cls, nn.Module) else set()
     return [f"{label}.{n}" for n in dir(cls) if not n.startswith("_") and n not in module_names]
 
 
@@ -40,7 +40,7 @@ def _module_names(module: ModuleType, label: str) -> list[str]:
     return found
 
 
-def public_names() -> list[str]:
+def tl_public_names() -> list[str]:
     """Every public name a user of a TransformerLens model reaches, introspected: the model's
     methods and properties (`HookedRootModule` and `TransformerBridge`, the successor of
     HookedTransformer), `ActivationCache`, `FactoredMatrix`, `SVDInterpreter`, and the functions
@@ -180,10 +180,10 @@ _MODEL_KINDS = ("model", "ActivationCache", "patching", "SVDInterpreter")
 
 
 def surface_table(conformance: set[str]) -> dict[str, tuple[str, str]]:
-    """{name: (status, note)} for every name of `public_names`; ``conformance`` is the set of
+    """{name: (status, note)} for every name of `tl_public_names`; ``conformance`` is the set of
     names test_conformance checks per model (its ``CHECKS``)."""
     table: dict[str, tuple[str, str]] = {}
-    for name in public_names():
+    for name in tl_public_names():
         kind, short = name.rsplit(".", 1)
         if name in conformance or (kind == "model" and short in _CONFORMANCE_MODEL):
             table[name] = ("conformance", "")

@@ -32,6 +32,7 @@ from transformer_lens.FactoredMatrix import FactoredMatrix
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from helpers import data_path  # noqa: E402
+from tl_names import STATUSES, surface_table, tl_public_names  # noqa: E402
 
 from dcp_lens import load  # noqa: E402
 from dcp_lens.model import stream as stream_module  # noqa: E402
@@ -1000,10 +1001,59 @@ def conformance_table() -> str:
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines += ["", "| model | checked | refused |", "|---|---|---|"]
     lines += [f"| {m} | {c['checked']} | {c['refused']} |" for m, c in counts.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + surface_section()) + "\n"
+
+
+def refusal_message(name: str) -> str:
+    """The message a refused ``model.{name}`` raises on ``default``."""
+    try:
+        getattr(context("default").model, name)("gpt2")
+    except DCPLensError as error:
+        return str(error)
+    raise AssertionError(f"model.{name} did not refuse")
+
+
+def surface_section() -> list[str]:
+    """Every public name of TransformerLens's user-facing classes and modules (enumerated from
+    the installed library by ``tests/tl_names.py``), with its status."""
+    table = surface_table(set(CHECKS))
+    counts = {status: 0 for status in STATUSES}
+    rows = []
+    for name, (status, note) in table.items():
+        counts[status] += 1
+        if status == "refused" and not note:
+            note = refusal_message(name.rsplit(".", 1)[1])
+        rows.append(f"| `{name}` | {status} | {note} |".replace("\n", " "))
+    lines = [
+        "",
+        "## Every public TransformerLens name",
+        "",
+        "Every public method, property and function of the TransformerLens classes and modules "
+        "a user reaches through a dcp-lens model (`HookedRootModule`, `TransformerBridge` (the "
+        "successor of `HookedTransformer`), `ActivationCache`, `FactoredMatrix`, "
+        "`SVDInterpreter`, `patching`, `utilities`, `evals`, `head_detector`, `tools.analysis`), "
+        "enumerated from the installed library. A status says:",
+        "",
+    ]
+    lines += [
+        f"- **{status}**: {meaning} ({counts[status]} names)"
+        for status, meaning in STATUSES.items()
+    ]
+    lines += ["", "| name | status | reference or way out |", "|---|---|---|", *rows]
+    return lines
 
 
 # --------------------------------------------------------------------------------- tests
+
+
+def test_every_transformer_lens_name_is_in_the_surface_table() -> None:
+    """Fast: a public name TransformerLens grows fails here until it is classified."""
+    table = surface_table(set(CHECKS))
+    missing = [name for name in tl_public_names() if name not in table]
+    assert not missing, f"TransformerLens names with no row in tests/tl_names.py: {missing}"
+    unchecked = [n for n, (s, _) in table.items() if s == "conformance" and n not in CHECKS]
+    assert not unchecked, f"rows marked conformance with no check here: {unchecked}"
+    assert len(table) >= 250
 
 
 def test_every_public_name_is_classified() -> None:
