@@ -1,4 +1,4 @@
-"""TransformerLens's public surface, enumerated from the installed library (see `tl_public_names`)."""
+"""TransformerLens's public surface, enumerated from the installed library: `tl_public_names`."""
 
 from __future__ import annotations
 

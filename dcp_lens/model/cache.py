@@ -186,7 +186,7 @@ class RecurrentActivationCache(ActivationCache):
         scaled = super().apply_ln_to_stack(
             residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim, recompute_ln
         )
-        if layer == n and not recompute_ln:
+        if layer == n and not recompute_ln and weight is not None:
             scaled = scaled * weight
         bias = getattr(self.model.ln_final, "b", None)
         if layer == n and recompute_ln and bias is not None:

@@ -79,7 +79,7 @@ class TLSurface(nn.Module):
         each unrolled block (shared tensors under every index), ``W_K`` / ``W_V`` / ``b_K``
         [n_heads, …] (grouped heads repeated), ``unembed.W_U`` [d_model, d_vocab] and
         ``unembed.b_U`` [d_vocab]."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params: dict[str, Tensor] = dict(self.named_parameters(remove_duplicate=False))
         params.pop("W_U_untied", None)
         for index in range(len(self.blocks)):
             for name in ("W_K", "W_V", "b_K"):
@@ -98,7 +98,9 @@ class TLSurface(nn.Module):
         """Each attention module once (a shared core layer is one module's weights)."""
         seen: dict[int, Attention] = {}
         for block in self.blocks:
-            seen.setdefault(id(block.attn.W_Q), block.attn)
+            attn = block.attn
+            assert isinstance(attn, Attention)
+            seen.setdefault(id(attn.W_Q), attn)
         return list(seen.values())
 
     @torch.no_grad()
@@ -340,7 +342,8 @@ for _name, _way_out in REFUSED.items():
 def _refactor_qk(attn: Attention) -> None:
     """``W_Q`` / ``W_K`` (and ``b_Q`` / ``b_K`` as the last input row) set to the balanced
     factors of their product, per head."""
-    W_Q, W_K = attn.W_Q, attn.W_K  # [head, d_model, d_head]
+    W_Q: Tensor = attn.W_Q  # [head, d_model, d_head]
+    W_K: Tensor = attn.W_K
     if attn.b_Q is not None and attn.b_K is not None:
         W_Q = torch.cat([W_Q, attn.b_Q[:, None, :]], dim=1)  # [head, d_model + 1, d_head]
         W_K = torch.cat([W_K, attn.b_K[:, None, :]], dim=1)

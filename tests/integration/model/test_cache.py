@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from helpers import data_path, make_model
 from torch import Tensor
 
 from dcp_lens import load
 from dcp_lens.model.cache import RecurrentActivationCache
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.zoo.bundled import BUNDLED
-from helpers import data_path, make_model
 
 # float32 models (bundled, fixtures): a few ulps of logits of order 10; built models are float64.
 ATOL = {torch.float32: 1e-4, torch.float64: 1e-9}

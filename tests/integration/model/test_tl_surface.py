@@ -231,8 +231,8 @@ def test_bridge_accessors_match_the_model() -> None:
     assert model.get_hook_point("no.such.hook") is None
     with pytest.raises(UnsupportedToolError, match=f"0..{n - 1}"):
         model.block_hooks(n)
-    with pytest.raises(Exception, match="W_E_pos: .*rotary"):
-        huginn().W_E_pos
+    with pytest.raises(UnsupportedToolError, match="W_E_pos: .*rotary"):
+        _ = huginn().W_E_pos
 
 
 def test_loss_fn_init_weights_and_accumulated_bias() -> None:
