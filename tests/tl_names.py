@@ -138,6 +138,10 @@ _CHECKED_FUNCTIONS = {
     "head_detector.detect_head": "= compute_head_attention_similarity_score of each cached "
     "pattern by hand",
     "evals.induction_loss": "= the per-token loss of model on the repeated half, by hand",
+    "evals.evaluate_on_dataset": "= the mean of model(batch, return_type='loss') by hand",
+    "utilities.move_to_and_update_config": "cfg.dtype and the weights follow; logits of a model "
+    "built in that dtype",
+    "utilities.get_device_for_block_index": "= the model's device on one device",
 }
 _REFUSED_FUNCTIONS = {
     "tools.analysis.logit_lens": "dcp_lens.lenses.logit_lens(model, tokens)",
@@ -152,12 +156,9 @@ _UNVERIFIED = {
     "utilities.get_input_with_manually_prepended_bos": _TOKENIZER,
     "utilities.get_tokens_with_bos_removed": _TOKENIZER,
     "utilities.get_tokenizer_with_bos": _TOKENIZER,
-    "utilities.move_to_and_update_config": "moves the model; cfg.device follows (not checked)",
-    "utilities.get_device_for_block_index": "reads cfg.n_layers and cfg.device (not checked)",
     "evals.IOIDataset": _TOKENIZER,
     "evals.ioi_eval": _TOKENIZER,
     "evals.evaluate": "downloads its data sets (no network at run time here)",
-    "evals.evaluate_on_dataset": "needs a data loader of the model's tokens (not checked)",
     "evals.mmlu_eval": "downloads MMLU (no network at run time here)",
     "evals.sanity_check": "runs the model on a fixed English string (not checked)",
     "evals.make_code_data_loader": "downloads its data set",

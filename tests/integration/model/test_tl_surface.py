@@ -11,6 +11,7 @@ import torch
 from helpers import data_path, make_model, tokens_for
 from tl_names import is_static, surface_table, tl_public_names
 from transformer_lens import SVDInterpreter, TransformerLensKeyValueCache, evals, head_detector
+from transformer_lens import utilities as tl_utilities
 from transformer_lens.FactoredMatrix import FactoredMatrix
 from transformer_lens.tools import analysis
 
@@ -291,3 +292,16 @@ def test_induction_loss_is_the_loss_on_the_repeated_half() -> None:
     tokens = torch.cat([half, half], dim=1)
     per_token = model(tokens, return_type="loss", loss_per_token=True)
     close(torch.as_tensor(loss), per_token[:, 9:].mean(), 1e-10, "induction loss")
+
+
+def test_device_utilities_and_evaluate_on_dataset() -> None:
+    model = make_model(dtype=torch.float32)
+    assert str(tl_utilities.get_device_for_block_index(3, model.cfg)) == "cpu"
+    moved = tl_utilities.move_to_and_update_config(model, torch.float64, print_details=False)
+    assert moved.cfg.dtype == torch.float64 and moved.W_E.dtype == torch.float64
+    tokens = tokens_for(moved)
+    close(moved(tokens), make_model()(tokens), 1e-5, "moved to float64")
+    batches = [{"tokens": tokens}, {"tokens": tokens.flip(1)}]
+    loss = evals.evaluate_on_dataset(moved, batches, device="cpu")
+    expected = sum(float(moved(b["tokens"], return_type="loss")) for b in batches) / 2
+    assert abs(loss - expected) <= 1e-12
