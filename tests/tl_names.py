@@ -22,7 +22,8 @@ from transformer_lens.tools import analysis
 
 
 def _class_names(cls: type, label: str) -> list[str]:
-    module_names = set(dir(nn.Module)) if issubclass(cls, nn.Module) else set()
+    # object's names too: nnsight, once imported, mounts `save` on every object.
+    module_names = set(dir(nn.Module) if issubclass(cls, nn.Module) else dir(object))
     return [f"{label}.{n}" for n in dir(cls) if not n.startswith("_") and n not in module_names]
 
 

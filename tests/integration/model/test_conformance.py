@@ -987,7 +987,12 @@ def outcome(call: str, model: str) -> tuple[str, str]:
 
 def public_names() -> list[str]:
     """Every call the suite must classify, found from the libraries themselves."""
-    cache = [f"ActivationCache.{n}" for n in dir(ActivationCache) if not n.startswith("_")]
+    inherited = set(dir(object))  # nnsight, once imported, mounts `save` on every object
+    cache = [
+        f"ActivationCache.{n}"
+        for n in dir(ActivationCache)
+        if not n.startswith("_") and n not in inherited
+    ]
     found = [
         f"patching.{n}"
         for n in dir(patching)
