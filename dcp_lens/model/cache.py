@@ -9,7 +9,7 @@ inside the stream (frozen at their cached scales) are part of it, so
 - ``decompose_resid(layer)`` and ``get_full_resid_decomposition(layer)`` sum to the stream
   entering block ``layer`` (``layer = n_layers``: the stream entering ``ln_final``);
 - ``accumulated_resid``'s last entry is the stream entering ``ln_final`` (so with
-  ``apply_ln=True`` it times ``W_U`` is the logits);
+  ``apply_ln=True`` it times ``W_U`` plus ``b_U`` is the logits, as in TransformerLens);
 - ``stack_head_results`` / ``stack_neuron_results`` give each head's / neuron's contribution to
   that stream, and ``hook_result`` sums to ``hook_attn_out`` (Ouro's sandwich norm included);
 - ``apply_ln_to_stack`` at the final norm applies its cached scale and its weight, so
@@ -125,10 +125,12 @@ class RecurrentActivationCache(ActivationCache):
         return_labels: bool = False,
     ) -> Tensor | tuple[Tensor, list[str]]:
         """As TransformerLens, but the ``final_post`` entry is the stream entering ``ln_final``
-        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U`` gives
-        the logits. Intermediate entries are each block's input, with ``apply_ln`` normalised
-        by ``ln_final`` (its own statistics): not the truncated model's readout, which
-        `dcp_lens.lenses.logit_lens` gives."""
+        (after any per-iteration and pre-coda norm), so ``apply_ln=True`` then ``@ W_U + b_U``
+        gives the logits. Intermediate entries are each block's input, with ``apply_ln``
+        normalised by ``ln_final`` (its own statistics, its weight; its bias is in ``b_U``):
+        not the truncated model's readout, which `dcp_lens.lenses.logit_lens` gives.
+
+        Returns [entry, batch, pos, d_model] (``pos`` as ``pos_slice`` leaves it)."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer
         pos_slice = self._slice(pos_slice)
@@ -167,11 +169,15 @@ class RecurrentActivationCache(ActivationCache):
         recompute_ln: bool = False,
     ) -> Tensor:
         """As TransformerLens, with one convention for the final norm (``layer = n_layers``):
-        components are centred (LayerNorm), divided by the cached ``ln_final.hook_scale`` and
-        multiplied by ``ln_final``'s weight, so times `tokens_to_residual_directions` they sum to
-        the logit less ``model.b_U`` (the norm's bias, which no single component carries). A
-        model without a final norm (Ouro normalises each step's state instead) leaves the stack
-        unchanged there. ``recompute_ln`` (`accumulated_resid`) applies ``ln_final`` whole."""
+        ``stack @ W_U + b_U`` is the logits, ``model.b_U`` being ``ln_final``'s bias through
+        ``W_U`` (no single component carries it). Components are centred (LayerNorm), divided by
+        the cached ``ln_final.hook_scale`` and multiplied by ``ln_final``'s weight, so times
+        `tokens_to_residual_directions` they sum to the logit less ``b_U``. ``recompute_ln``
+        (`accumulated_resid`) normalises each entry by its own statistics, then applies the
+        weight and not the bias, the same convention. A model without a final norm (Ouro
+        normalises each step's state instead) leaves the stack unchanged there.
+
+        ``residual_stack``: [component, batch, pos, d_model] (or without batch); same shape out."""
         n = self.model.cfg.n_layers
         layer = n if layer is None or layer == -1 else layer
         weight = getattr(self.model.ln_final, "w", None)
@@ -183,6 +189,9 @@ class RecurrentActivationCache(ActivationCache):
         )
         if layer == n and not recompute_ln and weight is not None:
             scaled = scaled * weight
+        bias = getattr(self.model.ln_final, "b", None)
+        if layer == n and recompute_ln and bias is not None:
+            scaled = scaled - bias  # ln_final whole, less the bias that b_U carries
         return scaled
 
     def decompose_resid(  # type: ignore[override]

@@ -46,6 +46,7 @@ from dcp_lens.model.names import (
 from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.text import TextMethods
+from dcp_lens.model.tl_surface import TLSurface
 from dcp_lens.model.tokenization import Tokenizer
 from dcp_lens.model.views import IterationHooks, ViewModuleList, ViewState
 from dcp_lens.model.weights import WeightViews
@@ -70,7 +71,7 @@ class ResumeError(DCPLensError):
     """A forward resumed with ``start_at_layer`` lacks something the rest of the loop needs."""
 
 
-class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurface):
+class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface, HookSurface):
     """A prelude, one weight-shared core applied k times, a coda and a readout, all hookable.
 
     Args:
@@ -345,7 +346,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
         stop_at_layer: int | None = None,
         tokens: Int[Tensor, "batch pos"] | None = None,
         prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
-        past_kv_cache: KVCache | None = None,
+        past_kv_cache: object = None,
         input_ids: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
@@ -360,7 +361,8 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
                 inside the loop needs ``prelude_output`` (e) when the injection uses it.
             stop_at_layer: return the stream entering ``blocks[stop_at_layer]`` instead.
             tokens: the tokens, for the loss when ``input`` is a residual stream.
-            past_kv_cache: a `KVCache` to read and extend (generation).
+            past_kv_cache: a `KVCache` to read and extend (generation); another library's cache
+                is refused with the way to build one.
             input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
                 ``model(**{"input_ids": tokens})``).
         """
@@ -387,6 +389,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
         stop = self._check_layer("stop_at_layer", stop_at_layer, n_layers)
         if stop < start:
             raise ValueError(f"stop_at_layer={stop} comes before start_at_layer={start}.")
+        past_kv_cache = self.check_past_kv_cache(past_kv_cache)
         offset = past_kv_cache.length if past_kv_cache is not None else 0
         if start_at_layer is None:
             tokens = self._as_tokens(input, offset)

@@ -20,15 +20,11 @@ from dcp_lens.model.names import (
     missing_hook_error,
     warn_block_index_once,
 )
-from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.errors import UnsupportedToolError
 
 HookT = TypeVar("HookT", bound="HookSurface")
 # A hook as TransformerLens calls it, ``hook(activation, hook=point)``: a replacement or None.
 HookFunction = Callable[..., Tensor | None]
-
-
-class UnsupportedToolError(DCPLensError):
-    """A TransformerLens feature this model does not build, with what to use instead."""
 
 
 class HookSurface(HookedRootModule):

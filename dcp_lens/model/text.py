@@ -137,12 +137,12 @@ class TextMethods:
         """The unembedding column ``W_U[:, token]`` of each token, shape ``tokens.shape +
         (d_model,)``: the direction each token's logit reads in what ``ln_final`` returns.
 
-        The final norm is not folded into the model's weights, and one convention composes:
-        a whole stream normalised by ``ln_final`` (``cache.accumulated_resid(apply_ln=True)``)
-        times these directions is the logits, so a difference of two is the logit difference;
-        the components of a decomposition, scaled by ``apply_ln_to_stack(layer=-1)`` (the
-        cached scale and ``ln_final``'s weight), times them sum to the logit less ``b_U``
-        (``ln_final``'s bias, which no component carries): attributions + ``b_U`` = logit."""
+        The final norm is not folded into the model's weights, and one convention composes, as
+        TransformerLens's ``fold_ln``: every stack the cache normalises at the final norm
+        (``accumulated_resid(apply_ln=True)``, ``apply_ln_to_stack(layer=-1)``) carries the
+        norm's scale and weight, and its bias is ``b_U`` (no component carries it). So a
+        normalised stream times these directions plus ``b_U[tokens]`` is the logits, and
+        attributions + ``b_U`` = logit."""
         if isinstance(tokens, str):
             tokens = self.to_single_token(tokens)
         index = torch.as_tensor(tokens, device=self.W_U.device)

@@ -151,8 +151,9 @@ class WeightViews:
         """``ln_final.b @ W_U`` (zeros without a LayerNorm bias): the part of every logit that
         no component of a decomposition carries. The model has no unembedding bias of its own;
         this is what TransformerLens's "attributions + b_U = logit" needs (see
-        `tokens_to_residual_directions`). ``cache.accumulated_resid(apply_ln=True)`` has passed
-        through ``ln_final``'s bias already: its final entry ``@ W_U`` is the logits."""
+        `tokens_to_residual_directions`), as its ``fold_ln`` puts the bias into ``b_U``. Every
+        stack the cache normalises at the final norm leaves the bias to ``b_U``:
+        ``cache.accumulated_resid(apply_ln=True)[-1] @ W_U + b_U`` is the logits. [d_vocab]"""
         bias = getattr(self.ln_final, "b", None)
         if bias is None:
             return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
@@ -161,7 +162,10 @@ class WeightViews:
     @property
     def W_pos(self) -> Tensor:
         if self.pos_embed is None:
-            raise AttributeError("this model uses rotary positions and has no W_pos.")
+            raise WeightViewError(
+                "W_pos: this model encodes positions by rotating queries and keys (rotary), so "
+                "it has no position embedding to view; use model.W_E."
+            )
         return self.pos_embed.W_pos
 
     def accumulated_bias(

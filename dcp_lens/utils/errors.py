@@ -53,6 +53,10 @@ class ResourceLimitError(DCPLensError):
     """A size beyond dcp-lens's bounds, or one that cannot be allocated here."""
 
 
+class UnsupportedToolError(DCPLensError):
+    """A TransformerLens feature or tool this model does not build, with what to use instead."""
+
+
 __all__ = [
     "ConfigError",
     "ConfigTypeError",
@@ -64,5 +68,6 @@ __all__ = [
     "InputTypeError",
     "MissingFileError",
     "ResourceLimitError",
+    "UnsupportedToolError",
     "WeightsError",
 ]

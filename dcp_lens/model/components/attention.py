@@ -165,12 +165,30 @@ def _causal(n_query: int, n_key: int, past: int, device: torch.device) -> Tensor
 
 
 def _watched(point: HookPoint) -> bool:
-    """Whether anything reads ``point``: a TransformerLens hook, a cache, or a plain PyTorch
-    forward or backward hook registered on it."""
+    """Whether anything reads ``point``: a TransformerLens hook, a cache, a plain PyTorch
+    forward or backward hook registered on it, or a wrapper that replaced its ``forward``
+    (nnsight's) while that wrapper is tracing."""
     return bool(
         point.fwd_hooks or point.bwd_hooks or point._forward_hooks
         or point._forward_pre_hooks or point._backward_hooks or point._backward_pre_hooks
-    )  # fmt: skip
+    ) or _wrapped_and_tracing(point)  # fmt: skip
+
+
+# Where nnsight keeps a wrapped module's state (``module.__dict__``); its ``active()`` returns
+# the interleaver of the trace running now, or None.
+NNSIGHT_STATE = "__nnsight__"
+
+
+def _wrapped_and_tracing(point: HookPoint) -> bool:
+    """A replaced ``forward`` (as nnsight installs on every module it wraps): while nnsight's
+    trace is running, or always for a wrapper this code does not know (reading then costs the
+    fused kernel, never a value the wrapper asked for)."""
+    if "forward" not in point.__dict__:
+        return False
+    active = getattr(point.__dict__.get(NNSIGHT_STATE), "active", None)
+    if active is None:
+        return True
+    return active()[0] is not None
 
 
 def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_model head_d_head"]:
@@ -180,7 +198,9 @@ def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_mode
 
 def set_fused_attention(model: nn.Module, enabled: bool) -> None:
     """Turn the fused attention path on or off in every `Attention` of ``model`` (on by default;
-    off, the scores and the pattern are always materialised, as a hook on them would make them)."""
+    off, the scores and the pattern are always materialised, as a hook on them would make them).
+    Nothing needs it to read the pattern: a hook, a cache or an nnsight trace on ``hook_pattern``
+    turns the fused path off for that forward."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.fused = enabled

@@ -10,6 +10,17 @@ from dcp_lens.model.components.attention import Attention, KVCacheEntry
 from dcp_lens.model.components.mlp import make_mlp
 from dcp_lens.model.components.norms import NoNorm, make_norm
 from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.utils.errors import UnsupportedToolError
+
+# What TransformerLens's readout tools (transformer_lens.tools.analysis: logit_lens,
+# logit_readout) assume and a recurrent model breaks, and the way out.
+ANALYSIS_READOUT_REFUSAL = (
+    "transformer_lens.tools.analysis reads a model as unembed(ln_final(the last block's "
+    "output)) and its lens as ln_final on each block's output; a recurrent model reads out "
+    "through its per-iteration norm, pre-coda norm and coda, so those tools would not give its "
+    "logits. Use dcp_lens.lenses.logit_lens(model, tokens) (the readout of every iteration), "
+    "or model.unembed(cache.accumulated_resid(apply_ln=True)[-1]) for the final stream."
+)
 
 # Placements that normalise each sublayer's output before it is added to the stream.
 OUTPUT_NORMED = ("sandwich", "post")
@@ -41,6 +52,11 @@ class TransformerBlock(nn.Module):
         self.hook_resid_mid = HookPoint()
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
+
+    @property
+    def hook_out_is_single_residual_stream(self) -> bool:
+        """Read only by TransformerLens's readout tools: refused (`ANALYSIS_READOUT_REFUSAL`)."""
+        raise UnsupportedToolError(ANALYSIS_READOUT_REFUSAL)
 
     def forward(
         self,

@@ -49,7 +49,7 @@ def test_lens_from_a_cache_equals_the_lens_from_tokens_and_differs_from_tl_accum
     # TransformerLens's lens at the block where s_2 enters the readout is ln_final(s_2) @ W_U:
     # no pre-coda norm, no coda, so not what the truncated model outputs.
     stack = cache.accumulated_resid(apply_ln=True)
-    tl_lens = stack[model.block_index(2, 0) + model.cfg.n_core] @ model.W_U
+    tl_lens = stack[model.block_index(2, 0) + model.cfg.n_core] @ model.W_U + model.b_U
     assert (tl_lens - from_cache[1]).abs().max() > 0.1
 
 

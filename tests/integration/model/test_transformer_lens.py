@@ -26,10 +26,10 @@ def test_accumulated_resid_with_final_ln_is_the_logit_lens():
     logits, cache = model.run_with_cache(tokens)
     stack, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
     assert len(labels) == model.cfg.n_layers + 1 and labels[-1] == "final_post"
-    assert torch.allclose(stack[-1] @ model.W_U, logits, atol=1e-10)
-    # Every entry is ln_final applied to that block's input stream.
+    assert torch.allclose(stack[-1] @ model.W_U + model.b_U, logits, atol=1e-10)
+    # Every entry is ln_final applied to that block's input stream, its bias left to b_U.
     for layer in (0, 3, 7):
-        expected = model.ln_final(cache[f"blocks.{layer}.hook_resid_pre"])
+        expected = model.ln_final(cache[f"blocks.{layer}.hook_resid_pre"]) - model.ln_final.b
         assert torch.allclose(stack[layer], expected, atol=1e-10)
 
 

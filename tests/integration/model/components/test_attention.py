@@ -103,3 +103,38 @@ def test_generation_with_the_kv_cache_uses_the_fused_path_with_an_offset_mask() 
     set_fused_attention(model, True)
     assert torch.equal(runs[0], runs[1])
     assert all(module.fused for module in model.modules() if isinstance(module, Attention))
+
+
+def test_nnsight_reads_the_attention_pattern_without_a_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nnsight = pytest.importorskip(
+        "nnsight", reason="nnsight is not installed (pip install nnsight torch==2.13.0)"
+    )
+    from dcp_lens.model.components import attention
+
+    model = make_model()
+    tokens = tokens_for(model)
+    _, cache = model.run_with_cache(tokens)
+    layer = model.block_index(3, 1)
+    wrapped = nnsight.NNsight(model)
+    with wrapped.trace(tokens):
+        scores = wrapped.blocks[0].attn.hook_attn_scores.output.save()  # in forward order
+        pattern = wrapped.blocks[layer].attn.hook_pattern.output.save()
+        logits = wrapped.output.save()
+    # The cache runs the norms unfused (it records their scales): float64 rounding apart.
+    assert (pattern - cache["pattern", layer]).abs().max() <= 1e-12
+    masked = scores.isinf()
+    assert torch.equal(masked, cache["attn_scores", 0].isinf())
+    assert (scores - cache["attn_scores", 0])[~masked].abs().max() <= 1e-12
+    assert (logits - model(tokens)).abs().max() <= 1e-10
+    # Outside the trace the wrapped model takes the fused kernel again.
+    calls = []
+    fused = attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        attention.F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(1) or fused(*a, **k),
+    )
+    model(tokens)
+    assert len(calls) == model.cfg.n_layers
