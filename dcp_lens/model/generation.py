@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.progress import progress as progress_display
 
 
 class Generation:
@@ -90,7 +90,7 @@ class Generation:
         cache = KVCache(self.cfg.n_layers) if use_past_kv_cache else None
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         new_input = tokens
-        for _ in tqdm(range(max_new_tokens), disable=not verbose, desc="generate"):
+        for _ in progress_display(range(max_new_tokens), desc="generate", enabled=verbose):
             logits = self.forward(new_input if cache is not None else tokens, past_kv_cache=cache)
             last = logits[:, -1, :]
             if do_sample:

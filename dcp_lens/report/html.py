@@ -27,6 +27,7 @@ from dcp_lens.report.assets import (
     plotly_script,
     write_plotly_js,
 )
+from dcp_lens.report.console import capitalised
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
 
@@ -123,10 +124,9 @@ def answer_metric(runs: Sequence[Mapping[str, Any]]) -> str | None:
 def prose_html(text: str) -> str:
     """A verdict's or a flag's plain text as HTML: escaped, every sentence starting with a
     capital, and `code` spans (between backticks) set as ``<code>``."""
-    text = re.sub(r"(^|[.!?]\s+)([a-z])", lambda m: m.group(1) + m.group(2).upper(), text)
-    pieces = text.split("`")
+    pieces = capitalised(text).split("`")
     if len(pieces) % 2 == 0:  # an unpaired backtick: no code span to set
-        return escape(text)
+        return escape(capitalised(text))
     return "".join(
         f"<code>{escape(piece)}</code>" if index % 2 else escape(piece)
         for index, piece in enumerate(pieces)
