@@ -347,6 +347,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
         prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
         past_kv_cache: KVCache | None = None,
         input_ids: Int[Tensor, "batch pos"] | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Any:
         """Run the model.
 
@@ -363,6 +364,9 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
             past_kv_cache: a `KVCache` to read and extend (generation).
             input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
                 ``model(**{"input_ids": tokens})``).
+            attention_mask: [batch, pos], True on real tokens, for a batch padded on the left or
+                the right (`to_tokens_with_mask`): each row's real tokens run alone, exactly as
+                that prompt by itself (`Generation._forward_padded`); with tokens only.
         """
         if input is None:
             if input_ids is None:
@@ -370,6 +374,27 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
             input = input_ids
         elif input_ids is not None:
             raise InputError("pass the tokens once: as input or as input_ids, not both.")
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
+            others = {
+                "start_at_layer": start_at_layer,
+                "stop_at_layer": stop_at_layer,
+                "tokens": tokens,
+                "prelude_output": prelude_output,
+                "past_kv_cache": past_kv_cache,
+            }
+            given = [name for name, value in others.items() if value is not None]
+            if given:
+                raise InputError(
+                    f"attention_mask with padding runs tokens only, not with {given}; run each "
+                    "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
+                )
+            with (
+                self.iterations(n_iterations)
+                if n_iterations is not None
+                else contextlib.nullcontext()
+            ):
+                padded = self._as_tokens(input)
+                return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(
