@@ -40,9 +40,7 @@ from dcp_lens.model.folder import CONFIG_FILE, SINGLE_FILE, load_pretrained_fold
 from dcp_lens.model.generation import Generation
 from dcp_lens.model.hooking import HookSurface
 from dcp_lens.model.loss import next_token_loss
-from dcp_lens.model.names import (
-    IterationHookName,
-)
+from dcp_lens.model.names import IterationHookName, note_block_index
 from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.text import TextMethods
@@ -302,7 +300,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, HookSurfa
             )
         if not 0 <= layer < self.cfg.n_core:
             raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_core - 1} (core layers).")
-        return self.cfg.n_prelude + (iteration - 1) * self.cfg.n_core + layer
+        return note_block_index(self.cfg.n_prelude + (iteration - 1) * self.cfg.n_core + layer)
 
     def hook_name(self, iteration: int, layer: int, name: str) -> str:
         """Full hook name of ``name`` (e.g. ``"hook_resid_post"``, ``"attn.hook_pattern"``) in
