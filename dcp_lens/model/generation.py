@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from jaxtyping import Float, Int
-from torch import Tensor
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.config import RecurrentConfig
@@ -43,6 +44,8 @@ class Generation:
         def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor: ...
 
         tokenizer: Tokenizer | None
+
+        hook_dict: dict[str, HookPoint]
 
     @torch.no_grad()
     def generate(
@@ -218,8 +221,16 @@ class Generation:
         prefix-keyed noise and attention see only them, exactly as the prompt alone. Logits
         [batch, pos, d_vocab] are zero at pad positions; the loss is the mean next-token
         cross-entropy over real tokens ([batch, pos - 1] with ``loss_per_token``, zero where the
-        target or its context is a pad). Hooks fire once per row, on that row's positions."""
+        target or its context is a pad). Refused while hooks are on (a cache, ``run_with_hooks``):
+        they would see each row apart."""
         spans = padded_spans(tokens, attention_mask)
+        hooked = [name for name, point in self.hook_dict.items() if _has_hooks(point)]
+        if hooked:
+            raise PaddingError(
+                f"a padded batch runs row by row, so hooks (on {hooked[:3]}) would see each row "
+                "apart and a cache would keep only the last; run_with_cache / run_with_hooks each "
+                "prompt alone (tokens[i:i+1, mask[i]]) or batch prompts of one length."
+            )
         logits_rows = [
             self.forward(tokens[row : row + 1, lo:hi]) for row, (lo, hi) in enumerate(spans)
         ]
@@ -252,6 +263,17 @@ class Generation:
             return eos_token_id
         value = getattr(self.tokenizer, "eos_token_id", None)
         return value if isinstance(value, int) else None
+
+
+def _has_hooks(point: nn.Module) -> bool:
+    """Whether anything is hooked on ``point``: a TransformerLens hook or a PyTorch one."""
+    return bool(
+        getattr(point, "fwd_hooks", None)
+        or getattr(point, "bwd_hooks", None)
+        or point._forward_hooks
+        or point._forward_pre_hooks
+        or point._backward_hooks
+    )
 
 
 def padded_spans(tokens: Int[Tensor, "batch pos"], attention_mask: Tensor) -> list[tuple[int, int]]:

@@ -92,3 +92,11 @@ def test_left_padding_without_its_mask_is_flagged_and_bad_arguments_refused(mode
     with pytest.raises(GenerationInputError, match="padding_side"):
         model.generate(texts, 2, padding_side="middle")
     assert torch.equal(model(tokens, attention_mask=torch.ones_like(mask)), model(tokens))
+    padded, real = model.to_tokens_with_mask(texts, padding_side="left")
+    # Row by row, a cache would keep only the last row: refused, with the way out.
+    with pytest.raises(PaddingError, match="each prompt alone"):
+        model.run_with_cache(padded, attention_mask=real)
+    with pytest.raises(PaddingError, match="hooks"):
+        model.run_with_hooks(
+            padded, attention_mask=real, fwd_hooks=[("hook_embed", lambda a, hook: a)]
+        )
