@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--n-calibration",
         type=int,
-        help="calibration sequences (default: 512; text: docs/models.md)",
+        help="calibration sequences (default: 512; text: the docs' page Real models and text)",
     )
     run.add_argument(
         "--max-tokens", type=int, help="text: use at most this many corpus tokens (default: all)"
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     experiment = command(
-        "experiment", "run an experiment: training-intervention (docs/design.md, section 6)"
+        "experiment", "run an experiment: training-intervention (the docs' page Design, section 6)"
     )
     experiment.lists = ("metrics", "maps")
     experiment.add_argument("name", choices=EXPERIMENTS, help="which experiment")

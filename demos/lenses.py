@@ -72,7 +72,7 @@ with torch.no_grad():
     full = huginn(evaluation).log_softmax(-1)
     readouts = {
         "logit": logit_lens(huginn, evaluation, range(1, r + 1)),
-        "calibrated": logit_lens(huginn, evaluation, calibration=calibrated),
+        "calibrated": logit_lens(huginn, evaluation, range(1, r + 1), calibration=calibrated),
         "tuned": tuned.logits(huginn, evaluation, range(1, r + 1)),
         "jacobian": jacobian.logits(huginn, evaluation, range(1, r + 1)),
     }
@@ -137,7 +137,9 @@ with torch.no_grad():
     hits = lm_logits[:, :-1].argmax(-1) == lm_evaluation[:, 1:]
     lm_readouts = {
         "logit": logit_lens(lm, lm_evaluation, range(1, r_lm + 1)),
-        "calibrated": logit_lens(lm, lm_evaluation, calibration=lm_lenses["calibrated"]),
+        "calibrated": logit_lens(
+            lm, lm_evaluation, range(1, r_lm + 1), calibration=lm_lenses["calibrated"]
+        ),
         "tuned": lm_lenses["tuned"].logits(lm, lm_evaluation, range(1, r_lm + 1)),
         "jacobian": lm_lenses["jacobian"].logits(lm, lm_evaluation, range(1, r_lm + 1)),
     }

@@ -99,7 +99,7 @@ with torch.no_grad():
     calibrated = logit_lens(model, evaluation.tokens, calibration=maps)
 for t in range(1, model.n_iterations + 1):
     plain = evaluation.correct(lens[t - 1]).float().mean().item()
-    moved = evaluation.correct(calibrated[t - 1]).float().mean().item()
+    moved = evaluation.correct(calibrated[t]).float().mean().item()
     print(f"t={t}: lens accuracy {plain:.3f}, calibrated lens {moved:.3f}")
 
 # %% [markdown]
@@ -138,5 +138,5 @@ with torch.no_grad():
     calibrated = logit_lens(student, read_tokens, calibration=maps).log_softmax(-1)
 for t in range(1, 5):
     plain = (full.exp() * (full - lens[t - 1])).sum(-1).mean().item()
-    moved = (full.exp() * (full - calibrated[t - 1])).sum(-1).mean().item()
+    moved = (full.exp() * (full - calibrated[t])).sum(-1).mean().item()
     print(f"t={t}: KL(full || lens) {plain:.4f}, KL(full || calibrated lens) {moved:.4f}")

@@ -82,25 +82,44 @@ def logit_lens(
 ) -> Float[Tensor, "iteration batch pos d_vocab"]:
     """``model.readout(s_t)`` for every t: the logits the model would give reading out s_t.
 
+    Indexed by iteration, as every lens here is by default: entry t reads s_t, t = 0..r, with or
+    without ``calibration``, so ``lens[t]`` and ``calibrated[t]`` are the same iteration.
+
     Args:
         model, source: as `iteration_states`.
-        iterations: the t to read (default: 0..r, or the keys of ``calibration`` when given).
+        iterations: the t to read, in order (entry i is then iteration ``iterations[i]``);
+            default 0..r.
         calibration: the calibrated lens: ``calibration[t]`` is applied to s_t first (from
-            `fit_lens_calibrations` or `protocol_calibrations`).
+            `fit_lens_calibrations` or `protocol_calibrations`, which fit t = 1..r). By default
+            an iteration without a map (t = 0) is a row of NaN: there is no calibrated reading
+            of it; a t named in ``iterations`` must have one.
 
     Returns:
-        Logits ``[len(iterations), batch, pos, d_vocab]``; entry i is iteration ``iterations[i]``.
+        Logits ``[len(iterations), batch, pos, d_vocab]``: ``[r + 1, ...]`` by default.
     """
-    if iterations is None and calibration is not None:
-        iterations = sorted(calibration)
+    default = iterations is None
     wanted = list(range(model.n_iterations + 1)) if iterations is None else list(iterations)
+    if calibration is not None and not calibration:
+        raise ValueError("calibration is empty; fit it with fit_lens_calibrations(model, tokens).")
     states = iteration_states(model, source, wanted)
-    maps = [_calibration_at(calibration, t) for t in wanted]
+    rows: list[Tensor | None] = []
+    for t, state in zip(wanted, states, strict=True):
+        if calibration is not None and default and t not in calibration:
+            rows.append(None)  # no map at this t: no calibrated reading
+            continue
+        mapping = _calibration_at(calibration, t)
+        rows.append(model.readout(state if mapping is None else mapping(state)))
+    return by_iteration(rows)
+
+
+def by_iteration(rows: Sequence[Tensor | None]) -> Tensor:
+    """A lens's rows stacked ``[iteration, ...]``, a row the lens has no reading for (None) as
+    NaN of the others' shape."""
+    template = next((row for row in rows if row is not None), None)
+    if template is None:
+        raise ValueError("the lens has no reading at any iteration asked for; fit it first.")
     return torch.stack(
-        [
-            model.readout(state if mapping is None else mapping(state))
-            for state, mapping in zip(states, maps, strict=True)
-        ]
+        [torch.full_like(template, float("nan")) if row is None else row for row in rows]
     )
 
 

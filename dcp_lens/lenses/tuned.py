@@ -22,7 +22,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
-from dcp_lens.lenses.lens import LensSource, iteration_states
+from dcp_lens.lenses.lens import LensSource, by_iteration, iteration_states
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol.conditions import HookList
 from dcp_lens.protocol.states import capture_states
@@ -88,13 +88,22 @@ class TunedLens:
         source: LensSource,
         iterations: Sequence[int] | None = None,
     ) -> Float[Tensor, "iteration batch pos d_vocab"]:
-        """``model.readout(translator_t(s_t))`` for each t (default: every fitted t, in order)."""
-        wanted = sorted(self.translators) if iterations is None else list(iterations)
-        maps = [self.translator(t) for t in wanted]
+        """``model.readout(translator_t(s_t))`` for each t, indexed by iteration as every lens
+        (`dcp_lens.lenses.lens.logit_lens`): by default entry t is iteration t, t = 0..r of the
+        model's active view, with t = r the model itself (its translator is the identity) and
+        NaN rows where no translator was fitted; a t named in ``iterations`` must have one."""
+        default = iterations is None
+        wanted = list(range(model.n_iterations + 1)) if iterations is None else list(iterations)
         states = iteration_states(model, source, wanted)
-        return torch.stack(
-            [model.readout(m(s)) for m, s in zip(maps, states, strict=True)]  # type: ignore
-        )
+        rows: list[Tensor | None] = []
+        for t, state in zip(wanted, states, strict=True):
+            if t not in self.translators and t == model.n_iterations:
+                rows.append(model.readout(state))  # the identity at full depth
+            elif default and t not in self.translators:
+                rows.append(None)
+            else:
+                rows.append(model.readout(self.translator(t)(state)))  # type: ignore[operator]
+        return by_iteration(rows)
 
     def save(self, path: str | Path) -> Path:
         """One safetensors file: ``t{t}.weight`` / ``t{t}.bias`` per iteration."""
@@ -177,19 +186,25 @@ class JacobianLens:
         source: LensSource,
         iterations: Sequence[int] | None = None,
     ) -> Float[Tensor, "iteration batch pos d_vocab"]:
-        """``ln_final(J_t s_t) @ W_U`` for each t (default every fitted t, in order)."""
-        wanted = sorted(self.jacobians) if iterations is None else list(iterations)
+        """``ln_final(J_t s_t) @ W_U`` for each t, indexed by iteration as every lens: by default
+        entry t is iteration t, t = 0..r, NaN where no Jacobian was fitted; a t named in
+        ``iterations`` must have one."""
+        default = iterations is None
+        wanted = list(range(model.n_iterations + 1)) if iterations is None else list(iterations)
         missing = [t for t in wanted if t not in self.jacobians]
-        if missing:
+        if missing and not default:
             raise LensError(
                 f"no Jacobian for iterations {missing}; fitted {sorted(self.jacobians)}."
             )
         states = iteration_states(model, source, wanted)
-        out = []
+        rows: list[Tensor | None] = []
         for t, state in zip(wanted, states, strict=True):
+            if t in missing:
+                rows.append(None)
+                continue
             moved = state @ self.jacobians[t].to(state.dtype).T
-            out.append(model.ln_final(moved) @ model.W_U)
-        return torch.stack(out)
+            rows.append(model.ln_final(moved) @ model.W_U)
+        return by_iteration(rows)
 
 
 def _prompt_jacobians(

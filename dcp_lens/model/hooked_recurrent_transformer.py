@@ -40,9 +40,7 @@ from dcp_lens.model.folder import CONFIG_FILE, SINGLE_FILE, load_pretrained_fold
 from dcp_lens.model.generation import Generation
 from dcp_lens.model.hooking import HookSurface
 from dcp_lens.model.loss import next_token_loss
-from dcp_lens.model.names import (
-    IterationHookName,
-)
+from dcp_lens.model.names import IterationHookName, note_block_index
 from dcp_lens.model.noise import causal_noise
 from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.text import TextMethods
@@ -303,7 +301,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             )
         if not 0 <= layer < self.cfg.n_core:
             raise ValueError(f"layer={layer} is outside 0..{self.cfg.n_core - 1} (core layers).")
-        return self.cfg.n_prelude + (iteration - 1) * self.cfg.n_core + layer
+        return note_block_index(self.cfg.n_prelude + (iteration - 1) * self.cfg.n_core + layer)
 
     def hook_name(self, iteration: int, layer: int, name: str) -> str:
         """Full hook name of ``name`` (e.g. ``"hook_resid_post"``, ``"attn.hook_pattern"``) in
@@ -348,6 +346,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         prelude_output: Float[Tensor, "batch pos d_model"] | None = None,
         past_kv_cache: object = None,
         input_ids: Int[Tensor, "batch pos"] | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Any:
         """Run the model.
 
@@ -365,6 +364,9 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 is refused with the way to build one.
             input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
                 ``model(**{"input_ids": tokens})``).
+            attention_mask: [batch, pos], True on real tokens, for a batch padded on the left or
+                the right (`to_tokens_with_mask`): each row's real tokens run alone, exactly as
+                that prompt by itself (`Generation._forward_padded`); with tokens only.
         """
         if input is None:
             if input_ids is None:
@@ -372,6 +374,27 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             input = input_ids
         elif input_ids is not None:
             raise InputError("pass the tokens once: as input or as input_ids, not both.")
+        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
+            others = {
+                "start_at_layer": start_at_layer,
+                "stop_at_layer": stop_at_layer,
+                "tokens": tokens,
+                "prelude_output": prelude_output,
+                "past_kv_cache": past_kv_cache,
+            }
+            given = [name for name, value in others.items() if value is not None]
+            if given:
+                raise InputError(
+                    f"attention_mask with padding runs tokens only, not with {given}; run each "
+                    "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
+                )
+            with (
+                self.iterations(n_iterations)
+                if n_iterations is not None
+                else contextlib.nullcontext()
+            ):
+                padded = self._as_tokens(input)
+                return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(

@@ -28,6 +28,10 @@ _LIBRARY_PREFIXES = ("dcp_lens.", "transformer_lens.", "hooks.")
 # Frames of runtime type checkers that wrap the package's functions (tests run under them).
 _WRAPPERS = ("jaxtyping", "beartype", "typeguard")
 _warned = False
+# Indices ``model.block_index`` handed out: a ``blocks.{i}`` name built from one of them was built
+# from an iteration and a layer (``f"blocks.{model.block_index(t, layer)}.hook_z"``), so it does
+# not warn.
+_helper_indices: set[int] = set()
 
 # A hook point's name, or TransformerLens's filter on names.
 HookName = str | Callable[[str], bool]
@@ -111,13 +115,25 @@ def called_from_user() -> bool:
     return True
 
 
+def note_block_index(index: int) -> int:
+    """Record that ``model.block_index`` returned ``index`` to user code (names built from it
+    do not warn); the library's own calls record nothing. Returns ``index``."""
+    if called_from_user():
+        _helper_indices.add(index)
+    return index
+
+
 def warn_block_index_once(model: ViewedModel, name: HookName) -> None:
-    """Warn the first time user code reads ``blocks.{i}`` on a looped model (once per process)."""
+    """Warn the first time user code reads ``blocks.{i}`` on a looped model (once per process),
+    unless the name was built with the model's helpers: ``hook_name``, or an index that
+    ``block_index`` returned."""
     global _warned
     if _warned or isinstance(name, IterationHookName) or not isinstance(name, str):
         return
     index = block_index(name)
     if index is None or getattr(model, "is_dense", True) or index >= model.cfg.n_layers:
+        return
+    if index in _helper_indices:
         return
     if not called_from_user():
         return
@@ -147,9 +163,11 @@ def _user_stacklevel() -> int:
 
 
 def reset_block_index_warning() -> None:
-    """Let the next read of a ``blocks.{i}`` name warn again (for tests)."""
+    """Let the next read of a ``blocks.{i}`` name warn again, whatever indices ``block_index``
+    returned before (for tests)."""
     global _warned
     _warned = False
+    _helper_indices.clear()
 
 
 def missing_hook_error(model: ViewedModel, name: str) -> DCPLensError:

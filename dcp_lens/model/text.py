@@ -3,6 +3,7 @@ a mask), strings from tokens, one token's id or position, and a token's unembedd
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
@@ -12,6 +13,10 @@ from torch import Tensor
 
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.tokenization import Tokenizer, encode_text, padding_id
+
+
+class PaddingWarning(UserWarning):
+    """Texts padded on the left for a forward that may not get their mask."""
 
 
 class TextMethods:
@@ -30,26 +35,57 @@ class TextMethods:
 
         def _as_tokens(self, input: object, offset: int = 0) -> Tensor: ...
 
-    def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor:
-        """Tokenize text with the model's tokenizer: [batch, pos], right-padded with the
-        tokenizer's pad id (`padding_id`); `to_tokens_with_mask` also returns which are real."""
-        return self.to_tokens_with_mask(text, prepend_bos)[0]
+    def to_tokens(
+        self,
+        text: str | list[str],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
+    ) -> Tensor:
+        """Tokenize text with the model's tokenizer: [batch, pos], texts of different lengths
+        padded with the tokenizer's pad id (`padding_id`) on ``padding_side`` (default: the
+        tokenizer's ``padding_side``, else right, as TransformerLens); `to_tokens_with_mask`
+        also returns which tokens are real, the mask `forward` needs for a padded batch."""
+        tokens, mask = self.to_tokens_with_mask(text, prepend_bos, padding_side)
+        if padding_side == "left" and not bool(mask.all()):
+            warnings.warn(
+                "to_tokens padded the shorter texts on the left; the model reads pad tokens as "
+                "tokens unless forward gets the mask: use to_tokens_with_mask and pass "
+                "attention_mask=mask, or pass the texts to generate, which continues each alone.",
+                PaddingWarning,
+                stacklevel=2,
+            )
+        return tokens
 
     def to_tokens_with_mask(
-        self, text: str | list[str], prepend_bos: bool | None = None
+        self,
+        text: str | list[str],
+        prepend_bos: bool | None = None,
+        padding_side: Literal["left", "right"] | None = None,
     ) -> tuple[Int[Tensor, "batch pos"], Bool[Tensor, "batch pos"]]:
-        """``(tokens, attention_mask)``: tokens [batch, pos] right-padded with the tokenizer's
-        pad id, and True on real tokens (TransformerLens convention). ``prepend_bos`` defaults to
-        ``cfg.default_prepend_bos`` (a loader sets it from the checkpoint's tokenizer)."""
+        """``(tokens, attention_mask)``: tokens [batch, pos] padded with the tokenizer's pad id
+        on ``padding_side`` (see `to_tokens`), and True on real tokens (TransformerLens
+        convention). ``prepend_bos`` defaults to ``cfg.default_prepend_bos`` (a loader sets it
+        from the checkpoint's tokenizer)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer; set model.tokenizer or pass token ids.")
+        side = padding_side or getattr(self.tokenizer, "padding_side", None) or "right"
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side={side!r} must be 'left' or 'right'.")
         texts = [text] if isinstance(text, str) else list(text)
         bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
         rows = [encode_text(self.tokenizer, t, bos) for t in texts]
         width = max(len(r) for r in rows)
         pad = padding_id(self.tokenizer)
-        tokens = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
-        mask = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in rows])
+        padded, real = [], []
+        for row in rows:
+            fill = width - len(row)
+            left = side == "left"
+            padded.append([pad] * fill + row if left else row + [pad] * fill)
+            real.append(
+                [False] * fill + [True] * len(row) if left else [True] * len(row) + [False] * fill
+            )
+        tokens = torch.tensor(padded, dtype=torch.long)
+        mask = torch.tensor(real)
         return self._as_tokens(tokens), mask.to(tokens.device)
 
     def to_string(self, tokens: Tensor | Sequence[int]) -> str | list[str]:

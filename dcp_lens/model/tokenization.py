@@ -59,7 +59,97 @@ def tokenizer_fingerprint(tokenizer: object) -> str:
     )
 
 
-class VocabularyTokenizer:
+class TransformerLensTokenizer:
+    """What TransformerLens's utilities read from a Hugging Face tokenizer, for the tokenizers
+    dcp-lens attaches (a mixin): the special tokens as strings (``bos_token``, ``eos_token``,
+    ``pad_token``; ``pad_token`` is the token batches are padded with, `padding_id`), and a call
+    ``tokenizer(text_or_texts, add_special_tokens=..., padding=..., return_tensors=...)``
+    returning ``{"input_ids": ..., "attention_mask": ...}``. So
+    ``transformer_lens.utilities.tokenize_and_concatenate(dataset, model.tokenizer, ...)``
+    works on a tokenizer with an EOS token. Special tokens cannot be added: the vocabulary is the
+    checkpoint's."""
+
+    padding_side = "right"
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token_string(getattr(self, "bos_token_id", None))
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._token_string(getattr(self, "eos_token_id", None))
+
+    @property
+    def pad_token(self) -> str | None:
+        has_pad = any(
+            isinstance(getattr(self, name, None), int) for name in ("pad_token_id", "eos_token_id")
+        )
+        return self._token_string(padding_id(self)) if has_pad else None
+
+    def __call__(
+        self,
+        text: str | Sequence[str],
+        add_special_tokens: bool = True,
+        padding: bool | str = False,
+        return_tensors: str | None = None,
+        truncation: bool = False,
+        max_length: int | None = None,
+    ) -> dict[str, object]:
+        """Token ids as a Hugging Face tokenizer returns them: ``input_ids`` (a list for one
+        text, a list of lists for several; ``"pt"`` or ``"np"`` arrays with ``return_tensors``,
+        which needs rows of one length or ``padding=True``) and ``attention_mask``.
+        ``add_special_tokens``: BOS first where this tokenizer prepends it by default."""
+        texts = [text] if isinstance(text, str) else list(text)
+        bos = add_special_tokens and bool(getattr(self, "prepends_bos", False))
+        rows = [encode_text(self, item, bos) for item in texts]  # type: ignore[arg-type]
+        if truncation and max_length is not None:
+            rows = [row[:max_length] for row in rows]
+        masks = [[1] * len(row) for row in rows]
+        if padding and padding != "do_not_pad":
+            width = max((len(row) for row in rows), default=0)
+            pad, left = padding_id(self), self.padding_side == "left"
+            rows = [
+                [pad] * (width - len(r)) + r if left else r + [pad] * (width - len(r)) for r in rows
+            ]
+            masks = [
+                [0] * (width - len(m)) + m if left else m + [0] * (width - len(m)) for m in masks
+            ]
+        if return_tensors is None:
+            ids: object = rows[0] if isinstance(text, str) else rows
+            mask: object = masks[0] if isinstance(text, str) else masks
+            return {"input_ids": ids, "attention_mask": mask}
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError("rows of different lengths cannot form one tensor; pass padding=True.")
+        if return_tensors == "pt":
+            import torch
+
+            return {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(masks)}
+        if return_tensors == "np":
+            import numpy as np
+
+            return {"input_ids": np.array(rows), "attention_mask": np.array(masks)}
+        raise ValueError(f"return_tensors={return_tensors!r}: use None, 'pt' or 'np'.")
+
+    def add_special_tokens(self, tokens: object) -> int:
+        """Refused: the vocabulary is the checkpoint's, and a new token would have no
+        embedding."""
+        raise ValueError(
+            f"cannot add special tokens {tokens!r}: a dcp-lens tokenizer's vocabulary is the "
+            "checkpoint's (a new token has no embedding). Pad with the existing pad_token "
+            f"({self.pad_token!r}; None where the tokenizer has neither a pad nor an EOS token: "
+            "right-pad token ids yourself with model.to_tokens)."
+        )
+
+    def _token_string(self, token: object) -> str | None:
+        if not isinstance(token, int):
+            return None
+        piece = getattr(self, "id_to_piece", None)
+        if piece is not None:
+            return str(piece(token))
+        return str(self.decode([token]))  # type: ignore[attr-defined]
+
+
+class VocabularyTokenizer(TransformerLensTokenizer):
     """A tokenizer for a model whose vocabulary is a list of symbols (a task's own vocabulary,
     or a planted model's ``<0>``, ``<1>``, …): token id i is ``symbols[i]``.
 
@@ -68,7 +158,6 @@ class VocabularyTokenizer:
     right-padded with id 0 and masked (`padding_id`).
     """
 
-    padding_side = "right"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None

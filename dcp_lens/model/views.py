@@ -55,3 +55,68 @@ class ViewModuleList(nn.ModuleList):
                 f"k = {k}."
             )
         return super().__getattr__(name)
+
+    def __repr__(self) -> str:
+        """The entries folded into one line per group (`folded_entries`), so that ``print(model)``
+        names every block application without listing one layer r times;
+        ``nn.ModuleList.__repr__(model.blocks)`` lists every entry."""
+        lines = [f"  ({span}): {text}" for span, text in folded_entries(list(self))]
+        if not lines:
+            return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
+
+
+def folded_entries(modules: Sequence[nn.Module]) -> list[tuple[str, str]]:
+    """``(index span, description)`` per group of ``modules``: where entries repeat another's
+    weights (the same parameter objects: the core's layers, applied once per iteration), the
+    entries before the first repeat are the prelude, the repeating run the core (its layers times
+    the iterations, weights shared) and the rest the coda; elsewhere consecutive entries of one
+    structure are one group."""
+    owners = [tuple(id(p) for p in module.parameters()) for module in modules]
+    first = next((i for i, owner in enumerate(owners) if owner and owner in owners[:i]), None)
+    if first is None:
+        return _runs(modules, 0, len(modules), "")
+    start = owners.index(owners[first])
+    layers = first - start
+    end = first
+    while end < len(modules) and owners[end] == owners[start + (end - start) % layers]:
+        end += 1
+    iterations = (end - start) // layers
+    core = (
+        f"core, {layers} layer{'s' if layers > 1 else ''} x {iterations} iterations (weights "
+        f"shared): {_describe(modules[start])}"
+    )
+    return [
+        *_runs(modules, 0, start, "prelude, "),
+        (_span(start, end), core),
+        *_runs(modules, end, len(modules), "coda, "),
+    ]
+
+
+def _runs(modules: Sequence[nn.Module], start: int, end: int, role: str) -> list[tuple[str, str]]:
+    """Consecutive entries of ``modules[start:end]`` with one description, one group each."""
+    groups: list[tuple[str, str]] = []
+    i = start
+    while i < end:
+        text = _describe(modules[i])
+        j = i + 1
+        while j < end and _describe(modules[j]) == text:
+            j += 1
+        count = f"{j - i} x " if j - i > 1 else ""
+        groups.append((_span(i, j), f"{role}{count}{text}"))
+        i = j
+    return groups
+
+
+def _describe(module: nn.Module) -> str:
+    """``Type(child=Type, ...)``, hook points left out."""
+    children = [
+        f"{name}={type(child).__name__}"
+        for name, child in module.named_children()
+        if not isinstance(child, HookPoint)
+    ]
+    return f"{type(module).__name__}({', '.join(children)})"
+
+
+def _span(start: int, end: int) -> str:
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"

@@ -409,9 +409,12 @@ def _shares(
     shares["headroom_lo"] = float(
         percentile_interval(area(draws["full"] - draws["base_rate"])[:, None], confidence)[0][0]
     )
-    # The point estimate (the lower end's decomposition: S discounted, and the B and D that go
-    # with it) with its interval, and that interval's width.
-    for factor, end in (("S", "S_lower"), ("B", "B_at_lower"), ("D", "D_at_lower")):
+    # The point estimate with its interval, and that interval's width: the decomposition at the
+    # end whose S share is S_lower once the ends are in order (`_ordered`): the lower end's (S
+    # discounted, and the B and D that go with it), or the upper end's where the gap's area is
+    # negative, since dividing by it flips which end's share is the smaller.
+    side = "upper" if float(area(ends["gap"])) < 0 else "lower"
+    for factor, end in (("S", f"S_{side}"), ("B", f"B_at_{side}"), ("D", f"D_at_{side}")):
         low, high = percentile_interval(share(sampled, end)[:, None], confidence)
         shares[f"{factor}_point"] = float(share(ends, end))
         shares[f"{factor}_point_lo"], shares[f"{factor}_point_hi"] = float(low[0]), float(high[0])

@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 import torch
 from jaxtyping import Bool
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from dcp_lens.protocol.budget import (
     MIN_ACCELERATOR_ROWS,
@@ -25,6 +24,7 @@ from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.utils.memory import release_free_memory
+from dcp_lens.utils.progress import progress as progress_display
 from dcp_lens.utils.snapshots import Checkpoint
 
 Item = TypeVar("Item")
@@ -62,7 +62,8 @@ class RunContext:
     def each(self, items: Sequence[Item], description: str) -> Iterator[Item]:
         """``items`` with a progress bar; the heap's free pages go back to the system after
         each (`dcp_lens.utils.memory.release_free_memory`)."""
-        for item in tqdm(items, desc=f"DCP {description}", disable=not self.progress, leave=False):
+        bar = progress_display(items, desc=f"DCP {description}", enabled=self.progress, leave=False)
+        for item in bar:
             yield item
             release_free_memory()
 

@@ -242,12 +242,21 @@ class Decomposition:
         return pd.DataFrame(self._curve_rows(), columns=list(_CURVE_COLUMNS))
 
     def shares_table(self) -> pd.DataFrame:
-        """One row: ``metric, S, S_lo, S_hi, B, ..., D_hi, n_k`` (k values the area is over),
-        ``stable`` and ``validated``."""
+        """One row: ``metric, S, S_lo, S_hi, B, ..., D_hi``, the bracket's fields, ``gap_area``
+        with ``_lo`` / ``_hi`` (the gap summed over the ``n_k`` k values the shares divide by),
+        ``gap_mean`` (the gap's mean over the grid's k: the "mean gap" the console and
+        report.html show), ``n_k``, ``stable`` and ``validated``. No column is named plain
+        ``gap``: the two quantities keep two names."""
+        bracketed = dict(self.bracket_shares or {})
+        own = {"": self.gap_area, "_lo": self.gap_area_lo, "_hi": self.gap_area_hi}
+        area = {f"gap_area{end}": bracketed.pop(f"gap{end}", value) for end, value in own.items()}
+        gaps = self.cells["gap"][np.isfinite(self.cells["gap"])]
         row = {
             "metric": self.metric,
             **self.shares,
-            **(self.bracket_shares or {}),
+            **bracketed,
+            **area,
+            "gap_mean": float(gaps.mean()) if gaps.size else math.nan,
             "n_k": len(self.share_k_grid),
             "stable": self.stable,
             "validated": self.validated,

@@ -521,8 +521,8 @@ def flag_lines(results: ProtocolResults) -> list[str]:
 
 OVERSHOOT = (
     "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
-    "make up for it (calibration also changes confidence; docs/protocol.md, Shares below 0 or "
-    "above 1)"
+    "make up for it (calibration also changes confidence; the docs' page The protocol, section "
+    "Shares below 0 or above 1)"
 )
 
 

@@ -15,6 +15,7 @@ after a value on a line that says "with 95% intervals".
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,7 +78,7 @@ def _model_lines(results: ProtocolResults) -> list[str]:
         lines.append(f"  {metric}: {_quality_text(run, metric)}")
         lines.extend(_wrapped(_shares_text(decomposition), "    "))
         text, _ = verdict(run, metric)
-        lines.extend(_wrapped(text, "    "))
+        lines.extend(_wrapped(capitalised(text), "    "))
     if unvalidated:
         lines.extend(
             _wrapped(
@@ -87,6 +88,12 @@ def _model_lines(results: ProtocolResults) -> list[str]:
             )
         )
     return lines
+
+
+def capitalised(text: str) -> str:
+    """``text`` with every sentence starting with a capital: the verdicts join their reasons,
+    each written as a clause, into sentences."""
+    return re.sub(r"(^|[.!?]\s+)([a-z])", lambda m: m.group(1) + m.group(2).upper(), text)
 
 
 def _quality_text(run: Mapping[str, Any], metric: str) -> str:

@@ -273,6 +273,21 @@ def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
     return figure
 
 
+ANSWER_HEIGHT = 380  # px: the answer's figure and the verdict sentences fit a 900 px screen
+
+
+def answer_figure(runs: Sequence[Run], metric: str) -> go.Figure:
+    """The figure at the top of report.html: `decomposition_figure` of the metric the verdict
+    sentences above it read (the first validated one), low enough to share the first screen."""
+    figure = decomposition_figure(runs, metric)
+    figure.update_layout(
+        title=f"The truncation gap split into S, B and D per k: {plot_text(metric)}",
+        height=ANSWER_HEIGHT,
+        margin={"t": 60, "b": 50},
+    )
+    return figure
+
+
 def probe_figure(runs: Sequence[Run]) -> go.Figure:
     """The residual-stream probe over iterations: Mahalanobis distance relative to held-out
     full-depth states (noise floor line) and the two-sample AUROC (0.5 line), for s_t at every t

@@ -5,6 +5,7 @@ objects and never recompute science."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from pathlib import Path
@@ -26,6 +27,7 @@ from dcp_lens.report.assets import (
     plotly_script,
     write_plotly_js,
 )
+from dcp_lens.report.console import capitalised
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
 
@@ -62,11 +64,88 @@ def run_record(results: ProtocolResults | Mapping[str, Any]) -> dict[str, Any]:
 
 
 def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
-    """The headline of one run as HTML (no scripts): shares with intervals, the classic slope,
-    the gap in the metric's units, then the verdict and its flags, per metric."""
+    """The headline of one run as HTML (no scripts): per metric the shares with intervals, the
+    classic slope, the gap in the metric's units, then the verdict and its flags; the metrics
+    not validated on the planted models folded into a ``<details>`` element below."""
     run = run_record(results)
+    validated = [metric for metric in run["shares"] if _validated(run, metric)]
+    others = [metric for metric in run["shares"] if metric not in validated]
+    parts = [f"<div class='headline'><h3>{escape(_run_title(run))}</h3>"]
+    if validated:
+        parts.append(_metrics_html(run, validated))
+    else:
+        parts.append(
+            "<p class='flag'>No metric of this run is validated on the planted models: "
+            "none of its verdicts is to be read.</p>"
+        )
+    if others:
+        parts.append(
+            "<details class='unvalidated'><summary>Not validated on the planted models, do not "
+            f"read: {escape(', '.join(others))} (shares, verdicts and flags)</summary>"
+            f"{_metrics_html(run, others)}</details>"
+        )
+    parts.append(
+        "<p class='note'>Shares: S, B, D as shares of the truncation gap's area over k, with "
+        "95% paired bootstrap intervals; slope: quality against k / r, the classic reading; gap: "
+        "its mean over k (a loss gap is the rise in loss).</p></div>"
+    )
+    return "".join(parts)
+
+
+def answer_html(results: ProtocolResults | Mapping[str, Any]) -> str:
+    """The answer of one run in a sentence per validated metric (the first sentence of its
+    verdict), as HTML: what report.html shows first."""
+    run = run_record(results)
+    items = [
+        f"<li><b>{escape(metric)}</b>: {prose_html(_first_sentence(verdict(run, metric)[0]))}</li>"
+        for metric in run["shares"]
+        if _validated(run, metric)
+    ]
+    if not items:
+        items = [
+            "<li>No metric of this run is validated on the planted models, so it has no "
+            "answer to read (the headline lists every metric).</li>"
+        ]
+    return (
+        f"<div class='answer'><h3>{escape(_run_title(run))}</h3>"
+        f"<ul class='verdicts'>{''.join(items)}</ul></div>"
+    )
+
+
+def answer_metric(runs: Sequence[Mapping[str, Any]]) -> str | None:
+    """The metric the answer's figure draws: the first validated one of any run, else None."""
+    for run in runs:
+        for metric in run["shares"]:
+            if _validated(run, metric):
+                return str(metric)
+    return None
+
+
+def prose_html(text: str) -> str:
+    """A verdict's or a flag's plain text as HTML: escaped, every sentence starting with a
+    capital, and `code` spans (between backticks) set as ``<code>``."""
+    pieces = capitalised(text).split("`")
+    if len(pieces) % 2 == 0:  # an unpaired backtick: no code span to set
+        return escape(capitalised(text))
+    return "".join(
+        f"<code>{escape(piece)}</code>" if index % 2 else escape(piece)
+        for index, piece in enumerate(pieces)
+    )
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to the end of its first sentence (a full stop followed by a capital)."""
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z])", text.strip(), maxsplit=1)[0]
+
+
+def _validated(run: Mapping[str, Any], metric: str) -> bool:
+    return bool(run.get("metrics", {}).get(metric, {}).get("validated"))
+
+
+def _metrics_html(run: Mapping[str, Any], metrics: Sequence[str]) -> str:
+    """The headline's table (one row per metric) and verdict list for ``metrics`` of ``run``."""
     rows, verdicts = [], []
-    for metric in run["shares"]:
+    for metric in metrics:
         shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
         record = run.get("metrics", {}).get(metric, {})
         mark = "validated" if record.get("validated") else "not validated: do not read"
@@ -77,9 +156,9 @@ def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
         cells += [_interval_text(record, "truncation_slope"), _gap_text(run, metric)]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
         text, flags = verdict(run, metric)
-        flag_items = "".join(f"<li class='flag'>{escape(flag)}</li>" for flag in flags)
+        flag_items = "".join(f"<li class='flag'>{prose_html(flag)}</li>" for flag in flags)
         verdicts.append(
-            f"<li><b>{escape(metric)}</b>: {escape(text)}"
+            f"<li><b>{escape(metric)}</b>: {prose_html(text)}"
             + (f"<ul>{flag_items}</ul>" if flags else "")
             + "</li>"
         )
@@ -89,12 +168,8 @@ def headline_html(results: ProtocolResults | Mapping[str, Any]) -> str:
                      "gap (metric's units)")
     )  # fmt: skip
     return (
-        f"<div class='headline'><h3>{escape(_run_title(run))}</h3>"
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
         f"<ul class='verdicts'>{''.join(verdicts)}</ul>"
-        "<p class='note'>Shares: S, B, D as shares of the truncation gap's area over k, with "
-        "95% paired bootstrap intervals; slope: quality against k / r, the classic reading; gap: "
-        "its mean over k (a loss gap is the rise in loss).</p></div>"
     )
 
 
@@ -102,7 +177,8 @@ def report_figures(
     runs: Sequence[ProtocolResults | Mapping[str, Any]],
     report_data: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Every figure of report.html as plotly figures, keyed ``quality_<metric>``,
+    """Every figure of report.html as plotly figures, keyed ``answer`` (S, B, D per k of the first
+    validated metric; absent where no metric is validated), ``quality_<metric>``,
     ``decomposition_<metric>``, ``probe``, ``by_hops``, ``lens_<i>``, ``attention_<i>`` (i: the
     run's index; the last three only with ``report_data`` holding them)."""
     from dcp_lens.report import figures
@@ -110,6 +186,9 @@ def report_figures(
     records = [run_record(run) for run in runs]
     extras = _extras(records, report_data)
     drawn: dict[str, Any] = {}
+    answer = answer_metric(records)
+    if answer is not None:
+        drawn["answer"] = figures.answer_figure(records, answer)
     for metric in dict.fromkeys(m for run in records for m in run["shares"]):
         drawn[f"quality_{metric}"] = figures.quality_figure(records, metric)
         drawn[f"decomposition_{metric}"] = figures.decomposition_figure(records, metric)
@@ -195,10 +274,16 @@ def render_report(
     contents = " &middot; ".join(
         f"<a href='#{key}'>{escape(title)}</a>" for key, title, _ in sections
     )
+    answer = ["<div class='runs'>", *(answer_html(run) for run in records), "</div>"]
+    if "answer" in drawn:
+        answer.append(figure("answer"))
     body = [
         "<h1>Depth Control Protocol report</h1>",
-        _command_html(report_data),
+        "<section id='answer'>",
+        *answer,
+        "</section>",
         f"<p class='contents'>{contents}</p>",
+        _command_html(report_data),
     ]
     if missing:
         body.append(f"<p class='note'>Not in these results: {escape('; '.join(missing))}.</p>")
@@ -516,5 +601,8 @@ thead th { background: #f3f3f3; }
 .mark { color: #666; white-space: nowrap; } .mark.pass { color: #2a7a2a; }
 .mark.fail { color: #a33; font-weight: bold; }
 code { background: #f3f3f3; padding: 0.1em 0.3em; }
-.contents { font-size: 0.92em; } table.settings th { font-weight: normal; color: #444; }
+.contents { font-size: 0.92em; }
+#answer h3 { margin: 0.3em 0 0.1em; } #answer .verdicts { font-size: 1em; margin: 0.2em 0; }
+details.unvalidated { margin: 0.6em 0; } details.unvalidated summary { cursor: pointer; }
+table.settings th { font-weight: normal; color: #444; }
 """

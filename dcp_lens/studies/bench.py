@@ -737,7 +737,7 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
             print(
                 f"    (on {result.get('batches', 1)} batch(es) the sweep's fixed solves and "
                 "refits weigh more than in a run's 512 + 512 sequences: with the small preset's "
-                f"batch of 16, --batches {RUN_BATCHES} measures that; docs/bench.md)"
+                f"batch of 16, --batches {RUN_BATCHES} measures that; the docs' page Benchmarks)"
             )
         print(f"  {'irreducible_over_forward':<34} {result['irreducible_over_forward']:.2f}")
     if "sweep_floor_over_irreducible" in result:

@@ -13,7 +13,7 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 # The help of options whose words run long (the parser in dcp_lens/cli.py names them).
 HELP = {
-    "threads": "CPU threads for torch (default 1: docs/cli.md says why)",
+    "threads": "CPU threads for torch (default 1: the docs' page Command line says why)",
     "dry_run": (
         "print the run's estimated peak memory by stage and the batch size that fits its "
         "budget, then stop (nothing is run or written)"

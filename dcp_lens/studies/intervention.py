@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, task_data
@@ -63,6 +62,7 @@ from dcp_lens.training.state import config_differences
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import write_text_atomically
 from dcp_lens.utils.folders import OutputFolder
+from dcp_lens.utils.progress import progress as progress_display
 from dcp_lens.utils.signals import die_with_parent
 from dcp_lens.zoo.registry import load
 
@@ -182,7 +182,7 @@ def run_training_intervention(
         ]
         if jobs > 1 and len(pending) > 1:
             _train_in_parallel(pending, jobs, progress)
-        for regime, seed in tqdm(plan, desc="intervention", disable=not progress):
+        for regime, seed in progress_display(plan, desc="intervention", enabled=progress):
             folder = out / RUNS_DIR / f"{regime}-seed{seed}"
             config = configs[(regime, seed)]
             results = _dcp_results(
@@ -327,8 +327,8 @@ def _train_in_parallel(pending: list[tuple[Path, TrainConfig]], jobs: int, progr
     )  # fmt: skip
     with pool:
         futures = [pool.submit(_train_quietly, config, folder) for folder, config in pending]
-        for future in tqdm(
-            as_completed(futures), total=len(futures), desc="training", disable=not progress
+        for future in progress_display(
+            as_completed(futures), total=len(futures), desc="training", enabled=progress
         ):
             future.result()  # re-raises a worker's error here
 

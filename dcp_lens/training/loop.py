@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from dcp_lens.model.folder import TASK_FILE
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
@@ -58,6 +57,7 @@ from dcp_lens.training.state import (
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import check_output_folder, naming_full_disk
 from dcp_lens.utils.folders import OutputFolder
+from dcp_lens.utils.progress import progress as progress_display
 
 
 @dataclass
@@ -215,10 +215,10 @@ def _train(
             state = load_checkpoint(checkpoint, model, optimizer, names, sampler)
 
         started, first_step = time.perf_counter(), state.step
-        bar = tqdm(
+        bar = progress_display(
             total=config.steps,
             initial=state.step,
-            disable=not progress,
+            enabled=progress,
             desc=f"train {config.regime.name}",
         )
         while state.step < end:

@@ -33,13 +33,13 @@ import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.model.loss import next_token_loss, token_cross_entropy
 from dcp_lens.training.loop import decay_groups, deterministic_torch, warmup_cosine
 from dcp_lens.training.regimes import readout_logits
+from dcp_lens.utils.progress import progress as progress_display
 
 ORIGINAL_DIR = "original"
 RETROFIT_DIR = "retrofit"
@@ -336,7 +336,7 @@ def distill(
     student.train()
     started = time.perf_counter()
     with deterministic_torch(threads, device.type):
-        for _ in tqdm(range(steps), desc="distill", disable=not progress):
+        for _ in progress_display(range(steps), desc="distill", enabled=progress):
             tokens = batches.next().to(device)
             k = choices[int(torch.randint(len(choices), (), generator=generator))]
             with torch.no_grad():

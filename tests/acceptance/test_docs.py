@@ -164,7 +164,10 @@ def test_python_block_runs_alone(
     exec(compile(block.code, block.name, "exec"), namespace)  # noqa: S102
     if block.page == "README.md":  # the example prints the validated metric it tells you to read
         printed = capsys.readouterr().out
-        assert "top1_agreement" in printed and "cross_entropy" not in printed, printed
+        rows = printed.split("\n\n", 1)[0]  # the table, before the summary's lines
+        assert "top1_agreement" in rows and "cross_entropy" not in rows, printed
+        assert "verdict" in rows.splitlines()[0], printed  # the answer beside the shares
+        assert any(word in rows for word in ("inconclusive", "mixed", " S ", " B ")), printed
 
 
 def test_the_readme_says_what_its_example_shows() -> None:

@@ -96,13 +96,20 @@ def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp
     assert sorted(p.name for p in folder.glob("*.js")) == [PLOTLY_JS]
 
 
-def test_run_on_a_planted_model_writes_a_report_without_hop_counts(tmp_path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def planted_run(tmp_path_factory) -> Path:
+    """`dcp-lens run` on planted:readout_shift with small n: its answer is known (S)."""
+    out = tmp_path_factory.mktemp("planted") / "out"
     code = main(
         ["run", "--model", "planted:readout_shift", "--n-eval", "64", "--n-calibration", "64",
          "--bootstrap", "50", "--quiet", "--out", str(out)]
     )  # fmt: skip
     assert code == 0
+    return out
+
+
+def test_run_on_a_planted_model_writes_a_report_without_hop_counts(planted_run) -> None:
+    out = planted_run
     tables = [f"planted_readout_shift/{name}.csv" for name in ("decomposition", "curves", "shares")]
     for name in ("report.html", "results.json", *tables):
         assert (out / name).is_file(), name
@@ -114,6 +121,25 @@ def test_run_on_a_planted_model_writes_a_report_without_hop_counts(tmp_path) -> 
     assert "id='hops'" not in html and "By hop count" not in html
     assert main(["report", str(out / "planted_readout_shift")]) == 0  # a run's own folder too
     assert "id='figure-lens_0'" in (out / "planted_readout_shift" / "report.html").read_text()
+
+
+def test_the_report_opens_with_the_answer(planted_run) -> None:
+    """One sentence per validated metric, then S, B, D per k, before anything else; the metrics
+    not validated folded away; verdict text rendered (no backticks), sentences capitalised and
+    no path into a clone's docs/ folder."""
+    html = (planted_run / "report.html").read_text()
+    answer = html.split("<section id='answer'>", 1)[1].split("</section>", 1)[0]
+    assert html.index("<section id='answer'>") < html.index("<p class='contents'>")
+    assert "<b>accuracy</b>: At least" in answer and "<b>top1_agreement</b>: At least" in answer
+    assert "readout shift" in answer and "cross_entropy" not in answer
+    assert "id='figure-answer'" in answer
+    folded = html.split("<details class='unvalidated'>", 1)[1].split("</details>", 1)[0]
+    assert "cross_entropy" in folded and "kl_to_full" in folded
+    text = re.sub(r"<script.*?</script>", "", html, flags=re.S)
+    text = re.sub(r"<[^>]+>", " ", re.sub(r"<code>.*?</code>", "", text))
+    assert "`" not in text
+    assert "docs/" not in text
+    assert not re.search(r"[.!?] [a-z]", text), re.findall(r".{40}[.!?] [a-z].{20}", text)
 
 
 def test_report_of_a_folder_without_results_fails_with_a_message(tmp_path, capsys) -> None:
@@ -149,7 +175,7 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     metrics = METRICS
     assert set(expected) == {
         *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in metrics),
-        "probe", "by_hops", "lens_0", "lens_1", "attention_0", "attention_1",
+        "answer", "probe", "by_hops", "lens_0", "lens_1", "attention_0", "attention_1",
     }  # fmt: skip
 
     dom, console = chromium(report, tmp_path, "--virtual-time-budget=5000", "--dump-dom")
@@ -289,3 +315,39 @@ def test_hostile_strings_in_every_field_stay_text(default_run, tmp_path) -> None
     assert dom.count('class="main-svg"') >= len(figures)
     text = re.sub(r"<[^>]+>", "", dom)
     assert "metric0'\"&gt;&lt;img src=x class=pwned" in text.replace("&quot;", '"')
+
+
+# Written into a copy of the report: the bottom edge of each element the first screen must show,
+# read back from the page's title with --dump-dom.
+_FIRST_SCREEN_PROBE = """<script>window.addEventListener('load', function () {
+  setTimeout(function () {
+    var answer = document.querySelector('#answer .verdicts');
+    var figure = document.getElementById('figure-answer');
+    document.title = 'bottoms ' + answer.getBoundingClientRect().bottom + ' '
+      + figure.getBoundingClientRect().bottom + ' '
+      + figure.querySelectorAll('.main-svg .bars .point').length;
+  }, 1000);
+});</script></body>"""
+
+
+@needs_chromium
+def test_chromium_first_screen_shows_the_verdict_and_the_figure(planted_run, tmp_path) -> None:
+    """At 1400 x 900 the first screen holds the verdict sentences and the S, B, D figure, drawn
+    (its bars are on the page) and whole (its bottom edge above the fold)."""
+    probed = planted_run / "first_screen.html"
+    probed.write_text(
+        (planted_run / "report.html").read_text().replace("</body>", _FIRST_SCREEN_PROBE)
+    )
+    dom, console = chromium(
+        probed, tmp_path, "--window-size=1400,900", "--virtual-time-budget=8000", "--dump-dom"
+    )
+    assert console == [], console
+    title = dom.split("<title>", 1)[1].split("</title>", 1)[0]
+    assert title.startswith("bottoms "), title
+    answer_bottom, figure_bottom, bars = title.split()[1:]
+    assert float(answer_bottom) < float(figure_bottom) <= 900, title
+    assert int(bars) > 0, title
+    screenshot = tmp_path / "first_screen.png"
+    flags = ["--window-size=1400,900", "--hide-scrollbars", "--virtual-time-budget=5000"]
+    chromium(planted_run / "report.html", tmp_path, f"--screenshot={screenshot}", *flags)
+    assert screenshot.stat().st_size > 10_000

@@ -19,11 +19,10 @@ import json
 from pathlib import Path
 
 import tokenizers
-import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from dcp_lens.model.tokenization import padding_id
+from dcp_lens.model.tokenization import TransformerLensTokenizer, padding_id
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import (
     ConfigError,
@@ -37,7 +36,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
-class HFTokenizer:
+class HFTokenizer(TransformerLensTokenizer):
     """A `tokenizers.Tokenizer` with the special tokens of its ``tokenizer_config.json``.
 
     Args:
@@ -131,20 +130,11 @@ class HFTokenizer:
         values = [int(i) for i in ids.tolist()] if isinstance(ids, Tensor) else list(ids)
         return str(self.tokenizer.decode(values, skip_special_tokens=False))
 
-    def __call__(
-        self, text: str | list[str], bos: bool | None = None
-    ) -> dict[str, Int[Tensor, "batch seq"]]:
-        """HF-style: ``{"input_ids", "attention_mask"}``, ``[batch, seq]`` tensors, right-padded
-        with `padding_id` (mask 0 on padding); ``bos`` defaults to ``prepends_bos``."""
-        texts = [text] if isinstance(text, str) else list(text)
-        rows = [self.encode(t, bos=self.prepends_bos if bos is None else bos) for t in texts]
-        width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), padding_id(self), dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, : len(row)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def _token_string(self, token: object) -> str | None:
+        """A special token as the vocabulary spells it (``bos_token``, ``pad_token``, ...)."""
+        if not isinstance(token, int):
+            return None
+        return str(self.tokenizer.id_to_token(token))
 
     def fingerprint(self) -> str:
         """A hash of everything that decides the ids of a text (cache keys of token files)."""

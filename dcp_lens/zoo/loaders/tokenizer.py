@@ -22,12 +22,11 @@ import heapq
 import re
 import struct
 from pathlib import Path
-from typing import Literal
 
-import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from dcp_lens.model.tokenization import TransformerLensTokenizer
 from dcp_lens.utils.errors import MissingFileError, WeightsError
 
 UNK_TOKEN_ID = 0
@@ -37,7 +36,7 @@ EOS_TOKEN_ID = 2
 _BYTE_PIECE = re.compile(rb"<0x([0-9A-F]{2})>")
 
 
-class Llama2cTokenizer:
+class Llama2cTokenizer(TransformerLensTokenizer):
     """SentencePiece BPE with byte fallback, as llama2.c runs it.
 
     Args:
@@ -50,8 +49,8 @@ class Llama2cTokenizer:
     eos_token_id: int = EOS_TOKEN_ID
     # model.to_tokens right-pads with EOS (`padding_id`); TransformerLens's masks read these.
     pad_token_id: int = EOS_TOKEN_ID
-    padding_side = "right"
     unk_token_id: int = UNK_TOKEN_ID
+    prepends_bos = True  # llama2.c starts every text with BOS (a call's add_special_tokens)
 
     def __init__(self, pieces: list[bytes], scores: list[float], max_token_length: int) -> None:
         if len(pieces) != len(scores):
@@ -189,22 +188,6 @@ class Llama2cTokenizer:
                 out += piece
             previous = token_id
         return out.decode("utf-8", errors="replace")
-
-    def __call__(
-        self,
-        text: str,
-        bos: bool = True,
-        eos: bool = False,
-        return_tensors: Literal["pt"] | None = None,
-    ) -> dict[str, list[int]] | dict[str, Int[Tensor, "1 seq"]]:
-        """HF-style call: ``{"input_ids", "attention_mask"}``, ``[1, seq]`` tensors if ``"pt"``."""
-        ids = self.encode(text, bos=bos, eos=eos)
-        if return_tensors == "pt":
-            input_ids = torch.tensor([ids], dtype=torch.long)
-            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
-        if return_tensors is not None:
-            raise ValueError(f"return_tensors={return_tensors!r}; use None or 'pt'.")
-        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
 
     def __len__(self) -> int:
         return self.vocab_size

@@ -16,6 +16,7 @@ from dcp_lens.lenses.lens import (
     prediction_trajectory,
     protocol_calibrations,
 )
+from dcp_lens.lenses.tuned import JacobianLens, TunedLens
 from dcp_lens.model.names import DepthMismatchError
 
 
@@ -71,11 +72,42 @@ def test_calibrated_lens_with_the_protocols_maps_is_its_calibrate_truncate():
     assert sorted(maps) == [1, 2, 3, 4]
     tokens = evaluation.tokens[:4]
     lens = logit_lens(model, tokens, calibration=maps)
+    assert lens.shape[0] == model.n_iterations + 1  # indexed by iteration, t = 0..r
+    assert bool(lens[0].isnan().all())  # no map at t = 0: no calibrated reading
     for k in (1, 2, 3):
         expected = protocol.condition_logits(tokens, "calibrate_truncate", k, via="hooks")
-        assert (lens[k - 1] - expected).abs().max() <= 1e-8
+        assert (lens[k] - expected).abs().max() <= 1e-8
     # calibrate(full) is the identity up to the fit's rounding.
-    assert (lens[3] - model(tokens)).abs().max() <= 1e-6
+    assert (lens[4] - model(tokens)).abs().max() <= 1e-6
+
+
+def test_every_lens_is_indexed_by_iteration():
+    """lens[t] is iteration t in the logit, calibrated, tuned and Jacobian lenses alike."""
+    model = make_model(pre_coda_norm="own")
+    evaluation, calibration = lm_sets(model, n=16)
+    tokens, r = evaluation.tokens[:2], model.n_iterations
+    _, cache = model.run_with_cache(tokens)
+    plain = logit_lens(model, cache)
+    maps = fit_lens_calibrations(model, calibration.tokens)
+    calibrated = logit_lens(model, tokens, calibration=maps)
+    tuned = TunedLens.fit(model, calibration.tokens, iterations=[2], steps=2)
+    jacobian = JacobianLens.fit(model, tokens[:1], iterations=[1, 3])
+    lenses = {
+        "logit": plain,
+        "calibrated": calibrated,
+        "tuned": tuned.logits(model, tokens),
+        "jacobian": jacobian.logits(model, tokens),
+    }
+    for name, lens in lenses.items():
+        assert lens.shape[0] == r + 1, name
+    for t in range(r + 1):
+        torch.testing.assert_close(plain[t], logit_lens(model, tokens, [t])[0])
+    assert bool(calibrated[0].isnan().all()) and not bool(calibrated[1:].isnan().any())
+    torch.testing.assert_close(lenses["tuned"][2], tuned.logits(model, tokens, [2])[0])
+    torch.testing.assert_close(lenses["tuned"][r], model(tokens))  # t = r: the model itself
+    assert bool(lenses["tuned"][1].isnan().all())
+    torch.testing.assert_close(lenses["jacobian"][3], jacobian.logits(model, tokens, [3])[0])
+    assert bool(lenses["jacobian"][2].isnan().all())
 
 
 def test_fit_lens_calibrations_matches_the_protocols_fit_and_moves_moments():

@@ -439,6 +439,18 @@ def test_blocks_names_warn_once_and_hook_name_never(recwarn):
     assert model.hook_name(2, 0, "hook_resid_post") == "blocks.3.hook_resid_post"
 
 
+def test_names_built_with_block_index_do_not_warn(recwarn):
+    model = make_model()
+    _, cache = model.run_with_cache(tokens_for(model, batch=1, pos=6))
+    names_module.reset_block_index_warning()
+    model.hook_name(2, 0, "hook_resid_post")  # the library's own call records nothing
+    i = model.block_index(2, 1)  # iteration 2's core layer 1: blocks.4
+    cache[f"blocks.{i}.hook_resid_post"]
+    assert not [w for w in recwarn if issubclass(w.category, BlockIndexWarning)]
+    with pytest.warns(BlockIndexWarning, match=r"blocks\.3 is iteration 2's core layer 0"):
+        cache["blocks.3.hook_resid_post"]  # typed by hand: still warns
+
+
 def test_an_nnsight_style_reference_to_another_views_blocks_is_refused():
     model = make_model()
     blocks = model.blocks  # what a wrapper built at r = 4 holds

@@ -38,7 +38,11 @@ def test_figures_draw_every_condition_and_factor(planted_results) -> None:
     assert set(figures) == {
         *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in METRICS),
         "probe",
+        "answer",  # the first screen's S, B, D per k, of the first validated metric
     }
+    first = next(m for m, d in planted_results.decompositions.items() if d.validated)
+    answer = [trace.y for trace in figures["answer"].data]
+    assert answer == [trace.y for trace in figures[f"decomposition_{first}"].data]
     assert all(isinstance(figure, go.Figure) for figure in figures.values())
     legend = [trace for trace in figures["quality_accuracy"].data if trace.showlegend]
     lines = {trace.legendgroup for trace in legend}
@@ -80,7 +84,7 @@ def test_validity_flags_are_shown_when_results_carry_them(planted_results) -> No
     assert any(flag.startswith("unstable share") for flag in flags)
     assert "metric not validated: misses the planted B factor" in flags
     html = render_report([run])
-    assert "metric not validated: misses the planted B factor" in html
+    assert "Metric not validated: misses the planted B factor" in html  # a sentence, capitalised
 
 
 def test_the_report_loads_only_the_plotly_js_beside_it(planted_results, tmp_path) -> None:

@@ -78,8 +78,11 @@ def test_bos_and_pad_come_from_tokenizer_config(tmp_path: Path, name: str) -> No
     assert tokens.tolist() == [[0, 84, 111, 1, 1, 1], [0, 84, 111, 32, 98, 101]]
     assert mask.tolist() == [[True] * 3 + [False] * 3, [True] * 6]
     assert model.to_tokens("To", prepend_bos=False).tolist() == [[84, 111]]
-    batch = model.tokenizer(["To", "To be"])
-    assert torch.equal(batch["input_ids"], tokens) and torch.equal(batch["attention_mask"], mask)
+    batch = model.tokenizer(["To", "To be"], padding=True, return_tensors="pt")
+    assert torch.equal(batch["input_ids"], tokens)
+    assert torch.equal(batch["attention_mask"].bool(), mask)
+    assert model.tokenizer("To be", add_special_tokens=False)["input_ids"] == [84, 111, 32, 98, 101]
+    assert model.tokenizer.pad_token == "ā" and model.tokenizer.bos_token == "Ā"
 
 
 def test_a_special_token_outside_the_vocabulary_is_named(tmp_path: Path) -> None:

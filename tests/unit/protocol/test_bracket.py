@@ -174,6 +174,18 @@ def test_a_negative_gap_gives_ordered_ends_and_no_verdict():
     assert result.verdict == "inconclusive" and "not clearly above zero" in result.reason
 
 
+def test_the_point_s_is_the_lower_end_on_a_negative_gap_too():
+    # A translator that undoes more than the calibration: the ends differ, and on a negative gap
+    # the lower end's share is the upper end's quantity divided by the gap.
+    point, draws = cells(**curves(0.8, 0.5, b=0.7, d=0.7, ta=0.9, tc=0.9, z=0.1))
+    result = bracket(point, draws, GRID)
+    assert result.shares["gap"] < 0
+    assert result.shares["S_lower"] < result.shares["S_upper"]
+    assert result.shares["S_point"] == pytest.approx(result.shares["S_lower"])
+    total = sum(result.shares[f"{factor}_point"] for factor in ("S", "B", "D"))
+    assert total == pytest.approx(1.0)
+
+
 def test_repeated_updates_that_translation_cannot_replace_are_identified_as_b():
     point, draws = cells(**curves(0.6, 1.0, c=1.0, d=1.0, tc=1.0, z=0.5))
     result = bracket(point, draws, GRID)

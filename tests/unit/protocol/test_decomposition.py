@@ -3,6 +3,7 @@ exact JSON round trips and input errors. Pure numbers; no model is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -435,6 +436,27 @@ def test_tables_have_one_row_per_metric_and_k() -> None:
     full = curves[(curves.metric == "accuracy") & (curves.condition == "full")]
     assert full["k"].tolist() == [R]
     assert len(run.shares()) == 2 and run.shares()["metric"].tolist() == list(run.metrics)
+
+
+def test_the_gap_has_one_name_per_quantity() -> None:
+    """shares() names the gap's area (what the shares divide) and its mean over k (what the
+    console and the report show) apart; the mean is the number the summary prints."""
+    run = make_run()
+    shares = run.shares().set_index("metric")
+    assert "gap" not in shares.columns
+    table = run.table()
+    for metric, row in shares.iterrows():
+        per_k = table[table.metric == metric]
+        finite = per_k["gap"][np.isfinite(per_k["gap"])]
+        assert row["gap_mean"] == pytest.approx(finite.mean())
+        used = per_k[per_k["k"].isin(run.decompositions[metric].share_k_grid)]
+        assert row["gap_area"] == pytest.approx(used["gap"].sum())
+        assert row["gap_area_lo"] <= row["gap_area"] <= row["gap_area_hi"]
+    # The summary prints validated metrics only: mark every metric validated to read them all.
+    marked = {m: dataclasses.replace(d, validated=True) for m, d in run.decompositions.items()}
+    printed = dataclasses.replace(run, decompositions=marked).summary()
+    for metric in run.metrics:
+        assert f"mean gap over k {shares.loc[metric, 'gap_mean']:.3f}" in printed
 
 
 # ----------------------------------------------------------------------------- input errors
