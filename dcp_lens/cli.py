@@ -209,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", type=int, default=1, help=HELP["batches"])
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--estimate", action="store_true", help=HELP["estimate"])
+    bench.add_argument("--count", action="store_true", help=HELP["count"])
     add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument("--threads", type=int, help=HELP["bench_threads"])
@@ -363,6 +364,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(estimate, indent=2) if args.json else estimate["table"])
         return 0
 
+    if args.count:
+        from dcp_lens.studies.bench import RUN_BATCHES
+        from dcp_lens.studies.bench_work import print_count, run_count
+
+        counted = run_count(
+            args.preset, d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
+            d_vocab=args.vocab, batch=args.batch_size, seq=args.seq,
+            config=protocol_config(args, "bench"),
+            batches=args.batches if args.batches > 1 else RUN_BATCHES,
+        )  # fmt: skip
+        print_count(counted, args.json)
+        return 0
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
         batch=args.batch_size, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,

@@ -50,10 +50,12 @@ JACKKNIFE_EVALUATION_STRIDE = 10
 JACKKNIFE_TOKENS = 8192
 
 
-def jackknife_examples(keys: Int[Tensor, " n"], seq_len: int) -> Bool[Tensor, " n"]:
+def jackknife_examples(
+    keys: Int[Tensor, " n"], seq_len: int, tokens: int | None = None
+) -> Bool[Tensor, " n"]:
     """Which evaluation examples the jackknife reads: those whose key is 0 mod
-    `JACKKNIFE_EVALUATION_STRIDE`, at most `JACKKNIFE_TOKENS` // ``seq_len`` of them (at least
-    one), the smallest keys first. Keys hash the examples' tokens, so the choice depends on
+    `JACKKNIFE_EVALUATION_STRIDE`, at most ``tokens`` // ``seq_len`` of them (at least one;
+    ``tokens`` defaults to `JACKKNIFE_TOKENS`), the smallest keys first. Keys hash the examples' tokens, so the choice depends on
     neither the batch size nor the order of the examples.
 
     Args:
@@ -61,7 +63,7 @@ def jackknife_examples(keys: Int[Tensor, " n"], seq_len: int) -> Bool[Tensor, " 
         seq_len: tokens per example.
     """
     candidates = torch.nonzero(keys % JACKKNIFE_EVALUATION_STRIDE == 0).squeeze(1)
-    limit = max(1, JACKKNIFE_TOKENS // max(1, seq_len))
+    limit = max(1, (JACKKNIFE_TOKENS if tokens is None else tokens) // max(1, seq_len))
     order = torch.argsort(keys[candidates], stable=True)
     chosen = torch.zeros(len(keys), dtype=torch.bool)
     chosen[candidates[order[:limit]]] = True
@@ -114,10 +116,18 @@ class Sweep:
     """The sweep of one run over fitted maps and temperatures.
 
     ``replay_difference`` holds, per k, max |readout(replay(k)) - readout(truncate(k))| over
-    every evaluation so far (all noise draws): whether B is identified."""
+    every evaluation so far (all noise draws): whether B is identified. ``jackknife_tokens``
+    caps the jackknife's examples (`jackknife_examples`; None: `JACKKNIFE_TOKENS`)."""
 
-    def __init__(self, context: RunContext, maps: FittedMaps, temperatures: Temperatures) -> None:
+    def __init__(
+        self,
+        context: RunContext,
+        maps: FittedMaps,
+        temperatures: Temperatures,
+        jackknife_tokens: int | None = None,
+    ) -> None:
         self.context = context
+        self.jackknife_tokens = jackknife_tokens
         self.maps = maps
         self.temperatures = temperatures
         self._replay: Maxima[int] = Maxima()
@@ -168,7 +178,7 @@ class Sweep:
         # Under each left-out group's maps, only the conditions those maps change.
         left_out = [_changed(built, maps, self.context.k_grid) for maps in self.maps.jackknife]
         keys = evaluation.example_keys()
-        chosen = jackknife_examples(keys, int(evaluation.tokens.shape[1]))
+        chosen = jackknife_examples(keys, int(evaluation.tokens.shape[1]), self.jackknife_tokens)
         return _Evaluation(evaluation, keys, chosen, built, left_out)
 
     def _records(self, run: _Evaluation) -> SweepRecords:
