@@ -40,6 +40,29 @@ CPU_READOUT_ROWS = 2048
 # and the most (past it a larger call is no faster, only its logits larger).
 MIN_ACCELERATOR_ROWS = 256
 MAX_ACCELERATOR_ROWS = 4096
+# A calibration group's states are folded into its moments once this many have come: fewer
+# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
+# is then small beside its product).
+GROUP_BUFFER_ROWS = 4096
+GROUP_BUFFER_ELEMENTS = 2**18
+
+
+def group_buffer_rows(width: int) -> int:
+    """Rows of ``width`` a calibration group's buffer holds before they are folded in."""
+    return max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
+
+
+def moment_bytes(n_streams: int, n_groups: int, width: int, resident: int, full: bool = True) -> int:
+    """Bytes the fit stage's moments hold on the device, per stream: each of the ``resident``
+    groups' scatter and vectors at the dtype it is stored in (float32 where the jackknife's
+    ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows
+    (`group_buffer_rows`), and the whole split's float64 moments they merge into. ``full``: d x d
+    scatters (else d-vectors). The one model of the moments for the check before the pass and
+    `estimate_run_memory`."""
+    square = width * width if full else width
+    stored = 4 if n_groups >= 2 else 8
+    group = stored * (square + 3 * width) + 4 * group_buffer_rows(width) * width
+    return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -234,8 +257,7 @@ def estimate_run_memory(
         # Per stream: a float32 scatter per group on the device (one, on an accelerator: the
         # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`), the float64
         # whole they merge into, and the groups' waiting rows.
-        "moments": n_streams
-        * (on_device * square * 4 + square * 8 + max(1, on_device) * 64 * d * 4),
+        "moments": moment_bytes(n_streams, groups, d, on_device, full),
         # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
         "jackknife_refits": groups * 3 * square * 8,
         "base_rate_sums": 16 * vocab * 8,
