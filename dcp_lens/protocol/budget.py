@@ -52,7 +52,9 @@ def group_buffer_rows(width: int) -> int:
     return max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
 
 
-def moment_bytes(n_streams: int, n_groups: int, width: int, resident: int, full: bool = True) -> int:
+def moment_bytes(
+    n_streams: int, n_groups: int, width: int, resident: int, full: bool = True
+) -> int:
     """Bytes the fit stage's moments hold on the device, per stream: each of the ``resident``
     groups' scatter and vectors at the dtype it is stored in (float32 where the jackknife's
     ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows

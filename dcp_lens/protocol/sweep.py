@@ -55,8 +55,9 @@ def jackknife_examples(
 ) -> Bool[Tensor, " n"]:
     """Which evaluation examples the jackknife reads: those whose key is 0 mod
     `JACKKNIFE_EVALUATION_STRIDE`, at most ``tokens`` // ``seq_len`` of them (at least one;
-    ``tokens`` defaults to `JACKKNIFE_TOKENS`), the smallest keys first. Keys hash the examples' tokens, so the choice depends on
-    neither the batch size nor the order of the examples.
+    ``tokens`` defaults to `JACKKNIFE_TOKENS`), the smallest keys first. Keys hash the
+    examples' tokens, so the choice depends on neither the batch size nor the order of the
+    examples.
 
     Args:
         keys: ``[n]`` the evaluation set's example keys (`EvaluationSet.example_keys`).
