@@ -141,12 +141,20 @@ class MemoryEstimate:
             ``reference``, ``moments``, ``maps``, ...).
         stages: per stage, the names of the terms it holds at once.
         plan: the readout plan the estimate assumes.
+        host: what waits in host memory off the device, by name (``parked_groups``: the
+            calibration groups not being filled, `dcp_lens.protocol.fit_records.moments_host`).
     """
 
     terms: dict[str, int]
     stages: dict[str, tuple[str, ...]]
     plan: ReadoutPlan
     notes: list[str] = field(default_factory=list)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the run holds beside the device's (0 where the host is the device)."""
+        return sum(self.host.values())
 
     def stage_bytes(self, stage: str) -> int:
         return sum(self.terms[name] for name in self.stages[stage])
@@ -167,6 +175,10 @@ class MemoryEstimate:
         for stage in self.stages:
             lines.append(f"    {stage:<20} {self.stage_bytes(stage) / GIB:8.2f} GiB")
         lines.append(f"  peak ({self.peak_stage}): {self.peak_bytes / GIB:.2f} GiB")
+        parts = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in self.host.items())
+        lines.append(
+            f"  host memory beside it: {self.host_bytes / GIB:.2f} GiB ({parts or 'none'})"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, float | str | dict[str, float] | list[str]]:
@@ -176,6 +188,8 @@ class MemoryEstimate:
             "peak_gib": self.peak_bytes / GIB,
             "peak_stage": self.peak_stage,
             "readout_rows": self.plan.rows,
+            "host_gib": {name: value / GIB for name, value in self.host.items()},
+            "host_total_gib": self.host_bytes / GIB,
             "notes": list(self.notes),
         }
 
@@ -307,7 +321,10 @@ def estimate_run_memory(
         "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
                        "readouts", "reference", "maps", "jackknife_maps", "allocator_kept"),
     }  # fmt: skip
-    estimate = MemoryEstimate(terms, stages, plan)
+    # On an accelerator the groups not being filled wait on the host in their float32 storage.
+    parked = groups - on_device if device_type != "cpu" else 0
+    host = {"parked_groups": n_streams * parked * 4 * (square + 3 * d)} if parked > 0 else {}
+    estimate = MemoryEstimate(terms, stages, plan, host=host)
     if full and groups:
         estimate.notes.append(
             f"the jackknife ({calibration_groups} groups) holds moments per group and a refit of "
