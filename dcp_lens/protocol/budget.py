@@ -53,17 +53,23 @@ def group_buffer_rows(width: int) -> int:
 
 
 def moment_bytes(
-    n_streams: int, n_groups: int, width: int, resident: int, full: bool = True
+    n_streams: int,
+    n_groups: int,
+    width: int,
+    resident: int,
+    batch_positions: int,
+    full: bool = True,
 ) -> int:
     """Bytes the fit stage's moments hold on the device, per stream: each of the ``resident``
     groups' scatter and vectors at the dtype it is stored in (float32 where the jackknife's
-    ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows
-    (`group_buffer_rows`), and the whole split's float64 moments they merge into. ``full``: d x d
-    scatters (else d-vectors). The one model of the moments for the check before the pass and
-    `estimate_run_memory`."""
+    ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows (the
+    buffer, `group_buffer_rows`, or one batch's ``batch_positions`` where fewer), and the whole
+    split's float64 moments they merge into. ``full``: d x d scatters (else d-vectors). The one
+    model of the moments: the check before the pass and `estimate_run_memory` both use it."""
     square = width * width if full else width
     stored = 4 if n_groups >= 2 else 8
-    group = stored * (square + 3 * width) + 4 * group_buffer_rows(width) * width
+    waiting = min(group_buffer_rows(width), max(1, batch_positions))
+    group = stored * (square + 3 * width) + 4 * waiting * width
     return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
 
 
@@ -273,7 +279,7 @@ def estimate_run_memory(
         # Per stream: a float32 scatter per group on the device (one, on an accelerator: the
         # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`), the float64
         # whole they merge into, and the groups' waiting rows.
-        "moments": moment_bytes(n_streams, groups, d, on_device, full),
+        "moments": moment_bytes(n_streams, groups, d, on_device, positions, full),
         # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
         "jackknife_refits": groups * 3 * square * 8,
         "base_rate_sums": 16 * vocab * 8,

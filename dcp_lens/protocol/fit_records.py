@@ -333,9 +333,11 @@ class CalibrationRecords:
             self.buffer_rows = group_buffer_rows(width)
             on_device = 1 if self.host is not None else self.n_groups
             full = context.config.calibration_mode == "full"
+            positions = int(states[0].numel()) // width
             check_moment_memory(
-                len(self.conditions), self.n_groups, width, on_device, context.device(), full
-            )
+                len(self.conditions), self.n_groups, width, on_device, positions,
+                context.device(), full,
+            )  # fmt: skip
         if self.base is not None:  # full depth's readout in chunks of examples
             for chunk in plan.example_chunks(rows.stop - rows.start):
                 chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
@@ -456,19 +458,20 @@ def check_moment_memory(
     n_groups: int,
     width: int,
     resident: int,
+    batch_positions: int,
     device: torch.device,
     full: bool = True,
 ) -> None:
     """Refuse, before the calibration pass, a fit whose moments
-    (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on the device)
-    would take more than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to
-    change."""
-    needed = moment_bytes(n_streams, n_groups, width, resident, full)
+    (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on the
+    device, batches of ``batch_positions`` positions) would take more than
+    `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
+    needed = moment_bytes(n_streams, n_groups, width, resident, batch_positions, full)
     # What the device can give, PyTorch's cached memory included (it is reused before the
     # driver is asked): memory a notebook's earlier work left cached does not count as taken.
     free = device_memory_bytes(device) or 0
     if free and needed > MOMENT_MEMORY_SHARE * free:
-        single = moment_bytes(n_streams, 1, width, 1, full)
+        single = moment_bytes(n_streams, 1, width, 1, batch_positions, full)
         raise ResourceLimitError(
             f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
             f"conditions x {resident} of {n_groups} calibration groups on the device, "

@@ -176,13 +176,13 @@ def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None
     from dcp_lens.protocol.budget import moment_bytes
     from dcp_lens.utils.errors import ResourceLimitError
 
-    huge = moment_bytes(21, 10, 5280, 10)
-    assert huge > 2 * moment_bytes(21, 0, 5280, 1)  # the groups are most of it
+    huge = moment_bytes(21, 10, 5280, 10, 8192)
+    assert huge > 2 * moment_bytes(21, 0, 5280, 1, 8192)  # the groups are most of it
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fit_records, "device_memory_bytes", lambda device: 8 * 2**30)
         with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
-            fit_records.check_moment_memory(21, 10, 5280, 10, torch.device("cpu"))
-        fit_records.check_moment_memory(21, 10, 256, 10, torch.device("cpu"))  # small: passes
+            fit_records.check_moment_memory(21, 10, 5280, 10, 8192, torch.device("cpu"))
+        fit_records.check_moment_memory(21, 10, 256, 10, 8192, torch.device("cpu"))  # small: passes
 
 
 def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> None:
@@ -196,10 +196,12 @@ def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> 
             shape, batch_size=4, seq_len=1024, n_streams=17, calibration_groups=groups,
             readout_rows=4096, device_type=device_type,
         )  # fmt: skip
-        assert estimate.terms["moments"] == moment_bytes(17, groups, 5280, resident)
+        assert estimate.terms["moments"] == moment_bytes(17, groups, 5280, resident, 4096)
     scatter = 4 * 5280**2
     whole = 8 * (5280**2 + 3 * 5280)
-    assert moment_bytes(1, 10, 5280, 1) == scatter + 4 * 3 * 5280 + 4 * 64 * 5280 + whole
+    assert moment_bytes(1, 10, 5280, 1, 4096) == scatter + 4 * 3 * 5280 + 4 * 64 * 5280 + whole
+    # Narrow states wait in a longer buffer, but never more than a batch's positions.
+    assert moment_bytes(1, 10, 256, 1, 128) - moment_bytes(1, 10, 256, 1, 1) == 4 * 127 * 256
 
 
 def test_a_left_out_refit_held_as_a_float16_difference_applies_as_the_refit() -> None:
