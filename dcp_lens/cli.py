@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-dtype", choices=("uint16", "uint32"),
         help="text: ids of a pre-tokenized .bin (default: from the vocabulary size)",
     )  # fmt: skip
-    add_protocol_options(run, "run")
+    add_protocol_options(run, "run", unset=("batch_size",))  # none: chosen from the budget
     run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     run.add_argument(
         "--dtype", choices=DTYPES,
@@ -285,6 +285,7 @@ def _run(args: argparse.Namespace) -> int:
         n_eval=args.n_eval, n_calibration=args.n_calibration, text=text, device=args.device,
         dtype=args.dtype, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite,
         checkpoint_every=args.checkpoint_every, command=args.command_line,
+        batch_from_budget=args.batch_size is None,
     )  # fmt: skip
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
     if args.dry_run:
