@@ -352,7 +352,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dcp_lens.studies.bench import print_bench, run_bench, run_estimate
+    from dcp_lens.studies.bench import print_bench, run_bench
+    from dcp_lens.studies.bench_work import run_estimate
     from dcp_lens.utils.memory import annotated
 
     if args.estimate:

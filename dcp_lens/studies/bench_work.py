@@ -1,4 +1,5 @@
-"""The sweep's work counted, not timed: forwards per token of each stage of a DCP run.
+"""The sweep's work counted, not timed: forwards per token of each stage of a DCP run; and its
+memory estimated at a preset's shape (`run_estimate`), without weights.
 
 A counter hooks the model's blocks, its injection and its final norm (the unembedding follows
 it) and counts the rows each call applies them to; `model.readout` calls are counted apart. A
@@ -298,3 +299,60 @@ def print_count(result: dict[str, Any], as_json: bool) -> None:
     for stage, forwards in result["forwards_per_token"].items():
         readouts = result["readouts_per_token"][stage]
         print(f"  {stage:<22} {forwards:14.3f} {readouts:15.2f}")
+
+
+def run_estimate(
+    preset: str = "huginn",
+    *,
+    batch: int | None = None,
+    seq: int | None = None,
+    d_model: int | None = None,
+    n_core: int | None = None,
+    n_iterations: int | None = None,
+    d_vocab: int | None = None,
+    dtype: str = "bfloat16",
+    config: ProtocolConfig | None = None,
+    budget_gib: float | None = None,
+) -> dict[str, Any]:
+    """The estimated peak memory of a DCP run (`estimate_run_memory`) on ``preset``'s model shape,
+    built on the meta device (no weights are allocated): what `dcp-lens run --dry-run` would
+    print for such a model, without one. Returns the estimate's terms and stages in GiB."""
+    from dcp_lens.protocol.budget import (
+        GIB,
+        ModelShape,
+        estimate_run_memory,
+        largest_fitting_batch,
+    )
+
+    config = config or ProtocolConfig()
+    from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+    from dcp_lens.studies.bench import PRESET_DEFAULTS, bench_config
+
+    cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq)
+    with torch.device("meta"):
+        model = HookedRecurrentTransformer(cfg).to(getattr(torch, dtype))
+    size = {**PRESET_DEFAULTS[preset], **({"seq": seq} if seq else {})}
+    r = int(model.n_iterations)
+    grid = config.grid(r)
+    n_streams = 1 + 2 * sum(1 for k in grid if k < r)
+    budget = None if budget_gib is None else int(budget_gib * GIB)
+
+    def at(size_: int) -> Any:
+        return estimate_run_memory(
+            ModelShape.of(model), batch_size=size_, seq_len=size["seq"], n_streams=n_streams,
+            calibration_groups=config.calibration_groups, budget=budget,
+            calibration_mode=config.calibration_mode,
+        )  # fmt: skip
+
+    chosen = batch is None and budget is not None  # as `run` chooses with no --batch-size
+    if chosen:
+        batch = largest_fitting_batch(lambda b: at(b).peak_bytes <= budget, config.batch_size)
+    batch = batch or config.batch_size
+    estimate = at(batch)
+    return {
+        "preset": preset, "dtype": dtype, "batch": batch, "batch_from_budget": chosen,
+        "seq": size["seq"],
+        "k_grid": list(grid), "calibration_groups": config.calibration_groups,
+        "parameters": ModelShape.of(model).n_parameters,
+        "budget_gib": budget_gib, **estimate.to_dict(), "table": estimate.table(),
+    }  # fmt: skip

@@ -65,3 +65,22 @@ def test_a_runs_readouts_per_token_are_the_sweeps_planned_readouts(model) -> Non
     assert 0.9 < counted["forwards_per_token"]["calibration pass"] <= 1.05
     assert counted["forwards_per_token"]["refits"] == 0.0
     assert counted["forwards_per_token"]["evaluation"] > 1.0
+
+
+def test_the_estimate_at_huginns_shape_chooses_a_batch_that_fits_80_and_141_gb_cards() -> None:
+    """With no batch given, the batch is the largest up to `run`'s default whose estimated
+    peak fits the budget: 85% of an 80 GB and of a 141 GB card."""
+    from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
+    from dcp_lens.studies.bench_work import run_estimate
+
+    config = ProtocolConfig(**COMMAND_DEFAULTS["run"])
+    for card_gib, budget in ((74.5, 0.85 * 74.5), (131.0, 0.85 * 131.0)):
+        chosen = run_estimate("huginn", dtype="bfloat16", config=config, budget_gib=budget)
+        assert chosen["batch_from_budget"] and chosen["peak_gib"] <= budget < card_gib
+        if chosen["batch"] < config.batch_size:  # one more would not fit
+            more = run_estimate("huginn", batch=chosen["batch"] + 1, dtype="bfloat16",
+                                config=config, budget_gib=budget)  # fmt: skip
+            assert more["peak_gib"] > budget
+        assert chosen["host_total_gib"] > 10.0  # the parked groups, printed beside it
+    given = run_estimate("huginn", batch=64, dtype="bfloat16", config=config, budget_gib=63.3)
+    assert given["batch"] == 64 and not given["batch_from_budget"]  # a given batch stays
