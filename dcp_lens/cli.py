@@ -107,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-dtype", choices=("uint16", "uint32"),
         help="text: ids of a pre-tokenized .bin (default: from the vocabulary size)",
     )  # fmt: skip
-    add_protocol_options(run, "run", unset=("batch_size",))  # none: chosen from the budget
+    add_protocol_options(run, "run", unset=("batch_size",))
+    for action in run._actions:  # no batch size given: the largest that fits, up to 64
+        if action.dest == "batch_size":
+            action.help = "sequences per forward pass (default: the largest up to 64 that fits"
+            action.help += " the memory budget, printed)"
     run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     run.add_argument(
         "--dtype", choices=DTYPES,
