@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-dtype", choices=("uint16", "uint32"),
         help="text: ids of a pre-tokenized .bin (default: from the vocabulary size)",
     )  # fmt: skip
-    add_protocol_options(run, "run")
+    add_protocol_options(run, "run", unset=("batch_size",))
+    for action in run._actions:  # no batch size given: the largest that fits, up to 64
+        if action.dest == "batch_size":
+            action.help = "sequences per forward pass (default: the largest up to 64 that fits"
+            action.help += " the memory budget, printed)"
     run.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     run.add_argument(
         "--dtype", choices=DTYPES,
@@ -216,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", type=int, default=1, help=HELP["batches"])
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--estimate", action="store_true", help=HELP["estimate"])
+    bench.add_argument("--count", action="store_true", help=HELP["count"])
     add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument("--threads", type=int, help=HELP["bench_threads"])
@@ -291,6 +296,7 @@ def _run(args: argparse.Namespace) -> int:
         n_eval=args.n_eval, n_calibration=args.n_calibration, text=text, device=args.device,
         dtype=args.dtype, progress=not args.quiet, resume=args.resume, overwrite=args.overwrite,
         checkpoint_every=args.checkpoint_every, command=args.command_line,
+        batch_from_budget=args.batch_size is None,
     )  # fmt: skip
     dense = args.dense or (DEFAULT_DENSE if args.model is None else None)
     if args.dry_run:
@@ -357,7 +363,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dcp_lens.studies.bench import print_bench, run_bench, run_estimate
+    from dcp_lens.studies.bench import print_bench, run_bench
+    from dcp_lens.studies.bench_work import run_estimate
     from dcp_lens.utils.memory import annotated
 
     if args.estimate:
@@ -370,6 +377,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(estimate, indent=2) if args.json else estimate["table"])
         return 0
 
+    if args.count:
+        from dcp_lens.studies.bench import RUN_BATCHES
+        from dcp_lens.studies.bench_work import print_count, run_count
+
+        counted = run_count(
+            args.preset, d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
+            d_vocab=args.vocab, batch=args.batch_size, seq=args.seq,
+            config=protocol_config(args, "bench"),
+            batches=args.batches if args.batches > 1 else RUN_BATCHES,
+        )  # fmt: skip
+        print_count(counted, args.json)
+        return 0
     result = run_bench(
         d_model=args.d_model, n_core=args.n_core, n_iterations=args.iterations,
         batch=args.batch_size, seq=args.seq, d_vocab=args.vocab, repeats=args.repeats,

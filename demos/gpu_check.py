@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -107,13 +108,21 @@ def main() -> None:
     parser.add_argument("--probe", help="the probe (default: the protocol's, trajectory)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    out: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "torch": torch.__version__}
+    # TF32 as `dcp-lens run` has it (PyTorch's default, off): the run measured is the one used.
+    out: dict[str, Any] = {
+        "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+    }  # fmt: skip
     if device.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every stage: a run cut short keeps what it measured
+        (args.out / "gpu_check.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
 
     rate = matrix_rate(args.matmul, dtype, device)
     out["matmul"] = {"n": args.matmul, "tflops": rate / 1e12}
+    save()
 
     cfg = bench_config(
         "huginn", d_model=args.d_model, n_iterations=args.iterations, d_vocab=args.vocab,
@@ -140,6 +149,7 @@ def main() -> None:
         "tokens_per_second": per_second, "gflop_per_token": flops / 1e9,
         "share_of_matmul_rate": per_second * flops / rate,
     }  # fmt: skip
+    save()
 
     evaluation = EvaluationSet.from_tokens(tokens[: args.n])
     calibration = EvaluationSet.from_tokens(tokens[args.n :])
@@ -150,6 +160,8 @@ def main() -> None:
     }
     protocol = DepthControlProtocol(model, batch_size=args.batch_size, progress=False, **overrides)
     estimate = protocol.estimate(evaluation, calibration)
+    out["estimate"] = estimate.to_dict()
+    save()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = timed_stages()
@@ -165,13 +177,14 @@ def main() -> None:
         "peak_memory_gib": peak_memory(device) / 2**30,
         "estimated_peak_gib": estimate.peak_bytes / 2**30,
         "estimated_peak_stage": estimate.peak_stage,
+        "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "estimated_host_gib": estimate.host_bytes / 2**30,
         "estimate": estimate.to_dict(),
         "verdicts": {
             m: (d.bracket_shares or {}).get("verdict") for m, d in results.decompositions.items()
         },
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+    save()
     run = out["run"]
     print(f"matrix rate ({args.dtype}, {args.matmul}^3): {rate / 1e12:.1f} TFLOP/s")
     print(
@@ -181,7 +194,9 @@ def main() -> None:
     print(
         f"DCP run {args.n} + {args.n} x {args.seq}: {total:.1f} s "
         f"({run['seconds_per_million_tokens']:.1f} s per 1M tokens), peak "
-        f"{run['peak_memory_gib']:.2f} GiB (estimated {run['estimated_peak_gib']:.2f} GiB)"
+        f"{run['peak_memory_gib']:.2f} GiB (estimated {run['estimated_peak_gib']:.2f} GiB), "
+        f"host {run['peak_host_memory_gib']:.2f} GiB (estimated beside it: "
+        f"{run['estimated_host_gib']:.2f} GiB)"
     )
     for stage, value in seconds.items():
         print(f"  {stage}: {value:.1f} s")

@@ -401,13 +401,40 @@ def memory_table() -> str:
         f"{data['parameters']:,} parameters, batches of {data['batch']} x {data['seq']} tokens, "
         f"k grid {_k_list(data['k_grid'])}, {data['calibration_groups']} calibration groups, "
         f"{data['readout_rows']} readout rows a call). Peak: {data['peak_gib']:.2f} GiB, the "
-        f"{data['peak_stage']} stage.*\n"
+        f"{data['peak_stage']} stage; host memory beside it: {data['host_total_gib']:.2f} GiB "
+        "(the calibration groups parked off the device).*\n"
     )
     return _table(["term", "GiB"], rows) + note
 
 
+def work_table() -> str:
+    """Forwards and readouts per token by stage of a default run at Huginn-0125's layout, counted
+    by ``dcp-lens bench --preset huginn --count --json``."""
+    data = _read(DATA / "work_huginn.json")
+    targets = {"calibration pass": "<= 1.2", "evaluation": "<= 2.0"}
+    rows = [
+        [stage, _num(forwards, 3), _num(data["readouts_per_token"][stage], 2),
+         targets.get(stage, "")]
+        for stage, forwards in data["forwards_per_token"].items()
+    ]  # fmt: skip
+    on, at = data["counted_on"], data["weighed_at"]
+    note = (
+        f"\n*Generated from `docs/data/work_huginn.json` (`dcp-lens bench --preset huginn --count "
+        f"--d-model {on['d_model']} --vocab {on['d_vocab']} --seq {on['seq']} --batch-size "
+        f"{data['batch']} --probe {data['probe']} --json`: r = {data['n_iterations']}, k grid "
+        f"{_k_list(data['k_grid'])}, {data['batches']} calibration and evaluation batches of "
+        f"{data['batch']} sequences, {data['calibration_groups']} calibration groups, the "
+        f"jackknife on {data['jackknife_examples']} evaluation examples; weighed at d_model "
+        f"{at['d_model']}, vocabulary {at['d_vocab']}). Per token of the stage's split: "
+        "calibration for the first three, evaluation for the last two; the evaluation's "
+        "readouts include its own forward's.*\n"
+    )
+    return _table(["stage", "forwards per token", "readouts per token", "target"], rows) + note
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "memory-huginn": memory_table,
+    "work-huginn": work_table,
     "run-default": run_default_table,
     "intervention-default": lambda: _intervention("default"),
     "intervention-lm": lambda: _intervention("lm"),

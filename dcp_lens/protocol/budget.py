@@ -40,6 +40,37 @@ CPU_READOUT_ROWS = 2048
 # and the most (past it a larger call is no faster, only its logits larger).
 MIN_ACCELERATOR_ROWS = 256
 MAX_ACCELERATOR_ROWS = 4096
+# A calibration group's states are folded into its moments once this many have come: fewer
+# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
+# is then small beside its product).
+GROUP_BUFFER_ROWS = 4096
+GROUP_BUFFER_ELEMENTS = 2**18
+
+
+def group_buffer_rows(width: int) -> int:
+    """Rows of ``width`` a calibration group's buffer holds before they are folded in."""
+    return max(64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width)))
+
+
+def moment_bytes(
+    n_streams: int,
+    n_groups: int,
+    width: int,
+    resident: int,
+    batch_positions: int,
+    full: bool = True,
+) -> int:
+    """Bytes the fit stage's moments hold on the device, per stream: each of the ``resident``
+    groups' scatter and vectors at the dtype it is stored in (float32 where the jackknife's
+    ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows (the
+    buffer, `group_buffer_rows`, or one batch's ``batch_positions`` where fewer), and the whole
+    split's float64 moments they merge into. ``full``: d x d scatters (else d-vectors). The one
+    model of the moments: the check before the pass and `estimate_run_memory` both use it."""
+    square = width * width if full else width
+    stored = 4 if n_groups >= 2 else 8
+    waiting = min(group_buffer_rows(width), max(1, batch_positions))
+    group = stored * (square + 3 * width) + 4 * waiting * width
+    return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -116,12 +147,20 @@ class MemoryEstimate:
             ``reference``, ``moments``, ``maps``, ...).
         stages: per stage, the names of the terms it holds at once.
         plan: the readout plan the estimate assumes.
+        host: what waits in host memory off the device, by name (``parked_groups``: the
+            calibration groups not being filled, `dcp_lens.protocol.fit_records.moments_host`).
     """
 
     terms: dict[str, int]
     stages: dict[str, tuple[str, ...]]
     plan: ReadoutPlan
     notes: list[str] = field(default_factory=list)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the run holds beside the device's (0 where the host is the device)."""
+        return sum(self.host.values())
 
     def stage_bytes(self, stage: str) -> int:
         return sum(self.terms[name] for name in self.stages[stage])
@@ -142,6 +181,10 @@ class MemoryEstimate:
         for stage in self.stages:
             lines.append(f"    {stage:<20} {self.stage_bytes(stage) / GIB:8.2f} GiB")
         lines.append(f"  peak ({self.peak_stage}): {self.peak_bytes / GIB:.2f} GiB")
+        parts = ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in self.host.items())
+        lines.append(
+            f"  host memory beside it: {self.host_bytes / GIB:.2f} GiB ({parts or 'none'})"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, float | str | dict[str, float] | list[str]]:
@@ -151,6 +194,8 @@ class MemoryEstimate:
             "peak_gib": self.peak_bytes / GIB,
             "peak_stage": self.peak_stage,
             "readout_rows": self.plan.rows,
+            "host_gib": {name: value / GIB for name, value in self.host.items()},
+            "host_total_gib": self.host_bytes / GIB,
             "notes": list(self.notes),
         }
 
@@ -234,8 +279,7 @@ def estimate_run_memory(
         # Per stream: a float32 scatter per group on the device (one, on an accelerator: the
         # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`), the float64
         # whole they merge into, and the groups' waiting rows.
-        "moments": n_streams
-        * (on_device * square * 4 + square * 8 + max(1, on_device) * 64 * d * 4),
+        "moments": moment_bytes(n_streams, groups, d, on_device, positions, full),
         # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
         "jackknife_refits": groups * 3 * square * 8,
         "base_rate_sums": 16 * vocab * 8,
@@ -283,7 +327,10 @@ def estimate_run_memory(
         "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
                        "readouts", "reference", "maps", "jackknife_maps", "allocator_kept"),
     }  # fmt: skip
-    estimate = MemoryEstimate(terms, stages, plan)
+    # On an accelerator the groups not being filled wait on the host in their float32 storage.
+    parked = groups - on_device if device_type != "cpu" else 0
+    host = {"parked_groups": n_streams * parked * 4 * (square + 3 * d)} if parked > 0 else {}
+    estimate = MemoryEstimate(terms, stages, plan, host=host)
     if full and groups:
         estimate.notes.append(
             f"the jackknife ({calibration_groups} groups) holds moments per group and a refit of "

@@ -69,7 +69,8 @@ class ProtocolConfig:
         calibration_groups: G, the calibration split's groups (example key mod G) of the
             leave-one-group-out jackknife: every map, translator and the base rate is refitted
             G times without one group, the mapped conditions are read under each on a tenth of
-            the evaluation examples, and the intervals widen by the spread (0: off, intervals
+            the evaluation examples (at most `dcp_lens.protocol.sweep.JACKKNIFE_TOKENS` tokens
+            of them), and the intervals widen by the spread (0: off, intervals
             then ignore the calibration split; 1 is refused).
         match_confidence: score the loss metrics on readouts whose temperature is matched,
             label-free on the calibration split, to full depth's mean entropy.

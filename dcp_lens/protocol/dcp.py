@@ -227,6 +227,12 @@ class DepthControlProtocol:
             "memory_budget (--memory-budget GIB).",
         )  # fmt: skip
 
+    def use_batch_size(self, batch_size: int) -> None:
+        """Run with ``batch_size`` sequences per forward from now on (a batch chosen from the
+        budget, `largest_fitting_batch`); every other setting stays."""
+        self.config = self.config.replace(batch_size=batch_size)
+        self.context.config = self.config
+
     def largest_fitting_batch(self, evaluation: EvaluationSet, calibration: EvaluationSet) -> int:
         """The largest batch size up to the configured one whose estimated peak fits the
         budget (0: none; the configured one where the budget is unknown)."""

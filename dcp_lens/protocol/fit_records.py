@@ -14,7 +14,12 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from dcp_lens.protocol.budget import ReadoutPlan, device_memory_bytes
+from dcp_lens.protocol.budget import (
+    ReadoutPlan,
+    device_memory_bytes,
+    group_buffer_rows,
+    moment_bytes,
+)
 from dcp_lens.protocol.calibration import (
     CalibrationMap,
     MomentsState,
@@ -29,11 +34,6 @@ from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
 
-# A calibration group's states are folded into its moments once this many have come: fewer
-# for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
-# is then small beside its product).
-GROUP_BUFFER_ROWS = 4096
-GROUP_BUFFER_ELEMENTS = 2**18
 # The fit refuses to start when its moments would take more than this share of the free memory.
 MOMENT_MEMORY_SHARE = 0.5
 # The paired translators of the S bracket's upper end are fitted on at most this many
@@ -330,13 +330,14 @@ class CalibrationRecords:
         r, keys = context.r, calibration.example_keys()
         if not self.buffer_rows:  # before any moments are held
             width = int(states.shape[-1])
-            self.buffer_rows = max(
-                64, min(GROUP_BUFFER_ROWS, GROUP_BUFFER_ELEMENTS // max(1, width))
-            )
+            self.buffer_rows = group_buffer_rows(width)
             on_device = 1 if self.host is not None else self.n_groups
+            full = context.config.calibration_mode == "full"
+            positions = int(states[0].numel()) // width
             check_moment_memory(
-                len(self.conditions), on_device, width, self.buffer_rows, context.device()
-            )
+                len(self.conditions), self.n_groups, width, on_device, positions,
+                context.device(), full,
+            )  # fmt: skip
         if self.base is not None:  # full depth's readout in chunks of examples
             for chunk in plan.example_chunks(rows.stop - rows.start):
                 chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
@@ -452,29 +453,29 @@ def leading_states(
     return states[:, : rows.stop - rows.start][:, keep]
 
 
-def moment_bytes(n_streams: int, n_groups: int, width: int, buffer_rows: int) -> int:
-    """Bytes the fit stage's moments hold: per stream and calibration group, a float64 d x d
-    scatter and its vectors, and up to ``buffer_rows`` float32 states waiting; per stream the
-    whole split's merged moments once more."""
-    per_moments = 8 * (width * width + 3 * width)
-    waiting = 4 * buffer_rows * width
-    return n_streams * (n_groups * (per_moments + waiting) + per_moments)
-
-
 def check_moment_memory(
-    n_streams: int, n_groups: int, width: int, buffer_rows: int, device: torch.device
+    n_streams: int,
+    n_groups: int,
+    width: int,
+    resident: int,
+    batch_positions: int,
+    device: torch.device,
+    full: bool = True,
 ) -> None:
-    """Refuse, before the calibration pass, a fit whose moments (`moment_bytes`) would take more
-    than `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
-    needed = moment_bytes(n_streams, n_groups, width, buffer_rows)
+    """Refuse, before the calibration pass, a fit whose moments
+    (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on the
+    device, batches of ``batch_positions`` positions) would take more than
+    `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
+    needed = moment_bytes(n_streams, n_groups, width, resident, batch_positions, full)
     # What the device can give, PyTorch's cached memory included (it is reused before the
     # driver is asked): memory a notebook's earlier work left cached does not count as taken.
     free = device_memory_bytes(device) or 0
     if free and needed > MOMENT_MEMORY_SHARE * free:
-        single = moment_bytes(n_streams, 1, width, buffer_rows)
+        single = moment_bytes(n_streams, 1, width, 1, batch_positions, full)
         raise ResourceLimitError(
             f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
-            f"conditions x {n_groups} calibration groups of {width} x {width} float64), more "
+            f"conditions x {resident} of {n_groups} calibration groups on the device, "
+            f"{width} wide, float32 with the groups, float64 alone), more "
             f"than {MOMENT_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device}. "
             f"Pass fewer calibration groups (--calibration-groups 0 turns the jackknife off: "
             f"{single / 2**30:.1f} GiB) or a shorter --k grid."

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from dcp_lens.protocol.budget import (
@@ -42,8 +42,33 @@ from dcp_lens.protocol.sweep_records import (
 )
 from dcp_lens.utils import distributed
 
-# The jackknife reads the mapped conditions on the evaluation examples whose key is 0 mod this.
+# The jackknife reads the mapped conditions on the evaluation examples whose key is 0 mod this,
 JACKKNIFE_EVALUATION_STRIDE = 10
+# up to this many tokens (those with the smallest keys): its readouts then cost the same in a
+# run of any size, and a few thousand positions read each refit's cell means far more finely
+# than the refits differ.
+JACKKNIFE_TOKENS = 8192
+
+
+def jackknife_examples(
+    keys: Int[Tensor, " n"], seq_len: int, tokens: int | None = None
+) -> Bool[Tensor, " n"]:
+    """Which evaluation examples the jackknife reads: those whose key is 0 mod
+    `JACKKNIFE_EVALUATION_STRIDE`, at most ``tokens`` // ``seq_len`` of them (at least one;
+    ``tokens`` defaults to `JACKKNIFE_TOKENS`), the smallest keys first. Keys hash the
+    examples' tokens, so the choice depends on neither the batch size nor the order of the
+    examples.
+
+    Args:
+        keys: ``[n]`` the evaluation set's example keys (`EvaluationSet.example_keys`).
+        seq_len: tokens per example.
+    """
+    candidates = torch.nonzero(keys % JACKKNIFE_EVALUATION_STRIDE == 0).squeeze(1)
+    limit = max(1, (JACKKNIFE_TOKENS if tokens is None else tokens) // max(1, seq_len))
+    order = torch.argsort(keys[candidates], stable=True)
+    chosen = torch.zeros(len(keys), dtype=torch.bool)
+    chosen[candidates[order[:limit]]] = True
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -76,12 +101,14 @@ class _Reference:
 
 @dataclass(frozen=True)
 class _Evaluation:
-    """What every batch of one evaluation reads: the data and its examples' keys, the sweep
+    """What every batch of one evaluation reads: the data, its examples' keys and those the
+    jackknife reads (`jackknife_examples`), the sweep
     conditions at every k of the grid and at r, and per left-out calibration group the
     conditions its maps change (only those are read again for the jackknife)."""
 
     data: EvaluationSet
     keys: Int[Tensor, " n"]
+    jackknifed: Bool[Tensor, " n"]
     built: dict[int, dict[str, Condition | None]]
     left_out: list[dict[int, dict[str, Condition | None]]]
 
@@ -90,10 +117,18 @@ class Sweep:
     """The sweep of one run over fitted maps and temperatures.
 
     ``replay_difference`` holds, per k, max |readout(replay(k)) - readout(truncate(k))| over
-    every evaluation so far (all noise draws): whether B is identified."""
+    every evaluation so far (all noise draws): whether B is identified. ``jackknife_tokens``
+    caps the jackknife's examples (`jackknife_examples`; None: `JACKKNIFE_TOKENS`)."""
 
-    def __init__(self, context: RunContext, maps: FittedMaps, temperatures: Temperatures) -> None:
+    def __init__(
+        self,
+        context: RunContext,
+        maps: FittedMaps,
+        temperatures: Temperatures,
+        jackknife_tokens: int | None = None,
+    ) -> None:
         self.context = context
+        self.jackknife_tokens = jackknife_tokens
         self.maps = maps
         self.temperatures = temperatures
         self._replay: Maxima[int] = Maxima()
@@ -136,15 +171,16 @@ class Sweep:
                 return SweepOutput({}, {}, ProbeSamples())
             records = SweepRecords.merged(gathered, context.device())
         self._replay = records.replay_difference
-        chosen = run.keys % JACKKNIFE_EVALUATION_STRIDE == 0
-        jackknife_rows = torch.nonzero(chosen).squeeze(1) if run.left_out else None
+        jackknife_rows = torch.nonzero(run.jackknifed).squeeze(1) if run.left_out else None
         return records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
 
     def _evaluation(self, evaluation: EvaluationSet) -> _Evaluation:
         built = {k: self.conditions_at(k) for k in {*self.context.k_grid, self.context.r}}
         # Under each left-out group's maps, only the conditions those maps change.
         left_out = [_changed(built, maps, self.context.k_grid) for maps in self.maps.jackknife]
-        return _Evaluation(evaluation, evaluation.example_keys(), built, left_out)
+        keys = evaluation.example_keys()
+        chosen = jackknife_examples(keys, int(evaluation.tokens.shape[1]), self.jackknife_tokens)
+        return _Evaluation(evaluation, keys, chosen, built, left_out)
 
     def _records(self, run: _Evaluation) -> SweepRecords:
         """Empty records of ``run`` (replay's differences go on from earlier evaluations)."""
@@ -195,7 +231,7 @@ class Sweep:
         scores = BatchScores()
         null = scores.null
         top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
-        chosen = run.keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0
+        chosen = run.jackknifed[rows]
         null_map = self.maps.null
         for examples in plan.example_chunks(rows.stop - rows.start):
             chunk_states, chunk_logits = states[:, examples], full_logits[examples]

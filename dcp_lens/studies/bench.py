@@ -66,7 +66,7 @@ from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
 from dcp_lens.protocol.readout import needed_readouts, readout_groups
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
+from dcp_lens.protocol.sweep import jackknife_examples
 from dcp_lens.studies.bench_memory import (
     bench_bytes,
     device_memory_bytes,
@@ -260,7 +260,7 @@ def irreducible_work(
     sweep_reads, matched_reads = plan["evaluation"], plan["matching"]
     null_reads, matching = plan["null"], context.matches_confidence()
     jackknife_reads, base_reads = plan["jackknife"], plan["base_rate"]
-    evaluation_keys = evaluation.example_keys()
+    jackknifed = jackknife_examples(evaluation.example_keys(), int(evaluation.tokens.shape[1]))
     confidence = protocol.confidence
 
     def read(states: Tensor, state: Tensor, n: int) -> None:
@@ -300,7 +300,7 @@ def irreducible_work(
             for k, n in sweep_reads.items():
                 read(states, states[k], n)
             read(states, states[r], null_reads)
-            chosen = (evaluation_keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
+            chosen = jackknifed[rows].to(device)
             if bool(chosen.any()):
                 for k, n in jackknife_reads.items():
                     read(states[:, chosen], states[k][chosen], n)
@@ -339,7 +339,7 @@ def irreducible_readouts(protocol: DepthControlProtocol) -> IrreducibleReadouts:
         },
         "null": int(maps.null is not None),
         # The jackknife's: per k, the conditions each left-out group's maps change, read on the
-        # evaluation examples `JACKKNIFE_EVALUATION_STRIDE` picks.
+        # evaluation examples `jackknife_examples` picks.
         "jackknife": {
             k: sum(
                 len(
@@ -383,7 +383,7 @@ def overhead_floor(
     solves, the jackknife's refits, the streamed moments nor
     the temperatures are in it, so the sweep's true floor lies above ``1 + floor /
     irreducible``. Timed on every evaluation batch (its states and readouts computed untimed):
-    the jackknife reads the examples whose key is 0 mod `JACKKNIFE_EVALUATION_STRIDE`, so its
+    the jackknife reads the examples `jackknife_examples` picks (key 0 mod 10, capped), so its
     share differs from batch to batch, and one batch scaled up misstates it (at eight batches of
     the bench the first held one such example in 16, the set 19 in 128). The jackknife's cells
     are scored as the sweep scores them, stacked in the readout's groups. Returns the seconds per
@@ -446,13 +446,13 @@ def overhead_floor(
             }
             changed.extend(needed_readouts(r, moved))
         plan[k] = needed_readouts(r, built), changed
-    keys = evaluation.example_keys()
+    picked = jackknife_examples(evaluation.example_keys(), int(evaluation.tokens.shape[1]))
     for rows in evaluation.batches(context.config.batch_size):
         states, full_logits = capture_states(model, evaluation.tokens[rows].to(device))
         targets = evaluation.targets[rows].to(device)
         full = reference(full_logits, targets)
         score(full_logits, full)
-        chosen = (keys[rows] % JACKKNIFE_EVALUATION_STRIDE == 0).to(device)
+        chosen = picked[rows].to(device)
         jackknifed = bool(chosen.any())
         if jackknifed:
             sub_states = states[:, chosen]
@@ -756,44 +756,3 @@ def print_bench(result: dict[str, Any], as_json: bool) -> None:
     print(f"  {'peak_memory_mb':<34} {result['peak_memory_mb']:.0f} ({result['peak_memory_kind']})")
     per_token = result["sweep_memory_per_batch_token_mb"]
     print(f"  {'sweep_memory_per_batch_token_mb':<34} {per_token:.4f}")
-
-
-def run_estimate(
-    preset: str = "huginn",
-    *,
-    batch: int | None = None,
-    seq: int | None = None,
-    d_model: int | None = None,
-    n_core: int | None = None,
-    n_iterations: int | None = None,
-    d_vocab: int | None = None,
-    dtype: str = "bfloat16",
-    config: ProtocolConfig | None = None,
-    budget_gib: float | None = None,
-) -> dict[str, Any]:
-    """The estimated peak memory of a DCP run (`estimate_run_memory`) on ``preset``'s model shape,
-    built on the meta device (no weights are allocated): what `dcp-lens run --dry-run` would
-    print for such a model, without one. Returns the estimate's terms and stages in GiB."""
-    from dcp_lens.protocol.budget import GIB, ModelShape, estimate_run_memory
-
-    config = config or ProtocolConfig()
-    cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq)
-    with torch.device("meta"):
-        model = HookedRecurrentTransformer(cfg).to(getattr(torch, dtype))
-    size = {**PRESET_DEFAULTS[preset], **({"seq": seq} if seq else {})}
-    batch = batch or config.batch_size
-    r = int(model.n_iterations)
-    grid = config.grid(r)
-    n_streams = 1 + 2 * sum(1 for k in grid if k < r)
-    budget = None if budget_gib is None else int(budget_gib * GIB)
-    estimate = estimate_run_memory(
-        ModelShape.of(model), batch_size=batch, seq_len=size["seq"], n_streams=n_streams,
-        calibration_groups=config.calibration_groups, calibration_mode=config.calibration_mode,
-        budget=budget,
-    )  # fmt: skip
-    return {
-        "preset": preset, "dtype": dtype, "batch": batch, "seq": size["seq"],
-        "k_grid": list(grid), "calibration_groups": config.calibration_groups,
-        "parameters": ModelShape.of(model).n_parameters,
-        "budget_gib": budget_gib, **estimate.to_dict(), "table": estimate.table(),
-    }  # fmt: skip

@@ -44,6 +44,12 @@ HELP = {
         "print the estimated peak memory of a DCP run at the preset's shape (built on the "
         "meta device: nothing is allocated or timed), by term and stage, and stop"
     ),
+    "count": (
+        "count the work instead of timing it: forwards and readouts per token of each stage "
+        "(calibration pass, refits, confidence matching, evaluation, probe) of a run of "
+        "--batches batches (default 32: 512 + 512 sequences at batch 16) on the preset's "
+        "layout, weighed at its full width and vocabulary; any device, no timer"
+    ),
     "bench_threads": (
         "CPU threads for torch (default: torch's own, so that figures compare with a plain "
         "PyTorch run; --threads 1 is what run uses)"

@@ -73,6 +73,8 @@ class RunOptions:
     resume: bool = False
     overwrite: bool = False
     checkpoint_every: int = 16  # batches between --resume snapshots
+    # No batch size given: the largest that fits the budget, up to the config's (printed).
+    batch_from_budget: bool = False
     command: str = "dcp_lens.studies.run.run"  # recorded in report_data.json
 
 
@@ -166,13 +168,19 @@ def dry_run(
             )
         protocol = DepthControlProtocol(loaded, config, spec=spec, progress=False)
         evaluation, calibration = data
+        fits = protocol.largest_fitting_batch(evaluation, calibration)
+        if options.batch_from_budget and 0 < fits < config.batch_size:
+            protocol.use_batch_size(fits)
+            lines.append(
+                f"batch size {fits}: the largest up to {config.batch_size} whose estimated "
+                "peak fits the memory budget (--batch-size sets it)"
+            )
         estimate: MemoryEstimate = protocol.estimate(evaluation, calibration)
         budget = protocol.context.budget()
-        fits = protocol.largest_fitting_batch(evaluation, calibration)
         lines += [
             f"{spec} on {protocol.context.device()}: {len(evaluation)} + {len(calibration)} "
             f"sequences of {int(evaluation.tokens.shape[1])} tokens, batch size "
-            f"{config.batch_size}, {estimate.plan.rows} readout rows a call",
+            f"{protocol.config.batch_size}, {estimate.plan.rows} readout rows a call",
             estimate.table(),
             f"  budget: {'unknown' if budget is None else f'{budget / GIB:.2f} GiB'}; largest "
             f"batch size that fits: {fits if budget is not None else 'unknown'}",
@@ -218,10 +226,13 @@ def _run(
             folder.close()
             return RunOutcome([], out, already_finished=True)
         work = Path(shared)
-        if main and options.resume:
-            _check_resumed_settings(work, settings)
         specs = [(model, False)] + ([(dense, True)] if dense else [])
         plans = _load(work, specs, task, config, options)
+        if options.batch_from_budget:
+            config = _batch_from_budget(plans, config, work if options.resume else None)
+            settings = _settings(model, dense, task, config, options)
+        if main and options.resume:
+            _check_resumed_settings(work, settings)
         if main:
             _prepare(folder, work, settings)
         distributed.broadcast_from_main(True)  # no rank starts before the folder is ready
@@ -239,6 +250,38 @@ def _run(
     folder.finish()  # the manifest, the swap of an --overwrite; then unmarked: finished
     mark_complete(folder.real)
     return RunOutcome(results, out)
+
+
+def _batch_from_budget(
+    plans: list[_Plan], config: ProtocolConfig, resumed: Path | None
+) -> ProtocolConfig:
+    """The run's config with the largest batch size up to ``config``'s whose estimate fits every
+    model's budget (the batch an interrupted run chose, when ``resumed``: a run's batches keep
+    their size), set on every plan's protocol and printed."""
+    size = config.batch_size
+    recorded = resumed / CHECKPOINTS / "command.json" if resumed is not None else None
+    if recorded is not None and recorded.is_file():
+        size = int(json.loads(recorded.read_text()).get("config.batch_size", size))
+    else:
+        fits = [
+            plan.protocol.largest_fitting_batch(*plan.data)
+            for plan in plans
+            if plan.protocol is not None
+        ]
+        size = min([*fits, size]) or size  # none fits: the check before the run says so
+    from dcp_lens.utils import distributed
+
+    size = int(distributed.broadcast_from_main(size if distributed.is_main() else None))
+    if size == config.batch_size:
+        return config
+    for plan in plans:
+        if plan.protocol is not None:
+            plan.protocol.use_batch_size(size)
+    print(
+        f"batch size {size}: the largest up to {config.batch_size} whose estimated peak fits the "
+        "memory budget (--batch-size sets it; `dcp-lens run --dry-run` prints the estimate)"
+    )
+    return config.replace(batch_size=size)
 
 
 def _settings(

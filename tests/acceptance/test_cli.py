@@ -138,7 +138,7 @@ def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_
     # batch to batch: the floor must time each batch, not scale the first one up.
     from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
     from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
-    from dcp_lens.protocol.sweep import JACKKNIFE_EVALUATION_STRIDE
+    from dcp_lens.protocol.sweep import jackknife_examples
     from dcp_lens.studies.bench import (
         BENCH_CONFIG,
         bench_config,
@@ -156,7 +156,7 @@ def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_
     with torch.no_grad():
         protocol.fit(calibration)
         seconds, calls = overhead_floor(protocol, evaluation)
-    chosen = evaluation.example_keys() % JACKKNIFE_EVALUATION_STRIDE == 0
+    chosen = jackknife_examples(evaluation.example_keys(), 4)
     batches = [chosen[start : start + size] for start in range(0, len(evaluation), size)]
     with_jackknife = sum(bool(part.any()) for part in batches)
     # This draw has batches with and without the jackknife's examples, in uneven numbers.

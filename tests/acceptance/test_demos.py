@@ -230,3 +230,6 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
     } <= set(stages)
     assert sum(stages.values()) <= run["seconds"] * 1.01
     assert run["peak_memory_gib"] > 0 and run["estimated_peak_gib"] > 0
+    # Host memory beside the device's, and TF32 as `dcp-lens run` leaves it (off).
+    assert run["peak_host_memory_gib"] > 0 and run["estimated_host_gib"] >= 0
+    assert check["tf32"] is False and check["estimate"] == run["estimate"]

@@ -99,7 +99,8 @@ def test_the_estimate_at_huginn_shape_fits_one_80_gb_gpu() -> None:
 
     from dcp_lens import HookedRecurrentTransformer
     from dcp_lens.protocol.budget import GIB, ModelShape, estimate_run_memory
-    from dcp_lens.studies.bench import bench_config, run_estimate
+    from dcp_lens.studies.bench import bench_config
+    from dcp_lens.studies.bench_work import run_estimate
 
     estimate = run_estimate("huginn", batch=8, dtype="bfloat16")
     assert estimate["peak_gib"] <= 60.0, estimate["table"]

@@ -169,18 +169,39 @@ def test_maps_and_translators_apply_as_written() -> None:
 
 
 def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None:
-    """Each calibration group holds a float64 d x d moment per condition: at a Huginn-sized
-    width the jackknife's moments run to tens of GiB, refused up front with the way out."""
+    """Each calibration group holds a float32 d x d moment per condition: at a Huginn-sized
+    width the jackknife's moments run to tens of GiB when every group is on the device, refused
+    up front with the way out."""
     from dcp_lens.protocol import fit_records
+    from dcp_lens.protocol.budget import moment_bytes
     from dcp_lens.utils.errors import ResourceLimitError
 
-    huge = fit_records.moment_bytes(21, 10, 5280, 64)
-    assert huge > 10 * fit_records.moment_bytes(21, 0, 5280, 64)  # the groups are most of it
+    huge = moment_bytes(21, 10, 5280, 10, 8192)
+    assert huge > 2 * moment_bytes(21, 0, 5280, 1, 8192)  # the groups are most of it
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fit_records, "device_memory_bytes", lambda device: 8 * 2**30)
         with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
-            fit_records.check_moment_memory(21, 10, 5280, 64, torch.device("cpu"))
-        fit_records.check_moment_memory(21, 10, 256, 1024, torch.device("cpu"))  # small: passes
+            fit_records.check_moment_memory(21, 10, 5280, 10, 8192, torch.device("cpu"))
+        fit_records.check_moment_memory(21, 10, 256, 10, 8192, torch.device("cpu"))  # small: passes
+
+
+def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> None:
+    """One memory model: the estimate's moments term is what the check before the pass sizes,
+    each group's scatter at the float32 it is stored in, beside the float64 whole."""
+    from dcp_lens.protocol.budget import ModelShape, estimate_run_memory, moment_bytes
+
+    shape = ModelShape(5280, 65536, 17920, 32, 3_564_976_800, 2, 55)
+    for groups, device_type, resident in ((10, "cuda", 1), (10, "cpu", 10), (0, "cuda", 1)):
+        estimate = estimate_run_memory(
+            shape, batch_size=4, seq_len=1024, n_streams=17, calibration_groups=groups,
+            readout_rows=4096, device_type=device_type,
+        )  # fmt: skip
+        assert estimate.terms["moments"] == moment_bytes(17, groups, 5280, resident, 4096)
+    scatter = 4 * 5280**2
+    whole = 8 * (5280**2 + 3 * 5280)
+    assert moment_bytes(1, 10, 5280, 1, 4096) == scatter + 4 * 3 * 5280 + 4 * 64 * 5280 + whole
+    # Narrow states wait in a longer buffer, but never more than a batch's positions.
+    assert moment_bytes(1, 10, 256, 1, 128) - moment_bytes(1, 10, 256, 1, 1) == 4 * 127 * 256
 
 
 def test_a_left_out_refit_held_as_a_float16_difference_applies_as_the_refit() -> None:
