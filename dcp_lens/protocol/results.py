@@ -568,10 +568,8 @@ class ProtocolResults:
         (``results.json``, ``x.txt``) or a file dcp-lens did not write is refused.
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
         target = report_target(path)
-        if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
-            return Path(renderer().write_report([self], target.file, report_data))
-        with target.folder as folder:
-            renderer().write_report([self], folder, report_data)  # report.html, plotly.min.js
+        with target.folder as folder:  # a lone file: plotly.js in <name>_files/, its folder
+            renderer().write_report([self], target.file if target.lone else folder, report_data)
         return target.file
 
     def summary(self) -> str:

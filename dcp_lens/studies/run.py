@@ -513,10 +513,8 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
 
     runs = read_results_json(folder / "results.json")
     data = report_data_of(folder)
-    if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
-        return write_report(runs, target.file, data)
-    with target.folder as work:
-        write_report(runs, work, data)  # report.html beside the folder's plotly.min.js
+    with target.folder as work:  # a lone file: plotly.js in <name>_files/, its folder
+        write_report(runs, target.file if target.lone else work, data)
     return target.file
 
 
