@@ -669,7 +669,13 @@ def read_results_json(path: str | Path) -> list[ProtocolResults]:
         raise DamagedFileError(
             f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}. {recovery}"
         )
-    return [ProtocolResults.from_results_json(run) for run in document["runs"]]
+    try:
+        return [ProtocolResults.from_results_json(run) for run in document["runs"]]
+    except DamagedFileError:
+        raise
+    except (ValueError, TypeError) as error:  # a field of the wrong type, named by the reader
+        text = " ".join(str(error).split()).removeprefix("results.json: ")
+        raise DamagedFileError(f"{path}: {text[:300]} {recovery}") from error
 
 
 # ----------------------------------------------------------------------------- internals
@@ -765,6 +771,9 @@ def _ints(value: JSONValue, where: str) -> tuple[int, ...]:
 
 
 def _int(value: JSONValue, where: str) -> int:
-    if not isinstance(value, (int, float, str)):
-        raise ValueError(f"results.json: {where} holds {value!r}; expected an integer.")
-    return int(value)
+    """``value`` as an integer: a JSON integer only (a string, bool or fraction is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"results.json: {where} holds {value!r} ({type(value).__name__}); expected an integer."
+        )
+    return value

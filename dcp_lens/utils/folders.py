@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -99,6 +98,7 @@ class OutputFolder:
     contents: Contents | None = None
     _locks: list[FolderLock] = field(default_factory=list)
     _journal: ownership.Journal | None = None
+    _token: str | None = None
     _created: bool = False
 
     def __post_init__(self) -> None:
@@ -141,13 +141,6 @@ class OutputFolder:
         own = [f for f in files if record.owns(real, f)]
         own_set = set(own)
         foreign = [f for f in files if f not in own_set]
-        replaced = [f for f in foreign if f in record.files]
-        if replaced:
-            raise ConfigError(
-                f"{self.flag} {self.path}: {_names(replaced)} were written by dcp-lens and have "
-                "been changed or replaced since, so they are yours now and writing the folder "
-                "would overwrite them; move them away (or rename them) and rerun."
-            )
         return Contents(kind, finished, own, foreign, record)
 
     def plan(self) -> Action:
@@ -159,17 +152,21 @@ class OutputFolder:
         if contents is None:
             return "new"
         if not contents.finished:
-            return "continue" if self.resume else "restart"
-        if self.resume:
-            return "continue"
-        if self.overwrite:
-            return "replace"
-        if self.on_finished == "refuse":
+            action: Action = "continue" if self.resume else "restart"
+        elif self.resume:
+            action = "continue"
+        elif self.overwrite:
+            action = "replace"
+        elif self.on_finished == "refuse":
             raise ConfigError(
                 f"{self.flag} {self.path} holds a finished {self.kind}; pass --overwrite to "
                 "replace it (files you added are kept) or choose another folder."
             )
-        return self.on_finished
+        else:
+            action = self.on_finished
+        if action in ("restart", "replace"):
+            _refuse_changed(self, contents)
+        return action
 
     def open(self, *, staged: bool = False) -> Path:
         """Lock the folder (created if needed) and judge it again under the lock; returns the
@@ -194,7 +191,8 @@ class OutputFolder:
             self.work = real
             if self.action == "replace" and staged:
                 _clear_staged(real)  # replacements a kill interrupted
-                self.work = real.with_name(f".{real.name}{REPLACING}.{secrets.token_hex(8)}")
+                self._token = ownership.new_token()  # the sibling's name: its journal's token
+                self.work = real.with_name(f".{real.name}{REPLACING}.{self._token}")
                 self.work.mkdir()  # a new name, made here: no other folder is written
                 self._locks.append(FolderLock(self.work, self.flag).acquire())
         except BaseException:
@@ -210,7 +208,7 @@ class OutputFolder:
         folder to write in."""
         assert self.work is not None, "open the folder first"
         kind = self.contents.kind if self.contents is not None else self.kind
-        self._journal = ownership.begin(self.work, kind, self.claims)
+        self._journal = ownership.begin(self.work, kind, self.claims, self._token)
         self._record_own_lock()
         if self.work != self.real:
             self._write_manifest(self.work, finished=False, record=Record())
@@ -300,13 +298,13 @@ class OutputFolder:
         files = {}
         for name in files_in(folder):
             if record.owns(folder, name):
-                files[name] = ownership.identity(os.lstat(folder / name))
+                files[name] = ownership.identity(os.lstat(folder / name), folder / name)
         if record.owns(folder, LOCK_FILE):
             files[LOCK_FILE] = [os.lstat(folder / LOCK_FILE).st_ino]
         for claim in self.claims:
             name = Path(os.path.relpath(claim.absolute(), folder)).as_posix()
             if record.owns(folder, name):
-                files[name] = ownership.identity(os.lstat(folder / name))
+                files[name] = ownership.identity(os.lstat(folder / name), folder / name)
         document = {
             "format": FORMAT, "kind": kind, "finished": finished, "files": files,
             "tokens": tokens,
@@ -316,7 +314,11 @@ class OutputFolder:
 
     def __enter__(self) -> Path:
         self.open()
-        return self.prepare()
+        try:
+            return self.prepare()
+        except BaseException:
+            self.close(abandon=self.action == "new")
+            raise
 
     def __exit__(
         self,
@@ -328,6 +330,22 @@ class OutputFolder:
             self.finish()
         else:
             self.close(abandon=self.action == "new")
+
+
+def _refuse_changed(folder: OutputFolder, contents: Contents) -> None:
+    """Refuse to restart or replace a folder in which a file the command wrote was changed or
+    put in place of (it is the user's now, and the command would write that name again)."""
+    changed = [
+        name
+        for name in contents.foreign
+        if any(len(recorded) > 1 for recorded in contents.record.files.get(name, ()))
+    ]
+    if changed:
+        raise ConfigError(
+            f"{folder.flag} {folder.path}: {_names(changed)} were written by dcp-lens and have "
+            "been changed or replaced since, so they are yours now and writing the folder would "
+            "overwrite them; move them away (or rename them) and rerun."
+        )
 
 
 def files_in(folder: Path) -> list[str]:

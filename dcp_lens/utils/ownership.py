@@ -8,7 +8,7 @@ line per event, appended (and flushed to disk) before the event can be seen in t
   temporary file the command makes in the folder carries the token in its name
   (`temporary_prefix`), so a temporary file a kill left behind is known as the command's by the
   token, and a file of the same look that a user made is not (the token is not guessable).
-- ``{"file": NAME, "id": [INODE, SIZE, MTIME_NS]}`` for each file written whole
+- ``{"file": NAME, "id": [INODE, SIZE, MTIME_NS, SHA256]}`` for each file written whole
   (`dcp_lens.utils.files.written_atomically` records it between its last byte and the rename
   that puts it in place), ``{"file": NAME, "id": [INODE]}`` for a file created exclusively and
   then appended to (the lock).
@@ -21,6 +21,7 @@ being written are recorded in both journals.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,15 +41,38 @@ _FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os,
 _PROCESS_TOKEN = secrets.token_hex(TOKEN_CHARACTERS // 2)  # temporary names outside any folder
 
 
-def identity(info: os.stat_result, *, whole: bool = True) -> list[int]:
-    """A file's identity as a journal records it: ``[inode, size, mtime_ns]`` for a file written
-    whole, ``[inode]`` for one that is appended to after it is recorded."""
-    return [info.st_ino, info.st_size, info.st_mtime_ns] if whole else [info.st_ino]
+def new_token() -> str:
+    """A command's random token (`TOKEN_CHARACTERS` hex digits)."""
+    return secrets.token_hex(TOKEN_CHARACTERS // 2)
 
 
-def matches(recorded: list[int], info: os.stat_result) -> bool:
-    """Does the file ``info`` describes still have the identity ``recorded``?"""
-    return stat.S_ISREG(info.st_mode) and identity(info)[: len(recorded)] == recorded
+def identity(info: os.stat_result, path: Path | None = None) -> list[int | str]:
+    """A file's identity as a journal records it: ``[inode, size, mtime_ns, sha256]`` for a
+    file written whole (``path`` given: its content is hashed, so that a copy of the folder
+    still proves its files), ``[inode]`` for one that is appended to after it is recorded."""
+    if path is None:
+        return [info.st_ino]
+    return [info.st_ino, info.st_size, info.st_mtime_ns, _digest(path)]
+
+
+def matches(recorded: list[int | str], info: os.stat_result, path: Path) -> bool:
+    """Does the file ``path`` (``info`` its lstat) still have the identity ``recorded``: the
+    same inode (and size and time), or the same size and content (a copy)?"""
+    if not stat.S_ISREG(info.st_mode):
+        return False
+    if len(recorded) == 1:
+        return recorded[0] == info.st_ino
+    if recorded[:3] == [info.st_ino, info.st_size, info.st_mtime_ns]:
+        return True
+    return recorded[1] == info.st_size and recorded[3] == _digest(path)
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
 
 
 @dataclass
@@ -58,7 +82,7 @@ class Journal:
     folder: Path
     kind: str
     claims: tuple[Path, ...] = ()  # files beside the folder the command writes too (resolved)
-    token: str = field(default_factory=lambda: secrets.token_hex(TOKEN_CHARACTERS // 2))
+    token: str = field(default_factory=new_token)
     _fd: int | None = None
 
     def name_of(self, path: Path) -> str:
@@ -74,20 +98,24 @@ class Journal:
 
     def record(self, path: Path, *, whole: bool = True) -> None:
         """Record the file ``path`` (in the folder, or below it) as this command's own."""
-        self.append({"file": self.name_of(path), "id": identity(os.lstat(path), whole=whole)})
+        info = os.lstat(path)
+        self.append({"file": self.name_of(path), "id": identity(info, path if whole else None)})
 
 
 _ACTIVE: list[Journal] = []
 _GUARD = threading.Lock()
 
 
-def begin(folder: Path, kind: str, claims: tuple[Path, ...] = ()) -> Journal:
+def begin(
+    folder: Path, kind: str, claims: tuple[Path, ...] = (), token: str | None = None
+) -> Journal:
     """Open (or continue) ``folder``'s journal for a command of ``kind`` and record the
     command's token; until `end`, the files written into the folder (and the files ``claims``
     beside it) are recorded in it. The journal must be a regular file of one name (a link or
     special file is refused)."""
     claimed = tuple(Path(os.path.realpath(c.parent)) / c.name for c in claims)
     journal = Journal(Path(os.path.realpath(folder)), kind, claimed)
+    journal.token = token or journal.token
     path = journal.folder / JOURNAL
     try:
         fd = os.open(path, _FLAGS | os.O_CREAT, 0o644)
@@ -142,9 +170,9 @@ def record_write(path: Path, written: Path, *, whole: bool = True) -> None:
     journals = _journals_of(path)
     if not journals:
         return
-    info = os.lstat(written)
+    recorded = identity(os.lstat(written), written if whole else None)
     for journal in journals:
-        journal.append({"file": journal.name_of(path), "id": identity(info, whole=whole)})
+        journal.append({"file": journal.name_of(path), "id": recorded})
 
 
 def record_existing(folder: Path) -> None:
@@ -162,9 +190,9 @@ class Record:
 
     kinds: list[str] = field(default_factory=list)
     tokens: set[str] = field(default_factory=set)
-    files: dict[str, list[list[int]]] = field(default_factory=dict)
+    files: dict[str, list[list[int | str]]] = field(default_factory=dict)
 
-    def add(self, name: str, recorded: list[int]) -> None:
+    def add(self, name: str, recorded: list[int | str]) -> None:
         self.files.setdefault(name, [])
         if recorded not in self.files[name]:
             self.files[name].append(recorded)
@@ -185,7 +213,7 @@ class Record:
             info = os.lstat(folder / name)
         except OSError:
             return False
-        if any(matches(recorded, info) for recorded in self.files.get(name, ())):
+        if any(matches(recorded, info, folder / name) for recorded in self.files.get(name, ())):
             return True
         temporary = TEMPORARY.match(name.rsplit("/", 1)[-1])
         return bool(temporary and temporary["token"] in self.tokens and stat.S_ISREG(info.st_mode))
@@ -215,7 +243,7 @@ def read_journal(folder: Path) -> Record | None:
             else:
                 name, recorded = event["file"], event["id"]
                 if not isinstance(name, str) or not is_identity(recorded):
-                    raise TypeError("file must be a name, id a list of 1 or 3 integers")
+                    raise TypeError("file must be a name, id an identity")
                 record.add(name, recorded)
         except (ValueError, TypeError, KeyError) as error:
             raise _refusal(path, f"damaged at line {number} ({error})") from error
@@ -223,11 +251,13 @@ def read_journal(folder: Path) -> Record | None:
 
 
 def is_identity(value: object) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) in (1, 3)
-        and all(type(v) is int and v >= 0 for v in value)
-    )
+    """Is ``value`` an identity as `identity` makes one?"""
+    if not isinstance(value, list) or len(value) not in (1, 4):
+        return False
+    numbers, digest = (value, None) if len(value) == 1 else (value[:3], value[3])
+    if not all(type(v) is int and v >= 0 for v in numbers):
+        return False
+    return digest is None or (isinstance(digest, str) and len(digest) == 32)
 
 
 def _refusal(path: Path, what: str) -> ConfigError:
@@ -243,6 +273,7 @@ __all__ = [
     "Journal",
     "Record",
     "begin",
+    "new_token",
     "end",
     "identity",
     "is_identity",
