@@ -1179,8 +1179,15 @@ def test_numbers_in_results_json_are_checked_on_load(tmp_path, finished):
             read_results_json(folder / "results.json")
 
 
-@pytest.mark.parametrize("field, bad", [("n_iterations", '"8"'), ("n_iterations", "8.5"),
-                                        ("n_iterations", "true"), ("k", '"1"')])  # fmt: skip
+BAD_NUMBERS = [
+    ("n_iterations", '"8"'),
+    ("n_iterations", "8.5"),
+    ("n_iterations", "true"),
+    ("k", '"1"'),
+]
+
+
+@pytest.mark.parametrize("field, bad", BAD_NUMBERS)
 def test_a_string_where_results_json_holds_a_number_is_refused(tmp_path, finished, field, bad):
     from dcp_lens.protocol.results import read_results_json
 
