@@ -122,6 +122,8 @@ class OutputFolder:
         manifest, journal = _read_manifest(real), ownership.read_journal(real)
         files = files_in(real)
         kinds = [*([manifest.kind] if manifest else []), *(journal.kinds if journal else [])]
+        if not kinds and journal is not None:  # a command killed as its journal began
+            kinds = [self.kind]
         if not kinds:
             if files:
                 raise ConfigError(
@@ -382,36 +384,51 @@ def remove_files(folder: Path, relative: Iterable[str]) -> None:
 
 
 def _discard(folder: Path) -> None:
-    """Remove what a command wrote into ``folder`` (its own files by its journal, its manifest,
-    journal and lock), then the folder if nothing else is left in it."""
+    """Remove what a command wrote into ``folder`` (its own files by its journal, the folders
+    left empty, its manifest, journal and lock), then the folder if nothing else is left."""
     try:
-        manifest, journal = _read_manifest(folder), ownership.read_journal(folder)
+        record = _record_of(folder)
     except ConfigError:
         return  # not provably ours: left as it is
-    record = (manifest.record if manifest else Record()).merge(journal or Record())
     remove_files(folder, [f for f in files_in(folder) if record.owns(folder, f)])
+    for root, dirs, _ in os.walk(folder, topdown=False):
+        for name in dirs:
+            path = Path(root, name)
+            if not path.is_symlink() and not os.listdir(path):
+                path.rmdir()
     if not files_in(folder):
         for name in (MANIFEST, JOURNAL):
             (folder / name).unlink(missing_ok=True)
-        if [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+        if [p.name for p in folder.iterdir()] in ([], [LOCK_FILE]):
             shutil.rmtree(folder, ignore_errors=True)  # the lock, then the folder
 
 
+def _record_of(folder: Path) -> Record:
+    """The proof ``folder``'s manifest and journal hold together."""
+    manifest, journal = _read_manifest(folder), ownership.read_journal(folder)
+    return (manifest.record if manifest else Record()).merge(journal or Record())
+
+
 def _clear_staged(real: Path) -> None:
-    """Discard the staged replacements of ``real`` that a kill left beside it: folders named
-    ``.NAME.replacing.TOKEN`` whose journal holds that token (an empty one holds nothing)."""
+    """Finish what a kill left beside ``real`` of an ``--overwrite``: a replacement folder
+    ``.NAME.replacing.TOKEN`` whose journal holds that token (killed before the swap: its own
+    files go), or the old folder parked under that name, whose token the new folder in place
+    records (killed after the swap: the user's files in it move to ``real``, the rest goes)."""
     prefix = f".{real.name}{REPLACING}."
+    placed = _record_of(real).tokens
     for sibling in real.parent.iterdir():
+        token = sibling.name.removeprefix(prefix)
         if not sibling.name.startswith(prefix) or sibling.is_symlink() or not sibling.is_dir():
             continue
-        if not any(sibling.iterdir()):
-            sibling.rmdir()
-            continue
         try:
-            journal = ownership.read_journal(sibling)
+            record = _record_of(sibling)
         except ConfigError:
             continue
-        if journal is not None and sibling.name.removeprefix(prefix) in journal.tokens:
+        if token in placed:
+            own = [f for f in files_in(sibling) if record.owns(sibling, f)]
+            _rescue_foreign(own)(sibling, real)
+            shutil.rmtree(sibling, ignore_errors=True)
+        elif token in record.tokens or set(os.listdir(sibling)) <= {LOCK_FILE, JOURNAL}:
             _discard(sibling)
 
 
