@@ -300,13 +300,13 @@ class OutputFolder:
         files = {}
         for name in files_in(folder):
             if record.owns(folder, name):
-                files[name] = ownership.identity(os.lstat(folder / name), folder / name)
+                files[name] = record.current(folder, name)
         if record.owns(folder, LOCK_FILE):
             files[LOCK_FILE] = [os.lstat(folder / LOCK_FILE).st_ino]
         for claim in self.claims:
             name = Path(os.path.relpath(claim.absolute(), folder)).as_posix()
             if record.owns(folder, name):
-                files[name] = ownership.identity(os.lstat(folder / name), folder / name)
+                files[name] = record.current(folder, name)
         document = {
             "format": FORMAT, "kind": kind, "finished": finished, "files": files,
             "tokens": tokens,

@@ -205,6 +205,16 @@ class Record:
                     merged.add(name, recorded)
         return merged
 
+    def current(self, folder: Path, name: str) -> list[int | str]:
+        """The identity of the file ``name`` now: the recorded one it still has by inode, size
+        and time (not hashed again), else made afresh."""
+        info = os.lstat(folder / name)
+        now = [info.st_ino, info.st_size, info.st_mtime_ns]
+        for recorded in self.files.get(name, ()):
+            if len(recorded) > 1 and recorded[:3] == now:
+                return recorded
+        return identity(info, folder / name)
+
     def owns(self, folder: Path, name: str) -> bool:
         """Is the file ``name`` (relative to ``folder``) one this record proves its own: a
         recorded file that still has a recorded identity, or a temporary file of a recorded
