@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
+from dcp_lens.utils import ownership
 from dcp_lens.utils.errors import ConfigError, DamagedFileError, DCPLensError
 from dcp_lens.utils.files import (
     MARKER,
@@ -218,6 +219,8 @@ def _run(
             folder.close()
             return RunOutcome([], out, already_finished=True)
         work = Path(shared)
+        if not main:  # this rank's snapshots: recorded as the run's own, as rank 0's files are
+            journal = ownership.begin(work, "run")
         if main and options.resume:
             _check_resumed_settings(work, settings)
         specs = [(model, False)] + ([(dense, True)] if dense else [])
@@ -235,6 +238,7 @@ def _run(
             folder.close()
         raise
     if not main:
+        ownership.end(journal)
         return RunOutcome(results, out)
     folder.finish()  # the manifest, the swap of an --overwrite; then unmarked: finished
     mark_complete(folder.real)

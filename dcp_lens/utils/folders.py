@@ -212,19 +212,18 @@ class OutputFolder:
         kind = self.contents.kind if self.contents is not None else self.kind
         self._journal = ownership.begin(self.work, kind, self.claims, self._token)
         self._record_own_lock()
+        contents = self.contents or Contents(kind, False, [], [])
+        replaced = self.action in ("restart", "replace")
+        if replaced and contents.foreign:
+            kept = _names(contents.foreign)
+            _note(f"kept in {self.path} the files dcp-lens did not write: {kept}")
         if self.work != self.real:
             self._write_manifest(self.work, finished=False, record=Record())
             return self.work
-        contents = self.contents or Contents(kind, False, [], [])
-        replaced = self.action in ("restart", "replace")
         temporary = [f for f in contents.own if ownership.TEMPORARY.match(f.rsplit("/", 1)[-1])]
         remove_files(self.work, contents.own if replaced else temporary)
         finished = self.action == "continue" and contents.finished
         self._write_manifest(self.work, finished=finished, record=contents.record)
-        if replaced and contents.foreign:
-            _note(
-                f"kept in {self.path} the files dcp-lens did not write: {_names(contents.foreign)}"
-            )
         return self.work
 
     def adopt(self, folder: Path) -> None:
