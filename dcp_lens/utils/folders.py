@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -221,6 +222,11 @@ class OutputFolder:
             self._write_manifest(self.work, finished=False, record=Record())
             return self.work
         temporary = [f for f in contents.own if ownership.TEMPORARY.match(f.rsplit("/", 1)[-1])]
+        for claim in self.claims:  # a claimed file's temporary files, beside the folder
+            for path in claim.parent.glob(f".{glob.escape(claim.name[:60])}.*.tmp"):
+                name = Path(os.path.relpath(path.absolute(), self.work)).as_posix()
+                if contents.record.owns(self.work, name):
+                    path.unlink()
         remove_files(self.work, contents.own if replaced else temporary)
         finished = self.action == "continue" and contents.finished
         self._write_manifest(self.work, finished=finished, record=contents.record)

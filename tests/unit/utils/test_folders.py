@@ -156,3 +156,27 @@ def test_a_users_page_or_assets_are_never_taken_for_a_report(tmp_path):
         write_text_atomically(target.file, "<html>report</html>")
     again = report_target(tmp_path / "t.html")
     assert again.lone and again.folder.contents is not None
+
+
+def test_a_pages_temporary_file_left_by_a_kill_is_cleared_by_the_next_report(tmp_path, monkeypatch):
+    from dcp_lens.utils import ownership
+
+    page = tmp_path / "t.html"
+    target = report_target(page)
+    close = OutputFolder.close
+    monkeypatch.setattr(OutputFolder, "close", lambda self, abandon=False: close(self))
+    with pytest.raises(Killed), target.folder:
+        leftover = tmp_path / (ownership.temporary_prefix(page) + "x1y2z3.tmp")
+        leftover.write_text("<html>half a page")  # as a kill before the rename leaves it
+        raise Killed
+    monkeypatch.undo()
+    (tmp_path / ".t.html.0123456789abcdef.user.tmp").write_text("a user's file of that look")
+    target = report_target(page)
+    with target.folder:
+        write_text_atomically(target.file, "<html>report</html>")
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".t.html.0123456789abcdef.user.tmp",
+        "t.html",
+        "t_files",
+    ]
