@@ -52,12 +52,34 @@ def command(name: str, out: Path, source: Path | None) -> list[str]:
         "run": ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out)],
         "report": ["report", str(source), "--out", str(out)],
         "report file": ["report", str(source), "--out", str(out) + ".html"],
-        "validate": ["validate", "--models", "readout_shift", "--n-eval", "16",
-                     "--n-calibration", "16", "--bootstrap", "5", "--quiet", "--out", str(out)],
+        "validate": [
+            "validate",
+            "--models",
+            "readout_shift",
+            "--n-eval",
+            "16",
+            "--n-calibration",
+            "16",
+            "--bootstrap",
+            "5",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
         "train": ["train", "--preset", "tiny", "--steps", "3", "--out", str(out)],
-        "experiment": ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0",
-                       "--regimes", "fixed", "--out", str(out)],
-    }[name]  # fmt: skip
+        "experiment": [
+            "experiment",
+            "training-intervention",
+            "--preset",
+            "tiny",
+            "--seeds",
+            "0",
+            "--regimes",
+            "fixed",
+            "--out",
+            str(out),
+        ],
+    }[name]
 
 
 def child(argv: list[str], target: int, when: str, cwd: Path) -> int:
@@ -68,8 +90,12 @@ def child(argv: list[str], target: int, when: str, cwd: Path) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     process = subprocess.run(
         [sys.executable, "-c", CHILD, str(target), when, str(count), *argv],
-        cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600,
-    )  # fmt: skip
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=600,
+    )
     if target == 0:
         assert process.returncode == 0, process.stderr.decode()
         return int(count.read_text())
