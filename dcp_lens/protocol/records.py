@@ -222,6 +222,6 @@ def decode_float(value: JSONValue) -> float:
         return math.inf
     if value == "-Infinity":
         return -math.inf
-    if isinstance(value, (list, dict)):
-        raise ValueError(f"{value!r} is not a number of results.json.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{value!r} is not a number of results.json (a {type(value).__name__}).")
     return float(value)

@@ -577,10 +577,8 @@ class ProtocolResults:
         (``results.json``, ``x.txt``) or a file dcp-lens did not write is refused.
         Several runs side by side: `dcp_lens.report.html.write_report`. Returns the file's path."""
         target = report_target(path)
-        if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
-            return Path(renderer().write_report([self], target.file, report_data))
-        with target.folder as folder:
-            renderer().write_report([self], folder, report_data)  # report.html, plotly.min.js
+        with target.folder as folder:  # a lone file: plotly.js in <name>_files/, its folder
+            renderer().write_report([self], target.file if target.lone else folder, report_data)
         return target.file
 
     def summary(self) -> str:
@@ -680,7 +678,13 @@ def read_results_json(path: str | Path) -> list[ProtocolResults]:
         raise DamagedFileError(
             f"{path} has no top-level 'runs' list; expected {{'runs': [...]}}. {recovery}"
         )
-    return [ProtocolResults.from_results_json(run) for run in document["runs"]]
+    try:
+        return [ProtocolResults.from_results_json(run) for run in document["runs"]]
+    except DamagedFileError:
+        raise
+    except (ValueError, TypeError) as error:  # a field of the wrong type, named by the reader
+        text = " ".join(str(error).split()).removeprefix("results.json: ")
+        raise DamagedFileError(f"{path}: {text[:300]} {recovery}") from error
 
 
 # ----------------------------------------------------------------------------- internals
@@ -776,6 +780,9 @@ def _ints(value: JSONValue, where: str) -> tuple[int, ...]:
 
 
 def _int(value: JSONValue, where: str) -> int:
-    if not isinstance(value, (int, float, str)):
-        raise ValueError(f"results.json: {where} holds {value!r}; expected an integer.")
-    return int(value)
+    """``value`` as an integer: a JSON integer only (a string, bool or fraction is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"results.json: {where} holds {value!r} ({type(value).__name__}); expected an integer."
+        )
+    return value

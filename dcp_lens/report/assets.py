@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
+from dcp_lens.utils.folders import RESERVED
 
 if TYPE_CHECKING:  # annotations only: plotly is imported when a figure is drawn
     import plotly.graph_objects as go
@@ -63,7 +64,7 @@ def asset_folder(report: str | Path) -> Path:
             "differently"
         )
     if folder.is_dir():
-        foreign = sorted(p.name for p in folder.iterdir() if p.name != PLOTLY_JS)
+        foreign = sorted(p.name for p in folder.iterdir() if p.name not in (PLOTLY_JS, *RESERVED))
         if foreign:
             listed = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise ConfigError(

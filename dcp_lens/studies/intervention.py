@@ -182,6 +182,8 @@ def run_training_intervention(
         ]
         if jobs > 1 and len(pending) > 1:
             _train_in_parallel(pending, jobs, progress)
+            for folder, _ in pending:  # written by worker processes: recorded as the folder's
+                target.adopt(folder)
         for regime, seed in progress_display(plan, desc="intervention", enabled=progress):
             folder = out / RUNS_DIR / f"{regime}-seed{seed}"
             config = configs[(regime, seed)]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
+from dcp_lens.utils import ownership
 from dcp_lens.utils.errors import ConfigError, DamagedFileError, DCPLensError
 from dcp_lens.utils.files import (
     MARKER,
@@ -226,6 +227,8 @@ def _run(
             folder.close()
             return RunOutcome([], out, already_finished=True)
         work = Path(shared)
+        if not main:  # this rank's snapshots: recorded as the run's own, as rank 0's files are
+            journal = ownership.begin(work, "run")
         specs = [(model, False)] + ([(dense, True)] if dense else [])
         plans = _load(work, specs, task, config, options)
         if options.batch_from_budget:
@@ -246,6 +249,7 @@ def _run(
             folder.close()
         raise
     if not main:
+        ownership.end(journal)
         return RunOutcome(results, out)
     folder.finish()  # the manifest, the swap of an --overwrite; then unmarked: finished
     mark_complete(folder.real)
@@ -569,10 +573,8 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
 
     runs = read_results_json(folder / "results.json")
     data = report_data_of(folder)
-    if target.folder is None:  # plotly.js in <name>_files/, a folder the report owns
-        return write_report(runs, target.file, data)
-    with target.folder as work:
-        write_report(runs, work, data)  # report.html beside the folder's plotly.min.js
+    with target.folder as work:  # a lone file: plotly.js in <name>_files/, its folder
+        write_report(runs, target.file if target.lone else work, data)
     return target.file
 
 

@@ -17,7 +17,7 @@ from dcp_lens.training.config import CHECKPOINT_DIR, RUN_FIELDS, TRAIN_CONFIG_FI
 from dcp_lens.training.evaluation import AccuracyRecord
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
 from dcp_lens.utils.errors import DamagedFileError, DCPLensError
-from dcp_lens.utils.files import write_text_atomically, written_atomically
+from dcp_lens.utils.files import rename_folder, write_text_atomically, written_atomically
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_STATE = "trainer_state.json"
@@ -140,8 +140,8 @@ def save_checkpoint(
     write_json(tmp / CHECKPOINT_STATE, plain)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
-        final.rename(old)
-    tmp.rename(final)
+        rename_folder(final, old)
+    rename_folder(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
 
 

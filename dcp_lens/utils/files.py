@@ -15,11 +15,13 @@ import contextlib
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from dcp_lens.utils import ownership
 from dcp_lens.utils.errors import ConfigError, IncompleteRunError, ResourceLimitError
 
 MARKER = "INCOMPLETE"
@@ -87,13 +89,6 @@ def check_output_folder(path: str | Path, flag: str = "out") -> Path:
     return path
 
 
-def replacement_folder(folder: str | Path) -> Path:
-    """The sibling folder in which a run that replaces the finished run in ``folder`` writes,
-    until `swap_folders` puts it in place (hidden, next to ``folder``)."""
-    folder = Path(folder).absolute()
-    return folder.with_name(f".{folder.name}{REPLACING}")
-
-
 def swap_folders(
     new: str | Path, old: str | Path, rescue: Callable[[Path, Path], None] | None = None
 ) -> None:
@@ -109,14 +104,39 @@ def swap_folders(
         shutil.rmtree(new, ignore_errors=True)  # now the old run's files
         fsync_folder(old.parent)
         return
-    parked = old.with_name(old.name + ".old")
-    shutil.rmtree(parked, ignore_errors=True)
-    os.replace(old, parked)
+    parked = _park(old)
     os.replace(new, old)
     if rescue is not None:
         rescue(parked, old)
     shutil.rmtree(parked, ignore_errors=True)
     fsync_folder(old.parent)
+
+
+def _park(folder: Path) -> Path:
+    """Rename ``folder`` to a new name of its own beside it (a rename never replaces a folder
+    that holds anything, so no other folder of that name is touched); returns the new name."""
+    while True:
+        parked = folder.with_name(f".{folder.name}.old.{secrets.token_hex(8)}")
+        if os.path.lexists(parked):
+            continue
+        try:
+            os.rename(folder, parked)
+        except OSError as error:
+            if error.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                continue  # taken in between: another name
+            raise
+        return parked
+
+
+def rename_folder(source: str | Path, target: str | Path) -> None:
+    """Rename the folder ``source`` to ``target`` (which must not hold anything), recording its
+    files under their new names first (`dcp_lens.utils.ownership`): they stay the command's own."""
+    source, target = Path(source), Path(target)
+    for root, _, names in os.walk(source):
+        for name in names:
+            moved = target / Path(root, name).relative_to(source)
+            ownership.record_write(moved, Path(root, name))
+    os.rename(source, target)
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -162,14 +182,15 @@ def written_atomically(path: str | Path) -> Iterator[Path]:
     temporary file goes and ``path`` is left as it was. A full disk raises `ResourceLimitError`
     naming the disk and the file."""
     path = Path(path)
-    descriptor, name = tempfile.mkstemp(prefix=f".{path.name[:60]}.", suffix=".tmp",
-                                        dir=path.parent)  # fmt: skip
+    prefix = ownership.temporary_prefix(path)  # a name of the writing command's own
+    descriptor, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     os.close(descriptor)
     partial = Path(name)
     try:
         os.chmod(partial, 0o666 & ~_UMASK)  # as a plain open would make it, not mkstemp's 0600
         yield partial
         _fsync_file(partial)
+        ownership.record_write(path, partial)  # the command's own, recorded before it lands
         os.replace(partial, path)
     except BaseException as error:
         partial.unlink(missing_ok=True)
@@ -312,7 +333,7 @@ __all__ = [
     "naming_full_disk",
     "mark_complete",
     "mark_incomplete",
-    "replacement_folder",
+    "rename_folder",
     "safe_name",
     "swap_folders",
     "write_bytes_atomically",

@@ -2,31 +2,40 @@
 `report` and the API's ``results.save`` / ``results.report``).
 
 - A command writes a folder that is new (or empty), or a folder of its own kind: one holding the
-  manifest `MANIFEST` a command of that kind wrote (or, for folders of an earlier version, the
-  files that kind writes). Any other folder is refused with a message naming what is in it.
-- The manifest lists the files the command wrote. Replacing a folder (``--overwrite``, a
-  restart, a rewrite) removes those files only; files a user put into the folder (notes,
-  figures) are kept, across an ``--overwrite`` swap included.
+  manifest `MANIFEST` (or the journal `dcp_lens.utils.ownership.JOURNAL`) a command of that kind
+  wrote. Any other folder is refused with a message naming what is in it; a file of the
+  manifest's name that is not a manifest is never overwritten.
+- A file is the command's own only by proof: the command recorded its name and identity in the
+  journal before the file appeared (`dcp_lens.utils.ownership`), and the file still has that
+  identity. Everything else in the folder is the user's: files there before, files added while
+  a command writes the folder or after it was interrupted, files put in place of the command's.
+  Replacing a folder (``--overwrite``, a restart, a rewrite) removes the command's own files
+  only, the user's are kept (across an ``--overwrite`` swap included) and named in a note.
+- The command's temporary files carry its token (recorded first in the journal), so a folder
+  interrupted at any write, the first included, is resumed or replaced like any other.
 - The lock (`dcp_lens.utils.locks.FolderLock`) is taken before the folder is judged, and the
   judgement (new, finished, unfinished) is made again under it: two commands into one folder,
   started at any offset, never both write it.
 - A symbolic link given as the folder is followed: the folder written is the one it points to,
   and the link stays a link.
-- A report written to a file (``report --out d/r.html``) carries its assets inline and touches
-  no other file (`report_target`).
+- A report written to a file (``report --out d/r.html``) keeps its assets in a folder of its own
+  beside it, whose manifest records the page too (`report_target`).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from dcp_lens.utils import ownership
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import (
     MARKER,
@@ -38,63 +47,27 @@ from dcp_lens.utils.files import (
     write_text_atomically,
 )
 from dcp_lens.utils.locks import LOCK_FILE, FolderLock
+from dcp_lens.utils.ownership import JOURNAL, Record
 
 MANIFEST = ".dcp-lens.json"
+FORMAT = "dcp-lens output folder"  # the manifest's "format": what tells it from other JSON
 CHECKPOINTS = ".checkpoints"  # a run's --resume snapshots, inside its folder until it finishes
 OnFinished = Literal["refuse", "continue", "replace"]
 Action = Literal["new", "continue", "restart", "replace"]
-
-# What a folder of each kind held before folders carried a manifest: the top-level names that
-# identify it (any one) and the top-level names that are the command's own. A subfolder holding
-# a results.json is a run's too (one per model).
-LEGACY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "run": (
-        ("results.json", MARKER, CHECKPOINTS),
-        ("results.json", "report.html", "report_data.json", "plotly.min.js", MARKER, CHECKPOINTS),
-    ),
-    "results": (
-        ("decomposition.csv",),
-        (
-            "results.json",
-            "decomposition.csv",
-            "curves.csv",
-            "shares.csv",
-            "report.html",
-            "plotly.min.js",
-        ),
-    ),  # fmt: skip
-    "train": (
-        ("train_config.json",),
-        (
-            "train_config.json",
-            "checkpoint",
-            "checkpoint.old",
-            "checkpoint.tmp",
-            "history.json",
-            "model",
-            "accuracy_table.json",
-        ),
-    ),  # fmt: skip
-    "experiment": (
-        ("intervention.json", "runs"),
-        ("intervention.json", "intervention.md", "intervention.html", "plotly.min.js", "runs"),
-    ),
-    "validate": (("validation.json",), ("validation.json", "validation.md")),
-    "report": (("report.html",), ("report.html", "plotly.min.js")),
-}
-RESERVED = (LOCK_FILE, MANIFEST)  # top-level names the contract itself keeps
+RESERVED = (LOCK_FILE, MANIFEST, JOURNAL)  # top-level names the contract itself keeps
 
 
 @dataclass
 class Contents:
     """What a folder holds, judged for a command of ``kind``: ``own`` the files (relative
-    paths) its commands wrote, ``foreign`` everything else; ``finished`` when the last command
-    into it finished."""
+    paths) its commands wrote and recorded, ``foreign`` everything else (the user's);
+    ``finished`` when the last command into it finished; ``record`` the proof read."""
 
     kind: str
     finished: bool
     own: list[str]
     foreign: list[str]
+    record: Record = field(default_factory=Record)
 
 
 @dataclass
@@ -104,11 +77,14 @@ class OutputFolder:
     ``on_finished``: what a finished folder of this kind means without ``overwrite`` or
     ``resume``: ``"refuse"`` (a run), ``"continue"`` (training resumes; a report adds itself),
     ``"replace"`` (validate rewrites its own files). ``accepts``: further kinds whose folders
-    this command may add its files to (a report inside a ``results.save`` folder).
+    this command may add its files to (a report inside a ``results.save`` folder). ``claims``:
+    files beside the folder that the command writes and records as its own too (the page of a
+    report written to a file, whose folder holds its assets).
 
-    `plan` judges the folder without writing; `open` locks it, judges it again under the lock
-    and prepares it; `finish` records the files written and releases the lock; `close` releases
-    it without recording (a failure)."""
+    `plan` judges the folder without writing; `open` locks it, judges it again under the lock;
+    `prepare` starts the journal and removes what a restart replaces; `finish` records the files
+    written in the manifest and releases the lock; `close` releases it without recording (a
+    failure)."""
 
     path: Path
     kind: str
@@ -117,10 +93,13 @@ class OutputFolder:
     resume: bool = False
     on_finished: OnFinished = "refuse"
     accepts: tuple[str, ...] = ()
+    claims: tuple[Path, ...] = ()
     work: Path | None = None
     action: Action | None = None
     contents: Contents | None = None
     _locks: list[FolderLock] = field(default_factory=list)
+    _journal: ownership.Journal | None = None
+    _token: str | None = None
     _created: bool = False
 
     def __post_init__(self) -> None:
@@ -134,39 +113,38 @@ class OutputFolder:
         return Path(os.path.realpath(self.path))
 
     def inspect(self) -> Contents | None:
-        """What the folder holds (None: it does not exist or is empty); refused with a
-        `ConfigError` naming what is there if it is not this command's kind."""
+        """What the folder holds (None: it does not exist, or holds nothing but an empty
+        journal or lock); refused with a `ConfigError` naming what is there if it is not this
+        command's kind."""
         check_output_folder(self.path, self.flag)
         real = self.real
-        if not real.is_dir() or not [p for p in real.iterdir() if p.name not in RESERVED]:
-            if (real / MANIFEST).is_file():
-                return Contents(self.kind, False, [], [])
+        if not real.is_dir():
             return None
-        manifest = _read_manifest(real)
+        manifest, journal = _read_manifest(real), ownership.read_journal(real)
         files = files_in(real)
-        if manifest is None:
-            legacy = self._legacy(real, files)
-            if legacy is None:
+        kinds = [*([manifest.kind] if manifest else []), *(journal.kinds if journal else [])]
+        if not kinds and journal is not None:  # a command killed as its journal began
+            kinds = [self.kind]
+        if not kinds:
+            if files:
                 raise ConfigError(
                     f"{self.flag} {self.path} holds files dcp-lens did not write "
                     f"({_names(files)}); pass a new or empty folder, so that nothing in it is "
                     "overwritten."
                 )
-            return legacy
-        kind = manifest.kind
+            return None
+        kind = kinds[0]
         if kind != self.kind and kind not in self.accepts:
             raise ConfigError(
                 f"{self.flag} {self.path} is the folder of a dcp-lens {kind} command "
                 f"({_names(files)}), not of {self.kind}; pass another folder."
             )
-        finished = manifest.finished and not (real / MARKER).exists()
-        if manifest.finished:
-            own = [f for f in files if f in set(manifest.files)]
-        else:
-            kept = set(manifest.kept)
-            own = [f for f in files if f not in kept]
+        record = (manifest.record if manifest else Record()).merge(journal or Record())
+        finished = bool(manifest and manifest.finished) and not (real / MARKER).exists()
+        own = [f for f in files if record.owns(real, f)]
         own_set = set(own)
-        return Contents(str(kind), finished, own, [f for f in files if f not in own_set])
+        foreign = [f for f in files if f not in own_set]
+        return Contents(kind, finished, own, foreign, record)
 
     def plan(self) -> Action:
         """What writing the folder means now: ``"new"``, ``"continue"`` (keep its files),
@@ -177,23 +155,27 @@ class OutputFolder:
         if contents is None:
             return "new"
         if not contents.finished:
-            return "continue" if self.resume else "restart"
-        if self.resume:
-            return "continue"
-        if self.overwrite:
-            return "replace"
-        if self.on_finished == "refuse":
+            action: Action = "continue" if self.resume else "restart"
+        elif self.resume:
+            action = "continue"
+        elif self.overwrite:
+            action = "replace"
+        elif self.on_finished == "refuse":
             raise ConfigError(
                 f"{self.flag} {self.path} holds a finished {self.kind}; pass --overwrite to "
                 "replace it (files you added are kept) or choose another folder."
             )
-        return self.on_finished
+        else:
+            action = self.on_finished
+        if action in ("restart", "replace"):
+            _refuse_changed(self, contents)
+        return action
 
     def open(self, *, staged: bool = False) -> Path:
         """Lock the folder (created if needed) and judge it again under the lock; returns the
         folder to write in, which `prepare` makes ready. ``staged``: a finished folder being
-        replaced is written in a sibling that `finish` swaps in (a kill before leaves the old
-        folder whole); else its own files are removed by `prepare`."""
+        replaced is written in a new sibling that `finish` swaps in (a kill before leaves the
+        old folder whole); else its own files are removed by `prepare`."""
         real = self.real
         check_output_folder(self.path, self.flag)
         try:
@@ -211,32 +193,57 @@ class OutputFolder:
             self.action = self.plan()
             self.work = real
             if self.action == "replace" and staged:
-                work = real.with_name(f".{real.name}{REPLACING}")
-                self._locks.append(FolderLock(work, self.flag).acquire())
-                for child in work.iterdir():  # a replacement a kill interrupted
-                    if child.name != LOCK_FILE:
-                        _remove(child)
-                self.work = work
+                _clear_staged(real)  # replacements a kill interrupted
+                self._token = ownership.new_token()  # the sibling's name: its journal's token
+                self.work = real.with_name(f".{real.name}{REPLACING}.{self._token}")
+                self.work.mkdir()  # a new name, made here: no other folder is written
+                self._locks.append(FolderLock(self.work, self.flag).acquire())
         except BaseException:
             self.close(abandon=True)
             raise
         return self.work
 
     def prepare(self) -> Path:
-        """Make the opened folder ready to write: its own files removed when it is restarted
-        or replaced in place, the manifest saying a command is writing it (a finished folder
-        continued stays finished until `finish`). Returns the folder to write in."""
+        """Make the opened folder ready to write: the journal started (every file written from
+        here on is recorded), the command's own files removed when it is restarted or replaced
+        in place (temporary files a kill left, always), the manifest saying a command is
+        writing it (a finished folder continued stays finished until `finish`). Returns the
+        folder to write in."""
         assert self.work is not None, "open the folder first"
-        foreign = self.contents.foreign if self.contents is not None else []
+        kind = self.contents.kind if self.contents is not None else self.kind
+        self._journal = ownership.begin(self.work, kind, self.claims, self._token)
+        self._record_own_lock()
+        contents = self.contents or Contents(kind, False, [], [])
+        replaced = self.action in ("restart", "replace")
+        if replaced and contents.foreign:
+            kept = _names(contents.foreign)
+            _note(f"kept in {self.path} the files dcp-lens did not write: {kept}")
         if self.work != self.real:
-            self._write_manifest(self.work, finished=False, kept=[])
+            self._write_manifest(self.work, finished=False, record=Record())
             return self.work
-        if self.action in ("restart", "replace") and self.contents is not None:
-            remove_files(self.work, self.contents.own)
-        finished = self.action == "continue" and bool(self.contents and self.contents.finished)
-        own = self.contents.own if finished and self.contents is not None else []
-        self._write_manifest(self.work, finished=finished, kept=foreign, files=own)
+        temporary = [f for f in contents.own if ownership.TEMPORARY.match(f.rsplit("/", 1)[-1])]
+        for claim in self.claims:  # a claimed file's temporary files, beside the folder
+            for path in claim.parent.glob(f".{glob.escape(claim.name[:60])}.*.tmp"):
+                name = Path(os.path.relpath(path.absolute(), self.work)).as_posix()
+                if contents.record.owns(self.work, name):
+                    path.unlink()
+        remove_files(self.work, contents.own if replaced else temporary)
+        finished = self.action == "continue" and contents.finished
+        self._write_manifest(self.work, finished=finished, record=contents.record)
         return self.work
+
+    def adopt(self, folder: Path) -> None:
+        """Record as this command's own what a command in another process (a training worker)
+        wrote into ``folder``, a folder below this one: the files its own manifest proves
+        its, and that manifest."""
+        assert self._journal is not None, "prepare the folder first"
+        manifest, journal = _read_manifest(folder), ownership.read_journal(folder)
+        if manifest is None:
+            return
+        record = manifest.record.merge(journal or Record())
+        for name in [*files_in(folder), LOCK_FILE, MANIFEST]:
+            if name == MANIFEST or record.owns(folder, name):
+                self._journal.record(folder / name, whole=name != LOCK_FILE)
 
     def finish(self) -> Path:
         """Record the files written as the command's own, mark the folder finished, swap a
@@ -248,59 +255,77 @@ class OutputFolder:
             if self.work != real:
                 foreign = self.contents.foreign if self.contents is not None else []
                 _link_into(real, self.work, foreign)
-                own = [f for f in files_in(self.work) if f not in set(foreign)]
-                self._write_manifest(self.work, finished=True, files=own, kept=foreign)
+                self._seal(self.work)
                 old_own = self.contents.own if self.contents is not None else []
                 swap_folders(self.work, real, _rescue_foreign(old_own))
             else:
-                manifest = _read_manifest(real)
-                kept = set(manifest.kept if manifest is not None else ())
-                own = [f for f in files_in(real) if f not in kept]
-                self._write_manifest(real, finished=True, files=own, kept=sorted(kept))
+                self._seal(real)
         finally:
             self.close()
         return self.path
 
     def close(self, *, abandon: bool = False) -> None:
         """Release the locks. ``abandon``: the command failed and leaves nothing to continue:
-        a staged replacement goes, and so does the folder itself if this command created it."""
+        a staged replacement goes, and so does the folder itself if this command created it
+        (its own files; a user's files added meanwhile stay, with the folder)."""
         real = self.real
+        if self._journal is not None:
+            ownership.end(self._journal)
+            self._journal = None
+        if abandon and self.work is not None and self.work != real:
+            _discard(self.work)
+        if abandon and self._created and real.is_dir():
+            _discard(real)
         for lock in reversed(self._locks):
             lock.release(remove=abandon)
         self._locks.clear()
-        if abandon and self.work is not None and self.work != real:
-            shutil.rmtree(self.work, ignore_errors=True)
-        if abandon and self._created and real.is_dir():
-            shutil.rmtree(real, ignore_errors=True)
+        if abandon and self._created and real.is_dir() and not any(real.iterdir()):
+            real.rmdir()
 
-    def _legacy(self, real: Path, files: list[str]) -> Contents | None:
-        for kind in (self.kind, *self.accepts):
-            if kind not in LEGACY:
-                continue
-            signature, owned = LEGACY[kind]
-            tops = {f.split("/", 1)[0] for f in files}
-            if not tops & set(signature):
-                continue
-            runs = {t for t in tops if kind == "run" and (real / t / "results.json").is_file()}
-            own = [f for f in files if f.split("/", 1)[0] in {*owned, *runs}]
-            finished = (real / "results.json").is_file() if kind in ("run", "results") else True
-            finished = finished and not (real / MARKER).exists()
-            return Contents(kind, finished, own, [f for f in files if f not in set(own)])
-        return None
+    def _record_own_lock(self) -> None:
+        lock = next((lock for lock in self._locks if lock.folder == self.work), None)
+        if lock is not None and lock.created:
+            ownership.record_write(lock.path, lock.path, whole=False)
 
-    def _write_manifest(
-        self, folder: Path, *, finished: bool, kept: Sequence[str], files: Sequence[str] = ()
-    ) -> None:
+    def _seal(self, folder: Path) -> None:
+        """The manifest of ``folder`` made final (finished, its own files with their
+        identities), then its journal removed."""
+        manifest, journal = _read_manifest(folder), ownership.read_journal(folder)
+        record = (manifest.record if manifest else Record()).merge(journal or Record())
+        self._write_manifest(folder, finished=True, record=record)
+        if self._journal is not None:
+            ownership.end(self._journal)
+            self._journal = None
+        (folder / JOURNAL).unlink(missing_ok=True)
+        fsync_folder(folder)
+
+    def _write_manifest(self, folder: Path, *, finished: bool, record: Record) -> None:
         kind = self.contents.kind if self.contents is not None else self.kind
+        tokens = sorted(record.tokens | ({self._journal.token} if self._journal else set()))
+        files = {}
+        for name in files_in(folder):
+            if record.owns(folder, name):
+                files[name] = record.current(folder, name)
+        if record.owns(folder, LOCK_FILE):
+            files[LOCK_FILE] = [os.lstat(folder / LOCK_FILE).st_ino]
+        for claim in self.claims:
+            name = Path(os.path.relpath(claim.absolute(), folder)).as_posix()
+            if record.owns(folder, name):
+                files[name] = record.current(folder, name)
         document = {
-            "kind": kind, "finished": finished, "files": sorted(files), "kept": sorted(kept),
+            "format": FORMAT, "kind": kind, "finished": finished, "files": files,
+            "tokens": tokens,
             "note": "the files dcp-lens wrote here; replacing this folder removes those only",
         }  # fmt: skip
         write_text_atomically(folder / MANIFEST, json.dumps(document, indent=1) + "\n")
 
     def __enter__(self) -> Path:
         self.open()
-        return self.prepare()
+        try:
+            return self.prepare()
+        except BaseException:
+            self.close(abandon=self.action == "new")
+            raise
 
     def __exit__(
         self,
@@ -312,6 +337,22 @@ class OutputFolder:
             self.finish()
         else:
             self.close(abandon=self.action == "new")
+
+
+def _refuse_changed(folder: OutputFolder, contents: Contents) -> None:
+    """Refuse to restart or replace a folder in which a file the command wrote was changed or
+    put in place of (it is the user's now, and the command would write that name again)."""
+    changed = [
+        name
+        for name in contents.foreign
+        if any(len(recorded) > 1 for recorded in contents.record.files.get(name, ()))
+    ]
+    if changed:
+        raise ConfigError(
+            f"{folder.flag} {folder.path}: {_names(changed)} were written by dcp-lens and have "
+            "been changed or replaced since, so they are yours now and writing the folder would "
+            "overwrite them; move them away (or rename them) and rerun."
+        )
 
 
 def files_in(folder: Path) -> list[str]:
@@ -340,13 +381,60 @@ def remove_files(folder: Path, relative: Iterable[str]) -> None:
             path.unlink()
         elif path.is_dir() and not os.listdir(path):
             path.rmdir()
-        elif path.exists() and not path.is_dir():
-            path.unlink()  # a FIFO or socket a command made
         parents.update(p for p in path.parents if folder in p.parents)
     for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
         if parent.is_dir() and not parent.is_symlink() and not os.listdir(parent):
             parent.rmdir()
     fsync_folder(folder)
+
+
+def _discard(folder: Path) -> None:
+    """Remove what a command wrote into ``folder`` (its own files by its journal, the folders
+    left empty, its manifest, journal and lock), then the folder if nothing else is left."""
+    try:
+        record = _record_of(folder)
+    except ConfigError:
+        return  # not provably ours: left as it is
+    remove_files(folder, [f for f in files_in(folder) if record.owns(folder, f)])
+    for root, dirs, _ in os.walk(folder, topdown=False):
+        for name in dirs:
+            path = Path(root, name)
+            if not path.is_symlink() and not os.listdir(path):
+                path.rmdir()
+    if not files_in(folder):
+        for name in (MANIFEST, JOURNAL):
+            (folder / name).unlink(missing_ok=True)
+        if [p.name for p in folder.iterdir()] in ([], [LOCK_FILE]):
+            shutil.rmtree(folder, ignore_errors=True)  # the lock, then the folder
+
+
+def _record_of(folder: Path) -> Record:
+    """The proof ``folder``'s manifest and journal hold together."""
+    manifest, journal = _read_manifest(folder), ownership.read_journal(folder)
+    return (manifest.record if manifest else Record()).merge(journal or Record())
+
+
+def _clear_staged(real: Path) -> None:
+    """Finish what a kill left beside ``real`` of an ``--overwrite``: a replacement folder
+    ``.NAME.replacing.TOKEN`` whose journal holds that token (killed before the swap: its own
+    files go), or the old folder parked under that name, whose token the new folder in place
+    records (killed after the swap: the user's files in it move to ``real``, the rest goes)."""
+    prefix = f".{real.name}{REPLACING}."
+    placed = _record_of(real).tokens
+    for sibling in real.parent.iterdir():
+        token = sibling.name.removeprefix(prefix)
+        if not sibling.name.startswith(prefix) or sibling.is_symlink() or not sibling.is_dir():
+            continue
+        try:
+            record = _record_of(sibling)
+        except ConfigError:
+            continue
+        if token in placed:
+            own = [f for f in files_in(sibling) if record.owns(sibling, f)]
+            _rescue_foreign(own)(sibling, real)
+            shutil.rmtree(sibling, ignore_errors=True)
+        elif token in record.tokens or set(os.listdir(sibling)) <= {LOCK_FILE, JOURNAL}:
+            _discard(sibling)
 
 
 def _link_into(old: Path, new: Path, relative: Iterable[str]) -> None:
@@ -369,65 +457,71 @@ def _link_into(old: Path, new: Path, relative: Iterable[str]) -> None:
 
 
 def _rescue_foreign(old_own: Sequence[str]) -> Callable[[Path, Path], None]:
-    """After a swap: move the files a user added to the old folder while it was being
-    replaced (neither the old command's nor linked already) into the new one."""
+    """After a swap: move the files a user added to (or changed in) the old folder while it
+    was being replaced (not the old command's own) into the new one, in place of the links
+    made before; one whose name the new folder's own file has is kept as ``NAME.yours``."""
     own = set(old_own)
 
     def rescue(parked: Path, placed: Path) -> None:
+        manifest = _read_manifest(placed)
+        new_own = manifest.record if manifest is not None else Record()
         for name in files_in(parked):
-            target = placed / name.rstrip("/")
-            if name in own or target.exists() or target.is_symlink() or name.endswith("/"):
+            if name in own or name.endswith("/"):
                 continue
+            source, target = parked / name, placed / name
+            if os.path.lexists(target):
+                if not source.is_symlink() and os.path.samefile(source, target):
+                    continue  # linked before the swap, unchanged since
+                if new_own.owns(placed, name):
+                    target = target.with_name(target.name + ".yours")
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(parked / name, target)
+            os.replace(source, target)
 
     return rescue
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
+def _note(text: str) -> None:
+    print(f"dcp-lens: {text}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A folder's `MANIFEST`: the kind of command that wrote it, whether it finished, the files
-    it wrote and the files it found there and kept."""
+    """A folder's `MANIFEST`: the kind of command that wrote it, whether it finished, and the
+    proof of its own files (`Record`)."""
 
     kind: str
     finished: bool
-    files: list[str]
-    kept: list[str]
+    record: Record
 
 
 def _read_manifest(folder: Path) -> Manifest | None:
     path = folder / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    refusal = (
+        f"{path} is not a manifest of dcp-lens (the list of files it wrote in {folder}), so "
+        f"{folder} holds files dcp-lens did not write; pass another folder (that file is left "
+        "as it is)."
+    )
+    if path.is_symlink() or not path.is_file():
+        raise ConfigError(refusal)
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"{path} (the list of files dcp-lens wrote in {folder}) is damaged ({error}); "
-            "remove the folder or pass another one."
-        ) from error
-    if not isinstance(document, dict) or not isinstance(document.get("kind"), str):
-        raise ConfigError(
-            f"{path} is not a dcp-lens manifest (expected a JSON object with a 'kind'); remove "
-            "it or pass another folder."
-        )
-    for key in ("files", "kept"):
-        value = document.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{path}: {key!r} must be a list of file names; remove it.")
-    return Manifest(
-        document["kind"],
-        bool(document.get("finished")),
-        document.get("files", []),
-        document.get("kept", []),
-    )
+        raise ConfigError(f"{refusal} ({' '.join(str(error).split())[:80]})") from error
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ConfigError(refusal)
+    kind, files, tokens = document.get("kind"), document.get("files"), document.get("tokens")
+    if (
+        not isinstance(kind, str)
+        or not isinstance(files, dict)
+        or not all(ownership.is_identity(v) for v in files.values())
+        or not isinstance(tokens, list)
+        or not all(isinstance(t, str) for t in tokens)
+    ):
+        raise ConfigError(f"{path}: kind, files or tokens are damaged; remove the folder.")
+    record = Record([kind], set(tokens), {name: [value] for name, value in files.items()})
+    return Manifest(kind, document.get("finished") is True, record)
 
 
 def _names(files: Sequence[str], shown: int = 4) -> str:
@@ -443,22 +537,23 @@ def _names(files: Sequence[str], shown: int = 4) -> str:
 @dataclass(frozen=True)
 class ReportTarget:
     """Where a report goes: ``file`` the report's path; ``folder`` the `OutputFolder` to
-    write it in (None: a lone file, with its assets inlined)."""
+    write it in, or, for a report written to a file of its own, the folder of its assets
+    beside it (``<name>_files``), whose manifest records the page too."""
 
     file: Path
-    folder: OutputFolder | None
+    folder: OutputFolder
+    lone: bool = False
 
-    def write_page(self, page: str) -> Path:
-        """Write a lone page (``folder`` None) to ``file``, its folder made if missing."""
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        return write_text_atomically(self.file, page)
+
+REPORT_FILE_KIND = "report file"  # the assets folder of a report written to a file
 
 
 def report_target(path: str | Path, source: str | Path | None = None) -> ReportTarget:
     """Check where a report is to be written, before anything is: a ``.html`` file (a new
-    one, or a report dcp-lens wrote; plotly.js goes inside it, no other file is touched) or
-    a folder (``source``, the run folder the report is made from; else a new folder, a report
-    folder or a ``results.save`` folder), which gets ``report.html`` and ``plotly.min.js``."""
+    one, or one a report wrote: its assets folder's manifest records it; plotly.js goes into
+    that folder, ``<name>_files``, and no other file is touched) or a folder (``source``, the
+    run folder the report is made from; else a new folder, a report folder or a
+    ``results.save`` folder), which gets ``report.html`` and ``plotly.min.js``."""
     path = Path(path)
     if path.is_dir() or (not path.exists() and not path.suffix):
         if source is not None and path.resolve() == Path(source).resolve():
@@ -466,42 +561,37 @@ def report_target(path: str | Path, source: str | Path | None = None) -> ReportT
         else:
             folder = OutputFolder(path, "report", on_finished="continue", accepts=("results",))
         folder.plan()
-        report = path / "report.html"
-        listed = (folder.real / MANIFEST).is_file() and folder.contents is not None
-        own = folder.contents.own if listed and folder.contents is not None else []
-        if report.exists() and "report.html" not in own and not is_report(report):
-            raise ConfigError(
-                f"--out {report} exists and is not a report dcp-lens wrote; pass another folder."
-            )
-        return ReportTarget(report, folder)
+        own = folder.contents.own if folder.contents is not None else []
+        for name in ("report.html", "plotly.min.js"):
+            if os.path.lexists(path / name) and name not in own:
+                raise ConfigError(
+                    f"--out {path / name} exists and is not a file dcp-lens wrote there; pass "
+                    "another folder."
+                )
+        return ReportTarget(path / "report.html", folder)
     check_new_file(path, ".html", "--out")
-    if path.exists() and not is_report(path):
+    assets = path.with_name(path.stem + "_files")
+    folder = OutputFolder(assets, REPORT_FILE_KIND, on_finished="replace", claims=(path,))
+    folder.plan()
+    record = folder.contents.record if folder.contents is not None else Record()
+    if os.path.lexists(path) and not record.owns(folder.real, f"../{path.name}"):
         raise ConfigError(
-            f"--out {path} exists and is not a report dcp-lens wrote; pass a new .html path or "
-            "a folder (its report.html is replaced)."
+            f"--out {path} exists and is not a report dcp-lens wrote (its assets folder "
+            f"{assets} does not record it); pass a new .html path or a folder (its report.html "
+            "is replaced)."
         )
-    return ReportTarget(path, None)
-
-
-def is_report(path: Path) -> bool:
-    """Does ``path`` hold a report dcp-lens wrote (an HTML page naming dcp-lens at its top)?"""
-    try:
-        with path.open("rb") as file:
-            head = file.read(4096).lower()
-    except OSError:
-        return False
-    return b"<html" in head and (b"dcp-lens" in head or b"<title>dcp report" in head)
+    return ReportTarget(path, folder, lone=True)
 
 
 __all__ = [
     "CHECKPOINTS",
-    "LEGACY",
+    "FORMAT",
     "MANIFEST",
     "Contents",
     "OutputFolder",
     "ReportTarget",
+    "REPORT_FILE_KIND",
     "files_in",
-    "is_report",
     "remove_files",
     "report_target",
 ]

@@ -41,6 +41,7 @@ from dcp_lens import HookedRecurrentTransformer, load
 from dcp_lens.cli import main
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.ownership import TEMPORARY
 
 QUICK = settings(
     max_examples=12,
@@ -323,7 +324,7 @@ def check_folder_contract(
                 raise Unclean(f"{writer} replaced a finished run's results.json")
         if "link" in state and not target.is_symlink():
             raise Unclean(f"{writer} replaced the link {target}")
-        stray = [p.name for p in box.iterdir() if p.name.endswith(".replacing")]
+        stray = [p.name for p in box.iterdir() if ".replacing" in p.name]
         if stray:
             raise Unclean(f"{writer} left {stray}")
 
@@ -588,12 +589,15 @@ def start(argv: list[str], cwd: Path) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-def kill_after(process: subprocess.Popen[bytes], delay: float, started: Path) -> bool:
-    """SIGKILL ``process`` ``delay`` seconds after ``started`` appears (the command has passed
-    its checks and begun writing: python's and torch's start-up are not what is tested);
-    False if it had finished by then."""
+def kill_after(
+    process: subprocess.Popen[bytes], delay: float, started: Path | Callable[[], bool]
+) -> bool:
+    """SIGKILL ``process`` ``delay`` seconds after ``started`` appears (or is true: the command
+    has passed its checks and begun writing: python's and torch's start-up are not what is
+    tested); False if it had finished by then."""
+    begun = started if callable(started) else started.exists
     deadline = time.monotonic() + 120
-    while not started.exists() and process.poll() is None and time.monotonic() < deadline:
+    while not begun() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     try:
         process.wait(timeout=delay)
@@ -631,9 +635,10 @@ def check_killed_run(tmp_path: Path, rng: random.Random, reference: Path) -> Non
     delay = rng.uniform(0.0, 3.0)
     killed = kill_after(start(run_command(out, 0), tmp_path), delay, out)
     note = f"(killed={killed} after {delay:.1f}s; DCP_LENS_FUZZ_SEED replays)"
-    contract = {".lock", ".dcp-lens.json"}  # the lock, taken before the models load
+    contract = {".lock", ".dcp-lens.json", ".dcp-lens.journal"}  # before the models load
     if out.exists() and not (out / "INCOMPLETE").exists():
-        only_lock = {p.name for p in out.iterdir()} <= contract
+        names = {p.name for p in out.iterdir() if not TEMPORARY.match(p.name)}
+        only_lock = names <= contract
         assert only_lock or (out / "results.json").is_file(), f"an unmarked partial folder {note}"
     assert seeds_in(out) <= {0}, note if out.exists() else note
     code = main(run_command(out, 0, "--resume"))
@@ -645,7 +650,10 @@ def check_killed_overwrite(tmp_path: Path, rng: random.Random, reference: Path) 
     out = shutil.copytree(reference, tmp_path / "replaced")
     old = digest(out)
     delay = rng.uniform(0.0, 3.0)
-    sibling = tmp_path / ".replaced.replacing"
+
+    def sibling() -> bool:  # the replacement's folder, beside the old one
+        return any(tmp_path.glob(".replaced.replacing.*"))
+
     killed = kill_after(start(run_command(out, 5, "--overwrite"), tmp_path), delay, sibling)
     note = f"(killed={killed} after {delay:.1f}s; DCP_LENS_FUZZ_SEED replays)"
     if (out / "INCOMPLETE").exists():  # the new run, swapped in before its marker went

@@ -613,9 +613,11 @@ def test_overwrite_with_a_bad_argument_leaves_the_finished_run_readable(
 def test_overwrite_replaces_the_run_whole_and_leaves_no_sibling(capsys, tmp_path, finished_run):
     """Every file the old run wrote (its manifest lists them) goes; a file added since stays."""
     run = shutil.copytree(finished_run, tmp_path / "run")
+    from dcp_lens.utils.ownership import identity
+
     (run / "stale.txt").write_text("a file of the old run")
     manifest = json.loads((run / ".dcp-lens.json").read_text())
-    manifest["files"].append("stale.txt")
+    manifest["files"]["stale.txt"] = identity((run / "stale.txt").stat(), run / "stale.txt")
     (run / ".dcp-lens.json").write_text(json.dumps(manifest))
     (run / "notes.txt").write_text("the user's")
     argv = run_argv(run, "--overwrite", "--seed", "3")
@@ -1177,6 +1179,27 @@ def test_numbers_in_results_json_are_checked_on_load(tmp_path, finished):
             read_results_json(folder / "results.json")
 
 
+BAD_NUMBERS = [
+    ("n_iterations", '"8"'),
+    ("n_iterations", "8.5"),
+    ("n_iterations", "true"),
+    ("k", '"1"'),
+]
+
+
+@pytest.mark.parametrize("field, bad", BAD_NUMBERS)
+def test_a_string_where_results_json_holds_a_number_is_refused(tmp_path, finished, field, bad):
+    from dcp_lens.protocol.results import read_results_json
+
+    folder = shutil.copytree(finished / "planted_readout_shift", tmp_path / "r")
+    text = (folder / "results.json").read_text()
+    start = text.index(f'"{field}": ') + len(f'"{field}": ')
+    end = min(i for i in (text.find(",", start), text.find("\n", start)) if i > 0)
+    (folder / "results.json").write_text(text[:start] + bad + text[end:])
+    with pytest.raises(DamagedFileError, match=rf"results\.json: {field} holds .*expected an"):
+        read_results_json(folder / "results.json")
+
+
 @pytest.mark.parametrize(
     "case",
     ["list", "numpy", "float_targets", "fraction", "mask_float", "mask_shape", "meta", "metadata",
@@ -1296,6 +1319,7 @@ def _alive(pid: int) -> bool:
 def test_the_finished_check_is_made_again_under_the_lock(tmp_path):
     """B judges the folder new before A has finished it; once B holds the lock it judges it
     again and refuses the finished run (B never replaces what A wrote)."""
+    from dcp_lens.utils.files import write_text_atomically
     from dcp_lens.utils.folders import OutputFolder
     from dcp_lens.utils.locks import FolderBusyError
 
@@ -1307,16 +1331,17 @@ def test_the_finished_check_is_made_again_under_the_lock(tmp_path):
     first.prepare()
     with pytest.raises(FolderBusyError):
         second.open()
-    (work / "results.json").write_text("{}")
+    write_text_atomically(work / "results.json", "{}")  # recorded: the command's own
     first.finish()
     with pytest.raises(ConfigError, match="holds a finished run"):
         second.open()
     assert (out / "results.json").read_text() == "{}"
     manifest = json.loads((out / ".dcp-lens.json").read_text())
-    assert manifest["finished"] and manifest["files"] == ["results.json"]
+    assert manifest["finished"] and sorted(manifest["files"]) == [".lock", "results.json"]
     (out / "notes.txt").write_text("mine")  # a user's file after the run: kept by a restart
     third = OutputFolder(out, "run", overwrite=True)
     third.open()
     third.prepare()
-    assert sorted(p.name for p in out.iterdir()) == [".dcp-lens.json", ".lock", "notes.txt"]
+    names = [".dcp-lens.journal", ".dcp-lens.json", ".lock", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == names
     third.close()
