@@ -52,7 +52,7 @@ from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
 from dcp_lens.utils.folders import OutputFolder
 from dcp_lens.zoo import planted
-from dcp_lens.zoo.planted.embedding import embed
+from dcp_lens.zoo.planted.embedding import check_width, embed
 
 TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may lie
 NARROW_WIDTH = 0.1  # an identifiable model's largest S bracket width (upper interval end)
@@ -348,6 +348,7 @@ def validate(
         One `ValidationRow` per (model, metric), models in the given order.
     """
     names = _models(models)
+    check_width([planted.BUILDERS[name] for name in names], width)
     config = _config(config, metrics, settings)
     rows = []
     for name in names:
@@ -394,6 +395,7 @@ def coverage(
             f"coverage needs at least 2 replicates, got {replicates}; pass --coverage 2 or more."
         )
     names = _models(models or MIXTURES)
+    check_width([planted.BUILDERS[name] for name in names], width)
     config = _config(config, metrics, settings)
     seeds = [config.seed + i for i in range(replicates)]
     found: dict[str, dict[str, list[dict[str, float]]]] = {}

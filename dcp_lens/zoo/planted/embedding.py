@@ -38,6 +38,7 @@ forward costs O(width * (d_mlp + d_vocab + d + d_shadow)) per position and itera
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -195,6 +196,19 @@ def embed(
             nuisance is not None and nuisance[1].abs().sum() > 0),
     }  # fmt: skip
     return embedded
+
+
+def check_width(builders: Iterable[Callable[[], PlantedModel]], width: int | None) -> None:
+    """Refuse, before any work, a ``width`` below the d_model of a model ``builders`` build
+    (None: no embedding, nothing to check)."""
+    if width is None:
+        return
+    need = max(builder().cfg.d_model for builder in builders)
+    if isinstance(width, bool) or not isinstance(width, int) or width < need:
+        raise ConfigError(
+            f"width={width!r} is below the widest planted model's d_model={need}; pass an int "
+            f">= {need}."
+        )
 
 
 def _original_weights(model: PlantedModel) -> dict[str, Tensor | None]:

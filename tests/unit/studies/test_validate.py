@@ -266,3 +266,8 @@ def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable(
     assert set(validation.MIXTURES) == {
         "mixture_shift_distinct", "mixture_shift_blocks", "mixture_three_way"
     }  # fmt: skip
+
+
+def test_validate_refuses_a_width_below_a_model_before_any_run():
+    with pytest.raises(validation.ConfigError, match="below the widest planted model's d_model=48"):
+        validation.validate(["readout_shift", "mixture_three_way"], width=40)
