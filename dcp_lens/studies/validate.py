@@ -598,7 +598,8 @@ def run_validation(
     if out is not None:
         settings = {
             "seed": config.seed, "n_eval": n_eval, "n_calibration": n_calibration,
-            "n_bootstrap": config.n_bootstrap, "config": config.to_dict(), "width": width,
+            "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
+            **({} if width is None else {"width": width}),
             "seconds": round(seconds, 1), "peak_rss_mib": round(peak),
         }  # fmt: skip
         save(rows, out, settings, table)
