@@ -220,7 +220,8 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     kind = None if dtype is None else check_dtype(dtype)
     model = builder(**fields)  # type: ignore[arg-type]
     if width is not None:
-        model = embed(model, width, seed=int(fields.get("seed", 0)))  # type: ignore[arg-type]
+        seed = fields.get("seed", 0)  # an int: checked against the builder's hints above
+        model = embed(model, typing.cast(int, width), seed=typing.cast(int, seed))
     if target or kind:
         model = model.to(device=target, dtype=kind)
     # Planted models number their symbols themselves: <0>, <1>, … give them strings.

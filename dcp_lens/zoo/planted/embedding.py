@@ -39,12 +39,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from dcp_lens.model.components.block import TransformerBlock
+from dcp_lens.model.components.mlp import MLP
 from dcp_lens.model.components.norms import RMSNorm
+from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
 from dcp_lens.zoo.planted.base import (
     PlantedModel,
@@ -82,6 +86,11 @@ class EmbeddedAdapter(nn.Module):
     """
 
     kind = "concat_adapter"
+    basis: Tensor
+    read: Tensor
+    lift: Tensor
+    A_s: Tensor
+    A_e: Tensor
 
     def __init__(self, basis: Tensor, read: Tensor, lift: Tensor, A_s: Tensor, A_e: Tensor):
         super().__init__()
@@ -109,7 +118,7 @@ class EmbeddedPlantedModel(PlantedModel):
         with torch.device("meta"):
             twin = TransformerBlock(self.cfg)
         if isinstance(block.attn, SilentAttention):
-            twin.attn = SilentAttention()
+            twin.attn = SilentAttention()  # type: ignore[assignment]  # the owner's is silent
         for twin_module, owner_module in zip(twin.modules(), block.modules(), strict=True):
             for name, parameter in owner_module._parameters.items():
                 twin_module._parameters[name] = parameter
@@ -161,11 +170,11 @@ def embed(
     rotation = torch.linalg.qr(torch.randn(width, width, generator=generator).double())[0]
     read = torch.zeros(width, d, dtype=torch.float64)  # the read weights' map, z -> original
     read[:d] = torch.diag(kappa * math.sqrt(d / width) / scale)
-    cfg_builder = adapter_config if weights["adapter"] is not None else base_config
-    cfg = cfg_builder(width, model.cfg.d_vocab, model.n_iterations, weights["W_in"].shape[1])
+    cfg_builder = adapter_config if weights.adapter is not None else base_config
+    cfg = cfg_builder(width, model.cfg.d_vocab, model.n_iterations, weights.W_in.shape[1])
     embedded = _blank_embedded(cfg).double()
-    tokens_z = weights["W_E"] @ lift
-    positions_z = weights["W_pos"] @ lift
+    tokens_z = weights.W_E @ lift
+    positions_z = weights.W_pos @ lift
     if nuisance is not None:
         tokens_z[:, d + d_shadow :] = eta * nuisance[0]
         positions_z[:, d + d_shadow :] = eta * nuisance[1]
@@ -173,19 +182,21 @@ def embed(
         embedded.embed.W_E.copy_(tokens_z @ rotation.T)
         position_table(embedded).copy_(positions_z @ rotation.T)
         mlp = embedded._core[0][0].mlp
-        mlp.W_in.copy_(rotation @ read @ weights["W_in"])
-        mlp.b_in.copy_(weights["b_in"])
-        mlp.W_out.copy_(weights["W_out"] @ lift @ rotation.T)
-        mlp.b_out.copy_(weights["b_out"] @ lift @ rotation.T)
-        embedded.unembedding.copy_(rotation @ read @ weights["W_U"])
-    if weights["adapter"] is not None:
+        assert isinstance(mlp, MLP), "planted models have a GELU MLP"
+        mlp.W_in.copy_(rotation @ read @ weights.W_in)
+        mlp.b_in.copy_(weights.b_in)
+        mlp.W_out.copy_(weights.W_out @ lift @ rotation.T)
+        mlp.b_out.copy_(weights.b_out @ lift @ rotation.T)
+        embedded.unembedding.copy_(rotation @ read @ weights.W_U)
+    if weights.adapter is not None:
         k = d + d_shadow
         basis = (rotation[:, :k]).T  # rotated basis vectors of z's first k coordinates
-        A = weights["adapter"]
+        A = weights.adapter
         from_basis = torch.zeros(k, d, dtype=torch.float64)
         from_basis[:d] = torch.diag(1.0 / scale)
         parts = (basis, from_basis, lift[:, :k], A[:, :d].T, A[:, d:].T)
-        embedded.inject = EmbeddedAdapter(*(part.contiguous() for part in parts))
+        adapter = EmbeddedAdapter(*(part.contiguous() for part in parts))
+        embedded.inject = adapter  # type: ignore[assignment]  # Inject's forward, low rank
     embedded.planted_task = model.planted_task
     if getattr(model, "tokenizer", None) is not None:
         embedded.tokenizer = model.tokenizer
@@ -211,7 +222,21 @@ def check_width(builders: Iterable[Callable[[], PlantedModel]], width: int | Non
         )
 
 
-def _original_weights(model: PlantedModel) -> dict[str, Tensor | None]:
+@dataclass(frozen=True)
+class _Weights:
+    """A planted model's weights in float64 (`_original_weights`)."""
+
+    W_E: Tensor  # [d_vocab, d]
+    W_pos: Tensor  # [n_ctx, d]
+    W_in: Tensor  # [d, d_mlp], the norm's weight folded in
+    b_in: Tensor  # [d_mlp]
+    W_out: Tensor  # [d_mlp, d]
+    b_out: Tensor  # [d]
+    W_U: Tensor  # [d, d_vocab], the final norm's weight folded in
+    adapter: Tensor | None  # [d, 2 d] with the concat adapter
+
+
+def _original_weights(model: PlantedModel) -> _Weights:
     """The planted model's weights in float64, its norms' weights folded into what they feed;
     refuses a model the construction does not cover."""
     cfg = model.cfg
@@ -226,27 +251,31 @@ def _original_weights(model: PlantedModel) -> dict[str, Tensor | None]:
         raise ConfigError("this model is already embedded; embed the planted model itself.")
     if any(p.abs().sum() > 0 for p in block.attn.parameters()):
         raise ConfigError("embed takes planted models, whose attention is zero.")
-    mlp, double = block.mlp, (lambda t: t.detach().double().clone())
-    assert isinstance(block.ln2, RMSNorm) and isinstance(model.ln_final, RMSNorm)
+    mlp = block.mlp
+    assert isinstance(mlp, MLP) and isinstance(block.ln2, RMSNorm)
+    assert isinstance(model.ln_final, RMSNorm)
     adapter = getattr(model.inject, "W_adapter", None)
-    return {
-        "W_E": double(model.embed.W_E),
-        "W_pos": double(position_table(model)),
-        "W_in": double(block.ln2.w)[:, None] * double(mlp.W_in),
-        "b_in": double(mlp.b_in),
-        "W_out": double(mlp.W_out),
-        "b_out": double(mlp.b_out),
-        "W_U": double(model.ln_final.w)[:, None] * double(model.unembedding),
-        "adapter": None if adapter is None else double(adapter),
-    }
+
+    def double(t: Tensor) -> Tensor:
+        return t.detach().double().clone()
+
+    return _Weights(
+        W_E=double(model.embed.W_E),
+        W_pos=double(position_table(model)),
+        W_in=double(block.ln2.w)[:, None] * double(mlp.W_in),
+        b_in=double(mlp.b_in),
+        W_out=double(mlp.W_out),
+        b_out=double(mlp.b_out),
+        W_U=double(model.ln_final.w)[:, None] * double(model.unembedding),
+        adapter=None if adapter is None else double(adapter),
+    )
 
 
-def _static_coordinates(weights: dict[str, Tensor | None], d: int) -> Tensor:
+def _static_coordinates(weights: _Weights, d: int) -> Tensor:
     """[d] bool: the coordinates no iteration changes (no live MLP unit writes them and the
     adapter, if any, passes them through from the state)."""
-    W_in, b_in = weights["W_in"], weights["b_in"]
-    W_out, b_out, adapter = weights["W_out"], weights["b_out"], weights["adapter"]
-    assert W_in is not None and b_in is not None and W_out is not None and b_out is not None
+    W_in, b_in, W_out, b_out = weights.W_in, weights.b_in, weights.W_out, weights.b_out
+    adapter = weights.adapter
     live = (W_in != 0).any(0) | (b_in != 0)  # a unit with no input is gelu(0) = 0
     static = (W_out[live] == 0).all(0) & (b_out == 0)
     if adapter is not None:
@@ -256,12 +285,11 @@ def _static_coordinates(weights: dict[str, Tensor | None], d: int) -> Tensor:
 
 
 def _static_nuisance(
-    weights: dict[str, Tensor | None], static: Tensor, room: int, generator: torch.Generator
+    weights: _Weights, static: Tensor, room: int, generator: torch.Generator
 ) -> tuple[Tensor, Tensor] | None:
     """Unit-scale token and position nuisance ([d_vocab, room], [n_ctx, room]) whose sum has,
     for every (token, position), the norm of its static coordinates; None where none fits."""
-    W_E, W_pos = weights["W_E"], weights["W_pos"]
-    assert W_E is not None and W_pos is not None
+    W_E, W_pos = weights.W_E, weights.W_pos
     if room < 2 or not bool(static.any()):
         return None
     static_norm = (W_E[:, None, static] + W_pos[None, :, static]).norm(dim=-1)  # [vocab, pos]
@@ -286,12 +314,12 @@ def _static_nuisance(
     return tokens, positions
 
 
-def _blank_embedded(cfg) -> EmbeddedPlantedModel:  # type: ignore[no-untyped-def]
+def _blank_embedded(cfg: RecurrentConfig) -> EmbeddedPlantedModel:
     """The blank model of ``cfg`` as an `EmbeddedPlantedModel`, its attention silent."""
     model = blank_model(cfg)
     model.__class__ = EmbeddedPlantedModel
     for row in model._core:
         for block in row:
-            block.attn = SilentAttention()
+            block.attn = SilentAttention()  # type: ignore[assignment]  # zero, not computed
     model.setup()
-    return model
+    return cast(EmbeddedPlantedModel, model)
