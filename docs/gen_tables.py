@@ -139,6 +139,18 @@ def _spread(values: list[float]) -> str:
     return f"{_num(100 * mean, 1)}% ({_num(100 * min(values), 1)}-{_num(100 * max(values), 1)}%)"
 
 
+def _cost(seed: int, data: dict[str, Any]) -> str:
+    """A validation run's time and peak memory, and its number of models where it ran only
+    some (``settings.models_run``)."""
+    settings = data["settings"]
+    models = settings.get("models_run")
+    return (
+        f"seed {seed}: {_num(settings['seconds'] / 60, 1)} min, "
+        f"{_num(settings['peak_rss_mib'] / 1024, 1)} GiB peak"
+        + (f" ({len(models)} models)" if models else "")
+    )
+
+
 def validation_table(width: int | None = None) -> str:
     """The planted suite at every seed (at ``width``: embedded at that width): per row the
     truth, the first seed's brackets and each seed's verdict and result; per metric and seed
@@ -218,12 +230,7 @@ def validation_table(width: int | None = None) -> str:
                    f"verdicts right, mean (range) over seeds {listed}"]  # fmt: skip
     settings = first["settings"]
     stem = _validation_stem(width)
-    costs = [
-        f"seed {seed}: {_num(data['settings']['seconds'] / 60, 1)} min, "
-        f"{_num(data['settings']['peak_rss_mib'] / 1024, 1)} GiB peak"
-        for seed, data in runs
-        if "seconds" in data["settings"]
-    ]
+    costs = [_cost(seed, data) for seed, data in runs if "seconds" in data["settings"]]
     note = (
         f"\n*Generated from {', '.join(f'`docs/data/{stem}_seed{s}.json`' for s in seeds)} "
         f"({settings['n_eval']} + {settings['n_calibration']} sequences, "
