@@ -15,7 +15,9 @@ whole stream (no coordinate of the result is a coordinate of the mechanism), a s
   copies the dynamic content, at g times its size, into coordinates the readout does not read.
   It is token-, position- and iteration-dependent, and where the mechanism's future is not
   predictable from s_k (distinct computation) neither is the shadow's;
-- the **static nuisance** ``n_token + n_position``: a random direction per token and per position
+- the **static nuisance** ``n_token + n_position``: an isometric copy of the token's static
+  content (a random direction per token would make every function of the token affine in the
+  state, a lookup table, and so change the planted truth) and a random direction per position,
   in the remaining coordinates, never read, with norm eta |x_stat| where
   eta^2 = a^2 + g^2 - c^2, so that |z|^2 = (a^2 + g^2) |x|^2 for every state and every affine
   combination of states (the static part of an affine combination is the state's own). The
@@ -290,7 +292,7 @@ def _static_nuisance(
     """Unit-scale token and position nuisance ([d_vocab, room], [n_ctx, room]) whose sum has,
     for every (token, position), the norm of its static coordinates; None where none fits."""
     W_E, W_pos = weights.W_E, weights.W_pos
-    if room < 2 or not bool(static.any()):
+    if room < 2 or not bool(static.any()) or bool(W_pos[:, static].any()):
         return None
     static_norm = (W_E[:, None, static] + W_pos[None, :, static]).norm(dim=-1)  # [vocab, pos]
     if static_norm.max() == 0:
@@ -304,9 +306,16 @@ def _static_nuisance(
     n_position = int(room * share) if share else 0
     tokens = torch.zeros(W_E.shape[0], room, dtype=torch.float64)
     positions = torch.zeros(W_pos.shape[0], room, dtype=torch.float64)
-    directions = torch.randn(W_E.shape[0], room - n_position, generator=generator).double()
-    directions /= directions.norm(dim=1, keepdim=True)
-    tokens[:, n_position:] = directions * (token_norm * math.sqrt(1.0 - share))[:, None]
+    n_static = int(static.sum())
+    if room - n_position < n_static:
+        return None
+    # The token part is an isometric image of the token's own static content: a random
+    # direction per token would make every function of the token affine in the state (a
+    # lookup table), and so change what an affine map can recover: the planted truth.
+    isometry = torch.linalg.qr(
+        torch.randn(room - n_position, n_static, generator=generator).double()
+    )[0]
+    tokens[:, n_position:] = (W_E[:, static] @ isometry.T) * math.sqrt(1.0 - share)
     if n_position:
         directions = torch.randn(W_pos.shape[0], n_position, generator=generator).double()
         directions /= directions.norm(dim=1, keepdim=True)

@@ -148,3 +148,18 @@ def test_bad_widths_are_refused_with_the_reason():
         embed(original, 64, static_scale=5.0)
     with pytest.raises(ConfigError, match="already embedded"):
         embed(embed(original, 64), 128)
+
+
+def test_the_nuisance_makes_no_function_of_the_token_affine():
+    """block_count's answer (an XOR of the token's features) is no affine function of s_0 as
+    built; embedded, it must stay none (a code per token would be a lookup table)."""
+    original, embedded = _pair("block_count", width=512)
+    n = original.planted_task.n_inputs
+    tokens = torch.arange(n)[:, None]  # every token, at position 0
+    states, _ = _states(embedded, tokens)
+    source = states[0, :, 0].detach()
+    design = torch.cat([source, torch.ones(n, 1, dtype=source.dtype)], 1)
+    target = 2.0 * (original.planted_task.answers == 0).double() - 1.0
+    fitted = design @ torch.linalg.lstsq(design, target[:, None]).solution
+    explained = 1.0 - (target - fitted[:, 0]).pow(2).sum() / (target - target.mean()).pow(2).sum()
+    assert explained < 0.1
