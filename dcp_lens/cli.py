@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="write validation.json and validation.md here (default: print only)",
     )  # fmt: skip
     validate.add_argument("--coverage", type=int, metavar="N", help=HELP["coverage"])
+    validate.add_argument(
+        "--width",
+        type=int,
+        metavar="N",
+        help="embed every planted model in a stream of N coordinates (docs/validation.md)",
+    )
 
     bench = command("bench", "cost of the sweep, the naive sweep and a hooks-off forward")
     bench.lists = ("metrics", "maps")
@@ -357,7 +363,7 @@ def _validate(args: argparse.Namespace) -> int:
     passed = run_validation(
         names(args.models, "--models"), config=protocol_config(args, "validate"),
         n_eval=args.n_eval, n_calibration=args.n_calibration, replicates=args.coverage,
-        out=args.out, progress=not args.quiet,
+        out=args.out, progress=not args.quiet, width=args.width,
     )  # fmt: skip
     return 0 if passed else 1
 

@@ -63,14 +63,26 @@ def _sbd(values: dict[str, float]) -> str:
     return " / ".join(_num(values[factor], 2) for factor in ("S", "B", "D"))
 
 
-def _validation_files() -> list[tuple[int, Any]]:
-    """Every ``docs/data/validation_seed{N}.json``, by seed."""
+def _validation_stem(width: int | None) -> str:
+    """The file stem of the validation JSON at ``width`` (None: the models as built)."""
+    return "validation" if width is None else f"validation_w{width}"
+
+
+def _validation_files(width: int | None = None) -> list[tuple[int, Any]]:
+    """Every ``docs/data/validation_seed{N}.json`` (at ``width``:
+    ``validation_w{width}_seed{N}.json``), by seed; each must record the width it ran at."""
     found = []
-    for path in DATA.glob("validation_seed*.json"):
+    stem = _validation_stem(width)
+    for path in DATA.glob(f"{stem}_seed*.json"):
         data = _read(path)
+        if data["settings"].get("width") != width:
+            raise SystemExit(f"{path} ran at width {data['settings'].get('width')}, not {width}.")
         found.append((int(data["settings"]["seed"]), data))
     if not found:
-        raise SystemExit(f"no validation_seed*.json under {DATA}: run `dcp-lens validate --out`.")
+        raise SystemExit(
+            f"no {stem}_seed*.json under {DATA}: run `dcp-lens validate "
+            f"{'' if width is None else f'--width {width} '}--out`."
+        )
     return sorted(found, key=lambda pair: pair[0])
 
 
@@ -127,11 +139,24 @@ def _spread(values: list[float]) -> str:
     return f"{_num(100 * mean, 1)}% ({_num(100 * min(values), 1)}-{_num(100 * max(values), 1)}%)"
 
 
-def validation_table() -> str:
-    """The planted suite at every seed: per row the truth, the first seed's brackets and each
-    seed's verdict and result; per metric and seed the rows passed, the flag's false alarms and
-    the verdicts right; per metric the spread of the rates over the seeds."""
-    runs = _validation_files()
+def _cost(seed: int, data: dict[str, Any]) -> str:
+    """A validation run's time and peak memory, and its number of models where it ran only
+    some (``settings.models_run``)."""
+    settings = data["settings"]
+    models = settings.get("models_run")
+    return (
+        f"seed {seed}: {_num(settings['seconds'] / 60, 1)} min, "
+        f"{_num(settings['peak_rss_mib'] / 1024, 1)} GiB peak"
+        + (f" ({len(models)} models)" if models else "")
+    )
+
+
+def validation_table(width: int | None = None) -> str:
+    """The planted suite at every seed (at ``width``: embedded at that width): per row the
+    truth, the first seed's brackets and each seed's verdict and result; per metric and seed
+    the rows passed, the flag's false alarms and the verdicts right; per metric the spread of
+    the rates over the seeds; the time and peak memory of each seed where recorded."""
+    runs = _validation_files(width)
     first_seed, first = runs[0]
     by_seed = [{(r["model"], r["metric"]): r for r in data["rows"]} for _, data in runs]
     seeds = [seed for seed, _ in runs]
@@ -204,10 +229,14 @@ def validation_table() -> str:
                    f"false alarms pooled over seeds {listed}",
                    f"verdicts right, mean (range) over seeds {listed}"]  # fmt: skip
     settings = first["settings"]
+    stem = _validation_stem(width)
+    costs = [_cost(seed, data) for seed, data in runs if "seconds" in data["settings"]]
     note = (
-        f"\n*Generated from {', '.join(f'`docs/data/validation_seed{s}.json`' for s in seeds)} "
+        f"\n*Generated from {', '.join(f'`docs/data/{stem}_seed{s}.json`' for s in seeds)} "
         f"({settings['n_eval']} + {settings['n_calibration']} sequences, "
-        f"{settings['n_bootstrap']} bootstrap draws).*\n"
+        f"{settings['n_bootstrap']} bootstrap draws"
+        + (f"; the whole suite per seed, one thread: {'; '.join(costs)}" if costs else "")
+        + ").*\n"
     )
     return (
         _table(head, rows)
@@ -468,6 +497,9 @@ def render(text: str) -> str:
 
     def replace(match: re.Match[str]) -> str:
         name = match["name"]
+        at_width = re.fullmatch(r"validation-w(\d+)", name)
+        if at_width:  # the suite embedded at a width: one block per committed width
+            return match.group(1) + validation_table(int(at_width[1])) + match.group(4)
         if name not in GENERATORS:
             raise SystemExit(f"unknown generated block {name!r}; known: {sorted(GENERATORS)}")
         return match.group(1) + GENERATORS[name]() + match.group(4)

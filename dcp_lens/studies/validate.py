@@ -33,10 +33,13 @@ import dataclasses
 import json
 import math
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dcp_lens.protocol.bracket import BracketRule, has_gap
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
@@ -44,10 +47,12 @@ from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import FACTORS, decode_json, encode_json
 from dcp_lens.protocol.verdicts import share_verdict
+from dcp_lens.studies.bench_memory import peak_memory
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import write_text_atomically
 from dcp_lens.utils.folders import OutputFolder
 from dcp_lens.zoo import planted
+from dcp_lens.zoo.planted.embedding import check_width, embed
 
 TRUTH_SLACK = 0.05  # the truth's own sampling: how far outside a bracket it may lie
 NARROW_WIDTH = 0.1  # an identifiable model's largest S bracket width (upper interval end)
@@ -321,6 +326,7 @@ def validate(
     n_eval: int = 512,
     n_calibration: int = 512,
     progress: bool = False,
+    width: int | None = None,
     **settings: object,
 ) -> list[ValidationRow]:
     """Run DCP on each planted model (default: all of `dcp_lens.zoo.planted.BRACKET_PLANTED`,
@@ -333,6 +339,8 @@ def validate(
         config: the protocol settings (default: `VALIDATE_CONFIG`).
         n_eval, n_calibration: evaluation and calibration sequences of each planted task.
         progress: progress bars.
+        width: embed each planted model in a stream of this many coordinates
+            (`dcp_lens.zoo.planted.embedding.embed`; default: the models as built).
         **settings: fields of `ProtocolConfig` that replace the config's (``seed=1``,
             ``n_bootstrap=100``, ``calibration_mode="diag"``, ...).
 
@@ -340,10 +348,11 @@ def validate(
         One `ValidationRow` per (model, metric), models in the given order.
     """
     names = _models(models)
+    check_width([planted.BUILDERS[name] for name in names], width)
     config = _config(config, metrics, settings)
     rows = []
     for name in names:
-        run, expected = _run_planted(name, config, n_eval, n_calibration, progress)
+        run, expected = _run_planted(name, config, n_eval, n_calibration, progress, width)
         for metric in config.metrics or ():
             rows.append(_row(name, metric, run, expected[metric]))
     return rows
@@ -358,6 +367,7 @@ def coverage(
     n_eval: int = 512,
     n_calibration: int = 512,
     progress: bool = False,
+    width: int | None = None,
     **settings: object,
 ) -> dict[str, Any]:
     """How often each 95% interval covers the truth over ``replicates`` runs of each planted
@@ -378,13 +388,14 @@ def coverage(
         every counted quantity (`coverage_counted`) of every validated metric covers the truth
         at least `COVERAGE_TARGET` of the time. ``draws``: every replicate's record, per model
         and metric in seed order (its shares, bracket ends with their intervals and truths), to
-        see which replicates an interval missed and by how much.
+        see which replicates an interval missed and by how much. ``width``: as for `validate`.
     """
     if replicates < 2:
         raise ConfigError(
             f"coverage needs at least 2 replicates, got {replicates}; pass --coverage 2 or more."
         )
     names = _models(models or MIXTURES)
+    check_width([planted.BUILDERS[name] for name in names], width)
     config = _config(config, metrics, settings)
     seeds = [config.seed + i for i in range(replicates)]
     found: dict[str, dict[str, list[dict[str, float]]]] = {}
@@ -392,7 +403,7 @@ def coverage(
     for name in names:
         for seed in seeds:
             run, expected = _run_planted(name, config.replace(seed=seed), n_eval, n_calibration,
-                                         progress)  # fmt: skip
+                                         progress, width)  # fmt: skip
             for metric in config.metrics or ():
                 record = run.get("metrics", {}).get(metric, {})
                 validated[metric] = record.get("validated", True) is not False
@@ -556,30 +567,40 @@ def run_validation(
     replicates: int | None = None,
     out: Path | None = None,
     progress: bool = True,
+    width: int | None = None,
 ) -> bool:
     """``dcp-lens validate``: the suite (or, with ``replicates``, the coverage
-    table) printed, then written to ``out`` (checked before the work starts). Returns whether
-    it passed."""
+    table) printed, then written to ``out`` (checked before the work starts), each planted
+    model embedded at ``width`` where given. Returns whether it passed."""
     if out is not None:
         OutputFolder(out, "validate", on_finished="replace").plan()
+    started = time.perf_counter()
     table = None
     rows: list[ValidationRow] = []
     if replicates is not None:
         mixtures = [n for n in MIXTURES if n not in (models or ())]
         table = coverage(
             [*mixtures, *(models or ())], config=config, replicates=replicates, n_eval=n_eval,
-            n_calibration=n_calibration, progress=progress,
+            n_calibration=n_calibration, progress=progress, width=width,
         )  # fmt: skip
         print("\n".join(coverage_markdown(table)))
     else:
         rows = validate(
-            models, config=config, n_eval=n_eval, n_calibration=n_calibration, progress=progress
+            models,
+            config=config,
+            n_eval=n_eval,
+            n_calibration=n_calibration,
+            progress=progress,
+            width=width,
         )
         print("\n".join(markdown(rows)))
+    seconds, peak = time.perf_counter() - started, peak_memory(torch.device("cpu"))[0]
     if out is not None:
         settings = {
             "seed": config.seed, "n_eval": n_eval, "n_calibration": n_calibration,
             "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
+            **({} if width is None else {"width": width}),
+            "seconds": round(seconds, 1), "peak_rss_mib": round(peak),
         }  # fmt: skip
         save(rows, out, settings, table)
         print(f"wrote {out / 'validation.json'} and {out / 'validation.md'}")
@@ -673,11 +694,18 @@ def _config(
 
 
 def _run_planted(
-    name: str, config: ProtocolConfig, n_eval: int, n_calibration: int, progress: bool
+    name: str,
+    config: ProtocolConfig,
+    n_eval: int,
+    n_calibration: int,
+    progress: bool,
+    width: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
-    """One planted model built and run with ``config.seed``: its results.json run and the true
-    shares per metric."""
+    """One planted model built and run with ``config.seed`` (embedded at ``width`` where
+    given): its results.json run and the true shares per metric."""
     model = planted.BUILDERS[name](seed=config.seed)
+    if width is not None:
+        model = embed(model, width, seed=config.seed)
     task = model.planted_task
     evaluation, calibration = task.evaluation(n_eval), task.calibration(n_calibration)
     protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)

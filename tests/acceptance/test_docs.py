@@ -242,6 +242,27 @@ def test_a_retyped_figure_is_caught() -> None:
     assert generator.render(edited) == text
 
 
+def test_a_width_has_its_own_block_with_its_cost(tmp_path: Path) -> None:
+    """A ``validation-wN`` block is written from ``validation_wN_seed*.json`` only, with each
+    seed's time and peak memory; a file that ran at another width is refused."""
+    import json
+
+    generator = _generator()
+    generator.DATA = tmp_path
+    document = json.loads((ROOT / "docs" / "data" / "validation_seed0.json").read_text())
+    document["settings"].update(width=256, seconds=1234.5, peak_rss_mib=2048)
+    (tmp_path / "validation_w256_seed0.json").write_text(json.dumps(document))
+    block = "<!-- BEGIN GENERATED: validation-w256 (python docs/gen_tables.py) -->\n"
+    rendered = generator.render(block + "<!-- END GENERATED: validation-w256 -->")
+    assert "validation_w256_seed0.json" in rendered
+    assert "seed 0: 20.6 min, 2.0 GiB peak" in rendered
+    assert rendered.count("| readout_shift | accuracy |") == 1
+    document["settings"]["width"] = 1024
+    (tmp_path / "validation_w256_seed0.json").write_text(json.dumps(document))
+    with pytest.raises(SystemExit, match="ran at width 1024, not 256"):
+        generator.render(block + "<!-- END GENERATED: validation-w256 -->")
+
+
 # The one test command: the README's, also on docs/install.md, and what .ci/run runs.
 INSTALL_PREFIX = re.compile(r"^(python3 -m venv|\. \.venv/bin/activate|pip install)")
 

@@ -59,6 +59,7 @@ from dcp_lens.zoo.planted.bracket import (
     frame_flip,
     mixture_three_way,
 )
+from dcp_lens.zoo.planted.embedding import embed
 from dcp_lens.zoo.planted.factors import (
     block_count,
     block_count_soft,
@@ -191,11 +192,13 @@ def expected_shares(
 
 
 def load_planted(name: str, **overrides: object) -> PlantedModel:
-    """``load("planted:NAME", size=…, n_iterations=…, seed=…)``."""
+    """``load("planted:NAME", size=…, n_iterations=…, seed=…, width=…)``; ``width`` embeds the
+    model in a stream of that many coordinates (`dcp_lens.zoo.planted.embedding.embed`)."""
     if name not in BUILDERS:
         raise ConfigError(f"unknown planted model {name!r}; choose one of {BRACKET_PLANTED}.")
     fields = dict(overrides)
     device, dtype = fields.pop("device", None), fields.pop("dtype", None)
+    width = fields.pop("width", None)
     builder = BUILDERS[name]
     accepted = [p for p in inspect.signature(builder).parameters if p not in ("device", "dtype")]
     unknown = sorted(set(fields) - set(accepted))
@@ -216,6 +219,9 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     target = None if device is None else check_device(device)
     kind = None if dtype is None else check_dtype(dtype)
     model = builder(**fields)  # type: ignore[arg-type]
+    if width is not None:
+        seed = fields.get("seed", 0)  # an int: checked against the builder's hints above
+        model = embed(model, typing.cast(int, width), seed=typing.cast(int, seed))
     if target or kind:
         model = model.to(device=target, dtype=kind)
     # Planted models number their symbols themselves: <0>, <1>, … give them strings.
@@ -240,6 +246,7 @@ __all__ = [
     "distinct_computation_skewed",
     "distinct_computation_smooth",
     "distinct_computation_soft",
+    "embed",
     "expected_shares",
     "frame_flip",
     "frame_flip_gated",

@@ -266,3 +266,24 @@ def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable(
     assert set(validation.MIXTURES) == {
         "mixture_shift_distinct", "mixture_shift_blocks", "mixture_three_way"
     }  # fmt: skip
+
+
+def test_validate_refuses_a_width_below_a_model_before_any_run():
+    with pytest.raises(validation.ConfigError, match="below the widest planted model's d_model=48"):
+        validation.validate(["readout_shift", "mixture_three_way"], width=40)
+
+
+@pytest.mark.slow
+def test_a_run_at_width_records_the_width_and_its_cost(tmp_path):
+    """``validate --width`` embeds the models, and validation.json says at what width and what
+    the run cost (about a minute)."""
+    import json
+
+    config = validation.VALIDATE_CONFIG.replace(n_bootstrap=10, metrics=("accuracy",))
+    out = tmp_path / "out"
+    validation.run_validation(
+        ["block_count"], config=config, n_eval=64, n_calibration=64, out=out, width=64
+    )
+    settings = json.loads((out / "validation.json").read_text())["settings"]
+    assert settings["width"] == 64
+    assert settings["seconds"] > 0 and settings["peak_rss_mib"] > 0
