@@ -1,0 +1,236 @@
+"""The paired translators' held-out gate: each translator's ridge chosen on held-out folds, and
+the translator judged by what the readout does with its held-out predictions (docs/bracket.md,
+"A translator is judged by what the readout reads").
+
+A paired translator is the ridge least-squares affine map from a source's readout inputs to each
+example's own full-depth state s_r. Its worth is not its squared error over every coordinate of
+the state: most coordinates of a real model's stream carry content its readout barely reads, and
+an error there says nothing about the upper end of S. So the gate weighs, on every held-out
+fold, the errors of the refit's prediction and of the other folds' mean full-depth state by the
+readout's own geometry: the change of the logits each error makes through the readout's
+derivative at the mean full-depth state. The ridge is chosen on the same folds,
+from a grid spanning well-determined fits to fits shrunk almost to the mean: one
+eigen-decomposition of the source's centred gram gives every ridge and, through the Woodbury
+identity, every fold's refit, so the test is made at every width without a ridge trusted
+blindly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+# The ridges the gate chooses from, relative to the mean eigenvalue of the source's centred gram
+# (the sum of squares of its centred coordinates over the width); the bias is never shrunk.
+RIDGES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+# The ridge of a translator no held-out test could judge (same units).
+DEFAULT_RIDGE = 1e-4
+# A translator is kept where its held-out gain over the mean state exceeds this many standard
+# errors of the gain (one-sided, about 2.5% of translators with no information kept by chance).
+STANDARD_ERRORS = 2.0
+# Readout logits held at once while judging (positions times vocabulary), bounding memory.
+READOUT_ELEMENTS = 1 << 24
+
+KEPT, REPLACED, UNTESTABLE = "kept", "replaced_by_the_mean", "untestable"
+
+# [positions, d_model] -> [positions, d_vocab]: the model's readout of states read one by one.
+StateReadout = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class GateRecord:
+    """How one paired translator was judged.
+
+    Attributes:
+        judged: `KEPT`, `REPLACED` (by the mean translator) or `UNTESTABLE` (kept: no held-out
+            test could be made).
+        ridge: the chosen ridge, relative to the mean eigenvalue of the source's centred gram.
+        translator_error: held-out readout error of the refits at that ridge, per position.
+        mean_error: held-out readout error of the other folds' mean state, per position.
+        folds: held-out folds the errors sum over.
+        positions: positions the translator was fitted on.
+        reason: why, in words.
+    """
+
+    judged: str
+    ridge: float
+    translator_error: float
+    mean_error: float
+    folds: int
+    positions: int
+    reason: str
+
+    def record(self) -> dict[str, object]:
+        """The record results save (JSON types; None where not measured)."""
+        return {
+            "judged": self.judged,
+            "ridge": self.ridge,
+            "translator_error": _number(self.translator_error),
+            "mean_error": _number(self.mean_error),
+            "folds": self.folds,
+            "positions": self.positions,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, object]) -> GateRecord:
+        """The record back from its saved form."""
+        numbers = [_float(record.get(key)) for key in ("ridge", "translator_error", "mean_error")]
+        counts = [int(_float(record.get(key, 0))) for key in ("folds", "positions")]
+        return cls(str(record["judged"]), *numbers, *counts, str(record.get("reason", "")))
+
+
+def _number(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _float(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def untestable(positions: int, reason: str) -> GateRecord:
+    """The record of a translator kept at `DEFAULT_RIDGE` because no test could be made."""
+    return GateRecord(UNTESTABLE, DEFAULT_RIDGE, math.nan, math.nan, 0, positions, reason)
+
+
+def ridge_scale(source: Float[Tensor, "n d_model"]) -> float:
+    """The unit of `RIDGES`: the mean eigenvalue of ``source``'s centred gram (its centred sum
+    of squares over the width), and a tiny floor so that constant states keep a ridge."""
+    x = source.double()
+    centred = x - x.mean(0)
+    return float((centred**2).sum()) / max(1, x.shape[-1]) + 1e-12
+
+
+def judge(
+    source: Float[Tensor, "n d_model"],
+    target: Float[Tensor, "n d_model"],
+    group: Int[Tensor, " n"],
+    n_groups: int,
+    readout: StateReadout,
+) -> GateRecord:
+    """Choose the translator's ridge and judge it on the held-out folds ``group`` (values
+    0..``n_groups`` - 1).
+
+    For every ridge of `RIDGES` and every fold, the refit without the fold predicts the fold's
+    full-depth states; the readout error of a prediction is the squared change of the centred
+    logits its error makes through the readout's derivative at the mean full-depth state
+    (`readout_error`). The ridge with the least error summed over the folds is
+    chosen; the translator is kept where that error is below the error of the other folds' mean
+    state (the mean translator), else replaced by the mean. Untestable (kept) where fewer than
+    two folds hold positions or an error is not finite."""
+    n = source.shape[0]
+    folds = [(group == g).nonzero().squeeze(1) for g in range(n_groups) if bool((group == g).any())]
+    if len(folds) < 2 or any(len(rows) >= n for rows in folds):
+        return untestable(n, "fewer than two held-out folds hold positions")
+    path = _RidgePath(source, target)
+    scale = ridge_scale(source)
+    at = target.double().mean(0).to(target.dtype)  # where the readout's geometry is taken
+    y = target.double()
+    mean_errors = []
+    for rows in folds:
+        others = (y.sum(0) - y.index_select(0, rows).sum(0)) / (n - len(rows))
+        mean_errors.append(float(readout_error(readout, at, others - y.index_select(0, rows))))
+    errors = []  # per ridge, per fold
+    for ridge in RIDGES:  # one ridge's fitted values at a time
+        errors.append([
+            float(readout_error(readout, at, path.held_out(rows, ridge * scale) - y[rows]))
+            for rows in folds
+        ])  # fmt: skip
+    return _decided(errors, mean_errors, n)
+
+
+def _decided(errors: list[list[float]], mean_errors: list[float], n: int) -> GateRecord:
+    """The record from the held-out errors per ridge and fold (``errors``) and the mean
+    state's per fold: the ridge of least summed error, kept where its gain over the mean
+    exceeds `STANDARD_ERRORS` standard errors of that gain (from the spread of the per-fold
+    gains)."""
+    totals = [sum(per_fold) for per_fold in errors]
+    best = min(range(len(RIDGES)), key=lambda i: totals[i])
+    error, mean_error = totals[best], sum(mean_errors)
+    folds = len(mean_errors)
+    if not (math.isfinite(error) and math.isfinite(mean_error)):
+        return untestable(n, "a held-out readout error is not finite")
+    gains = torch.tensor(mean_errors, dtype=torch.float64) - torch.tensor(errors[best])
+    spread = float(gains.std()) * math.sqrt(folds)  # the standard error of the summed gain
+    record = (RIDGES[best], error / n, mean_error / n, folds, n)
+    if mean_error - error > STANDARD_ERRORS * spread:
+        reason = (
+            "the held-out refits' readout is closer to full depth's than the mean state's by"
+            f" more than {STANDARD_ERRORS:g} standard errors over {folds} folds"
+        )
+        return GateRecord(KEPT, *record, reason)
+    reason = (
+        "the held-out refits' readout is not closer to full depth's than the mean state's by"
+        f" more than {STANDARD_ERRORS:g} standard errors over {folds} folds"
+    )
+    return GateRecord(REPLACED, *record, reason)
+
+
+def readout_error(
+    readout: StateReadout, at: Float[Tensor, " d_model"], error: Float[Tensor, "n d_model"]
+) -> float:
+    """The summed squared change of the centred logits that the state errors ``error`` make
+    through the readout's derivative at the state ``at``: ||C J e||^2 per position, J the
+    readout's Jacobian at ``at`` (a forward-mode derivative, never formed as a matrix) and C
+    the removal of each position's mean logit. A fixed quadratic form: an error in a direction
+    the readout does not read costs nothing, and a prediction with no information about the
+    state does worse than the mean in expectation. In chunks of at most `READOUT_ELEMENTS`
+    logits."""
+    total, start, rows = 0.0, 0, 1
+    while start < error.shape[0]:
+        chunk = error[start : start + rows].to(at.dtype)
+        _, change = torch.func.jvp(readout, (at.expand_as(chunk).clone(),), (chunk.contiguous(),))
+        change = change.double()
+        total += float(((change - change.mean(-1, keepdim=True)) ** 2).sum())
+        start += chunk.shape[0]
+        rows = max(1, READOUT_ELEMENTS // max(1, change.shape[-1]))
+    return total
+
+
+class _RidgePath:
+    """Every held-out refit of the ridge least-squares affine map from ``source`` to ``target``
+    (bias unshrunk) from one eigen-decomposition of the centred gram X_c^T X_c = Q L Q^T.
+
+    With Z = [X_c Q, 1] and the whole split's inverse gram diagonal in that basis (1 / (L + l)
+    and 1 / n), a fold's rows leave the fit by the Woodbury identity: with its hat block
+    H = Z_g diag Z_g^T and the whole split's fitted values F_g, the refit without the fold
+    predicts Y_g - (I - H)^{-1} (Y_g - F_g). Cost: the decomposition and one n x d x d product
+    per ridge; memory a few d x d and n x d float64 matrices."""
+
+    def __init__(self, source: Tensor, target: Tensor) -> None:
+        x, y = source.double(), target.double()
+        self.n = x.shape[0]
+        self.x_mean, self.y_mean = x.mean(0), y.mean(0)
+        centred = x - self.x_mean
+        values, vectors = torch.linalg.eigh(centred.T @ centred)
+        self.values = values.clamp(min=0.0)
+        self.rotated = centred @ vectors  # [n, d]
+        self.moment = self.rotated.T @ (y - self.y_mean)  # [d, d_model]
+        self.y = y
+        self._fitted: dict[float, Tensor] = {}
+
+    def fitted(self, ridge: float) -> Tensor:
+        """The whole split's fitted values at ``ridge`` [n, d_model]."""
+        if ridge not in self._fitted:
+            self._fitted.clear()
+            inverse = 1.0 / (self.values + ridge)
+            self._fitted[ridge] = (self.rotated * inverse) @ self.moment + self.y_mean
+        return self._fitted[ridge]
+
+    def held_out(self, rows: Tensor, ridge: float) -> Tensor:
+        """The refit without ``rows``, applied to their sources [len(rows), d_model]."""
+        inverse = 1.0 / (self.values + ridge)
+        z = self.rotated.index_select(0, rows)
+        hat = (z * inverse) @ z.T + 1.0 / self.n
+        y = self.y.index_select(0, rows)
+        residual = y - self.fitted(ridge).index_select(0, rows)
+        eye = torch.eye(len(rows), dtype=hat.dtype, device=hat.device)
+        solved, info = torch.linalg.solve_ex(eye - hat, residual)
+        if int(info) != 0:
+            return torch.full_like(y, math.nan)
+        return y - solved
