@@ -80,9 +80,11 @@ class GateRecord:
     @classmethod
     def from_record(cls, record: dict[str, object]) -> GateRecord:
         """The record back from its saved form."""
-        numbers = [_float(record.get(key)) for key in ("ridge", "translator_error", "mean_error")]
-        counts = [int(_float(record.get(key, 0))) for key in ("folds", "positions")]
-        return cls(str(record["judged"]), *numbers, *counts, str(record.get("reason", "")))
+        ridge, error, mean = (_float(record.get(key)) for key in ("ridge", "translator_error",
+                                                                   "mean_error"))  # fmt: skip
+        folds, positions = (int(_float(record.get(key, 0))) for key in ("folds", "positions"))
+        return cls(str(record["judged"]), ridge, error, mean, folds, positions,
+                   str(record.get("reason", "")))  # fmt: skip
 
 
 def _number(value: float) -> float | None:
@@ -184,7 +186,8 @@ def readout_error(
     total, start, rows = 0.0, 0, 1
     while start < error.shape[0]:
         chunk = error[start : start + rows].to(at.dtype)
-        _, change = torch.func.jvp(readout, (at.expand_as(chunk).clone(),), (chunk.contiguous(),))
+        primal, tangent = at.expand_as(chunk).clone(), chunk.contiguous()
+        change = torch.func.jvp(readout, (primal,), (tangent,))[1]
         change = change.double()
         total += float(((change - change.mean(-1, keepdim=True)) ** 2).sum())
         start += chunk.shape[0]
