@@ -27,7 +27,7 @@ from dcp_lens.protocol.calibration import (
     StreamingMoments,
     all_finite,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
@@ -448,11 +448,15 @@ def _leading(
 
 
 def _state_readout(context: RunContext) -> StateReadout:
-    """The model's readout of pooled states [n, d_model] -> [n, d_vocab], each position read as
+    return _state_readout_of(context.model)
+
+
+def _state_readout_of(model: ProtocolModel) -> StateReadout:
+    """``model``'s readout of pooled states [n, d_model] -> [n, d_vocab], each position read as
     a sequence of its own (pooled positions come from different sequences)."""
 
     def readout(states: Tensor) -> Tensor:
-        return context.model.readout(states[:, None, :])[:, 0, :]
+        return model.readout(states[:, None, :])[:, 0, :]
 
     return readout
 

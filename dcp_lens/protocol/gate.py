@@ -121,7 +121,7 @@ def judge(
     For every ridge of `RIDGES` and every fold, the refit without the fold predicts the fold's
     full-depth states; the readout error of a prediction is the squared change of the centred
     logits its error makes through the readout's derivative at the mean full-depth state
-    (`readout_error`). The ridge with the least error summed over the folds is
+    (`ReadoutGeometry`). The ridge with the least error summed over the folds is
     chosen; the translator is kept where that error is below the error of the other folds' mean
     state (the mean translator), else replaced by the mean. Untestable (kept) where fewer than
     two folds hold positions or an error is not finite."""
@@ -131,19 +131,22 @@ def judge(
         return untestable(n, "fewer than two held-out folds hold positions")
     path = _RidgePath(source, target)
     scale = ridge_scale(source)
-    at = target.double().mean(0).to(target.dtype)  # where the readout's geometry is taken
     y = target.double()
-    mean_errors = []
-    for rows in folds:
-        others = (y.sum(0) - y.index_select(0, rows).sum(0)) / (n - len(rows))
-        mean_errors.append(float(readout_error(readout, at, others - y.index_select(0, rows))))
+    geometry = ReadoutGeometry(readout, y.mean(0).to(target.dtype))
+    order = torch.cat(folds)  # every position once, fold by fold
+    sizes = [len(rows) for rows in folds]
+    others = torch.stack([(y.sum(0) - y[rows].sum(0)) / (n - len(rows)) for rows in folds])
+    mean_predictions = torch.repeat_interleave(others, torch.tensor(sizes, device=y.device), 0)
+    mean_errors = _per_fold(geometry(mean_predictions - y[order]), sizes)
     errors = []  # per ridge, per fold
     for ridge in RIDGES:  # one ridge's fitted values at a time
-        errors.append([
-            float(readout_error(readout, at, path.held_out(rows, ridge * scale) - y[rows]))
-            for rows in folds
-        ])  # fmt: skip
+        predicted = torch.cat([path.held_out(rows, ridge * scale) for rows in folds])
+        errors.append(_per_fold(geometry(predicted - y[order]), sizes))
     return _decided(errors, mean_errors, n)
+
+
+def _per_fold(per_position: Tensor, sizes: list[int]) -> list[float]:
+    return [float(part.sum()) for part in per_position.split(sizes)]
 
 
 def _decided(errors: list[list[float]], mean_errors: list[float], n: int) -> GateRecord:
@@ -173,26 +176,37 @@ def _decided(errors: list[list[float]], mean_errors: list[float], n: int) -> Gat
     return GateRecord(REPLACED, *record, reason)
 
 
-def readout_error(
-    readout: StateReadout, at: Float[Tensor, " d_model"], error: Float[Tensor, "n d_model"]
-) -> float:
-    """The summed squared change of the centred logits that the state errors ``error`` make
-    through the readout's derivative at the state ``at``: ||C J e||^2 per position, J the
-    readout's Jacobian at ``at`` (a forward-mode derivative, never formed as a matrix) and C
-    the removal of each position's mean logit. A fixed quadratic form: an error in a direction
-    the readout does not read costs nothing, and a prediction with no information about the
-    state does worse than the mean in expectation. In chunks of at most `READOUT_ELEMENTS`
-    logits."""
-    total, start, rows = 0.0, 0, 1
-    while start < error.shape[0]:
-        chunk = error[start : start + rows].to(at.dtype)
-        primal, tangent = at.expand_as(chunk).clone(), chunk.contiguous()
-        change = torch.func.jvp(readout, (primal,), (tangent,))[1]
-        change = change.double()
-        total += float(((change - change.mean(-1, keepdim=True)) ** 2).sum())
-        start += chunk.shape[0]
-        rows = max(1, READOUT_ELEMENTS // max(1, change.shape[-1]))
-    return total
+class ReadoutGeometry:
+    """The readout's error of state errors e [n, d_model] at the state ``at`` [d_model], per
+    position: ||P C J e||^2, J the readout's Jacobian at ``at`` (a forward-mode derivative,
+    never formed as a matrix), C the removal of each position's mean logit and P the removal of
+    the direction of ``at``'s own centred logits.
+
+    A fixed quadratic form: an error in a direction the readout does not read costs nothing,
+    and a prediction with no information about the state does worse than the mean in
+    expectation. P leaves out what only rescales the logits: through a norm before the
+    unembedding, any error that changes the state's length (content the readout does not read
+    included) moves the logits along the logits themselves, a change of confidence, not of what
+    is read. Computed in chunks of at most `READOUT_ELEMENTS` logits."""
+
+    def __init__(self, readout: StateReadout, at: Float[Tensor, " d_model"]) -> None:
+        self.readout, self.at = readout, at
+        with torch.no_grad():
+            logits = readout(at[None].clone())[0].double()
+        direction = logits - logits.mean()
+        self.direction = direction / direction.norm().clamp(min=1e-300)
+        self.rows = max(1, READOUT_ELEMENTS // max(1, logits.shape[-1]))
+
+    def __call__(self, error: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
+        pieces = []
+        for chunk in error.to(self.at.dtype).split(self.rows):
+            primal, tangent = self.at.expand_as(chunk).clone(), chunk.contiguous()
+            with torch.no_grad():
+                change = torch.func.jvp(self.readout, (primal,), (tangent,))[1].double()
+            change = change - change.mean(-1, keepdim=True)
+            change = change - (change @ self.direction)[:, None] * self.direction
+            pieces.append((change**2).sum(-1))
+        return torch.cat(pieces)
 
 
 class _RidgePath:

@@ -72,6 +72,7 @@ from dcp_lens.zoo.planted.factors import (
     readout_shift_soft,
     readout_shift_step,
 )
+from dcp_lens.zoo.planted.nuisance import nuisance_distinct, nuisance_shift
 
 BUILDERS: dict[str, Callable[..., PlantedModel]] = {
     "readout_shift": readout_shift,
@@ -94,6 +95,8 @@ BUILDERS: dict[str, Callable[..., PlantedModel]] = {
     "frame_flip_gated": frame_flip_gated,
     "frame_warp": frame_warp,
     "readout_shift_walk": readout_shift_walk,
+    "nuisance_shift": nuisance_shift,
+    "nuisance_distinct": nuisance_distinct,
 }
 # The factor behind the whole gap of each single-factor model; mixtures name both.
 EXPECTED_FACTOR = {
@@ -117,6 +120,8 @@ EXPECTED_FACTOR = {
     "frame_flip_gated": "S",
     "frame_warp": "S",
     "readout_shift_walk": "S",
+    "nuisance_shift": "S",
+    "nuisance_distinct": "D",
 }
 # Whether the S and B brackets can identify the truth on the evaluation data (docs/bracket.md):
 # False where a paired map can do the remaining computation (a permutation or flip of the state),
@@ -143,6 +148,8 @@ IDENTIFIABLE = {
     "frame_flip_gated": False,
     "frame_warp": False,
     "readout_shift_walk": False,
+    "nuisance_shift": True,
+    "nuisance_distinct": True,
 }
 
 # The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
@@ -150,7 +157,7 @@ IDENTIFIABLE = {
 PLANTED = tuple(name for name in BUILDERS if name not in ("distinct_computation_context",
     "block_count_context", "frame_flip", "distinct_computation_skewed", "mixture_three_way",
     "distinct_computation_smooth", "readout_shift_step", "frame_flip_gated",
-    "frame_warp", "readout_shift_walk"))  # fmt: skip
+    "frame_warp", "readout_shift_walk", "nuisance_shift", "nuisance_distinct"))  # fmt: skip
 BRACKET_PLANTED = tuple(BUILDERS)
 
 
@@ -245,6 +252,8 @@ __all__ = [
     "frame_flip_gated",
     "frame_warp",
     "load_planted",
+    "nuisance_distinct",
+    "nuisance_shift",
     "mixture_shift_blocks",
     "mixture_shift_distinct",
     "mixture_three_way",

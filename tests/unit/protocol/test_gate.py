@@ -15,9 +15,9 @@ from dcp_lens.protocol.gate import (
     REPLACED,
     UNTESTABLE,
     GateRecord,
+    ReadoutGeometry,
     _RidgePath,
     judge,
-    readout_error,
     ridge_scale,
 )
 from dcp_lens.protocol.translator import MeanTranslator
@@ -131,10 +131,10 @@ def test_readout_error_weighs_only_what_the_readout_reads() -> None:
     unread[:, 2:] = torch.randn(3, 4)
     tail = at[2:] / at[2:].norm()
     unread[:, 2:] -= (unread[:, 2:] @ tail)[:, None] * tail  # and no change of the state's scale
-    assert readout_error(readout, at, unread) < 1e-9
+    assert float(ReadoutGeometry(readout, at)(unread).sum()) < 1e-9
     read = torch.zeros(3, 6)
     read[:, 0] = 1.0
-    assert readout_error(readout, at, read) > 1e-3
+    assert bool((ReadoutGeometry(readout, at)(read) > 1e-3).all())
 
 
 def test_the_record_round_trips() -> None:
