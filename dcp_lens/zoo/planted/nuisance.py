@@ -145,8 +145,9 @@ def nuisance_distinct(
     n = base.cfg.d_model
     extra = at_least(width, n + 2, "width") - n
     d_model = n + extra
-    n_inputs = base.cfg.d_vocab
-    cfg = adapter_config(d_model, n_inputs, base.n_iterations, base.cfg.d_mlp + 2 * extra)
+    n_inputs, hidden = base.cfg.d_vocab, base.cfg.d_mlp
+    assert hidden is not None  # planted models have an MLP
+    cfg = adapter_config(d_model, n_inputs, base.n_iterations, hidden + 2 * extra)
     model = blank_model(cfg)
     generator = torch.Generator().manual_seed(seed + 1)
     rotation = torch.linalg.qr(torch.randn(extra, extra, generator=generator))[0]
@@ -163,8 +164,6 @@ def nuisance_distinct(
         base_from_input = [i for i in range(n) if bool(base.inject.W_adapter[i, n + i])]
         route(model, [*base_from_state, *range(n, d_model)], base_from_input)
         mlp, old = model._core[0][0].mlp, base._core[0][0].mlp
-        hidden = base.cfg.d_mlp
-        assert hidden is not None
         mlp.W_in[:n, :hidden] = old.W_in * rms / old_rms
         mlp.W_out[:hidden, :n] = old.W_out
         turn = slice(hidden, hidden + extra), slice(hidden + extra, hidden + 2 * extra)
