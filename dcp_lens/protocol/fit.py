@@ -39,7 +39,14 @@ from dcp_lens.protocol.fit_records import (
     moments_host,
     translator_rows,
 )
-from dcp_lens.protocol.gate import REPLACED, GateRecord, StateReadout, judge, ridge_scale
+from dcp_lens.protocol.gate import (
+    REPLACED,
+    GateRecord,
+    ReadoutGeometry,
+    StateReadout,
+    judge,
+    ridge_scale,
+)
 from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
 from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
@@ -404,17 +411,21 @@ def fit_translators(
     folds = n_groups if left_out else GATE_FOLDS
     group = example_keys % folds
     target = states[-1]
-    readout = _state_readout(context)
+    geometry = None  # the readout's geometry at the mean full-depth state: one for every source
+    if all_finite(target):
+        geometry = ReadoutGeometry(
+            _state_readout(context), target.double().mean(0).to(target.dtype)
+        )
     translators: dict[str, AffineTranslator | None] = {}
     gate: dict[str, GateRecord] = {}
     for label, source in wanted.items():
         state = source.readout_input(states)
         each: list[AffineTranslator | None] = []
-        if not (all_finite(state) and all_finite(target)):
+        if geometry is None or not all_finite(state):
             translators[label] = None
         else:
             with torch.no_grad():
-                gate[label] = judge(state, target, group, folds, readout)
+                gate[label] = judge(state, target, group, folds, geometry)
             translators[label], each = _gated_fit(state, target, group, n_groups, gate[label])
         whole = translators[label]
         if left_out and whole is not None:

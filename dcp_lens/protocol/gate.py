@@ -113,7 +113,7 @@ def judge(
     target: Float[Tensor, "n d_model"],
     group: Int[Tensor, " n"],
     n_groups: int,
-    readout: StateReadout,
+    readout: StateReadout | ReadoutGeometry,
 ) -> GateRecord:
     """Choose the translator's ridge and judge it on the held-out folds ``group`` (values
     0..``n_groups`` - 1).
@@ -121,10 +121,11 @@ def judge(
     For every ridge of `RIDGES` and every fold, the refit without the fold predicts the fold's
     full-depth states; the readout error of a prediction is the squared change of the centred
     logits its error makes through the readout's derivative at the mean full-depth state
-    (`ReadoutGeometry`). The ridge with the least error summed over the folds is
-    chosen; the translator is kept where that error is below the error of the other folds' mean
-    state (the mean translator), else replaced by the mean. Untestable (kept) where fewer than
-    two folds hold positions or an error is not finite."""
+    (`ReadoutGeometry`; built here from ``readout`` unless one is given). The ridge with the
+    least error summed over the folds is chosen (`_decided`); the translator is kept where its
+    gain over the other folds' mean state (the mean translator) exceeds `STANDARD_ERRORS`
+    standard errors, else replaced by the mean. Untestable (kept) where fewer than two folds
+    hold positions or an error is not finite."""
     n = source.shape[0]
     folds = [(group == g).nonzero().squeeze(1) for g in range(n_groups) if bool((group == g).any())]
     if len(folds) < 2 or any(len(rows) >= n for rows in folds):
@@ -132,7 +133,9 @@ def judge(
     path = _RidgePath(source, target)
     scale = ridge_scale(source)
     y = target.double()
-    geometry = ReadoutGeometry(readout, y.mean(0).to(target.dtype))
+    if not isinstance(readout, ReadoutGeometry):
+        readout = ReadoutGeometry(readout, y.mean(0).to(target.dtype))
+    geometry = readout
     order = torch.cat(folds)  # every position once, fold by fold
     sizes = [len(rows) for rows in folds]
     others = torch.stack([(y.sum(0) - y[rows].sum(0)) / (n - len(rows)) for rows in folds])
@@ -178,35 +181,45 @@ def _decided(errors: list[list[float]], mean_errors: list[float], n: int) -> Gat
 
 class ReadoutGeometry:
     """The readout's error of state errors e [n, d_model] at the state ``at`` [d_model], per
-    position: ||P C J e||^2, J the readout's Jacobian at ``at`` (a forward-mode derivative,
-    never formed as a matrix), C the removal of each position's mean logit and P the removal of
-    the direction of ``at``'s own centred logits.
+    position: ||P C J e||^2 = e^T M e, J the readout's Jacobian at ``at``, C the removal of each
+    position's mean logit and P the removal of the direction of ``at``'s own centred logits.
 
     A fixed quadratic form: an error in a direction the readout does not read costs nothing,
     and a prediction with no information about the state does worse than the mean in
     expectation. P leaves out what only rescales the logits: through a norm before the
     unembedding, any error that changes the state's length (content the readout does not read
     included) moves the logits along the logits themselves, a change of confidence, not of what
-    is read. Computed in chunks of at most `READOUT_ELEMENTS` logits."""
+    is read.
+
+    M = J^T (P C)^T (P C) J [d_model, d_model] is formed once, a block of rows at a time: a
+    forward-mode derivative along a block of unit vectors, projected, then pulled back through
+    the readout (a reverse-mode derivative), so that no [d_vocab, d_model] matrix is held; each
+    block holds at most `READOUT_ELEMENTS` logits. One geometry serves every translator of a run
+    (they share the full-depth states)."""
 
     def __init__(self, readout: StateReadout, at: Float[Tensor, " d_model"]) -> None:
-        self.readout, self.at = readout, at
         with torch.no_grad():
             logits = readout(at[None].clone())[0].double()
         direction = logits - logits.mean()
-        self.direction = direction / direction.norm().clamp(min=1e-300)
-        self.rows = max(1, READOUT_ELEMENTS // max(1, logits.shape[-1]))
+        direction = direction / direction.norm().clamp(min=1e-300)
+        d_model = at.shape[-1]
+        rows = max(1, READOUT_ELEMENTS // max(1, logits.shape[-1]))
+        eye = torch.eye(d_model, dtype=at.dtype, device=at.device)
+        blocks = []
+        for basis in eye.split(rows):
+            primal = at.expand_as(basis).clone()
+            change = torch.func.jvp(readout, (primal,), (basis,))[1].detach().double()
+            change = change - change.mean(-1, keepdim=True)
+            change = change - (change @ direction)[:, None] * direction
+            change = change - change.mean(-1, keepdim=True)  # C P C: P C stays centred
+            pull_back = torch.func.vjp(readout, primal)[1]
+            blocks.append(pull_back(change.to(at.dtype))[0].detach())
+        metric = torch.cat(blocks).double()
+        self.metric = (metric + metric.T) / 2
 
     def __call__(self, error: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
-        pieces = []
-        for chunk in error.to(self.at.dtype).split(self.rows):
-            primal, tangent = self.at.expand_as(chunk).clone(), chunk.contiguous()
-            with torch.no_grad():
-                change = torch.func.jvp(self.readout, (primal,), (tangent,))[1].double()
-            change = change - change.mean(-1, keepdim=True)
-            change = change - (change @ self.direction)[:, None] * self.direction
-            pieces.append((change**2).sum(-1))
-        return torch.cat(pieces)
+        e = error.double().to(self.metric.device)
+        return ((e @ self.metric) * e).sum(-1)
 
 
 class _RidgePath:
