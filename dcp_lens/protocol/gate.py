@@ -33,6 +33,8 @@ DEFAULT_RIDGE = 1e-4
 # A translator is kept where its held-out gain over the mean state exceeds this many standard
 # errors of the gain (one-sided, about 2.5% of translators with no information kept by chance).
 STANDARD_ERRORS = 2.0
+# The central difference's step where forward mode is not supported, relative to the state's RMS.
+DIFFERENCE_STEP = 1e-2
 # Readout logits held at once while judging (positions times vocabulary), bounding memory.
 READOUT_ELEMENTS = 1 << 24
 
@@ -208,7 +210,7 @@ class ReadoutGeometry:
         blocks = []
         for basis in eye.split(rows):
             primal = at.expand_as(basis).clone()
-            change = torch.func.jvp(readout, (primal,), (basis,))[1].detach().double()
+            change = _pushed_forward(readout, primal, basis).double()
             change = change - change.mean(-1, keepdim=True)
             change = change - (change @ direction)[:, None] * direction
             change = change - change.mean(-1, keepdim=True)  # C P C: P C stays centred
@@ -220,6 +222,19 @@ class ReadoutGeometry:
     def __call__(self, error: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
         e = error.double().to(self.metric.device)
         return ((e @ self.metric) * e).sum(-1)
+
+
+def _pushed_forward(readout: StateReadout, primal: Tensor, tangent: Tensor) -> Tensor:
+    """J t for each row: a forward-mode derivative, or, where the readout has an operation
+    forward mode does not support (a fused attention kernel in a coda), a central difference
+    with a step of `DIFFERENCE_STEP` times the RMS of the state."""
+    try:
+        return torch.func.jvp(readout, (primal,), (tangent,))[1].detach()
+    except (NotImplementedError, RuntimeError):
+        step = DIFFERENCE_STEP * float(primal[0].double().pow(2).mean().sqrt()) + 1e-12
+        with torch.no_grad():
+            ahead, behind = readout(primal + step * tangent), readout(primal - step * tangent)
+        return (ahead.double() - behind.double()) / (2 * step)
 
 
 class _RidgePath:

@@ -144,3 +144,18 @@ def test_the_record_round_trips() -> None:
         GateRecord(UNTESTABLE, 1e-4, math.nan, math.nan, 0, 9, "no folds").record()
     )
     assert missing.judged == UNTESTABLE and math.isnan(missing.mean_error)
+
+
+def test_a_readout_without_forward_mode_gets_the_same_geometry(monkeypatch) -> None:
+    """Where forward mode is not implemented (a fused attention kernel), a central difference
+    stands in for it and gives the same quadratic form."""
+    readout = _reading(6, 3)
+    at = torch.tensor([1.0, -1.0, 0.5, 0.5, 0.3, 2.0])
+    exact = ReadoutGeometry(readout, at).metric
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("forward AD")
+
+    monkeypatch.setattr(torch.func, "jvp", unsupported)
+    stepped = ReadoutGeometry(readout, at).metric
+    assert torch.allclose(stepped, exact, rtol=1e-2, atol=1e-3 * float(exact.abs().max()))
