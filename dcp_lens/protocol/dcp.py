@@ -400,6 +400,7 @@ class DepthControlProtocol:
                 "b_identification_tolerance": B_IDENTIFICATION_TOLERANCE,
                 "calibration_fallbacks": maps.fallbacks(),
                 "translators_replaced_by_the_mean": maps.mean_translators(),
+                "translator_gate": maps.gate_record(),
                 "calibration_maps_fitted": maps.fitted_record(),
                 "config": config.to_dict(),
             },

@@ -27,7 +27,7 @@ from dcp_lens.protocol.calibration import (
     StreamingMoments,
     all_finite,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition, Full
+from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
 from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
@@ -38,6 +38,14 @@ from dcp_lens.protocol.fit_records import (
     leading_states,
     moments_host,
     translator_rows,
+)
+from dcp_lens.protocol.gate import (
+    REPLACED,
+    GateRecord,
+    ReadoutGeometry,
+    StateReadout,
+    judge,
+    ridge_scale,
 )
 from dcp_lens.protocol.jackknife import LeftOutAffine, LeftOutTranslator
 from dcp_lens.protocol.metrics import IGNORE_INDEX
@@ -51,11 +59,8 @@ if TYPE_CHECKING:
 
 # A paired translator of the S bracket's upper end: the whole split's, or a jackknife refit.
 Translator = AffineTranslator | LeftOutTranslator
-# The translators' held-out test (`_gated`): its folds where the jackknife is off, and the
-# positions per parameter of one row of the map below which the test is not made.
+# The translators' held-out gate (`dcp_lens.protocol.gate`): its folds where the jackknife is off.
 GATE_FOLDS = 10
-GATE_POINTS_PER_PARAMETER = 10
-TRANSLATOR_RIDGE = 1e-4  # the least squares' ridge, relative to the mean square of a column
 
 
 @dataclass
@@ -78,6 +83,7 @@ class FittedMaps:
             reads the mapped conditions under each so the intervals carry the calibration
             split's variability (docs/bracket.md, "The calibration split in the intervals").
         states: per source label, the calibration states its map was fitted from.
+        gate: per source label, how its paired translator was judged (`GateRecord`).
     """
 
     maps: dict[str, FittedMap | None]
@@ -89,6 +95,7 @@ class FittedMaps:
     base_rate: Tensor | None = None
     jackknife: list[FittedMaps] = field(default_factory=list)
     states: dict[str, int] = field(default_factory=dict)
+    gate: dict[str, GateRecord] = field(default_factory=dict)
 
     def __call__(self, source: Condition) -> FittedMap | None:
         """`fitted`: a `FittedMaps` is the `MapLookup` the sweep's builders are handed."""
@@ -128,9 +135,14 @@ class FittedMaps:
         return record
 
     def mean_translators(self) -> list[str]:
-        """Sources whose paired translator predicted no held-out state better than the mean and
-        was replaced by `MeanTranslator` (`_gated`)."""
+        """Sources whose paired translator's held-out readout was no closer to full depth's than
+        the mean state's, replaced by `MeanTranslator` (`dcp_lens.protocol.gate.judge`)."""
         return [label for label, t in self.translators.items() if isinstance(t, MeanTranslator)]
+
+    def gate_record(self) -> dict[str, dict[str, object]]:
+        """Per source, how its paired translator was judged and on what evidence, as results
+        record it (`GateRecord.record`)."""
+        return {label: record.record() for label, record in self.gate.items()}
 
     def failures(self) -> list[str]:
         """Source conditions whose map could not be fitted (non-finite states)."""
@@ -231,7 +243,7 @@ def _fitted(
     ``records``, and with calibration groups their refits with each group left out."""
     config, r = context.config, context.r
     totals = {label: moments.total() for label, moments in records.streams.items()}
-    translators, left_out_translators = fit_translators(context, calibration, leading.states)
+    translators, left_out_translators, gate = fit_translators(context, calibration, leading.states)
     base_rate = None if records.base is None else records.base.table()
     maps = FittedMaps(
         _fit_whole(entry, config, records, totals),
@@ -239,6 +251,7 @@ def _fitted(
         config.calibration_mode, r, translators, base_rate,
     )  # fmt: skip
     maps.states = {label: 0 if total is None else total.count for label, total in totals.items()}
+    maps.gate = gate
     populated = sum(bool(m.count) for m in (records.streams["full"].groups or []))
     if config.calibration_groups >= 2 and populated >= 2:
         left_out_maps = _refit_left_out(context, entry, records, totals, maps.maps)
@@ -367,16 +380,21 @@ def _without(sample: Subsample | None, left_out: int | None, n_groups: int) -> S
 
 def fit_translators(
     context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor] | None = None
-) -> tuple[dict[str, AffineTranslator | None], list[dict[str, Translator | None]]]:
+) -> tuple[
+    dict[str, AffineTranslator | None], list[dict[str, Translator | None]], dict[str, GateRecord]
+]:
     """A paired `AffineTranslator` per source of `translator_sources`: the ridge least-squares
     affine map from the source's readout inputs to full depth's states s_r at the same positions
-    (`_least_squares`), over the pooled positions of the leading calibration sequences (at most
-    `TRANSLATOR_POINTS` positions, `translator_rows`). None where the source's states are
-    non-finite.
+    (`_least_squares`, the ridge chosen on held-out folds), over the pooled positions of the
+    leading calibration sequences (at most `TRANSLATOR_POINTS` positions, `translator_rows`),
+    or `MeanTranslator` where the held-out gate replaced it (`dcp_lens.protocol.gate.judge`:
+    over the calibration groups, or `GATE_FOLDS` folds of the example keys without them). None
+    where the source's states are non-finite.
 
     Returns:
-        The translators, and per calibration group (``config.calibration_groups`` >= 2, else
-        none) the translators fitted with that group's positions left out (the jackknife's).
+        The translators; per calibration group (``config.calibration_groups`` >= 2, else
+        none) the translators fitted with that group's positions left out (the jackknife's);
+        and per source the gate's `GateRecord`.
 
     ``leading`` holds, by calibration batch index, those positions' states [r + 1, n, d_model]
     as the fit stage's pass kept them (`leading_states`); a batch missing from it (after a
@@ -388,8 +406,43 @@ def fit_translators(
     if n_groups < 2:
         left_out = []
     if not wanted:
-        return {}, left_out
-    n_rows, leading = translator_rows(calibration), leading or {}
+        return {}, left_out, {}
+    states, example_keys = _leading(context, calibration, leading or {})
+    folds = n_groups if left_out else GATE_FOLDS
+    group = example_keys % folds
+    target = states[-1]
+    geometry = None  # the readout's geometry at the mean full-depth state: one for every source
+    if all_finite(target):
+        geometry = ReadoutGeometry(
+            _state_readout(context), target.double().mean(0).to(target.dtype)
+        )
+    translators: dict[str, AffineTranslator | None] = {}
+    gate: dict[str, GateRecord] = {}
+    for label, source in wanted.items():
+        state = source.readout_input(states)
+        each: list[AffineTranslator | None] = []
+        if geometry is None or not all_finite(state):
+            translators[label] = None
+        else:
+            with torch.no_grad():
+                gate[label] = judge(state, target, group, folds, geometry)
+            translators[label], each = _gated_fit(state, target, group, n_groups, gate[label])
+        whole = translators[label]
+        if left_out and whole is not None:
+            for fitted, translator in zip(left_out, each, strict=True):
+                fitted[label] = None if translator is None else LeftOutTranslator(whole, translator)
+        else:
+            for fitted in left_out:
+                fitted[label] = None
+    return translators, left_out, gate
+
+
+def _leading(
+    context: RunContext, calibration: EvaluationSet, leading: dict[int, Tensor]
+) -> tuple[Float[Tensor, "r_plus_1 n d_model"], Int[Tensor, " n"]]:
+    """The translators' positions: their states [r + 1, n, d_model] (from ``leading``, a batch
+    missing from it recomputed) and each position's example key [n]."""
+    n_rows = translator_rows(calibration)
     pieces, keys = [], []
     for index, rows in enumerate(calibration.batches(context.config.batch_size)):
         if rows.start >= n_rows:
@@ -401,32 +454,41 @@ def fit_translators(
             piece = leading_states(context, calibration, rows, states, n_rows)
         pieces.append(piece)
         keys.append(_leading_keys(context, calibration, rows, n_rows))
-    states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # [r + 1, n, d_model]
-    example_keys = torch.cat(keys).to(states.device)
-    group = example_keys % max(1, n_groups)
-    target = states[-1]
-    translators: dict[str, AffineTranslator | None] = {}
-    for label, source in wanted.items():
-        state = source.readout_input(states)
-        finite = all_finite(state) and all_finite(target)
-        if finite and left_out:
-            # The whole split's normal equations are the groups' summed: formed once for both.
-            solved, each = _least_squares_left_out(state, target, group, n_groups)
-            translators[label], each = _gated(state, target, group, solved, each)
-        else:
-            translators[label], each = (_least_squares(state, target) if finite else None), []
-            if translators[label] is not None and _testable(state):  # the gate's own folds
-                folds = example_keys % GATE_FOLDS
-                _, refits = _least_squares_left_out(state, target, folds, GATE_FOLDS)
-                translators[label], _ = _gated(state, target, folds, translators[label], refits)
-        whole = translators[label]
-        if left_out and whole is not None:
-            for fitted, translator in zip(left_out, each, strict=True):
-                fitted[label] = None if translator is None else LeftOutTranslator(whole, translator)
-        else:
-            for fitted in left_out:
-                fitted[label] = None
-    return translators, left_out
+    states = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    return states, torch.cat(keys).to(states.device)
+
+
+def _state_readout(context: RunContext) -> StateReadout:
+    return _state_readout_of(context.model)
+
+
+def _state_readout_of(model: ProtocolModel) -> StateReadout:
+    """``model``'s readout of pooled states [n, d_model] -> [n, d_vocab], each position read as
+    a sequence of its own (pooled positions come from different sequences)."""
+
+    def readout(states: Tensor) -> Tensor:
+        return model.readout(states[:, None, :])[:, 0, :]
+
+    return readout
+
+
+def _gated_fit(
+    state: Float[Tensor, "n d_model"],
+    target: Float[Tensor, "n d_model"],
+    group: Int[Tensor, " n"],
+    n_groups: int,
+    gate: GateRecord,
+) -> tuple[AffineTranslator | None, list[AffineTranslator | None]]:
+    """The translator the gate decided on and its jackknife refits (one per calibration group
+    where ``n_groups`` >= 2): at the chosen ridge, or `MeanTranslator` in every one where the
+    gate replaced it (not refitted per group, as the base rate's table is not)."""
+    if gate.judged == REPLACED:
+        constant = MeanTranslator(target.double().mean(0).float().cpu())
+        return constant, [constant] * (n_groups if n_groups >= 2 else 0)
+    ridge = gate.ridge * ridge_scale(state)
+    if n_groups >= 2:
+        return _least_squares_left_out(state, target, group, n_groups, ridge)
+    return _least_squares(state, target, ridge), []
 
 
 def _leading_keys(
@@ -442,14 +504,14 @@ def _leading_keys(
 
 
 def _least_squares(
-    source: Float[Tensor, "n d_model"], target: Float[Tensor, "n d_model"]
+    source: Float[Tensor, "n d_model"], target: Float[Tensor, "n d_model"], ridge: float
 ) -> AffineTranslator | None:
-    """The affine map h -> h A + c closest to ``target`` in least squares (a ridge of
-    `TRANSLATOR_RIDGE` times the mean square of ``source``'s columns), as an `AffineTranslator`
-    (W = (A - I)^T, b = c); None where the solution is not finite. Paired, so it can learn any
-    remaining computation that is affine in the state: an upper end for S."""
+    """The affine map h -> h A + c closest to ``target`` in least squares with ``ridge`` on A
+    (absolute; the bias c unshrunk), as an `AffineTranslator` (W = (A - I)^T, b = c); None where
+    the solution is not finite. Paired, so it can learn any remaining computation that is affine
+    in the state: an upper end for S."""
     x = torch.cat([source.double(), torch.ones_like(source[:, :1]).double()], dim=1)
-    return _solved(x.T @ x, x.T @ target.double(), source.shape[-1])
+    return _solved(x.T @ x, x.T @ target.double(), source.shape[-1], ridge)
 
 
 def _least_squares_left_out(
@@ -457,6 +519,7 @@ def _least_squares_left_out(
     target: Float[Tensor, "n d_model"],
     group: Int[Tensor, " n"],
     n_groups: int,
+    ridge: float,
 ) -> tuple[AffineTranslator | None, list[AffineTranslator | None]]:
     """`_least_squares` on every row, and with each group's rows left out in turn, from
     per-group normal equations (each row's products are formed once, not once per group, and
@@ -470,61 +533,16 @@ def _least_squares_left_out(
         grams.append(x_g.T @ x_g)
         moments.append(x_g.T @ y.index_select(0, rows))
     gram, moment = torch.stack(grams).sum(0), torch.stack(moments).sum(0)
-    d_model = source.shape[-1]
-    whole = _solved(gram, moment, d_model)
-    return whole, [_solved(gram - grams[g], moment - moments[g], d_model) for g in range(n_groups)]
+    d = source.shape[-1]
+    whole = _solved(gram, moment, d, ridge)
+    return whole, [_solved(gram - grams[g], moment - moments[g], d, ridge) for g in range(n_groups)]
 
 
-def _gated(
-    source: Float[Tensor, "n d_model"],
-    target: Float[Tensor, "n d_model"],
-    group: Int[Tensor, " n"],
-    whole: AffineTranslator | None,
-    refits: list[AffineTranslator | None],
-) -> tuple[AffineTranslator | None, list[AffineTranslator | None]]:
-    """The paired translator kept only where its least-squares fit predicts held-out states:
-    summed over the folds ``group``, the refit without a fold must predict that fold's
-    full-depth states with less squared error than their mean without it.
-
-    A fit that does not has found no information in the source, yet the argmax of its near-flat
-    readout still leans, by chance, toward the answers of the sequences the calibration split
-    happens to hold most often: a gain that does not shrink as the split grows. Such a
-    translator is replaced by `MeanTranslator` (every state to the mean full-depth state: its
-    readout is the split's most frequent answer, a base rate), not refitted per fold, as the
-    base rate's table is not. The test is made only where the fit is well determined
-    (`GATE_POINTS_PER_PARAMETER` positions per parameter of one row of the map): with fewer, an
-    overfit map can fail it while its gain is real, and the upper end stays where it is, wide.
-    """
-    if whole is None or not _testable(source):
-        return whole, refits
-    y = target.double()
-    fitted_error = mean_error = 0.0
-    for g, refit in enumerate(refits):
-        held = group == g
-        if not bool(held.any()) or bool(held.all()):
-            continue
-        if refit is None:
-            return whole, refits  # a fold without its refit: not testable
-        fitted_error += float(((refit(source[held]).double() - y[held]) ** 2).sum())
-        mean_error += float(((y[~held].mean(0) - y[held]) ** 2).sum())
-    if fitted_error < mean_error:
-        return whole, refits
-    constant = MeanTranslator(y.mean(0).float().cpu())
-    return constant, [None if refit is None else constant for refit in refits]
-
-
-def _testable(source: Float[Tensor, "n d_model"]) -> bool:
-    """Whether `_gated` tests a translator fitted on ``source``: at least
-    `GATE_POINTS_PER_PARAMETER` positions per parameter of one row of the map."""
-    n, d_model = source.shape
-    return n >= GATE_POINTS_PER_PARAMETER * (d_model + 1)
-
-
-def _solved(gram: Tensor, moment: Tensor, d_model: int) -> AffineTranslator | None:
-    """The ridge solution of the normal equations ``gram @ A = moment`` as a translator."""
+def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineTranslator | None:
+    """The solution of the normal equations ``gram @ A = moment`` (the last row and column the
+    bias's) with ``ridge`` added to the linear part's diagonal, as a translator."""
     gram = gram.clone()
-    ridge = TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12
-    gram.diagonal().add_(ridge)
+    gram.diagonal()[:d_model].add_(ridge + 1e-12)
     # The ridged gram is positive definite: a Cholesky solve, cheaper than an LU solve.
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:

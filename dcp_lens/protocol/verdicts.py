@@ -232,7 +232,13 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     gap's area. How the rest of the gap splits does not block it and is said beside it. A gap
     the affine maps do not recover (D's bracket at or above ``named_share``) is "inconclusive"
     with ``bound = "not_affine"``: D is never named. Otherwise "mixed" where S and B are
-    identified and the orders agree, "inconclusive" with the reasons where not.
+    identified, the orders agree and the k's where each is identified carry at least
+    ``identified_area`` of the gap's area; "inconclusive" with the reasons where not.
+
+    The record's ``S_identified`` / ``B_identified`` claim only what a verdict could name: the
+    factor's bracket narrow, the orders agreeing, its identified k's carrying at least
+    ``identified_area`` of the gap's area, the gap clearly a gap, and no ``not_affine`` bound
+    (what no affine map recovers may be a shift of frame the maps cannot see).
     """
     if not math.isfinite(shares.get("gap", math.nan)):
         reason = "no k has every cell finite, so there are no shares."
@@ -241,7 +247,12 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
     walked = _gt(shares.get("walk_gain"), rule.walk_tolerance)
     s_narrow = _le(shares.get("S_width_hi"), rule.tolerance)
     b_narrow = _le(shares.get("B_width_hi"), rule.tolerance) and not walked
-    s_identified, b_identified = s_narrow and orders_agree, b_narrow and orders_agree
+    # A field claims only what a verdict could name: the bracket narrow, the orders agreeing
+    # and the k's where the factor is identified carrying most of the gap's area.
+    s_covered = _ge(shares.get("S_identified_area"), rule.identified_area)
+    b_covered = _ge(shares.get("B_identified_area"), rule.identified_area)
+    s_identified = s_narrow and orders_agree and s_covered
+    b_identified = b_narrow and orders_agree and b_covered
     reasons: list[str] = []
     if not _gt(shares.get("gap_lo"), 0.0):
         reasons.append(
@@ -262,8 +273,8 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
             f"a share's 95% interval is {widest:.2f} wide, more than {rule.max_share_interval:g}:"
             " too wide to name a factor."
         )
-    if reasons:  # the gap itself: there are no shares to name
-        return ShareVerdict("inconclusive", " ".join(reasons), stable, s_identified, b_identified)
+    if reasons:  # the gap itself: there are no shares to name, nor a factor identified
+        return ShareVerdict("inconclusive", " ".join(reasons), stable, False, False)
     s_words = "" if s_narrow else (
         f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
         f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
@@ -322,8 +333,20 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
             " frame (distinct computation, or a non-affine shift): no test run here tells the"
             " two apart."
         )
-        return ShareVerdict("inconclusive", reason, stable, s_identified, b_identified, NOT_AFFINE)
+        # What no affine map recovers may be a shift of frame: neither factor is identified.
+        return ShareVerdict("inconclusive", reason, stable, False, False, NOT_AFFINE)
     pending = " ".join(w for w in (s_words, order_words, b_words) if w)
+    areas = {f: shares.get(f"{f}_identified_area", math.nan) for f in ("S", "B")}
+    uncovered = [
+        f"{f} is identified only at k's that carry {areas[f]:.0%} of the gap's area"
+        for f, covered in (("S", s_covered), ("B", b_covered))
+        if not covered
+    ]
+    if not pending and uncovered:
+        pending = (
+            f"{'; '.join(uncovered)}, less than the {rule.identified_area:.0%} a verdict needs"
+            " (the per-k flags say where): the split is not named."
+        )
     if pending:
         return ShareVerdict("inconclusive", pending, stable, s_identified, b_identified)
     parts = ", ".join(

@@ -74,7 +74,7 @@ model specs (--model, --dense):
                     distinct_computation_context, block_count_context, frame_flip,
                     distinct_computation_skewed, mixture_three_way,
                     distinct_computation_smooth, readout_shift_step, frame_flip_gated,
-                    frame_warp, readout_shift_walk
+                    frame_warp, readout_shift_walk, nuisance_shift, nuisance_distinct
   huginn:PATH       a local Huginn-0125 checkpoint folder (config.json and safetensors)
   ouro:PATH         a local Ouro checkpoint folder
   raven-retrofit:PATH

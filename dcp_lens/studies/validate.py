@@ -13,7 +13,10 @@ function of a ``results.json`` run):
   point share (S, B, D) is within `POINT_TOLERANCE` of the truth;
 - **flagged at every k** (ambiguous models): at every k < r whose gap is clearly above zero (the
   row's ``gap_lo`` > 0 and above float rounding: `dcp_lens.protocol.bracket.has_gap`),
-  ``S_identified`` or ``B_identified`` is false.
+  ``S_identified`` or ``B_identified`` is false;
+- **fields** (every model): the share-level ``S_identified`` / ``B_identified`` of the results
+  never claim a factor whose truth lies outside its bracket; a row whose field does is
+  confidently wrong and fails, whatever its verdict.
 
 Per metric, the flag's **false-alarm rate**: over the identifiable rows' k < r with a gap clearly
 above zero, the fraction where ``S_identified`` is false; at most `FALSE_ALARM_RATE` at one seed
@@ -144,7 +147,9 @@ def judge_bracket(
     ``per_k`` the decomposition rows of the k < r (``gap_lo``, ``S_identified``,
     ``B_identified``), ``expected`` the true S, B, D, ``verdict`` the results' ``verdict``
     and ``bound`` (`judge_verdict`). A missing or NaN value fails its test. An ambiguous row
-    also passes with the verdict "inconclusive" (what the data cannot tell is not named)."""
+    also passes with the verdict "inconclusive" (what the data cannot tell is not named), unless
+    its ``S_identified`` or ``B_identified`` field claims a factor whose truth lies outside its
+    bracket: every row with such a field is confidently wrong and fails."""
     outside = [
         factor
         for factor in FACTORS
@@ -176,6 +181,11 @@ def judge_bracket(
         ]
         flagged = not unflagged
     named, right, wrong = judge_verdict(verdict or {}, expected, identifiable, not outside)
+    # A field that claims a factor identified is a claim like a named verdict: wrong where the
+    # truth lies outside that factor's bracket.
+    wrong = wrong or any(
+        (verdict or {}).get(f"{f}_identified") is True for f in outside if f != "D"
+    )
     if identifiable:
         passed = not outside and bool(narrow and point_ok)
     else:

@@ -73,6 +73,7 @@ from dcp_lens.zoo.planted.factors import (
     readout_shift_soft,
     readout_shift_step,
 )
+from dcp_lens.zoo.planted.nuisance import nuisance_distinct, nuisance_shift
 
 BUILDERS: dict[str, Callable[..., PlantedModel]] = {
     "readout_shift": readout_shift,
@@ -95,6 +96,8 @@ BUILDERS: dict[str, Callable[..., PlantedModel]] = {
     "frame_flip_gated": frame_flip_gated,
     "frame_warp": frame_warp,
     "readout_shift_walk": readout_shift_walk,
+    "nuisance_shift": nuisance_shift,
+    "nuisance_distinct": nuisance_distinct,
 }
 # The factor behind the whole gap of each single-factor model; mixtures name both.
 EXPECTED_FACTOR = {
@@ -118,6 +121,8 @@ EXPECTED_FACTOR = {
     "frame_flip_gated": "S",
     "frame_warp": "S",
     "readout_shift_walk": "S",
+    "nuisance_shift": "S",
+    "nuisance_distinct": "D",
 }
 # Whether the S and B brackets can identify the truth on the evaluation data (docs/bracket.md):
 # False where a paired map can do the remaining computation (a permutation or flip of the state),
@@ -144,6 +149,8 @@ IDENTIFIABLE = {
     "frame_flip_gated": False,
     "frame_warp": False,
     "readout_shift_walk": False,
+    "nuisance_shift": True,
+    "nuisance_distinct": True,
 }
 
 # The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
@@ -151,8 +158,11 @@ IDENTIFIABLE = {
 PLANTED = tuple(name for name in BUILDERS if name not in ("distinct_computation_context",
     "block_count_context", "frame_flip", "distinct_computation_skewed", "mixture_three_way",
     "distinct_computation_smooth", "readout_shift_step", "frame_flip_gated",
-    "frame_warp", "readout_shift_walk"))  # fmt: skip
-BRACKET_PLANTED = tuple(BUILDERS)
+    "frame_warp", "readout_shift_walk", "nuisance_shift", "nuisance_distinct"))  # fmt: skip
+# The nuisance models test the translators' gate (tests/integration/zoo/test_nuisance.py); they
+# are not in the validation suite, whose committed tables they would change.
+NUISANCE_PLANTED = ("nuisance_shift", "nuisance_distinct")
+BRACKET_PLANTED = tuple(name for name in BUILDERS if name not in NUISANCE_PLANTED)
 
 
 def expected_shares(
@@ -195,7 +205,7 @@ def load_planted(name: str, **overrides: object) -> PlantedModel:
     """``load("planted:NAME", size=…, n_iterations=…, seed=…, width=…)``; ``width`` embeds the
     model in a stream of that many coordinates (`dcp_lens.zoo.planted.embedding.embed`)."""
     if name not in BUILDERS:
-        raise ConfigError(f"unknown planted model {name!r}; choose one of {BRACKET_PLANTED}.")
+        raise ConfigError(f"unknown planted model {name!r}; choose one of {tuple(BUILDERS)}.")
     fields = dict(overrides)
     device, dtype = fields.pop("device", None), fields.pop("dtype", None)
     width = fields.pop("width", None)
@@ -234,6 +244,7 @@ __all__ = [
     "BUILDERS",
     "EXPECTED_FACTOR",
     "IDENTIFIABLE",
+    "NUISANCE_PLANTED",
     "PLANTED",
     "PlantedModel",
     "PlantedTask",
@@ -252,6 +263,8 @@ __all__ = [
     "frame_flip_gated",
     "frame_warp",
     "load_planted",
+    "nuisance_distinct",
+    "nuisance_shift",
     "mixture_shift_blocks",
     "mixture_shift_distinct",
     "mixture_three_way",

@@ -27,11 +27,16 @@ def _run(name: str, groups: int) -> dict:
 def test_translators_without_information_give_way_to_the_mean(groups: int) -> None:
     run = _run("distinct_computation_context", groups)
     replaced = run["metadata"]["translators_replaced_by_the_mean"]
+    gate = run["metadata"]["translator_gate"]
+    assert {gate[label]["judged"] for label in replaced} == {"replaced_by_the_mean"}
+    assert all(gate[label]["folds"] == 10 for label in replaced)
     assert {"truncate(1)", "replay(1)"} <= set(replaced)
     rows = [row for row in run["decomposition"] if row["metric"] == "accuracy" and row["k"] < 8]
     # The upper end is the mean translator's base-rate gain at every k: one small number.
     assert max(row["S_upper"] for row in rows) < 0.05
-    assert run["shares"]["accuracy"]["S_identified"] is True
+    # D bounded as not recovered by an affine map: the record claims neither factor.
+    assert run["bracket"]["accuracy"]["bound"] == "not_affine"
+    assert run["shares"]["accuracy"]["S_identified"] is False
 
 
 def test_a_readout_shift_keeps_every_translator() -> None:

@@ -200,6 +200,29 @@ def test_s_and_d_in_halves_is_mixed():
     assert result.shares["S_lower"] == pytest.approx(0.5)
 
 
+def test_mixed_needs_the_identified_ks_to_cover_the_gap():
+    """S and D in halves, the S bracket narrow over the shares (0.09 of the gap) but wider
+    than the tolerance at three of four k's: the split is not named, and no field claims S."""
+    a, e, half = 0.0, 1.0, 0.5
+    ta = np.array([0.62, 0.62, 0.62, 0.5])  # the translator's upper end 0.12 above at k = 1..3
+    point, draws = cells(**curves(a, e, b=half, d=half, ta=ta, tc=ta, z=0.0))
+    result = bracket(point, draws, GRID)
+    assert result.shares["S_identified_area"] < 0.8
+    assert result.verdict == "inconclusive", result.reason
+    assert "identified only at k's" in result.reason
+    assert not result.S_identified
+
+
+def test_a_bound_not_recovered_by_affine_maps_claims_no_factor():
+    """D at least 0.75 with narrow S and B brackets at 0: the verdict bounds what no affine map
+    recovers, and the fields claim neither S nor B (a non-affine shift of frame is possible)."""
+    point, draws = cells(**curves(0.0, 1.0, z=0.0))
+    result = bracket(point, draws, GRID)
+    assert result.verdict == "inconclusive" and result.bound == "not_affine"
+    assert not result.S_identified and not result.B_identified
+    assert result.per_k["S_identified"].all()  # per k the bracket is narrow all the same
+
+
 def test_a_skewed_prior_gain_is_discounted_and_leaves_s_unidentified():
     # Marginal matching lifts truncation to the base rate and no further.
     point, draws = cells(**curves(0.09, 1.0, b=0.5, d=0.5, ta=0.5, tc=0.5, z=0.5))

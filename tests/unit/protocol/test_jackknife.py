@@ -113,9 +113,9 @@ def test_translator_solve_matches_a_general_solve() -> None:
     x = torch.cat([x, torch.ones(400, 1, dtype=torch.float64)], dim=1)
     y = x[:, :9] @ torch.randn(9, 9, generator=generator, dtype=torch.float64) + 0.1
     gram, moment = x.T @ x, x.T @ y
-    translator = fit._solved(gram, moment, 9)
+    translator = fit._solved(gram, moment, 9, 0.5)
     ridged = gram.clone()
-    ridged.diagonal().add_(fit.TRANSLATOR_RIDGE * float(gram.diagonal().mean()) + 1e-12)
+    ridged.diagonal()[:9].add_(0.5 + 1e-12)  # the bias is not shrunk
     solution = torch.linalg.solve(ridged, moment)
     assert translator is not None
     want_weight = (solution[:9] - torch.eye(9, dtype=torch.float64)).T.float()
@@ -132,14 +132,14 @@ def test_left_out_translators_equal_direct_fits_without_the_group() -> None:
     source = torch.randn(300, 6, generator=generator) * 3 + 1
     target = source @ torch.randn(6, 6, generator=generator) + 0.5 * torch.randn(300, 6)
     group = torch.randint(0, 4, (300,), generator=generator)
-    whole, left_out = fit._least_squares_left_out(source, target, group, 4)
-    direct = fit._least_squares(source, target)
+    whole, left_out = fit._least_squares_left_out(source, target, group, 4, 1e-3)
+    direct = fit._least_squares(source, target, 1e-3)
     assert whole is not None and direct is not None
     assert torch.allclose(whole.weight, direct.weight, atol=1e-5)
     assert torch.allclose(whole.bias, direct.bias, atol=1e-5)
     for g, translator in enumerate(left_out):
         keep = group != g
-        alone = fit._least_squares(source[keep], target[keep])
+        alone = fit._least_squares(source[keep], target[keep], 1e-3)
         assert translator is not None and alone is not None
         assert torch.allclose(translator.weight, alone.weight, atol=1e-5)
         assert not torch.allclose(translator.weight, whole.weight, atol=1e-4)  # a group matters

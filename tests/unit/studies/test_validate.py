@@ -199,6 +199,18 @@ def test_an_ambiguous_row_passes_when_its_verdict_is_inconclusive_even_outside_i
     assert not named.passed
 
 
+def test_an_identified_field_with_the_truth_outside_its_bracket_fails_any_row():
+    """The fields are judged as well as the verdict: an inconclusive row of a non-identifiable
+    model whose ``S_identified`` claims S with the truth outside the S bracket fails."""
+    narrow = bracket(s=(0.0, 0.05), d=(0.95, 1.0), width=0.05)
+    rows = per_k(s_identified=(True, True, True))
+    claims = {"verdict": "inconclusive", "bound": "not_affine", "S_identified": True}
+    judgement = judge_bracket(narrow, POINT, rows, TRUTH_S, False, claims)
+    assert judgement.confident_wrong and not judgement.passed
+    honest = {**claims, "S_identified": False, "B_identified": True}  # B's truth is inside
+    assert judge_bracket(narrow, POINT, rows, TRUTH_S, False, honest).passed
+
+
 def test_a_truth_that_one_order_of_s_and_b_holds_is_inside_the_bracket():
     # The turning clock: the S bracket [0.90, 0.94] is the orders' mean; S taken first is 1.
     narrow = bracket(s=(0.90, 0.94), b=(0.03, 0.08), width=0.02)
