@@ -12,7 +12,8 @@ from dcp_lens.cli import main
 from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.studies.validate import coverage, judge, suite_passed, validate
+from dcp_lens.studies.validate import coverage, validate
+from dcp_lens.studies.validation_rules import judge, suite_passed
 from dcp_lens.zoo import planted
 
 NEW = [name for name in planted.PLANTED if name not in ("readout_shift", "distinct_computation",

@@ -17,6 +17,7 @@ import torch
 
 from dcp_lens.protocol.bracket import BracketRule, has_gap
 from dcp_lens.studies import validate
+from dcp_lens.studies import validation_rules as rules
 from dcp_lens.zoo import planted
 from dcp_lens.zoo.planted import base
 
@@ -102,13 +103,13 @@ def test_an_unseen_planted_kind_is_bracketed_or_flagged_never_confidently_wrong(
     assert counted, "no validated metric to judge"
     for metric in counted:
         truth = expected[metric]
-        rows = validate.per_k_of(run, metric)
+        rows = rules.per_k_of(run, metric)
         clear = has_gap(
             [r["gap_lo"] for r in rows], [r["gap"] for r in rows], BracketRule()
         ).tolist()
         assert any(clear), f"{name}: no k with a gap, nothing was tested"
         # Judged as ambiguous: flagged_every_k says whether every k with a gap is flagged.
-        judgement = validate.judge_run(run, metric, truth, identifiable=False)
+        judgement = rules.judge_run(run, metric, truth, identifiable=False)
         verdict = run["shares"][metric]["verdict"]
         assert judgement.in_bracket or judgement.flagged_every_k or verdict == "inconclusive", (
             name, metric, judgement,

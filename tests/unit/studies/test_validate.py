@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from dcp_lens.studies import validate as validation
-from dcp_lens.studies.validate import (
+from dcp_lens.studies import validation_rules as rules
+from dcp_lens.studies.validate import coverage_of
+from dcp_lens.studies.validation_rules import (
     ValidationRow,
-    coverage_of,
     judge_bracket,
     judge_run,
     suite_passed,
@@ -133,8 +134,8 @@ def run(metric: str = "accuracy", **bracket_values: Any) -> dict[str, Any]:
 def test_judge_run_reads_the_bracket_and_the_rows_below_r():
     judgement = judge_run(run(), "accuracy", TRUTH_S, identifiable=True)
     assert judgement.passed and judgement.alarm_ks == R - 1  # k = r is left out
-    assert validation.per_k_of(run(), "accuracy")[-1]["k"] == R - 1
-    shares = validation.shares_of(run(), "accuracy")
+    assert rules.per_k_of(run(), "accuracy")[-1]["k"] == R - 1
+    shares = rules.shares_of(run(), "accuracy")
     assert shares["S_lo"] == 0.97 and math.isnan(shares["D_lo"])  # absent: NaN, not 0
     assert not judge_run(run(width=0.3), "accuracy", TRUTH_S, identifiable=True).passed
 
@@ -143,7 +144,7 @@ def row(
     metric: str, passed: bool, false_alarms: int, alarm_ks: int, counted=True, right=True,
     wrong=False,
 ):  # fmt: skip
-    judgement = validation.Judgement(
+    judgement = rules.Judgement(
         in_bracket=passed, outside=[], narrow=True, point_ok=True, flagged_every_k=None,
         unflagged_ks=[], false_alarms=false_alarms, alarm_ks=alarm_ks, passed=passed,
         verdict="S", verdict_right=right, confident_wrong=wrong,
@@ -175,7 +176,7 @@ def test_a_metric_not_validated_is_reported_but_not_counted():
 
 def test_verdicts_are_right_when_their_claim_holds_and_wrong_when_they_name_too_little():
     truth_d = {"S": 0.0, "B": 0.0, "D": 1.0}
-    judge = validation.judge_verdict
+    judge = rules.judge_verdict
     assert judge({"verdict": "S"}, TRUTH_S, True, True) == ("S", True, False)
     # Naming S where the truth is D: confidently wrong, on any model.
     assert judge({"verdict": "S"}, truth_d, False, True) == ("S", None, True)
