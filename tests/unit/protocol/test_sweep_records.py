@@ -47,5 +47,5 @@ def test_maxima_and_the_null_control_keep_a_nan_over_a_merge() -> None:
     maxima.add({3: 0.125, 4: 1.0})
     assert maxima.values == {3: 0.25, 4: 1.0}
     restored: Maxima[int] = Maxima()
-    restored.restore(_through_snapshot(maxima.state()))  # type: ignore[arg-type]
+    restored.restore(_through_snapshot(maxima.state()), "maxima", "count")  # type: ignore[arg-type]
     assert restored.values == maxima.values
