@@ -159,7 +159,7 @@ class GroupMoments:
         self.flush()
         return None if self.groups is None else [g.state() for g in self.groups]
 
-    def restore(self, state: list[MomentsState] | None, field: str = "groups") -> None:
+    def restore(self, state: object, field: str = "groups") -> None:
         """The groups' moments ``state`` recorded (``field``: where it sits in its snapshot);
         None or one moments per group, else `SnapshotFieldError`."""
         saved = snapshot_value(state, field, "optional list")
@@ -271,7 +271,7 @@ class BaseRateSums:
     def state(self) -> BaseRateState:
         return {"sums": self.sums, "counts": self.counts}
 
-    def restore(self, state: BaseRateState, field: str = "base") -> None:
+    def restore(self, state: object, field: str = "base") -> None:
         self.sums = snapshot_field(state, "sums", field, "optional tensor")
         self.counts = snapshot_field(state, "counts", field, "tensor")
 
@@ -387,7 +387,7 @@ class CalibrationRecords:
             "halves": None if self.halves is None else [h.state() for h in self.halves],
         }
 
-    def restore(self, state: CalibrationState) -> None:
+    def restore(self, state: object) -> None:
         """What ``state`` recorded; a field missing or of the wrong type (a string where a count
         belongs, a condition this run does not have) raises `SnapshotFieldError` naming it."""
         streams = snapshot_field(state, "streams", "state", "dict")

@@ -63,7 +63,7 @@ class Subsample:
         priority = torch.from_numpy(self.priority.view(np.int64).copy())
         return {"rows": self.rows, "keys": self.keys, "priority": priority}
 
-    def restore(self, state: SubsampleState, field: str = "subsample") -> None:
+    def restore(self, state: object, field: str = "subsample") -> None:
         """Keep exactly what `state` recorded (a field of the wrong type raises
         `SnapshotFieldError` naming it; ``field`` is where ``state`` sits in its snapshot)."""
         rows = snapshot_field(state, "rows", field, "optional tensor")

@@ -73,7 +73,7 @@ class ExampleCells(Generic[Key]):
 
     def restore(
         self,
-        state: Sequence[tuple[Key, dict[int, Tensor]]],
+        state: object,
         field: str = "cells",
         key: Sequence[FieldKind] = (),
     ) -> None:
@@ -125,7 +125,7 @@ class Maxima(Generic[Key]):
     def state(self) -> dict[Key, float]:
         return dict(self.values)
 
-    def restore(self, state: Mapping[Key, float], field: str, key: FieldKind) -> None:
+    def restore(self, state: object, field: str, key: FieldKind) -> None:
         """The maxima ``state`` recorded, numbers by keys of ``key``; else `SnapshotFieldError`
         (``field``: where ``state`` sits in its snapshot)."""
         self.values = snapshot_numbers(state, field, key)
@@ -189,7 +189,7 @@ class NullControl:
             "halves_change": dict(self.halves_change),
         }
 
-    def restore(self, state: NullState, field: str = "null") -> None:
+    def restore(self, state: object, field: str = "null") -> None:
         differences = snapshot_field(state, "differences", field, "dict")
         self.differences.restore(differences, f"{field}.differences", "str")
         self.halves_difference = snapshot_field(state, "halves_difference", field, "number")
@@ -267,7 +267,7 @@ class ProbeSampler:
             "calibrated": {k: s.state() for k, s in self.calibrated.items()},
         }
 
-    def restore(self, state: ProbeState, field: str = "probe") -> None:
+    def restore(self, state: object, field: str = "probe") -> None:
         self.held_out.restore(snapshot_field(state, "held_out", field, "dict"), f"{field}.held_out")
         trajectory = snapshot_field(state, "trajectory", field, "list")
         if len(trajectory) != len(self.trajectory):
@@ -361,7 +361,7 @@ class SweepRecords:
             "probe": self.probe.state(),
         }
 
-    def restore(self, state: SweepState) -> None:
+    def restore(self, state: object) -> None:
         """What ``state`` recorded; a field missing or of the wrong type (a string where a k or
         a number belongs) raises `SnapshotFieldError` naming it."""
         for name, cells, key in (

@@ -208,7 +208,7 @@ class StreamingMoments:
 
     @classmethod
     def from_state(
-        cls, state: MomentsState, storage: torch.dtype = torch.float64, field: str = "moments"
+        cls, state: object, storage: torch.dtype = torch.float64, field: str = "moments"
     ) -> StreamingMoments:
         """The moments `state` recorded, exactly (the scatter kept in ``storage`` from then).
         A field of the wrong type raises `SnapshotFieldError` naming it (``field`` is where
