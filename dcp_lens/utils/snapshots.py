@@ -130,9 +130,11 @@ def snapshot_value(value: object, field: str, kind: FieldKind) -> Any:
     expected, accepts = _FIELD_KINDS[kind.removeprefix("optional ")]
     if not accepts(value):
         raise SnapshotFieldError(field, expected + (" or None" if optional else ""), value)
-    if kind == "number":
-        return float(value)  # type: ignore[arg-type]
-    return list(value) if kind.endswith("list") else value  # type: ignore[call-overload]
+    if kind == "number" and isinstance(value, (int, float)):
+        return float(value)
+    if kind.endswith("list") and isinstance(value, (list, tuple)):
+        return list(value)
+    return value
 
 
 def snapshot_field(state: object, name: str, field: str, kind: FieldKind) -> Any:
