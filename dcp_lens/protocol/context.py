@@ -67,11 +67,12 @@ class RunContext:
             yield item
             release_free_memory()
 
-    def restore(self, stage: str) -> tuple[int, Any]:
-        """Batches done and state of ``stage``'s last snapshot; ``(0, None)`` without one."""
+    def restore(self, stage: str, into: Callable[[Any], None]) -> int:
+        """Batches done of ``stage``'s last snapshot, its state handed to ``into`` (an
+        accumulator's ``restore``); 0 without a snapshot (``into`` is not called)."""
         if self.checkpoint is None:
-            return 0, None
-        return self.checkpoint.restore(stage, self.device())
+            return 0
+        return self.checkpoint.restore(stage, self.device(), into)[0]
 
     def snapshot(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
         """Snapshot ``state()`` after ``done`` of ``total`` batches of ``stage`` (when due)."""

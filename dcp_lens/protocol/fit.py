@@ -198,9 +198,7 @@ def fit_maps(
     records = CalibrationRecords(
         context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
     )
-    done, saved = context.restore("calibration")
-    if saved is not None:
-        records.restore(saved)
+    done = context.restore("calibration", records.restore)
     if confidence is not None:
         confidence.start_stash()
     leading = LeadingStates(calibration)

@@ -8,7 +8,7 @@ states (`LeadingStates`) are kept beside them, never snapshotted."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -33,12 +33,15 @@ from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
+from dcp_lens.utils.snapshots import SnapshotFieldError, snapshot_field, snapshot_value
 
 # The fit refuses to start when its moments would take more than this share of the free memory.
 MOMENT_MEMORY_SHARE = 0.5
 # The paired translators of the S bracket's upper end are fitted on at most this many
 # calibration positions (the leading sequences of the calibration split, `translator_rows`).
 TRANSLATOR_POINTS = 2048
+
+Item = TypeVar("Item")
 
 
 def moments_host(context: RunContext) -> torch.device | None:
@@ -156,10 +159,17 @@ class GroupMoments:
         self.flush()
         return None if self.groups is None else [g.state() for g in self.groups]
 
-    def restore(self, state: list[MomentsState] | None) -> None:
-        self.groups = (
-            None if state is None else [StreamingMoments.from_state(s, self.storage) for s in state]
-        )
+    def restore(self, state: object, field: str = "groups") -> None:
+        """The groups' moments ``state`` recorded (``field``: where it sits in its snapshot);
+        None or one moments per group, else `SnapshotFieldError`."""
+        saved = snapshot_value(state, field, "optional list")
+        if saved is not None and len(saved) != len(self.pending):
+            raise SnapshotFieldError(field, f"a list of {len(self.pending)} groups' moments", state)
+        moments = [
+            StreamingMoments.from_state(s, self.storage, f"{field}[{g}]")
+            for g, s in enumerate(saved or ())
+        ]
+        self.groups = None if saved is None else moments
         if self.host is not None and self.groups is not None:
             self.groups = [moments.to(self.host) for moments in self.groups]
             self.resident = None
@@ -261,8 +271,9 @@ class BaseRateSums:
     def state(self) -> BaseRateState:
         return {"sums": self.sums, "counts": self.counts}
 
-    def restore(self, state: BaseRateState) -> None:
-        self.sums, self.counts = state["sums"], state["counts"]
+    def restore(self, state: object, field: str = "base") -> None:
+        self.sums = snapshot_field(state, "sums", field, "optional tensor")
+        self.counts = snapshot_field(state, "counts", field, "tensor")
 
     def merge(self, other: BaseRateSums) -> None:
         if other.sums is None:
@@ -376,19 +387,42 @@ class CalibrationRecords:
             "halves": None if self.halves is None else [h.state() for h in self.halves],
         }
 
-    def restore(self, state: CalibrationState) -> None:
-        for label, moments in state["streams"].items():
-            self.streams[label].restore(moments)
-        for label, sample in state["samples"].items():
-            self.samples[label].restore(sample)
-        self.sample.restore(state["sample"])
-        if self.base is not None and state["base"] is not None:
-            self.base.restore(state["base"])
-        if self.halves is not None:
-            halves = state["halves"]
-            self.halves = (
-                None if halves is None else [StreamingMoments.from_state(h) for h in halves]
+    def restore(self, state: object) -> None:
+        """What ``state`` recorded; a field missing or of the wrong type (a string where a count
+        belongs, a condition this run does not have) raises `SnapshotFieldError` naming it."""
+        streams = snapshot_field(state, "streams", "state", "dict")
+        samples = snapshot_field(state, "samples", "state", "dict")
+        for label, moments in streams.items():
+            self._own(self.streams, label, "state.streams").restore(
+                moments, f"state.streams[{label!r}]"
             )
+        for label, sample in samples.items():
+            self._own(self.samples, label, "state.samples").restore(
+                sample, f"state.samples[{label!r}]"
+            )
+        self.sample.restore(snapshot_field(state, "sample", "state", "dict"), "state.sample")
+        base = snapshot_field(state, "base", "state", "optional dict")
+        if self.base is not None and base is not None:
+            self.base.restore(base, "state.base")
+        halves = snapshot_field(state, "halves", "state", "optional list")
+        if self.halves is not None:
+            if halves is not None and len(halves) != 2:
+                raise SnapshotFieldError("state.halves", "None or the moments of 2 halves", halves)
+            self.halves = (
+                None
+                if halves is None
+                else [
+                    StreamingMoments.from_state(h, field=f"state.halves[{i}]")
+                    for i, h in enumerate(halves)
+                ]
+            )
+
+    @staticmethod
+    def _own(records: dict[str, Item], label: object, field: str) -> Item:
+        """``records[label]``, else `SnapshotFieldError` (a condition this run does not have)."""
+        if not isinstance(label, str) or label not in records:
+            raise SnapshotFieldError(f"{field} key", f"one of {sorted(records)}", label)
+        return records[label]
 
     def merge_processes(self, device: torch.device) -> None:
         """Every rank's moments (per group), subsamples and base-rate sums merged in rank order

@@ -12,6 +12,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from dcp_lens.utils.snapshots import SnapshotFieldError, snapshot_field
+
 
 class SubsampleState(TypedDict):
     """A `Subsample`'s kept rows, their example keys and priorities (int64 bits of the uint64)."""
@@ -61,12 +63,16 @@ class Subsample:
         priority = torch.from_numpy(self.priority.view(np.int64).copy())
         return {"rows": self.rows, "keys": self.keys, "priority": priority}
 
-    def restore(self, state: SubsampleState) -> None:
-        """Keep exactly what `state` recorded."""
-        self.rows, self.keys = state["rows"], state["keys"]
-        if self.keys is not None:
-            self.keys = self.keys.cpu()
-        self.priority = state["priority"].cpu().numpy().view(np.uint64).copy()
+    def restore(self, state: object, field: str = "subsample") -> None:
+        """Keep exactly what `state` recorded (a field of the wrong type raises
+        `SnapshotFieldError` naming it; ``field`` is where ``state`` sits in its snapshot)."""
+        rows = snapshot_field(state, "rows", field, "optional tensor")
+        keys = snapshot_field(state, "keys", field, "optional tensor")
+        priority = snapshot_field(state, "priority", field, "tensor")
+        if priority.dtype != torch.int64 or priority.ndim != 1:
+            raise SnapshotFieldError(f"{field}.priority", "a 1-d int64 tensor", priority)
+        self.rows, self.keys = rows, None if keys is None else keys.cpu()
+        self.priority = priority.cpu().numpy().view(np.uint64).copy()
 
     @classmethod
     def merged(cls, parts: Sequence[Subsample]) -> Subsample:

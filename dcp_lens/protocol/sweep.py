@@ -147,9 +147,7 @@ class Sweep:
         context, config = self.context, self.context.config
         run = self._evaluation(evaluation)
         records = self._records(run)
-        done, saved = context.restore(stage)
-        if saved is not None:
-            records.restore(saved)
+        done = context.restore(stage, records.restore)
         batches = distributed.assigned(evaluation.batches(config.batch_size))
         plan = context.readout_plan(evaluation)
         for batch_number, (index, rows) in enumerate(

@@ -19,6 +19,14 @@ from dcp_lens.protocol.conditions import Full, Truncate
 from dcp_lens.protocol.fit import FittedMaps, apply_map
 from dcp_lens.protocol.probe import ProbeSamples
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
+from dcp_lens.utils.snapshots import (
+    FieldKind,
+    SnapshotFieldError,
+    snapshot_field,
+    snapshot_key,
+    snapshot_numbers,
+    snapshot_value,
+)
 
 # Per metric: ``"full"`` -> [n] and per sweep condition {k: [n]} (float64, per example).
 Values = dict[str, dict[str, Any]]
@@ -28,6 +36,10 @@ CellKey = tuple[str, str, int]
 WalkKey = tuple[str, int]
 # A jackknife cell: (left-out calibration group, metric, condition, k).
 JackknifeKey = tuple[int, str, str, int]
+# The kinds of these keys' parts, as a snapshot must hold them.
+CELL_KEY: tuple[FieldKind, ...] = ("str", "str", "count")
+WALK_KEY: tuple[FieldKind, ...] = ("str", "count")
+JACKKNIFE_KEY: tuple[FieldKind, ...] = ("count", "str", "str", "count")
 Key = TypeVar("Key", bound=Hashable)
 
 
@@ -59,8 +71,28 @@ class ExampleCells(Generic[Key]):
     def state(self) -> list[tuple[Key, dict[int, Tensor]]]:
         return list(self.chunks.items())
 
-    def restore(self, state: Sequence[tuple[Key, dict[int, Tensor]]]) -> None:
-        self.chunks = {key: dict(chunks) for key, chunks in state}
+    def restore(
+        self,
+        state: object,
+        field: str = "cells",
+        key: Sequence[FieldKind] = (),
+    ) -> None:
+        """The chunks ``state`` recorded (``field``: where it sits in its snapshot), each key a
+        tuple of ``key``'s kinds (any key without ``key``), each chunk a tensor by batch index;
+        else `SnapshotFieldError`."""
+        self.chunks = {}
+        for i, entry in enumerate(snapshot_value(state, field, "list")):
+            pair = snapshot_value(entry, f"{field}[{i}]", "list")
+            if len(pair) != 2:
+                raise SnapshotFieldError(f"{field}[{i}]", "a (key, chunks) pair", entry)
+            name = snapshot_key(pair[0], f"{field}[{i}] key", key) if key else pair[0]
+            chunks = snapshot_value(pair[1], f"{field}[{i}] chunks", "dict")
+            self.chunks[name] = {
+                snapshot_value(batch, f"{field}[{i}] batch", "count"): snapshot_value(
+                    chunk, f"{field}[{i}][{batch!r}]", "tensor"
+                )
+                for batch, chunk in chunks.items()
+            }
 
     @classmethod
     def merged(cls, parts: Sequence[ExampleCells[Key]], device: torch.device) -> ExampleCells[Key]:
@@ -93,8 +125,10 @@ class Maxima(Generic[Key]):
     def state(self) -> dict[Key, float]:
         return dict(self.values)
 
-    def restore(self, state: Mapping[Key, float]) -> None:
-        self.values = dict(state)
+    def restore(self, state: object, field: str, key: FieldKind) -> None:
+        """The maxima ``state`` recorded, numbers by keys of ``key``; else `SnapshotFieldError`
+        (``field``: where ``state`` sits in its snapshot)."""
+        self.values = snapshot_numbers(state, field, key)
 
     @classmethod
     def merged(cls, parts: Sequence[Maxima[Key]]) -> Maxima[Key]:
@@ -155,10 +189,12 @@ class NullControl:
             "halves_change": dict(self.halves_change),
         }
 
-    def restore(self, state: NullState) -> None:
-        self.differences.restore(state["differences"])
-        self.halves_difference = state["halves_difference"]
-        self.halves_change = dict(state["halves_change"])
+    def restore(self, state: object, field: str = "null") -> None:
+        differences = snapshot_field(state, "differences", field, "dict")
+        self.differences.restore(differences, f"{field}.differences", "str")
+        self.halves_difference = snapshot_field(state, "halves_difference", field, "number")
+        change = snapshot_field(state, "halves_change", field, "dict")
+        self.halves_change = snapshot_numbers(change, f"{field}.halves_change", "str")
 
     @classmethod
     def merged(cls, parts: Sequence[NullControl]) -> NullControl:
@@ -231,12 +267,19 @@ class ProbeSampler:
             "calibrated": {k: s.state() for k, s in self.calibrated.items()},
         }
 
-    def restore(self, state: ProbeState) -> None:
-        self.held_out.restore(state["held_out"])
-        for subsample, saved in zip(self.trajectory, state["trajectory"], strict=True):
-            subsample.restore(saved)
-        for k, saved in state["calibrated"].items():
-            self.calibrated[k].restore(saved)
+    def restore(self, state: object, field: str = "probe") -> None:
+        self.held_out.restore(snapshot_field(state, "held_out", field, "dict"), f"{field}.held_out")
+        trajectory = snapshot_field(state, "trajectory", field, "list")
+        if len(trajectory) != len(self.trajectory):
+            expected = f"a list of {len(self.trajectory)} subsamples (t = 0..r)"
+            raise SnapshotFieldError(f"{field}.trajectory", expected, trajectory)
+        for t, (subsample, saved) in enumerate(zip(self.trajectory, trajectory, strict=True)):
+            subsample.restore(saved, f"{field}.trajectory[{t}]")
+        for k, saved in snapshot_field(state, "calibrated", field, "dict").items():
+            if type(k) is not int or k not in self.calibrated:
+                expected = f"a k of the grid {sorted(self.calibrated)}"
+                raise SnapshotFieldError(f"{field}.calibrated key", expected, k)
+            self.calibrated[k].restore(saved, f"{field}.calibrated[{k}]")
 
     @classmethod
     def merged(cls, parts: Sequence[ProbeSampler]) -> ProbeSampler:
@@ -318,13 +361,19 @@ class SweepRecords:
             "probe": self.probe.state(),
         }
 
-    def restore(self, state: SweepState) -> None:
-        self.values.restore(state["values"])
-        self.walked.restore(state["walked"])
-        self.jackknife.restore(state["jackknife"])
-        self.null.restore(state["null"])
-        self.replay_difference.restore(state["replay_difference"])
-        self.probe.restore(state["probe"])
+    def restore(self, state: object) -> None:
+        """What ``state`` recorded; a field missing or of the wrong type (a string where a k or
+        a number belongs) raises `SnapshotFieldError` naming it."""
+        for name, cells, key in (
+            ("values", self.values, CELL_KEY),
+            ("walked", self.walked, WALK_KEY),
+            ("jackknife", self.jackknife, JACKKNIFE_KEY),
+        ):
+            cells.restore(snapshot_field(state, name, "state", "list"), f"state.{name}", key)
+        self.null.restore(snapshot_field(state, "null", "state", "dict"), "state.null")
+        replay = snapshot_field(state, "replay_difference", "state", "dict")
+        self.replay_difference.restore(replay, "state.replay_difference", "count")
+        self.probe.restore(snapshot_field(state, "probe", "state", "dict"), "state.probe")
 
     @classmethod
     def merged(cls, parts: Sequence[SweepRecords], device: torch.device) -> SweepRecords:

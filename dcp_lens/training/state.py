@@ -188,6 +188,7 @@ def load_checkpoint(
             }
             if entries:
                 per_parameter[index] = entries
+        _check_param_groups(plain["param_groups"], optimizer, folder / CHECKPOINT_STATE, recovery)
         groups = [{**g, "betas": tuple(g["betas"])} for g in plain["param_groups"]]
         optimizer.load_state_dict({"state": per_parameter, "param_groups": groups})
         sampler.set_state(tensors["rng.sampler"])
@@ -235,6 +236,84 @@ def _check_plain_state(plain: dict[str, Any], path: Path, recovery: str) -> None
         )
     if plain["step"] < 0:
         raise DamagedFileError(f"{path}: field step={plain['step']} must be >= 0. {recovery}")
+    _check_history(plain["history"], path, recovery)
+
+
+def _check_history(history: dict[str, Any], path: Path, recovery: str) -> None:
+    """Refuse a history whose records hold a string or a bool where a number belongs."""
+    for part, fields in HISTORY_NUMBERS.items():
+        records = history.get(part, [])
+        if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+            raise DamagedFileError(f"{path}: field history.{part} must list objects. {recovery}")
+        for i, record in enumerate(records):
+            for field, kind in fields.items():
+                where = f"{path}: field history.{part}[{i}].{field}"
+                _check_number(record.get(field), kind, where, recovery)
+
+
+# The numbers of the history's records: "count" a whole number >= 0, "count or null" the same
+# or null (no curriculum), "number" any number (NaN and infinities included).
+HOPS = {"step": "count", "max_hops": "count or null"}
+HISTORY_NUMBERS: dict[str, dict[str, str]] = {
+    "steps": {
+        **HOPS,
+        "iterations": "count",
+        "loss": "number",
+        "lr": "number",
+        "grad_norm": "number",
+    },
+    "evaluations": HOPS,
+    "curriculum": HOPS,
+}
+
+
+def _check_number(value: object, kind: str, where: str, recovery: str) -> None:
+    """Refuse ``value`` unless it is of ``kind`` (a string or a bool is no number)."""
+    if value is None and kind.endswith("or null"):
+        return
+    if kind.startswith("count"):
+        if isinstance(value, int) and type(value) is not bool and value >= 0:
+            return
+        expected = "a whole number >= 0" + (" or null" if kind.endswith("or null") else "")
+    elif type(value) in (int, float):
+        return
+    else:
+        expected = "a number"
+    raise DamagedFileError(f"{where} must be {expected} (got {value!r:.60}). {recovery}")
+
+
+def _check_param_groups(
+    saved: list[dict[str, Any]], optimizer: torch.optim.Optimizer, path: Path, recovery: str
+) -> None:
+    """Refuse saved optimizer groups (``saved``, as ``trainer_state.json`` holds them) whose
+    settings are not of the kind this run's ``optimizer`` holds: a number (lr, eps,
+    weight_decay) where it holds one, numbers for betas, true or false for its switches."""
+    live = optimizer.param_groups
+    if len(saved) != len(live):
+        raise DamagedFileError(
+            f"{path}: field param_groups lists {len(saved)} groups, this run's optimizer "
+            f"{len(live)}. {recovery}"
+        )
+    for i, (group, current) in enumerate(zip(saved, live, strict=True)):
+        for name, value in current.items():
+            if name not in group:  # a setting of a later torch: the optimizer gives its default
+                continue
+            where = f"{path}: field param_groups[{i}].{name}"
+            if type(value) is bool:
+                if type(group.get(name)) is not bool:
+                    raise DamagedFileError(
+                        f"{where} must be true or false (got {group.get(name)!r:.60}). {recovery}"
+                    )
+            elif type(value) in (int, float):
+                _check_number(group.get(name), "number", where, recovery)
+            elif name == "betas":
+                betas = group.get(name)
+                if not isinstance(betas, list) or len(betas) != len(value):
+                    raise DamagedFileError(
+                        f"{where} must list {len(value)} numbers (got {betas!r:.60}). {recovery}"
+                    )
+                for b, beta in enumerate(betas):
+                    _check_number(beta, "number", f"{where}[{b}]", recovery)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,9 +37,12 @@ class Checkpoint:
         self.folder = Path(folder)
         self.every = every
 
-    def restore(self, stage: str, device: torch.device) -> tuple[int, Any]:
+    def restore(
+        self, stage: str, device: torch.device, into: Callable[[Any], None] | None = None
+    ) -> tuple[int, Any]:
         """``(batches done, state)`` of ``stage``'s last snapshot on ``device``; ``(0, None)``
-        when there is none."""
+        when there is none. ``into`` (an accumulator's ``restore``) is handed the state; a field
+        it refuses (`SnapshotFieldError`) is reported with this snapshot's file."""
         path = self._path(stage)
         if not path.is_file():
             return 0, None
@@ -60,6 +63,11 @@ class Checkpoint:
                 f"--resume snapshot {path} is not a snapshot of dcp-lens (expected a dict with "
                 f"'done' batches and 'state', got {type(snapshot).__name__}); {recovery}"
             )
+        if into is not None:
+            try:
+                into(snapshot["state"])
+            except SnapshotFieldError as error:
+                raise DamagedFileError(f"--resume snapshot {path}: {error}; {recovery}") from error
         return done, snapshot["state"]
 
     def save(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
@@ -78,10 +86,99 @@ class Checkpoint:
         return self.folder / f"{stage}.rank{rank}of{world}.pt"
 
 
+class SnapshotFieldError(DamagedFileError):
+    """A field of a run snapshot is missing or holds a value of the wrong type (a string or a
+    bool where a number belongs, ...). Raised by the accumulators' ``restore``, which do not know
+    the snapshot's file; `Checkpoint.restore` reports it with the file and how to recover."""
+
+    def __init__(self, field: str, expected: str, value: object) -> None:
+        self.field = field
+        shown = " ".join(repr(value).split())
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        super().__init__(f"field {field} must be {expected} (got {shown})")
+
+
+# What a field of a snapshot may hold: "count" a whole number >= 0 (a bool is not one),
+# "number" an int or a float (read as a float), the others their type; "optional ..." adds None.
+FieldKind = Literal[
+    "count",
+    "number",
+    "str",
+    "tensor",
+    "optional tensor",
+    "dict",
+    "optional dict",
+    "list",
+    "optional list",
+]
+_FIELD_KINDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "count": ("a whole number >= 0", lambda v: type(v) is int and v >= 0),
+    "number": ("a number", lambda v: type(v) in (int, float)),
+    "str": ("a string", lambda v: type(v) is str),
+    "tensor": ("a tensor", lambda v: isinstance(v, torch.Tensor)),
+    "dict": ("a dict", lambda v: type(v) is dict),
+    "list": ("a list", lambda v: type(v) in (list, tuple)),
+}
+
+
+def snapshot_value(value: object, field: str, kind: FieldKind) -> Any:
+    """``value``, the snapshot's ``field``, checked to be of ``kind`` (a "number" as a float, a
+    "list" as a list); raises `SnapshotFieldError` otherwise."""
+    optional = kind.startswith("optional ")
+    if optional and value is None:
+        return None
+    expected, accepts = _FIELD_KINDS[kind.removeprefix("optional ")]
+    if not accepts(value):
+        raise SnapshotFieldError(field, expected + (" or None" if optional else ""), value)
+    if kind == "number" and isinstance(value, (int, float)):
+        return float(value)
+    if kind.endswith("list") and isinstance(value, (list, tuple)):
+        return list(value)
+    return value
+
+
+def snapshot_field(state: object, name: str, field: str, kind: FieldKind) -> Any:
+    """The entry ``name`` of the snapshot's dict ``state`` (at ``field``), of ``kind``."""
+    entries = snapshot_value(state, field, "dict")
+    if name not in entries:
+        raise SnapshotFieldError(f"{field}.{name}", "present", "nothing")
+    return snapshot_value(entries[name], f"{field}.{name}", kind)
+
+
+def snapshot_key(value: object, field: str, kinds: Sequence[FieldKind]) -> Any:
+    """A key of a snapshot's dict (at ``field``): of ``kinds[0]`` alone, or a tuple of ``kinds``
+    (a k of the grid stored as "3" would silently name another cell)."""
+    if len(kinds) == 1:
+        return snapshot_value(value, field, kinds[0])
+    if type(value) is not tuple or len(value) != len(kinds):
+        raise SnapshotFieldError(field, f"a tuple of {len(kinds)}", value)
+    return tuple(snapshot_value(v, field, kind) for v, kind in zip(value, kinds, strict=True))
+
+
+def snapshot_numbers(value: object, field: str, key: FieldKind) -> dict[Any, float]:
+    """A snapshot's dict of numbers (at ``field``) by keys of ``key``, the numbers as floats."""
+    return {
+        snapshot_key(name, f"{field} key", (key,)): snapshot_value(
+            number, f"{field}[{name!r}]", "number"
+        )
+        for name, number in snapshot_value(value, field, "dict").items()
+    }
+
+
 def die_if_asked(point: str) -> None:
     """SIGKILL this process if ``$DCP_LENS_KILL_AT`` names ``point`` (tests of --resume)."""
     if os.environ.get(KILL_VARIABLE) == point:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["KILL_VARIABLE", "Checkpoint", "die_if_asked"]
+__all__ = [
+    "KILL_VARIABLE",
+    "Checkpoint",
+    "FieldKind",
+    "SnapshotFieldError",
+    "die_if_asked",
+    "snapshot_field",
+    "snapshot_key",
+    "snapshot_numbers",
+    "snapshot_value",
+]

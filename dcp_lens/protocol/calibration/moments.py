@@ -11,6 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from dcp_lens.protocol.calibration.linalg import _power_of, ledoit_wolf_shrinkage, symmetric_eigh
+from dcp_lens.utils.snapshots import snapshot_field
 
 
 def all_finite(x: Tensor) -> bool:
@@ -207,14 +208,19 @@ class StreamingMoments:
 
     @classmethod
     def from_state(
-        cls, state: MomentsState, storage: torch.dtype = torch.float64
+        cls, state: object, storage: torch.dtype = torch.float64, field: str = "moments"
     ) -> StreamingMoments:
-        """The moments `state` recorded, exactly (the scatter kept in ``storage`` from then)."""
+        """The moments `state` recorded, exactly (the scatter kept in ``storage`` from then).
+        A field of the wrong type raises `SnapshotFieldError` naming it (``field`` is where
+        ``state`` sits in its snapshot)."""
         moments = cls(storage)
-        moments._count = int(state["count"])
-        moments._mean, moments._scatter = state["mean"], state["scatter"]
-        moments._norm_weighted_sum = state["norm_weighted_sum"]
-        moments._fourth_sum = state["fourth_sum"]
+        moments._count = snapshot_field(state, "count", field, "count")
+        moments._mean = snapshot_field(state, "mean", field, "optional tensor")
+        moments._scatter = snapshot_field(state, "scatter", field, "optional tensor")
+        moments._norm_weighted_sum = snapshot_field(
+            state, "norm_weighted_sum", field, "optional tensor"
+        )
+        moments._fourth_sum = snapshot_field(state, "fourth_sum", field, "optional tensor")
         return moments
 
     def _require_samples(self) -> None:

@@ -83,6 +83,57 @@ def test_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path
     assert len(resumed.history["curriculum"]) > 1  # the curriculum did move during the run
 
 
+def run_files(folder: Path) -> dict[Path, bytes]:
+    """The files of a run folder but the folder contract's records (each command is recorded)."""
+    from dcp_lens.utils.folders import RESERVED
+
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name not in RESERVED}
+
+
+# Fields of trainer_state.json that hold numbers, by their path in it.
+STATE_NUMBERS = [
+    ("history", "steps", 0, "loss"),
+    ("history", "steps", 0, "iterations"),
+    ("history", "curriculum", 0, "max_hops"),
+    ("param_groups", 0, "lr"),
+    ("param_groups", 0, "betas", 1),
+]
+
+
+@pytest.mark.parametrize("value", ["0.5", True])
+def test_a_string_or_bool_in_the_training_state_is_refused_and_it_still_resumes(
+    tmp_path: Path, uninterrupted, value
+):
+    from dcp_lens.training.config import CHECKPOINT_DIR
+    from dcp_lens.training.state import CHECKPOINT_STATE
+    from dcp_lens.utils.errors import DamagedFileError
+
+    config = resumable_config()
+    train(config, tmp_path, stop_at_step=25, progress=False)
+    path = tmp_path / CHECKPOINT_DIR / CHECKPOINT_STATE
+    original = path.read_bytes()
+    files = run_files(tmp_path)
+    for field in STATE_NUMBERS:
+        *parents, last = field
+        document = json.loads(original)
+        holder = document
+        for step in parents:
+            holder = holder[step]
+        holder[last] = value
+        path.write_text(json.dumps(document))
+        name = ".".join(str(step) for step in field)
+        with pytest.raises(DamagedFileError) as refused:
+            train(config, tmp_path, progress=False)
+        message = str(refused.value).replace("[", ".").replace("]", "")
+        assert str(path) in message and f"field {name} must be" in message, message
+        assert f"(got {value!r})" in message and "--no-resume" in message, message
+        path.write_bytes(original)
+        assert run_files(tmp_path) == files  # nothing written but the folder's own records
+    resumed = train(config, tmp_path, progress=False)
+    assert_bit_identical(weights(resumed.model), weights(uninterrupted.model))
+    assert resumed.history == uninterrupted.history
+
+
 def test_two_runs_with_one_seed_are_bit_identical(tmp_path: Path, uninterrupted):
     again = train(resumable_config(), tmp_path / "same", progress=False)
     assert_bit_identical(weights(again.model), weights(uninterrupted.model))

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
+import pytest
 import torch
 
 from dcp_lens.protocol.calibration import StreamingMoments
 from dcp_lens.protocol.fit_records import GroupMoments
+from dcp_lens.utils.snapshots import SnapshotFieldError
 
 
 def _through_snapshot(state: object) -> object:
@@ -28,7 +31,7 @@ def test_group_moments_restore_exactly_and_drop_a_non_finite_source() -> None:
     moments = GroupMoments(2, torch.float32)
     assert moments.add(rows, present, rows=8)
     restored = GroupMoments(2, torch.float32)
-    restored.restore(_through_snapshot(moments.state()))  # type: ignore[arg-type]
+    restored.restore(_through_snapshot(moments.state()))
     total, again = moments.total(), restored.total()
     assert total is not None and again is not None
     assert torch.equal(total.mean, again.mean) and torch.equal(total.covariance, again.covariance)
@@ -82,3 +85,17 @@ def test_group_major_keeps_the_leading_batches_and_orders_the_rest_by_group() ->
     groups = ordered.example_keys()[8:] % 4
     assert bool((groups[1:] >= groups[:-1]).all())  # then group by group
     assert sorted(map(tuple, ordered.tokens.tolist())) == sorted(map(tuple, data.tokens.tolist()))
+
+
+@pytest.mark.parametrize("value", ["8", True, -1])
+def test_group_moments_refuse_a_count_that_is_no_count(value):
+    rows = torch.randn(40, 4, generator=torch.Generator().manual_seed(4))
+    groups = torch.arange(40) % 2
+    moments = GroupMoments(2, torch.float32)
+    assert moments.add(rows, [(g, groups == g) for g in range(2)], rows=8)
+    state: Any = _through_snapshot(moments.state())
+    state[1]["count"] = value
+    with pytest.raises(SnapshotFieldError, match=r"field groups\[1\]\.count must be a whole"):
+        GroupMoments(2, torch.float32).restore(state)
+    with pytest.raises(SnapshotFieldError, match=r"field groups must be a list of 3 groups"):
+        GroupMoments(3, torch.float32).restore(_through_snapshot(moments.state()))

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
+import pytest
 import torch
 
-from dcp_lens.protocol.sweep_records import ExampleCells, Maxima, NullControl
+from dcp_lens.protocol.sweep_records import CELL_KEY, ExampleCells, Maxima, NullControl
+from dcp_lens.utils.snapshots import SnapshotFieldError
 
 
 def _through_snapshot(state: object) -> object:
@@ -32,7 +35,7 @@ def test_example_cells_merge_in_batch_order_whoever_read_them() -> None:
     assert torch.equal(merged.vectors()[("loss", "truncate", 1)], expected)
     assert torch.equal(one.vectors()[("loss", "truncate", 1)], expected)
     restored: ExampleCells[tuple[str, str, int]] = ExampleCells()
-    restored.restore(_through_snapshot(one.state()))  # type: ignore[arg-type]
+    restored.restore(_through_snapshot(one.state()))
     assert torch.equal(restored.vectors()[("loss", "truncate", 1)], expected)
 
 
@@ -47,5 +50,40 @@ def test_maxima_and_the_null_control_keep_a_nan_over_a_merge() -> None:
     maxima.add({3: 0.125, 4: 1.0})
     assert maxima.values == {3: 0.25, 4: 1.0}
     restored: Maxima[int] = Maxima()
-    restored.restore(_through_snapshot(maxima.state()))  # type: ignore[arg-type]
+    restored.restore(_through_snapshot(maxima.state()), "maxima", "count")
     assert restored.values == maxima.values
+
+
+@pytest.mark.parametrize("value", ["0.5", True])
+def test_the_null_control_refuses_a_maximum_that_is_no_number(value):
+    null = NullControl(["truncate"])
+    null.differences.add({"truncate": 0.25})
+    state: Any = _through_snapshot(null.state())
+    restored = NullControl(["truncate"])
+    restored.restore(state)
+    assert restored.state() == null.state()
+    state["halves_difference"] = value
+    with pytest.raises(SnapshotFieldError, match=r"field null\.halves_difference must be a number"):
+        NullControl(["truncate"]).restore(state)
+    state["halves_difference"] = 0.0
+    state["differences"]["truncate"] = value
+    with pytest.raises(SnapshotFieldError, match=r"field null\.differences\['truncate'\] must be"):
+        NullControl(["truncate"]).restore(state)
+
+
+@pytest.mark.parametrize("k", ["1", True, 1.0])
+def test_cells_refuse_a_k_that_is_no_whole_number(k):
+    cells: ExampleCells[tuple[str, str, int]] = ExampleCells()
+    cells.add(0, {("loss", "truncate", 1): [torch.ones(2)]})
+    state: Any = _through_snapshot(cells.state())
+    restored: ExampleCells[tuple[str, str, int]] = ExampleCells()
+    restored.restore(state, "values", CELL_KEY)
+    assert torch.equal(
+        restored.vectors()[("loss", "truncate", 1)], cells.vectors()[("loss", "truncate", 1)]
+    )
+    state[0] = (("loss", "truncate", k), state[0][1])
+    with pytest.raises(SnapshotFieldError, match=r"field values\[0\] key must be a whole number"):
+        restored.restore(state, "values", CELL_KEY)
+    state[0] = (("loss", "truncate", 1), {"0": torch.ones(2)})
+    with pytest.raises(SnapshotFieldError, match=r"field values\[0\] batch must be a whole number"):
+        restored.restore(state, "values", CELL_KEY)
