@@ -112,7 +112,7 @@ _CHECKED_MODEL = {
     "composition_layer_indices": "every block index",
     "block_hooks": "= the hook_dict names under blocks.{i}.",
     "block_submodules": "= blocks[i]'s child modules that are not hook points",
-    "blocks_with": "(i, blocks[i].attn) for every block",
+    "blocks_with": "(i, blocks[i]) for every block with that submodule",
     "get_hook_point": "= hook_dict[name]; None for an unknown name",
     "loss_fn": "= model(tokens, return_type='loss')",
     "init_weights": "two models of one config agree after init_weights()",

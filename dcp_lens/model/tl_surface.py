@@ -231,9 +231,13 @@ class TLSurface(nn.Module):
         return [n for n, m in block.named_children() if not isinstance(m, HookPoint)]
 
     def blocks_with(self, submodule: str) -> list[tuple[int, nn.Module]]:
-        """(index, module) of every block that has ``submodule``."""
-        found = [(i, getattr(b, submodule, None)) for i, b in enumerate(self.blocks)]
-        return [(i, module) for i, module in found if isinstance(module, nn.Module)]
+        """(index, block) of every block that has ``submodule`` as a child module, as
+        TransformerLens's bridge (its tools read ``block.attn`` from these pairs)."""
+        return [
+            (i, block)
+            for i, block in enumerate(self.blocks)
+            if isinstance(getattr(block, submodule, None), nn.Module)
+        ]
 
     def get_hook_point(self, hook_name: str) -> Any:
         """The `HookPoint` named ``hook_name`` in the active view, or None."""

@@ -1,0 +1,196 @@
+"""TransformerLens's tools that take the model or its tokenizer (``evals``, ``utilities``'
+tokenizer helpers, ``tools.analysis``), each against a hand computation on a recurrent model, or
+refused with the way out."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import datasets
+import pytest
+import tokenizers
+import torch
+from helpers import data_path, make_model, tokens_for
+from transformer_lens import evals
+from transformer_lens import utilities as tl_utilities
+from transformer_lens.tools import analysis
+
+from dcp_lens import load
+from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.utils.errors import UnsupportedToolError
+from dcp_lens.zoo.loaders.hf_tokenizer import HFTokenizer
+
+TEXTS = ["the cat sat on the mat. " * 6, "a dog ran far away", "one two three four five " * 4]
+
+
+def byte_model(n_ctx: int = 320) -> HookedRecurrentTransformer:
+    """A recurrent model on the Huginn fixture's byte-level vocabulary, with BOS (prepended by
+    default) and EOS tokens, as TransformerLens's tokenizer utilities expect."""
+    folder = data_path("fixtures", "huginn_tiny")
+    inner = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    model = make_model(d_vocab=inner.get_vocab_size(), n_ctx=n_ctx)
+    model.tokenizer = HFTokenizer(inner, bos_token="Ā", eos_token="ā", add_bos_token=True)
+    return model
+
+
+def close(actual: object, expected: object, atol: float, what: str) -> None:
+    error = abs(float(torch.as_tensor(actual).detach()) - float(torch.as_tensor(expected).detach()))
+    assert error <= atol, f"{what}: {actual} != {expected} (difference {error:.3g} > {atol})"
+
+
+# ------------------------------------------------------------------- tokenizer utilities
+
+
+def test_hugging_face_encode_keywords() -> None:
+    tokenizer = byte_model().tokenizer
+    plain = tokenizer.encode("hello", bos=False)
+    assert tokenizer.encode("hello", add_special_tokens=False) == plain
+    assert tokenizer.encode("hello", add_special_tokens=True) == [tokenizer.bos_token_id, *plain]
+    as_tensor = tokenizer.encode("hello", return_tensors="pt")  # Hugging Face: BOS by default
+    assert torch.equal(as_tensor, torch.tensor([[tokenizer.bos_token_id, *plain]]))
+    with pytest.raises(ValueError, match="use None or 'pt'"):
+        tokenizer.encode("hello", return_tensors="tf")
+
+
+def test_tokenize_and_concatenate_is_the_texts_joined_by_eos() -> None:
+    tokenizer = byte_model().tokenizer
+    dataset = datasets.Dataset.from_dict({"text": TEXTS})
+    rows = tl_utilities.tokenize_and_concatenate(dataset, tokenizer, max_length=16, num_proc=None)
+    # By hand: every text's ids, EOS between texts, cut into rows of 15, BOS first in each.
+    stream: list[int] = []
+    for index, text in enumerate(TEXTS):
+        stream += tokenizer.encode(text, bos=False)
+        stream += [tokenizer.eos_token_id] if index < len(TEXTS) - 1 else []
+    n_rows = len(stream) // 15
+    expected = torch.tensor(stream[: n_rows * 15]).reshape(n_rows, 15)
+    expected = torch.cat([torch.full((n_rows, 1), tokenizer.bos_token_id), expected], dim=1)
+    assert torch.equal(rows[:]["tokens"], expected)
+
+
+def test_bos_utilities_follow_the_tokenizer() -> None:
+    model = byte_model()
+    tokenizer = model.tokenizer
+    tokens = model.to_tokens(["ab c", "d"])
+    assert torch.equal(tl_utilities.get_tokens_with_bos_removed(tokenizer, tokens), tokens[:, 1:])
+    assert tl_utilities.get_tokenizer_with_bos(tokenizer) is tokenizer  # it prepends BOS already
+    texts = tl_utilities.get_input_with_manually_prepended_bos(tokenizer.bos_token, ["x", "y"])
+    assert texts == ["Āx", "Āy"]
+    bos_less = load("default").tokenizer
+    assert tl_utilities.get_tokenizer_with_bos(bos_less) is bos_less  # no BOS: as is
+    not_prepending = HFTokenizer(tokenizer.tokenizer, bos_token="Ā", add_bos_token=False)
+    with pytest.raises(UnsupportedToolError, match=r"prepend_bos=True"):
+        tl_utilities.get_tokenizer_with_bos(not_prepending)
+
+
+# --------------------------------------------------------------------------------- evals
+
+
+def test_ioi_dataset_and_eval_match_a_hand_computation() -> None:
+    model = byte_model()
+    tokenizer = model.tokenizer
+    dataset = evals.IOIDataset(tokenizer, num_samples=6, seed=0)
+    sample = dataset.samples[0] if hasattr(dataset, "samples") else None
+    first = dataset[0]
+    assert first["prompt"][0] == tokenizer.bos_token_id
+    if sample is not None:
+        assert first["prompt"][1:].tolist() == tokenizer.encode(sample["text"], bos=False)
+    result = evals.ioi_eval(model, dataset=dataset, batch_size=4)
+    diffs = []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        io, s = item["IO"], item["S"]
+        width = min(len(io), len(s))
+        start = int(torch.nonzero(io[:width] != s[:width])[0])
+        logits = model(item["prompt"][None])[0, len(item["prompt"]) - len(io) + start - 1]
+        diffs.append(float((logits[io[start]] - logits[s[start]]).detach()))
+    close(result["Logit Difference"], sum(diffs) / len(diffs), 1e-9, "IOI logit difference")
+    close(result["Accuracy"], sum(d > 0 for d in diffs) / len(diffs), 0.0, "IOI accuracy")
+
+
+def test_ioi_on_a_task_vocabulary_names_the_vocabulary() -> None:
+    with pytest.raises(ValueError, match="starts with no symbol of this vocabulary"):
+        evals.IOIDataset(load("default").tokenizer, num_samples=2, seed=0)[0]
+
+
+def test_sanity_check_is_the_loss_of_its_text() -> None:
+    model = byte_model()
+    loss = evals.sanity_check(model)
+    close(loss, model(model.to_tokens(_SANITY_TEXT), return_type="loss"), 1e-12, "sanity_check")
+
+
+_SANITY_TEXT = (
+    "Many important transition points in the history of science have been moments when science "
+    "'zoomed in.' At these points, we develop a visualization or tool that allows us to see the "
+    "world in a new level of detail, and a new field of science develops to study the world "
+    "through this lens."
+)
+
+
+@pytest.mark.parametrize("name", ["wiki", "owt", "pile", "code"])
+def test_data_loaders_tokenize_a_locally_cached_data_set(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the data set in the local cache (here: ``load_dataset`` answers with local text),
+    each loader's rows are `tokenize_and_concatenate` of it by our tokenizer."""
+    tokenizer = byte_model().tokenizer
+    local = datasets.Dataset.from_dict({"text": TEXTS * 4, "content": TEXTS * 4})
+    monkeypatch.setattr(evals, "load_dataset", lambda *args, **kwargs: local)
+    loader = getattr(evals, f"make_{name}_data_loader")(tokenizer, batch_size=2)
+    rows = torch.cat([batch["tokens"] for batch in loader])
+    reference = tl_utilities.tokenize_and_concatenate(local, tokenizer)  # as the loader calls it
+    expected = reference[:]["tokens"]
+    # Shuffled, the last odd row dropped: every row is one of the reference's.
+    assert len(rows) == len(expected) - len(expected) % 2
+    assert not Counter(map(tuple, rows.tolist())) - Counter(map(tuple, expected.tolist()))
+
+
+def test_data_loaders_offline_fail_before_touching_the_model() -> None:
+    tokenizer = byte_model().tokenizer
+    with pytest.raises(ConnectionError, match="(?i)offline"):
+        evals.make_wiki_data_loader(tokenizer)
+
+
+def test_evaluate_is_the_mean_loss_on_each_data_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = byte_model(n_ctx=1024)
+    local = datasets.Dataset.from_dict({"text": TEXTS[1:], "content": TEXTS[1:]})
+    monkeypatch.setattr(evals, "load_dataset", lambda *args, **kwargs: local)
+    monkeypatch.setattr(evals, "evaluate_on_dataset", _on_cpu(evals.evaluate_on_dataset))
+    losses = evals.evaluate(model, batch_size=1)
+    rows = torch.as_tensor(
+        tl_utilities.tokenize_and_concatenate(local, model.tokenizer)[:]["tokens"]
+    )
+    expected = torch.stack([model(row[None], return_type="loss") for row in rows]).mean()
+    assert set(losses) == {f"{name}_loss" for name in evals.DATASET_NAMES}
+    for name, loss in losses.items():
+        close(loss, expected, 1e-6, name)
+
+
+def _on_cpu(function):  # type: ignore[no-untyped-def]
+    """TransformerLens's ``evaluate`` leaves ``evaluate_on_dataset``'s device at "cuda"."""
+    return lambda model, loader, truncate=100, device=None: function(
+        model, loader, truncate=truncate, device="cpu"
+    )
+
+
+def test_mmlu_eval_picks_the_likeliest_letter(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = byte_model(n_ctx=1024)
+    questions = [
+        {"question": "2 + 2?", "choices": ["3", "4", "5", "6"], "answer": 1, "subject": "math"},
+        {"question": "Red?", "choices": ["a", "b", "c", "d"], "answer": 0, "subject": "art"},
+        {"question": "Sky?", "choices": ["blue", "x", "y", "z"], "answer": 3, "subject": "art"},
+    ]
+    monkeypatch.setattr(evals, "make_mmlu_data_loader", lambda **kwargs: questions)
+    result = evals.mmlu_eval(model, subjects="abstract_algebra")
+    tokenizer = model.tokenizer
+    spaced = [tokenizer.encode(f" {letter}", bos=False) for letter in "ABCD"]
+    letters = [
+        ids[0] if len(ids) == 1 else tokenizer.encode(letter, bos=False)[0]
+        for ids, letter in zip(spaced, "ABCD", strict=True)
+    ]
+    correct = 0
+    for item in questions:
+        prompt = f"Question: {item['question']}\nChoices:\n"
+        prompt += "".join(f"{'ABCD'[i]}. {c}\n" for i, c in enumerate(item["choices"]))
+        logits = model(model.to_tokens(prompt + "Answer:"))[0, -1]
+        correct += int(int(logits[letters].argmax()) == item["answer"])
+    close(result["accuracy"], correct / len(questions), 0.0, "MMLU accuracy")
