@@ -263,6 +263,19 @@ class TLSurface(nn.Module):
         """Re-initialise every weight from ``cfg.seed`` (norms 1, biases 0)."""
         self._init_weights()
 
+    @property
+    def reset_parameters(self) -> NoReturn:
+        """Refused when read: TransformerLens's ``tools.analysis.reinitialized`` resets a copy
+        through each module's ``reset_parameters``, which this model's weights (shared across
+        iterations, initialised from ``cfg.seed``) do not have."""
+        raise UnsupportedToolError(
+            "reinitialized(model, seed) / reset_parameters: this model is initialised as a whole "
+            "from cfg.seed, not module by module. For the random-initialisation control build a "
+            "fresh model of the same architecture: HookedRecurrentTransformer("
+            "dataclasses.replace(model.cfg, seed=seed)) (or model.init_weights() to "
+            "re-initialise this one in place from cfg.seed)."
+        )
+
     def _block_index(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self.blocks):
             raise UnsupportedToolError(

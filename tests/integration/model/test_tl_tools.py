@@ -194,3 +194,160 @@ def test_mmlu_eval_picks_the_likeliest_letter(monkeypatch: pytest.MonkeyPatch) -
         logits = model(model.to_tokens(prompt + "Answer:"))[0, -1]
         correct += int(int(logits[letters].argmax()) == item["answer"])
     close(result["accuracy"], correct / len(questions), 0.0, "MMLU accuracy")
+
+
+# ------------------------------------------------------------------------ tools.analysis
+
+
+def _basis(matrix: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of the column space of ``matrix`` [d_model, d_head] (full rank)."""
+    return torch.linalg.qr(matrix.double())[0]
+
+
+@pytest.mark.parametrize("role", ["Q", "K", "V"])
+def test_head_subspace_affinity_is_the_projection_kernel_by_hand(role: str) -> None:
+    """On the weights as stored, per unrolled block: ``||U_O^T U_role||_F^2`` of the subspace
+    a head writes (``W_O[h]``) and the subspace a later head reads (``W_role[g]``)."""
+    model = make_model()
+    result = analysis.attention_head_subspace_affinity(model, target_role=role)
+    n = model.cfg.n_layers
+    assert result.source_layer_indices == result.target_layer_indices == tuple(range(n))
+    for source, target in [(0, 1), (0, n - 1), (model.block_index(1, 0), model.block_index(3, 1))]:
+        for head, other in [(0, 0), (1, 3)]:
+            written = _basis(model.blocks[source].attn.W_O[head].T)
+            read = _basis(getattr(model.blocks[target].attn, f"W_{role}")[other])
+            expected = (written.T @ read).square().sum()
+            close(result.scores[source, head, target, other], expected, 1e-8, f"{role} affinity")
+    assert not result.valid_mask[1, 0, 0, 0]  # forward order: a later head cannot write back
+
+
+def test_collect_activations_reads_the_hook_at_each_position() -> None:
+    model = make_model()
+    tokens = tokens_for(model)
+    positions = torch.tensor([3, 11])
+    hook = f"blocks.{model.block_index(2, 1)}.hook_resid_post"
+    collected = analysis.collect_activations(
+        model, hook, tokens, lambda x: model(x)[:, -1, :3], positions=positions, batch_size=1
+    )
+    _, cache = model.run_with_cache(tokens)
+    expected = cache[hook][torch.arange(2), positions]
+    assert collected.shape == expected.shape
+    close((collected - expected).abs().max(), 0.0, 1e-12, "collected activations")
+
+
+def test_interventions_are_a_hand_patched_forward() -> None:
+    """`run_with_intervention` / `intervened_logits` with a subspace interchange = the base
+    forward with ``act + (source - act) B Bᵀ`` written at each example's position."""
+    model = make_model()
+    base, source = tokens_for(model), tokens_for(model).flip(0)
+    hook = f"blocks.{model.block_index(3, 0)}.hook_resid_pre"
+    positions = torch.tensor([5, 9])
+    basis = torch.linalg.qr(torch.randn(32, 3, generator=torch.Generator().manual_seed(1)))[0]
+    basis = basis.double()
+    _, cache = model.run_with_cache(source)
+    source_acts = cache[hook][torch.arange(2), positions]
+    interchange = analysis.SubspaceInterchange(basis)
+
+    def task(x: torch.Tensor) -> torch.Tensor:
+        return model(x)[:, -1, :5]
+
+    def patch(act: torch.Tensor, hook: object) -> torch.Tensor:
+        act = act.clone()
+        rows = act[torch.arange(2), positions]
+        act[torch.arange(2), positions] = rows + (source_acts - rows) @ basis @ basis.T
+        return act
+
+    expected = model.run_with_hooks(base, fwd_hooks=[(hook, patch)])[:, -1, :5]
+    for run in (analysis.run_with_intervention, analysis.intervened_logits):
+        logits = run(model, hook, interchange, base, source_acts, task, positions=positions)
+        close((logits - expected).abs().max(), 0.0, 1e-12, run.__name__)
+    assert (expected - task(base)).abs().max() > 1e-3  # the patch moves the logits
+
+
+def test_reinitialized_is_refused_naming_a_fresh_model() -> None:
+    with pytest.raises(UnsupportedToolError, match=r"replace\(model\.cfg, seed="):
+        analysis.reinitialized(make_model(), seed=0)
+
+
+def _metric(logits: torch.Tensor) -> torch.Tensor:
+    return logits[..., -1, 3].sum() - logits[..., -1, 5].sum()
+
+
+def test_node_attribution_is_activation_difference_times_gradient() -> None:
+    """`attribution_patch` node scores = ``(a_clean - a_corrupt) · d metric / d a`` on the
+    corrupt run, per hook point of the unrolled blocks, by hand (one pair)."""
+    model = make_model()
+    clean, corrupt = tokens_for(model, batch=1), tokens_for(model, batch=2)[1:]
+    result = analysis.attribution_patch(model, clean, corrupt, _metric)
+    index = model.block_index(2, 1)
+    hooks = ["hook_embed", f"blocks.{index}.attn.hook_z", f"blocks.{index}.hook_mlp_out"]
+    _, clean_cache = model.run_with_cache(clean)
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(act: torch.Tensor, hook: object) -> torch.Tensor:
+        act.retain_grad()
+        kept[getattr(hook, "name", "")] = act
+        return act
+
+    _metric(model.run_with_hooks(corrupt, fwd_hooks=[(h, keep) for h in hooks])).backward()
+    score = {h: ((clean_cache[h] - kept[h]) * kept[h].grad).detach()[0] for h in hooks}
+    for position in (0, 7, 11):
+        embed = analysis.Node(kind="embed", position=position)
+        close(result.node_scores[embed], score[hooks[0]][position].sum(), 1e-6, "embed node")
+        for head in (0, 3):
+            node = analysis.Node("attn_head_out", position, layer=index, head=head)
+            close(result.node_scores[node], score[hooks[1]][position, head].sum(), 1e-6, "head")
+        mlp = analysis.Node(kind="mlp_out", position=position, layer=index)
+        close(result.node_scores[mlp], score[hooks[2]][position].sum(), 1e-6, "mlp node")
+
+
+def test_edge_attribution_and_faithfulness_refuse_naming_head_results() -> None:
+    """Both need per-head outputs in the forward (``use_attn_result``), which this model
+    computes from the cache instead."""
+    model = make_model()
+    clean, corrupt = tokens_for(model, batch=1), tokens_for(model, batch=2)[1:]
+    edge = analysis.EdgeAttributionConfig(granularity="edge")
+    with pytest.raises(UnsupportedToolError, match=r"compute_head_results"):
+        analysis.attribution_patch(model, clean, corrupt, _metric, edge)
+    with pytest.raises(UnsupportedToolError, match=r"compute_head_results"):
+        analysis.faithfulness(model, clean, corrupt, _metric, [])
+    assert not model.cfg.use_attn_result  # the switches are restored
+
+
+def test_das_loss_is_the_hand_patched_cross_entropy() -> None:
+    """With a zero learning rate the subspace stays at its start: `fit_das`'s loss is then the
+    cross-entropy of the forward patched by hand inside the returned subspace."""
+    model = make_model()
+    base, source = tokens_for(model), tokens_for(model).flip(0)
+    hook, targets = f"blocks.{model.block_index(2, 0)}.hook_resid_post", torch.tensor([1, 2])
+    last = torch.tensor([11, 11])
+
+    def task(x: torch.Tensor) -> torch.Tensor:
+        return model(x)[:, -1, :4]
+
+    result = analysis.fit_das(
+        model,
+        hook,
+        base,
+        source,
+        targets,
+        task,
+        rank=2,
+        epochs=1,
+        lr=0.0,
+        base_positions=last,
+        source_positions=last,
+    )
+    basis = result.subspace.proj.weight.detach().double()  # [d_model, rank], orthonormal
+    close((basis.T @ basis - torch.eye(2, dtype=basis.dtype)).abs().max(), 0.0, 1e-6, "basis")
+    _, cache = model.run_with_cache(source)
+    source_acts = cache[hook][:, -1]
+
+    def patch(act: torch.Tensor, hook: object) -> torch.Tensor:
+        act = act.clone()
+        act[:, -1] = act[:, -1] + (source_acts - act[:, -1]) @ basis @ basis.T
+        return act
+
+    logits = model.run_with_hooks(base, fwd_hooks=[(hook, patch)])[:, -1, :4]
+    expected = torch.nn.functional.cross_entropy(logits, targets)
+    close(result.losses[0], expected, 1e-6, "DAS loss")
