@@ -204,6 +204,8 @@ def test_the_refused_analysis_functions_refuse() -> None:
             if "direct_path" in name:
                 _, cache = model.run_with_cache(tokens)
                 function(model, tokens, cache, cache, lambda logits: logits.sum(), 0, 0)
+            elif name == "faithfulness":
+                function(model, tokens[:1], tokens[1:], lambda logits: logits.sum(), [])
             else:
                 function(model, tokens)
 

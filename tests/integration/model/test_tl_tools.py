@@ -16,6 +16,7 @@ from transformer_lens import utilities as tl_utilities
 from transformer_lens.tools import analysis
 
 from dcp_lens import load
+from dcp_lens.lenses.tuned import JacobianLens
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.utils.errors import UnsupportedToolError
 from dcp_lens.zoo.loaders.hf_tokenizer import HFTokenizer
@@ -351,3 +352,13 @@ def test_das_loss_is_the_hand_patched_cross_entropy() -> None:
     logits = model.run_with_hooks(base, fwd_hooks=[(hook, patch)])[:, -1, :4]
     expected = torch.nn.functional.cross_entropy(logits, targets)
     close(result.losses[0], expected, 1e-6, "DAS loss")
+
+
+def test_jacobian_lens_is_refused_by_transformer_lens_and_ours_fits() -> None:
+    """TransformerLens's JacobianLens takes only its TransformerBridge (its own TypeError, before
+    it reads the model); dcp-lens's lens of the same name fits the recurrent model."""
+    model = make_model()
+    with pytest.raises(TypeError, match="TransformerBridge only"):
+        analysis.JacobianLens.fit(model, ["x"], corpus="local", show_progress=False)
+    lens = JacobianLens.fit(model, tokens_for(model, batch=1, pos=4), iterations=[1])
+    assert lens.jacobians[1].shape == (model.cfg.d_model, model.cfg.d_model)
