@@ -160,7 +160,9 @@ _OFFLINE = (
 _CHECKED_FUNCTIONS |= {
     "utilities.tokenize_and_concatenate": "= the texts' ids joined by EOS, cut into rows, BOS "
     "first (a tokenizer with no EOS: TransformerLens's assertion says so)",
-    "utilities.get_input_with_manually_prepended_bos": "= bos_token + each text",
+    "utilities.get_input_with_manually_prepended_bos": "= bos_token + each text; a dcp-lens "
+    "tokenizer reads that text as characters, not as the BOS id: use to_tokens(text, "
+    "prepend_bos=True)",
     "utilities.get_tokens_with_bos_removed": "= tokens[:, 1:] (BOS first, right padding)",
     "utilities.get_tokenizer_with_bos": "the tokenizer itself (it prepends BOS, or has none); "
     "one with a BOS it does not prepend is refused naming to_tokens(..., prepend_bos=True)",

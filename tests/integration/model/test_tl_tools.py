@@ -76,6 +76,9 @@ def test_bos_utilities_follow_the_tokenizer() -> None:
     assert tl_utilities.get_tokenizer_with_bos(tokenizer) is tokenizer  # it prepends BOS already
     texts = tl_utilities.get_input_with_manually_prepended_bos(tokenizer.bos_token, ["x", "y"])
     assert texts == ["Āx", "Āy"]
+    # The BOS string is text to these tokenizers, not the BOS id: prepend_bos is the way.
+    assert tokenizer.encode(texts[0], bos=False)[0] != tokenizer.bos_token_id
+    assert model.to_tokens("x", prepend_bos=True)[0, 0] == tokenizer.bos_token_id
     bos_less = load("default").tokenizer
     assert tl_utilities.get_tokenizer_with_bos(bos_less) is bos_less  # no BOS: as is
     not_prepending = HFTokenizer(tokenizer.tokenizer, bos_token="Ā", add_bos_token=False)
