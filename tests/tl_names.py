@@ -73,7 +73,8 @@ def is_static(name: str) -> bool:
 STATUSES = {
     "conformance": "checked against a reference on default, huginn_tiny and ouro_tiny: a row "
     "of the per-model table above",
-    "checked": "checked against the reference named, in tests/integration/model/test_tl_surface.py",
+    "checked": "checked against the reference named, in tests/integration/model/test_tl_surface.py "
+    "or test_tl_tools.py",
     "refused": "raises a DCPLensError whose message names what to use instead (shown)",
     "inherited": "TransformerLens's own HookedRootModule code, run unchanged on this model's "
     "hook points (every patching row above goes through it)",
@@ -172,10 +173,10 @@ _CHECKED_FUNCTIONS |= {
     "evals.mmlu_eval": f"{_LOCAL}: accuracy = the likeliest answer letter by hand (offline, "
     "TransformerLens loads no question and says so)",
     "evals.evaluate": f"{_LOCAL}: each loss = the mean loss of its rows by hand (its "
-    "evaluate_on_dataset runs on device 'cuda'){_OFFLINE}",
-    "tools.analysis.attention_head_subspace_affinity": "= ||U_Oᵀ U_role||² of the stored "
-    "W_O and W_Q/W_K/W_V per unrolled block, by hand (weights as stored: norm weights not "
-    "folded in)",
+    f"evaluate_on_dataset runs on device 'cuda'){_OFFLINE}",
+    "tools.analysis.attention_head_subspace_affinity": "= the squared Frobenius norm of U_Oᵀ "
+    "U_role, orthonormal bases of the stored W_O and W_Q/W_K/W_V of each unrolled block, by "
+    "hand (weights as stored: norm weights not folded in)",
     "tools.analysis.attribution_patch": "node scores = (a_clean - a_corrupt) · grad on the "
     "corrupt run by hand; edge granularity refused (use_attn_result)",
     "tools.analysis.collect_activations": "= cache[hook][example, position]",
