@@ -179,7 +179,7 @@ _CHECKED_FUNCTIONS |= {
     "hand (weights as stored: norm weights not folded in)",
     "tools.analysis.attribution_patch": "node scores = (a_clean - a_corrupt) · grad on the "
     "corrupt run by hand; edge granularity refused (use_attn_result)",
-    "tools.analysis.collect_activations": "= cache[hook][example, position]",
+    "tools.analysis.collect_activations": "= the cached hook at each example's position",
     "tools.analysis.run_with_intervention": "= the forward patched by hand in the subspace",
     "tools.analysis.intervened_logits": "= the forward patched by hand in the subspace",
     "tools.analysis.fit_das": "its loss at lr=0 = the cross-entropy of the hand-patched forward",
