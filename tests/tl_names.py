@@ -73,13 +73,15 @@ def is_static(name: str) -> bool:
 STATUSES = {
     "conformance": "checked against a reference on default, huginn_tiny and ouro_tiny: a row "
     "of the per-model table above",
-    "checked": "checked against the reference named, in tests/integration/model/test_tl_surface.py",
+    "checked": "checked against the reference named, in tests/integration/model/test_tl_surface.py "
+    "or test_tl_tools.py",
     "refused": "raises a DCPLensError whose message names what to use instead (shown)",
     "inherited": "TransformerLens's own HookedRootModule code, run unchanged on this model's "
     "hook points (every patching row above goes through it)",
     "independent": "takes no model (tensors, devices, files, result types): TransformerLens's "
     "own code, unaffected by dcp-lens",
-    "unverified": "takes a model or its tokenizer and is not yet checked against a reference",
+    "refused by TransformerLens": "TransformerLens raises its own TypeError (it takes only its "
+    "TransformerBridge) before reading the model; the note names the dcp-lens equivalent",
 }
 _HOOKED_ROOT = (
     "add_caching_hooks add_hook add_perma_hook cache_all cache_some check_and_add_hook "
@@ -112,7 +114,7 @@ _CHECKED_MODEL = {
     "composition_layer_indices": "every block index",
     "block_hooks": "= the hook_dict names under blocks.{i}.",
     "block_submodules": "= blocks[i]'s child modules that are not hook points",
-    "blocks_with": "(i, blocks[i].attn) for every block",
+    "blocks_with": "(i, blocks[i]) for every block with that submodule",
     "get_hook_point": "= hook_dict[name]; None for an unknown name",
     "loss_fn": "= model(tokens, return_type='loss')",
     "init_weights": "two models of one config agree after init_weights()",
@@ -151,34 +153,80 @@ _REFUSED_FUNCTIONS = {
     "tools.analysis.get_act_patch_direct_path_all_sources": "the patching row above",
 }
 RESULT_TYPES = {"patching.PatchingResult"}  # classes in a model kind that take no model
-_TOKENIZER = "the tokenizer's TransformerLens attributes are being extended; not yet checked"
-_UNVERIFIED = {
-    "utilities.tokenize_and_concatenate": _TOKENIZER,
-    "utilities.get_input_with_manually_prepended_bos": _TOKENIZER,
-    "utilities.get_tokens_with_bos_removed": _TOKENIZER,
-    "utilities.get_tokenizer_with_bos": _TOKENIZER,
-    "evals.IOIDataset": _TOKENIZER,
-    "evals.ioi_eval": _TOKENIZER,
-    "evals.evaluate": "downloads its data sets (no network at run time here)",
-    "evals.mmlu_eval": "downloads MMLU (no network at run time here)",
-    "evals.sanity_check": "runs the model on a fixed English string (not checked)",
-    "evals.make_code_data_loader": "downloads its data set",
-    "evals.make_mmlu_data_loader": "downloads its data set",
-    "evals.make_owt_data_loader": "downloads its data set",
-    "evals.make_pile_data_loader": "downloads its data set",
-    "evals.make_wiki_data_loader": "downloads its data set",
+_LOCAL = "with the data set in the local Hugging Face cache"
+_OFFLINE = (
+    "; with no cache and no network, datasets raises ConnectionError (OfflineModeIsEnabled) "
+    "before the model runs: pass your own rows to evaluate_on_dataset"
+)
+_CHECKED_FUNCTIONS |= {
+    "utilities.tokenize_and_concatenate": "= the texts' ids joined by EOS, cut into rows, BOS "
+    "first (a tokenizer with no EOS: TransformerLens's assertion says so)",
+    "utilities.get_input_with_manually_prepended_bos": "= bos_token + each text; a dcp-lens "
+    "tokenizer reads that text as characters, not as the BOS id: use to_tokens(text, "
+    "prepend_bos=True)",
+    "utilities.get_tokens_with_bos_removed": "= tokens[:, 1:] (BOS first, right padding)",
+    "utilities.get_tokenizer_with_bos": "the tokenizer itself (it prepends BOS, or has none); "
+    "one with a BOS it does not prepend is refused naming to_tokens(..., prepend_bos=True)",
+    "evals.IOIDataset": "prompt = BOS + encode(text); a task vocabulary names the symbols it lacks",
+    "evals.ioi_eval": "logit difference and accuracy = one forward per prompt by hand",
+    "evals.sanity_check": "= model(to_tokens(its text), return_type='loss')",
+    "evals.mmlu_eval": f"{_LOCAL}: accuracy = the likeliest answer letter by hand (offline, "
+    "TransformerLens loads no question and says so)",
+    "evals.evaluate": f"{_LOCAL}: each loss = the mean loss of its rows by hand (its "
+    f"evaluate_on_dataset runs on device 'cuda'){_OFFLINE}",
+    "tools.analysis.attention_head_subspace_affinity": "= the squared Frobenius norm of U_Oᵀ "
+    "U_role, orthonormal bases of the stored W_O and W_Q/W_K/W_V of each unrolled block, by "
+    "hand (weights as stored: norm weights not folded in)",
+    "tools.analysis.attribution_patch": "node scores = (a_clean - a_corrupt) · grad on the "
+    "corrupt run by hand; edge granularity refused (use_attn_result)",
+    "tools.analysis.collect_activations": "= the cached hook at each example's position",
+    "tools.analysis.run_with_intervention": "= the forward patched by hand in the subspace",
+    "tools.analysis.intervened_logits": "= the forward patched by hand in the subspace",
+    "tools.analysis.fit_das": "its loss at lr=0 = the cross-entropy of the hand-patched forward",
 }
-_ANALYSIS_WITH_MODEL = (
-    "attention_head_subspace_affinity attribution_patch collect_activations faithfulness "
-    "fit_das fit_sparse_probe get_sparse_decomposition intervened_logits jacobian_lens "
-    "jacobian_lens_coordinate_patch jacobian_lens_decomposition mean_difference_basis "
-    "neuron_basis probe_basis projection_kernel random_init_bridge random_neuron_basis "
-    "random_projection_kernel_moments reinitialized run_with_intervention solve_coordinate_patch "
-    "sparse_probing sweep_sparse_probe JacobianLens SubspaceInterchange"
-).split()
+for _name in ("code", "owt", "pile", "wiki"):
+    _CHECKED_FUNCTIONS[f"evals.make_{_name}_data_loader"] = (
+        f"{_LOCAL}: rows = tokenize_and_concatenate by the model's tokenizer{_OFFLINE}"
+    )
+_REFUSED_FUNCTIONS |= {
+    "tools.analysis.faithfulness": "per-head outputs come from the cache: "
+    "cache.compute_head_results(); patch blocks.{i}.attn.hook_z per head",
+    "tools.analysis.reinitialized": "HookedRecurrentTransformer(dataclasses.replace(model.cfg, "
+    "seed=seed)), a fresh model of the same architecture",
+}
+# Functions of tools.analysis that take tensors, not a model (the model-taking ones that
+# consume them are checked above), and TransformerLens's own model-name loaders.
+_INDEPENDENT_FUNCTIONS = {
+    "tools.analysis.random_init_bridge": "boots a Hugging Face model by name; for a dcp-lens "
+    "model see reinitialized's row",
+    "evals.make_mmlu_data_loader": "loads MMLU questions, takes no model or tokenizer",
+    "tools.analysis.SubspaceInterchange": "the intervention of the run_with_intervention row",
+    **{
+        f"tools.analysis.{name}": "a configuration, node, basis or result type: no model"
+        for name in (
+            "EdgeAttributionConfig FaithfulnessConfig JSpaceDecomposition LearnedSubspace Node "
+            "NormMatchedPlacebo SparseProbeConvergenceError SubspaceBasis arbitrary_targets "
+            "orthonormal_subspace random_basis"
+        ).split()
+    },
+    **{
+        f"tools.analysis.{name}": "takes tensors, not the model"
+        for name in (
+            "fit_sparse_probe get_sparse_decomposition mean_difference_basis neuron_basis "
+            "probe_basis projection_kernel random_neuron_basis random_projection_kernel_moments "
+            "solve_coordinate_patch sweep_sparse_probe"
+        ).split()
+    },
+}
+# TransformerLens raises its own TypeError ("supports TransformerBridge only") before it reads
+# the model, so no dcp-lens code runs; the note names dcp-lens's equivalent.
+_TL_REFUSED = {
+    "tools.analysis.JacobianLens": "dcp_lens.lenses.tuned.JacobianLens.fit(model, tokens): the "
+    "Jacobian of each iteration's state to the stream entering ln_final",
+}
 # Kinds whose every name must be classified here or checked per model: a new name fails the
 # coverage test instead of passing as "independent".
-_MODEL_KINDS = ("model", "ActivationCache", "patching", "SVDInterpreter")
+_MODEL_KINDS = ("model", "ActivationCache", "patching", "SVDInterpreter", "evals", "tools.analysis")
 
 
 def surface_table(conformance: set[str]) -> dict[str, tuple[str, str]]:
@@ -199,10 +247,10 @@ def surface_table(conformance: set[str]) -> dict[str, tuple[str, str]]:
             table[name] = ("checked", _CHECKED_FUNCTIONS[name])
         elif name in _REFUSED_FUNCTIONS:
             table[name] = ("refused", _REFUSED_FUNCTIONS[name])
-        elif name in _UNVERIFIED:
-            table[name] = ("unverified", _UNVERIFIED[name])
-        elif kind == "tools.analysis" and short in _ANALYSIS_WITH_MODEL:
-            table[name] = ("unverified", "takes the model; not yet checked against a reference")
+        elif name in _TL_REFUSED:
+            table[name] = ("refused by TransformerLens", _TL_REFUSED[name])
+        elif name in _INDEPENDENT_FUNCTIONS:
+            table[name] = ("independent", _INDEPENDENT_FUNCTIONS[name])
         elif kind in _MODEL_KINDS and name not in RESULT_TYPES:
             continue  # unclassified: the coverage test names it
         else:

@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from transformer_lens.config import TransformerLensConfig
 
@@ -79,6 +80,11 @@ class RecurrentConfig(TransformerLensConfig):
     ``pre_coda_norm`` and ``iteration_norm`` are ``"none"``, ``"own"`` (a norm with its own
     weights) or ``"final"`` (the final norm's weights, as Huginn's ln_f and Ouro's model.norm).
     """
+
+    # TransformerLens's switches for hook points this model does not build (always off: the
+    # model's set_use_hook_mlp_in / set_use_attn_in refuse True, naming the hook to use).
+    use_hook_mlp_in: ClassVar[bool] = False
+    use_attn_in: ClassVar[bool] = False
 
     d_model: int = 64
     d_head: int = 16

@@ -231,9 +231,13 @@ class TLSurface(nn.Module):
         return [n for n, m in block.named_children() if not isinstance(m, HookPoint)]
 
     def blocks_with(self, submodule: str) -> list[tuple[int, nn.Module]]:
-        """(index, module) of every block that has ``submodule``."""
-        found = [(i, getattr(b, submodule, None)) for i, b in enumerate(self.blocks)]
-        return [(i, module) for i, module in found if isinstance(module, nn.Module)]
+        """(index, block) of every block that has ``submodule`` as a child module, as
+        TransformerLens's bridge (its tools read ``block.attn`` from these pairs)."""
+        return [
+            (i, block)
+            for i, block in enumerate(self.blocks)
+            if isinstance(getattr(block, submodule, None), nn.Module)
+        ]
 
     def get_hook_point(self, hook_name: str) -> Any:
         """The `HookPoint` named ``hook_name`` in the active view, or None."""
@@ -258,6 +262,19 @@ class TLSurface(nn.Module):
     def init_weights(self) -> None:
         """Re-initialise every weight from ``cfg.seed`` (norms 1, biases 0)."""
         self._init_weights()
+
+    @property
+    def reset_parameters(self) -> NoReturn:
+        """Refused when read: TransformerLens's ``tools.analysis.reinitialized`` resets a copy
+        through each module's ``reset_parameters``, which this model's weights (shared across
+        iterations, initialised from ``cfg.seed``) do not have."""
+        raise UnsupportedToolError(
+            "reinitialized(model, seed) / reset_parameters: this model is initialised as a whole "
+            "from cfg.seed, not module by module. For the random-initialisation control build a "
+            "fresh model of the same architecture: HookedRecurrentTransformer("
+            "dataclasses.replace(model.cfg, seed=seed)) (or model.init_weights() to "
+            "re-initialise this one in place from cfg.seed)."
+        )
 
     def _block_index(self, layer_idx: int) -> int:
         if not 0 <= layer_idx < len(self.blocks):

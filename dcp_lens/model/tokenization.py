@@ -4,9 +4,12 @@ a fingerprint for caches. Model-free, so tasks and the model share it."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from dcp_lens.utils.errors import UnsupportedToolError
 
 
 @runtime_checkable
@@ -57,6 +60,37 @@ def tokenizer_fingerprint(tokenizer: object) -> str:
         f"cannot fingerprint tokenizer {type(tokenizer).__name__} for the token-file cache; give "
         "it a fingerprint() method returning a hash of its vocabulary and rules."
     )
+
+
+def hf_encode_keywords(encode: Callable[..., list[int]]) -> Callable[..., Any]:
+    """Let a tokenizer's ``encode(text, bos=...)`` also take Hugging Face's keywords, as
+    TransformerLens's evals call it: ``add_special_tokens`` (BOS first iff True and the tokenizer
+    prepends BOS by default; True when only ``return_tensors`` is given, as in Hugging Face) and
+    ``return_tensors="pt"`` (ids as a [1, pos] tensor). Without them, ``encode`` is unchanged."""
+
+    @functools.wraps(encode)
+    def wrapped(
+        self: object,
+        text: str,
+        *args: object,
+        add_special_tokens: bool | None = None,
+        return_tensors: str | None = None,
+        **kwargs: object,
+    ) -> Any:
+        if add_special_tokens is None and return_tensors is not None:
+            add_special_tokens = True
+        if add_special_tokens is not None:
+            kwargs["bos"] = add_special_tokens and bool(getattr(self, "prepends_bos", False))
+        ids = encode(self, text, *args, **kwargs)
+        if return_tensors is None:
+            return ids
+        if return_tensors == "pt":
+            import torch
+
+            return torch.tensor([ids], dtype=torch.long)
+        raise ValueError(f"return_tensors={return_tensors!r}: use None or 'pt'.")
+
+    return wrapped
 
 
 class TransformerLensTokenizer:
@@ -130,6 +164,19 @@ class TransformerLensTokenizer:
             return {"input_ids": np.array(rows), "attention_mask": np.array(masks)}
         raise ValueError(f"return_tensors={return_tensors!r}: use None, 'pt' or 'np'.")
 
+    @property
+    def init_kwargs(self) -> dict[str, object]:
+        """What TransformerLens's ``get_tokenizer_with_bos`` reads to rebuild a tokenizer that
+        prepends BOS: this one already does (it is returned as is), or has no BOS token."""
+        prepends = bool(getattr(self, "prepends_bos", False))
+        if not prepends and self.bos_token is not None:
+            raise UnsupportedToolError(
+                f"this tokenizer has a BOS token ({self.bos_token!r}) but does not prepend it by "
+                "default, and cannot be rebuilt from the Hugging Face Hub; prepend it per call: "
+                "model.to_tokens(text, prepend_bos=True)."
+            )
+        return {"name_or_path": type(self).__name__, "add_bos_token": prepends}
+
     def add_special_tokens(self, tokens: object) -> int:
         """Refused: the vocabulary is the checkpoint's, and a new token would have no
         embedding."""
@@ -177,6 +224,7 @@ class VocabularyTokenizer(TransformerLensTokenizer):
     def __len__(self) -> int:
         return len(self.symbols)
 
+    @hf_encode_keywords
     def encode(self, text: str, bos: bool = False) -> list[int]:
         """Token ids of ``text`` (``bos`` is accepted and ignored: there is no BOS token)."""
         ids: list[int] = []

@@ -22,7 +22,7 @@ import tokenizers
 from jaxtyping import Int
 from torch import Tensor
 
-from dcp_lens.model.tokenization import TransformerLensTokenizer, padding_id
+from dcp_lens.model.tokenization import TransformerLensTokenizer, hf_encode_keywords, padding_id
 from dcp_lens.utils.checks import read_json_object
 from dcp_lens.utils.errors import (
     ConfigError,
@@ -112,6 +112,7 @@ class HFTokenizer(TransformerLensTokenizer):
         """Number of token ids, added tokens included."""
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
+    @hf_encode_keywords
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Token ids of ``text``: ``[BOS] + ids + [EOS]`` as requested.
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from jaxtyping import Int
 from torch import Tensor
 
-from dcp_lens.model.tokenization import TransformerLensTokenizer
+from dcp_lens.model.tokenization import TransformerLensTokenizer, hf_encode_keywords
 from dcp_lens.utils.errors import MissingFileError, WeightsError
 
 UNK_TOKEN_ID = 0
@@ -160,6 +160,7 @@ class Llama2cTokenizer(TransformerLensTokenizer):
         """The id of a (non-byte, non-special) piece, or ``None`` if it is not in the vocabulary."""
         return self._piece_to_id.get(piece.encode("utf-8"))
 
+    @hf_encode_keywords
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Token ids of ``text``: ``[BOS] + pieces + [EOS]`` with BOS/EOS as requested."""
         ids = self._merge(self._initial_ids(text))

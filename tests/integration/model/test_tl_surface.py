@@ -204,6 +204,8 @@ def test_the_refused_analysis_functions_refuse() -> None:
             if "direct_path" in name:
                 _, cache = model.run_with_cache(tokens)
                 function(model, tokens, cache, cache, lambda logits: logits.sum(), 0, 0)
+            elif name == "faithfulness":
+                function(model, tokens[:1], tokens[1:], lambda logits: logits.sum(), [])
             else:
                 function(model, tokens)
 
@@ -225,9 +227,8 @@ def test_bridge_accessors_match_the_model() -> None:
         close(matrix.AB, view.AB, 0.0, "factored view")
     assert model.block_hooks(2) == [k for k in model.hook_dict if k.startswith("blocks.2.")]
     assert model.block_submodules(0) == ["ln1", "attn", "ln2", "mlp"]
-    assert [(i, m) for i, m in model.blocks_with("attn")] == [
-        (i, b.attn) for i, b in enumerate(model.blocks)
-    ]
+    assert model.blocks_with("attn") == list(enumerate(model.blocks))
+    assert model.blocks_with("no_such_part") == []
     assert model.get_hook_point("blocks.3.hook_resid_pre") is model.blocks[3].hook_resid_pre
     assert model.get_hook_point("no.such.hook") is None
     with pytest.raises(UnsupportedToolError, match=f"0..{n - 1}"):
