@@ -538,7 +538,15 @@ def _least_squares_left_out(
 
 def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineTranslator | None:
     """The solution of the normal equations ``gram @ A = moment`` (the last row and column the
-    bias's) with ``ridge`` added to the linear part's diagonal, as a translator."""
+    bias's) with ``ridge`` added to the linear part's diagonal, as a translator; None where no
+    position is left to fit (a jackknife refit whose group held every translator position: the
+    bias's diagonal, the count of positions, is zero) or the solution is not finite.
+
+    With at least one position and a positive ridge the ridged gram is positive definite (its
+    Schur complement in the bias is the centred gram plus the ridge); where rounding loses that,
+    the minimum-norm solution (a pseudo-inverse) stands in, so a singular gram never raises."""
+    if not float(gram[d_model, d_model]) > 0.0:
+        return None
     gram = gram.clone()
     gram.diagonal()[:d_model].add_(ridge + 1e-12)
     # The ridged gram is positive definite: a Cholesky solve, cheaper than an LU solve.
@@ -546,7 +554,9 @@ def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineT
     if int(info) == 0:
         solution = torch.cholesky_solve(moment, factor)
     else:  # lost definiteness to rounding
-        solution = torch.linalg.solve(gram, moment)
+        solution, info = torch.linalg.solve_ex(gram, moment)
+        if int(info) != 0:
+            solution = torch.linalg.pinv(gram, hermitian=True) @ moment
     linear, bias = solution[:d_model], solution[d_model]
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):

@@ -193,7 +193,9 @@ def count_run(
 
     def staged(items: Sequence[Any], description: str) -> Iterator[Any]:
         yield from each(items, description)
-        if description == "calibration":  # the pass is done: the solves and refits follow
+        # The pass is done: the solves and refits follow, the translators' gate with them (its
+        # readout geometry at the mean full-depth state: readouts of single states, no forward).
+        if description == "calibration":
             count.stage = "refits"
 
     context.each = staged  # type: ignore[method-assign]

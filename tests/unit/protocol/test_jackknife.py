@@ -145,6 +145,30 @@ def test_left_out_translators_equal_direct_fits_without_the_group() -> None:
         assert not torch.allclose(translator.weight, whole.weight, atol=1e-4)  # a group matters
 
 
+def test_a_refit_without_positions_is_none_and_a_singular_gram_never_raises() -> None:
+    """A group holding every translator position leaves its refit no position (an all-zero gram,
+    the bias's diagonal included): that refit is None, not a crash; and a gram singular even with
+    its ridge (definiteness lost to rounding) is solved by the minimum-norm solution."""
+    from dcp_lens.protocol import fit
+
+    generator = torch.Generator().manual_seed(7)
+    source = torch.randn(16, 4, generator=generator)
+    target = source @ torch.randn(4, 4, generator=generator) + 0.5
+    group = torch.zeros(16, dtype=torch.long)  # group 1 holds no position
+    whole, left_out = fit._least_squares_left_out(source, target, group, 2, 1e-6)
+    assert whole is not None
+    assert left_out[0] is None  # every position left out
+    assert left_out[1] is not None and torch.allclose(left_out[1].weight, whole.weight)
+
+    gram = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 4.0]], dtype=torch.float64)
+    moment = torch.tensor([[2.0, 0.0], [2.0, 0.0], [4.0, 8.0]], dtype=torch.float64)
+    translator = fit._solved(gram, moment, 2, -1e-12)  # the linear part exactly singular
+    assert translator is not None
+    linear = translator.weight.T.double() + torch.eye(2, dtype=torch.float64)
+    assert torch.allclose(linear, torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64))
+    assert torch.allclose(translator.bias, torch.tensor([1.0, 2.0]))
+
+
 def test_maps_and_translators_apply_as_written() -> None:
     """The fused products (addmm) give h + h W^T + b and m_ref + A (h - m_src), on any batch
     shape, and an in-place edit of a translator's weight is not served from a stale cast."""

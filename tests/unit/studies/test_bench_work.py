@@ -63,7 +63,19 @@ def test_a_runs_readouts_per_token_are_the_sweeps_planned_readouts(model) -> Non
     assert counted["readouts_per_token"]["evaluation"] == pytest.approx(expected)
     # The calibration pass applies every block up to s_r, no more than a forward.
     assert 0.9 < counted["forwards_per_token"]["calibration pass"] <= 1.05
-    assert counted["forwards_per_token"]["refits"] == 0.0
+    # The refits apply no block before the readout's: their only model work is the translators'
+    # gate, the readout's geometry at the mean full-depth state (its logits there, and one
+    # derivative each way per coordinate: forward mode or a central difference, and a pullback),
+    # a fixed number of readouts of single states whatever the tokens.
+    refits, d_model = counted["rows"]["refits"], model.cfg.d_model
+    n_blocks = len(UnitCosts.of(model).blocks)  # the coda's last
+    readout_units = {"readout", "unembed"}
+    for i in range(n_blocks - model.cfg.n_coda, n_blocks):
+        readout_units |= {f"block.{i}", f"attention.{i}"}
+    assert set(refits) <= readout_units
+    assert 1 + 2 * d_model <= refits["readout"] <= 1 + 4 * d_model
+    assert refits["unembed"] <= refits["readout"]
+    assert 0.0 < counted["forwards_per_token"]["refits"] < 0.1
     assert counted["forwards_per_token"]["evaluation"] > 1.0
 
 
