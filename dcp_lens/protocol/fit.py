@@ -538,15 +538,18 @@ def _least_squares_left_out(
 
 def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineTranslator | None:
     """The solution of the normal equations ``gram @ A = moment`` (the last row and column the
-    bias's) with ``ridge`` added to the linear part's diagonal, as a translator."""
+    bias's) with ``ridge`` added to the linear part's diagonal, as a translator; None where
+    there is none (singular: no rows) or it is not finite."""
     gram = gram.clone()
     gram.diagonal()[:d_model].add_(ridge + 1e-12)
     # The ridged gram is positive definite: a Cholesky solve, cheaper than an LU solve.
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) == 0:
         solution = torch.cholesky_solve(moment, factor)
-    else:  # lost definiteness to rounding
-        solution = torch.linalg.solve(gram, moment)
+    else:  # lost definiteness to rounding, or no rows (a left-out group that was all of them)
+        solution, info = torch.linalg.solve_ex(gram, moment)
+        if int(info) != 0:  # singular: no solution
+            return None
     linear, bias = solution[:d_model], solution[d_model]
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):
