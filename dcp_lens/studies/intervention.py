@@ -170,8 +170,11 @@ def run_training_intervention(
         for regime, seed in plan
     }
     # After every check: a refused experiment leaves no folder. A new folder or an
-    # experiment's (resumed); files added to it are kept.
-    target = OutputFolder(Path(out), "experiment", resume=True, on_finished="continue")
+    # experiment's (resumed); files added to it are kept. A training run started on its own
+    # in runs/ (interrupted, say) is continued, not refused as the user's.
+    target = OutputFolder(
+        Path(out), "experiment", resume=True, on_finished="continue", nests=("train",)
+    )
     target.open()
     try:
         out = target.prepare()

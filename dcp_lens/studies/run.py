@@ -574,7 +574,7 @@ def report(folder: str | Path, out: str | Path | None = None) -> Path:
     runs = read_results_json(folder / "results.json")
     data = report_data_of(folder)
     with target.folder as work:  # a lone file: plotly.js in <name>_files/, its folder
-        write_report(runs, target.file if target.lone else work, data)
+        write_report(runs, target.file if target.lone else work / target.within, data)
     return target.file
 
 

@@ -79,7 +79,11 @@ class OutputFolder:
     ``"replace"`` (validate rewrites its own files). ``accepts``: further kinds whose folders
     this command may add its files to (a report inside a ``results.save`` folder). ``claims``:
     files beside the folder that the command writes and records as its own too (the page of a
-    report written to a file, whose folder holds its assets).
+    report written to a file, whose folder holds its assets). ``nests``: kinds of folder the
+    command writes below this one (an experiment's training runs): the files such a folder's
+    own manifest or journal proves its are not the user's. ``adds``: a folder that dcp-lens
+    did not write is accepted, the command only adding files of names not there (a report of
+    a results folder made by hand, into it); its files stay the user's.
 
     `plan` judges the folder without writing; `open` locks it, judges it again under the lock;
     `prepare` starts the journal and removes what a restart replaces; `finish` records the files
@@ -94,6 +98,8 @@ class OutputFolder:
     on_finished: OnFinished = "refuse"
     accepts: tuple[str, ...] = ()
     claims: tuple[Path, ...] = ()
+    nests: tuple[str, ...] = ()
+    adds: bool = False
     work: Path | None = None
     action: Action | None = None
     contents: Contents | None = None
@@ -126,10 +132,13 @@ class OutputFolder:
         if not kinds and journal is not None:  # a command killed as its journal began
             kinds = [self.kind]
         if not kinds:
-            if files:
+            nested = _nested_own(real, files, self.nests)
+            users = [f for f in files if f not in nested]
+            if users and not self.adds:
+                writer = "a report" if self.kind == REPORT_FILE_KIND else "dcp-lens"
                 raise ConfigError(
-                    f"{self.flag} {self.path} holds files dcp-lens did not write "
-                    f"({_names(files)}); pass a new or empty folder, so that nothing in it is "
+                    f"{self.flag} {self.path} holds files {writer} did not write "
+                    f"({_names(users)}); pass a new or empty folder, so that nothing in it is "
                     "overwritten."
                 )
             return None
@@ -355,6 +364,34 @@ def _refuse_changed(folder: OutputFolder, contents: Contents) -> None:
         )
 
 
+def _nested_own(real: Path, files: Sequence[str], kinds: tuple[str, ...]) -> set[str]:
+    """The files (relative to ``real``) that a folder below ``real`` written by a command of
+    one of ``kinds`` proves its own by its manifest or journal: those it recorded and still
+    have their identity, its temporary files, and the manifest and journal themselves."""
+    if not kinds:
+        return set()
+    nested: set[str] = set()
+    folders = {f.rsplit("/", 1)[0] for f in files if f.rsplit("/", 1)[-1] in (MANIFEST, JOURNAL)}
+    for name in sorted(folders):
+        below = real / name
+        if below.is_symlink() or not below.is_dir():
+            continue
+        try:
+            record = _record_of(below)
+        except ConfigError:
+            continue  # not a manifest or journal: nothing proven
+        if not record.kinds or not set(record.kinds) <= set(kinds):
+            continue
+        prefix = name + "/"
+        for file in files:
+            if not file.startswith(prefix):
+                continue
+            inner = file[len(prefix) :]
+            if inner in (MANIFEST, JOURNAL) or record.owns(below, inner):
+                nested.add(file)
+    return nested
+
+
 def files_in(folder: Path) -> list[str]:
     """Every file and link under ``folder`` as a relative POSIX path, sorted; links are not
     followed, the contract's own top-level files are left out."""
@@ -543,6 +580,7 @@ class ReportTarget:
     file: Path
     folder: OutputFolder
     lone: bool = False
+    within: str = ""  # the report's folder below ``folder`` (a run's per-model folder)
 
 
 REPORT_FILE_KIND = "report file"  # the assets folder of a report written to a file
@@ -556,19 +594,28 @@ def report_target(path: str | Path, source: str | Path | None = None) -> ReportT
     ``results.save`` folder), which gets ``report.html`` and ``plotly.min.js``."""
     path = Path(path)
     if path.is_dir() or (not path.exists() and not path.suffix):
+        within = ""
         if source is not None and path.resolve() == Path(source).resolve():
-            folder = OutputFolder(path, "run", on_finished="continue", accepts=("results",))
+            run = _run_holding(path)
+            if run is not None:  # a run's per-model folder: its run folder's manifest records it
+                within = path.resolve().name
+                folder = OutputFolder(run, "run", on_finished="continue", accepts=("results",))
+            elif _unrecorded(path):  # results made by hand or elsewhere: the report adds its own
+                folder = OutputFolder(path, "report", on_finished="continue", adds=True)
+            else:
+                accepts = ("results", "report")
+                folder = OutputFolder(path, "run", on_finished="continue", accepts=accepts)
         else:
             folder = OutputFolder(path, "report", on_finished="continue", accepts=("results",))
         folder.plan()
         own = folder.contents.own if folder.contents is not None else []
         for name in ("report.html", "plotly.min.js"):
-            if os.path.lexists(path / name) and name not in own:
+            if os.path.lexists(path / name) and f"{within}/{name}".lstrip("/") not in own:
                 raise ConfigError(
-                    f"--out {path / name} exists and is not a file dcp-lens wrote there; pass "
-                    "another folder."
+                    f"--out {path / name} exists and is not a file dcp-lens wrote there (or "
+                    "it was changed since, so it is yours); pass another folder."
                 )
-        return ReportTarget(path / "report.html", folder)
+        return ReportTarget(path / "report.html", folder, within=within)
     check_new_file(path, ".html", "--out")
     assets = path.with_name(path.stem + "_files")
     folder = OutputFolder(assets, REPORT_FILE_KIND, on_finished="replace", claims=(path,))
@@ -581,6 +628,26 @@ def report_target(path: str | Path, source: str | Path | None = None) -> ReportT
             "is replaced)."
         )
     return ReportTarget(path, folder, lone=True)
+
+
+def _run_holding(path: Path) -> Path | None:
+    """The run folder whose manifest records ``path``'s results.json (``path`` one of its
+    per-model folders, with no manifest of its own), else None."""
+    real = Path(os.path.realpath(path))
+    if not _unrecorded(real):
+        return None
+    try:
+        manifest = _read_manifest(real.parent)
+    except ConfigError:
+        return None
+    if manifest is None or manifest.kind != "run":
+        return None
+    return real.parent if manifest.record.owns(real.parent, f"{real.name}/results.json") else None
+
+
+def _unrecorded(path: Path) -> bool:
+    """Does the folder ``path`` hold neither a manifest nor a journal?"""
+    return not any(os.path.lexists(path / name) for name in (MANIFEST, JOURNAL))
 
 
 __all__ = [

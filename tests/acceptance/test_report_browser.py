@@ -80,7 +80,9 @@ def test_a_report_file_refuses_an_asset_folder_holding_other_files(default_run, 
     assert [p.name for p in (tmp_path / "r_files").iterdir()] == ["mine.png"]
 
 
-def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp_path) -> None:
+def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(
+    default_run, tmp_path, capsys
+) -> None:
     report = default_run / "report.html"
     assert report.stat().st_size < 1_000_000, report.stat().st_size  # inlined: about 5 MB
     assert (default_run / PLOTLY_JS).read_text() == plotly_js()
@@ -90,9 +92,14 @@ def test_reports_of_a_folder_share_one_plotly_js_and_stay_small(default_run, tmp
     written = (folder / PLOTLY_JS).stat().st_mtime_ns
     assert main(["report", str(folder)]) == 0  # an identical copy is reused, not rewritten
     assert (folder / PLOTLY_JS).stat().st_mtime_ns == written
+    # A plotly.js changed since is the user's: refused and kept, never overwritten.
     (folder / PLOTLY_JS).write_text("// another plotly version")
+    assert main(["report", str(folder)]) != 0
+    assert PLOTLY_JS in capsys.readouterr().err
+    assert (folder / PLOTLY_JS).read_text() == "// another plotly version"
+    (folder / PLOTLY_JS).unlink()  # moved away: the installed one is written again
     assert main(["report", str(folder)]) == 0
-    assert (folder / PLOTLY_JS).read_text() == plotly_js()  # replaced by the installed one
+    assert (folder / PLOTLY_JS).read_text() == plotly_js()
     assert sorted(p.name for p in folder.glob("*.js")) == [PLOTLY_JS]
 
 
