@@ -76,30 +76,47 @@ def symmetric_power(
 FLOAT32_CONDITION = 1e-3
 
 
+def rounding_floor(matrix: Float[Tensor, "d d"], storage: torch.dtype) -> float:
+    """The size of the rounding error of a symmetric ``[d, d]`` matrix whose entries were summed
+    in ``storage``: ``eps(storage) * sqrt(d) * |matrix|_F``, a bound on how far rounding can move
+    an eigenvalue. A covariance of states that span fewer directions than the stream has (the
+    norm of a real model's stream, a planted mechanism embedded in a wider one) has eigenvalues
+    at zero; summed in float32 they come out anywhere in ``[-floor, floor]``, below zero
+    included, and the Ledoit-Wolf shrinkage of many samples is too small to lift them."""
+    width = matrix.shape[0]
+    return torch.finfo(storage).eps * width**0.5 * float(torch.linalg.matrix_norm(matrix))
+
+
 def symmetric_eigh(
-    matrix: Float[Tensor, "d d"], name: str = "covariance", dtype: torch.dtype = torch.float64
+    matrix: Float[Tensor, "d d"],
+    name: str = "covariance",
+    dtype: torch.dtype = torch.float64,
+    floor: float = 0.0,
 ) -> tuple[Float[Tensor, " d"], Float[Tensor, "d d"]]:
     """Float64 eigenvalues (ascending) and eigenvectors of the symmetric part of ``matrix``,
     decomposed in ``dtype`` (float64 unless asked; a lower precision falls back to float64 where
-    the matrix's condition number exceeds 1 / `FLOAT32_CONDITION`).
+    the matrix's condition number exceeds 1 / `FLOAT32_CONDITION`). Eigenvalues below ``floor``
+    (`rounding_floor`: what rounding cannot tell from zero) are raised to it.
 
     Raises ValueError (naming ``name``) if the matrix is not positive definite to float64
-    precision."""
+    precision after that."""
     if dtype != torch.float64:
         low = (matrix.to(dtype) + matrix.to(dtype).T) / 2
         values, vectors = torch.linalg.eigh(low)
         # Only a well-conditioned matrix: at a condition number of 1e3 the float32 powers are
         # within 1.4e-5 (relative) of the float64 ones, at 1e4 already 4e-4.
+        values = values.clamp(min=floor)
         if float(values[-1]) > 0.0 and float(values[0]) > FLOAT32_CONDITION * float(values[-1]):
             return values.to(torch.float64), vectors.to(torch.float64)
     symmetric = (matrix.to(torch.float64) + matrix.to(torch.float64).T) / 2
     eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    eigenvalues = eigenvalues.clamp(min=floor)
     smallest, largest = float(eigenvalues[0]), float(eigenvalues[-1])
     if largest <= 0.0 or smallest <= largest * symmetric.shape[0] * torch.finfo(torch.float64).eps:
         raise ValueError(
             f"{name} is singular (smallest eigenvalue {smallest:.3e}, largest {largest:.3e}). "
-            "After Ledoit-Wolf shrinkage this happens only when the states are constant or "
-            "there are fewer than 3 of them; check the states and the split."
+            "After Ledoit-Wolf shrinkage and the rounding floor this happens only when the "
+            "states are constant or there are fewer than 3 of them; check the states and the split."
         )
     return eigenvalues, eigenvectors
 

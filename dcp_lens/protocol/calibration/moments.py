@@ -10,7 +10,12 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from dcp_lens.protocol.calibration.linalg import _power_of, ledoit_wolf_shrinkage, symmetric_eigh
+from dcp_lens.protocol.calibration.linalg import (
+    _power_of,
+    ledoit_wolf_shrinkage,
+    rounding_floor,
+    symmetric_eigh,
+)
 from dcp_lens.utils.snapshots import snapshot_field
 
 
@@ -278,9 +283,9 @@ class StreamingMoments:
         from one eigendecomposition."""
         if exponent not in self._powers:
             if self._eigen is None:
-                self._eigen = symmetric_eigh(
-                    ledoit_wolf_shrinkage(self).covariance, name, self._eigh_dtype
-                )
+                shrunk = ledoit_wolf_shrinkage(self).covariance
+                floor = rounding_floor(shrunk, self._storage)
+                self._eigen = symmetric_eigh(shrunk, name, self._eigh_dtype, floor)
             self._powers[exponent] = _power_of(*self._eigen, exponent)
         return self._powers[exponent]
 

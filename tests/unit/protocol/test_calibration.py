@@ -326,3 +326,33 @@ def test_an_ill_conditioned_refit_falls_back_to_float64() -> None:
         got = _power_of(*symmetric_eigh(matrix, dtype=torch.float32), -0.5)
         error = float((got - want).norm() / want.norm())
         assert (error < 1e-12) if exact else (0 < error < 1e-4), (condition, error)
+
+
+def test_states_spanning_few_directions_whiten_in_float32_storage() -> None:
+    """States in a 6-dimensional subspace of a 64-wide stream (a planted mechanism embedded at
+    width, a real stream's unused directions), the scatter kept in float32 and so many samples
+    that Ledoit-Wolf shrinks by nothing (the fourth-moment sum set to zero, read as no
+    dispersion): the shrunk
+    eigenvalues on the unused directions are float32 rounding, some below zero. The rounding
+    floor lifts them, so the inverse root exists, and on the spanned directions it whitens the
+    states as the exact covariance does."""
+    from dcp_lens.protocol.calibration.linalg import symmetric_eigh
+
+    generator = torch.Generator().manual_seed(3)
+    basis, _ = torch.linalg.qr(torch.randn(64, 6, generator=generator, dtype=torch.float64))
+    spread = torch.logspace(0, 2, 6, dtype=torch.float64)
+    samples = torch.randn(4096, 6, generator=generator, dtype=torch.float64) * spread
+    exact = StreamingMoments.from_samples(samples @ basis.T + 30.0)
+    state = exact.state()
+    covariance = exact.covariance
+    state["scatter"] = state["scatter"].to(torch.float32)
+    state["fourth_sum"] = torch.zeros((), dtype=torch.float64)
+    rounded = StreamingMoments.from_state(state, storage=torch.float32)
+    shrunk = ledoit_wolf_shrinkage(rounded)
+    assert shrunk.intensity == 0.0
+    with pytest.raises(ValueError, match="singular"):
+        symmetric_eigh(shrunk.covariance)
+    inverse_root = rounded.shrunk_power(-0.5)
+    spanned = basis.T @ covariance @ basis
+    whitened = basis.T @ inverse_root @ basis @ spanned @ basis.T @ inverse_root @ basis
+    assert torch.allclose(whitened, torch.eye(6, dtype=torch.float64), atol=1e-3)
