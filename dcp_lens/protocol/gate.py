@@ -18,7 +18,7 @@ blindly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -279,3 +279,27 @@ class _RidgePath:
         if int(info) != 0:
             return torch.full_like(y, math.nan)
         return y - solved
+
+
+def untested_translators(gate: object) -> str | None:
+    """A sentence on the paired translators the gate could not test, from a run's
+    ``metadata.translator_gate`` (label -> `GateRecord.to_dict` form; None for none), or None
+    where every one was tested: the untested are kept with `DEFAULT_RIDGE`, so the S bracket's
+    upper end rests on fits no held-out data checked."""
+    if not isinstance(gate, Mapping):
+        return None
+    untested = {
+        label: record
+        for label, record in gate.items()
+        if isinstance(record, Mapping) and record.get("judged") == UNTESTABLE
+    }
+    if not untested:
+        return None
+    reasons = sorted(
+        {str(record.get("reason") or "no reason given") for record in untested.values()}
+    )
+    return (
+        f"{len(untested)} of {len(gate)} paired translators could not be tested on held-out data"
+        f" ({'; '.join(reasons)}): kept with the default ridge, so the upper end of S rests on"
+        " fits nothing checked"
+    )

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dcp_lens.protocol.gate import untested_translators
 from dcp_lens.protocol.records import ProbeSummary
 from dcp_lens.protocol.results import (
     FACTORS,
@@ -593,7 +594,11 @@ def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
     flags = run_flags(run, metric)
     bracketed = run.get("bracket", {}).get(metric)
     if bracketed is not None and bracketed.get("verdict") is not None:
-        return _bracket_verdict(bracketed), flags
+        untested = untested_translators(run.get("metadata", {}).get("translator_gate"))
+        text = _bracket_verdict(bracketed)
+        return (
+            text if untested is None else f"{text} {untested[:1].upper()}{untested[1:]}."
+        ), flags
     shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
     values = {factor: shares.get(factor, math.nan) for factor in FACTORS}
     gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
@@ -737,6 +742,9 @@ def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
     failures = run.get("metadata", {}).get("calibration_failures") or []
     if failures:
         flags.append(f"calibration could not be fitted from {', '.join(failures)}")
+    untested = untested_translators(run.get("metadata", {}).get("translator_gate"))
+    if untested is not None:
+        flags.append(untested)
     if record.get("higher_is_better") is False:  # a loss metric
         flags.extend(temperature_flags(run))
     return flags

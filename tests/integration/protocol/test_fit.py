@@ -4,9 +4,14 @@ jackknife and without it; on a readout shift every translator is kept."""
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 
 from dcp_lens import DepthControlProtocol
+from dcp_lens.protocol.gate import DEFAULT_RIDGE, UNTESTABLE, GateRecord
+from dcp_lens.protocol.verdicts import verdict
 from dcp_lens.zoo import planted
 
 N = 128
@@ -39,10 +44,31 @@ def test_translators_without_information_give_way_to_the_mean(groups: int) -> No
     assert run["shares"]["accuracy"]["S_identified"] is False
 
 
-def test_a_readout_shift_keeps_every_translator() -> None:
-    run = _run("readout_shift", 10)
+@pytest.fixture(scope="module")
+def readout_shift_run() -> dict:
+    return _run("readout_shift", 10)
+
+
+def test_a_readout_shift_keeps_every_translator(readout_shift_run: dict) -> None:
+    run = readout_shift_run
     assert run["metadata"]["translators_replaced_by_the_mean"] == []
     assert run["shares"]["accuracy"]["verdict"] == "S"
+
+
+def test_an_untested_translator_is_said_in_the_verdict_and_the_flags(
+    readout_shift_run: dict,
+) -> None:
+    run = copy.deepcopy(readout_shift_run)
+    text, flags = verdict(run, "accuracy")
+    assert "could not be tested" not in text and not any("could not be tested" in f for f in flags)
+    gate = run["metadata"]["translator_gate"]
+    label = sorted(gate)[0]
+    gate[label] = GateRecord(
+        UNTESTABLE, DEFAULT_RIDGE, math.nan, math.nan, 0, 7, "one fold"
+    ).record()
+    text, flags = verdict(run, "accuracy")
+    said = f"1 of {len(gate)} paired translators could not be tested on held-out data (one fold)"
+    assert said in text and any(said in flag for flag in flags)
 
 
 def test_a_pass_with_parked_groups_gives_the_same_results(monkeypatch) -> None:
