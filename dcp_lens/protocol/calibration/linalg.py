@@ -77,14 +77,17 @@ FLOAT32_CONDITION = 1e-3
 
 
 def rounding_floor(matrix: Float[Tensor, "d d"], storage: torch.dtype) -> float:
-    """The size of the rounding error of a symmetric ``[d, d]`` matrix whose entries were summed
-    in ``storage``: ``eps(storage) * sqrt(d) * |matrix|_F``, a bound on how far rounding can move
-    an eigenvalue. A covariance of states that span fewer directions than the stream has (the
-    norm of a real model's stream, a planted mechanism embedded in a wider one) has eigenvalues
-    at zero; summed in float32 they come out anywhere in ``[-floor, floor]``, below zero
-    included, and the Ledoit-Wolf shrinkage of many samples is too small to lift them."""
+    """What rounding cannot tell from zero in the eigenvalues of a symmetric ``[d, d]`` matrix
+    whose entries were summed in ``storage``: ``eps * sqrt(d) * |matrix|_F`` with ``eps`` the
+    larger of ``storage``'s and ``2 sqrt(d)`` times float64's (at least twice what
+    `symmetric_eigh` refuses as singular). A covariance of states that span fewer directions
+    than the stream has (a planted mechanism embedded in a wider stream, a real stream's unused
+    directions) has eigenvalues at zero; summed in float32 they come out anywhere in
+    ``[-floor, floor]``, in float64 a little above zero, and the Ledoit-Wolf shrinkage of many
+    samples is too small to lift them."""
     width = matrix.shape[0]
-    return torch.finfo(storage).eps * width**0.5 * float(torch.linalg.matrix_norm(matrix))
+    eps = max(torch.finfo(storage).eps, 2 * width**0.5 * torch.finfo(torch.float64).eps)
+    return eps * width**0.5 * float(torch.linalg.matrix_norm(matrix))
 
 
 def symmetric_eigh(

@@ -328,14 +328,15 @@ def test_an_ill_conditioned_refit_falls_back_to_float64() -> None:
         assert (error < 1e-12) if exact else (0 < error < 1e-4), (condition, error)
 
 
-def test_states_spanning_few_directions_whiten_in_float32_storage() -> None:
+@pytest.mark.parametrize("storage", [torch.float32, torch.float64])
+def test_states_spanning_few_directions_whiten(storage: torch.dtype) -> None:
     """States in a 6-dimensional subspace of a 64-wide stream (a planted mechanism embedded at
-    width, a real stream's unused directions), the scatter kept in float32 and so many samples
-    that Ledoit-Wolf shrinks by nothing (the fourth-moment sum set to zero, read as no
-    dispersion): the shrunk
-    eigenvalues on the unused directions are float32 rounding, some below zero. The rounding
-    floor lifts them, so the inverse root exists, and on the spanned directions it whitens the
-    states as the exact covariance does."""
+    width, a real stream's unused directions), the scatter kept in ``storage`` and so many
+    samples that Ledoit-Wolf shrinks by nothing (the fourth-moment sum set to zero, read as no
+    dispersion): the shrunk eigenvalues on the unused directions are rounding (in float32 some
+    below zero, in float64 too close to zero to decompose). The rounding floor lifts them, so
+    the inverse root exists, and on the spanned directions it whitens the states as the exact
+    covariance does."""
     from dcp_lens.protocol.calibration.linalg import symmetric_eigh
 
     generator = torch.Generator().manual_seed(3)
@@ -345,9 +346,9 @@ def test_states_spanning_few_directions_whiten_in_float32_storage() -> None:
     exact = StreamingMoments.from_samples(samples @ basis.T + 30.0)
     state = exact.state()
     covariance = exact.covariance
-    state["scatter"] = state["scatter"].to(torch.float32)
+    state["scatter"] = state["scatter"].to(storage)
     state["fourth_sum"] = torch.zeros((), dtype=torch.float64)
-    rounded = StreamingMoments.from_state(state, storage=torch.float32)
+    rounded = StreamingMoments.from_state(state, storage=storage)
     shrunk = ledoit_wolf_shrinkage(rounded)
     assert shrunk.intensity == 0.0
     with pytest.raises(ValueError, match="singular"):
