@@ -202,11 +202,12 @@ class GroupMoments:
 
     def left_out(self, total: StreamingMoments | None, group: int) -> StreamingMoments | None:
         """``total`` (every group merged) less ``group``'s moments, to be decomposed in float32
-        (`StreamingMoments.for_refit`): the jackknife's refit of this source."""
+        with ``total``'s eigenvalue floor (`StreamingMoments.for_refit`): the jackknife's refit
+        of this source."""
         if total is None or self.groups is None:
             return total
         rest = total.without(self.groups[group])
-        return None if rest is None else rest.for_refit()
+        return None if rest is None else rest.for_refit(total.eigenvalue_floor())
 
     def release(self) -> None:
         self.groups = None

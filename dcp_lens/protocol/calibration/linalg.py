@@ -76,17 +76,20 @@ def symmetric_power(
 FLOAT32_CONDITION = 1e-3
 
 
-def rounding_floor(matrix: Float[Tensor, "d d"], storage: torch.dtype) -> float:
+def rounding_floor(matrix: Float[Tensor, "d d"]) -> float:
     """What rounding cannot tell from zero in the eigenvalues of a symmetric ``[d, d]`` matrix
-    whose entries were summed in ``storage``: ``eps * sqrt(d) * |matrix|_F`` with ``eps`` the
-    larger of ``storage``'s and ``2 sqrt(d)`` times float64's (at least twice what
-    `symmetric_eigh` refuses as singular). A covariance of states that span fewer directions
-    than the stream has (a planted mechanism embedded in a wider stream, a real stream's unused
-    directions) has eigenvalues at zero; summed in float32 they come out anywhere in
-    ``[-floor, floor]``, in float64 a little above zero, and the Ledoit-Wolf shrinkage of many
-    samples is too small to lift them."""
+    of summed moments: ``eps * sqrt(d) * |matrix|_F``, ``eps`` the larger of float32's (the
+    jackknife's calibration groups sum their scatter in float32) and ``2 sqrt(d)`` times
+    float64's (at least twice what `symmetric_eigh` refuses as singular).
+
+    A covariance of states that span fewer directions than the stream has (a planted mechanism
+    embedded in a wider stream, a real stream's unused directions) has eigenvalues at zero that
+    come out as rounding, below zero included, and the Ledoit-Wolf shrinkage of many samples is
+    too small to lift them. The whole split's maps and every jackknife refit must lift them to
+    one floor: a refit whose unused eigenvalues differ from the whole's changes its map there by
+    their ratio, which the jackknife would read as calibration variance."""
     width = matrix.shape[0]
-    eps = max(torch.finfo(storage).eps, 2 * width**0.5 * torch.finfo(torch.float64).eps)
+    eps = max(torch.finfo(torch.float32).eps, 2 * width**0.5 * torch.finfo(torch.float64).eps)
     return eps * width**0.5 * float(torch.linalg.matrix_norm(matrix))
 
 

@@ -62,6 +62,7 @@ class StreamingMoments:
         self._eigen: tuple[Tensor, Tensor] | None = None
         self._powers: dict[float, Tensor] = {}
         self._eigh_dtype = torch.float64  # float32 for a jackknife refit: `for_refit`
+        self._floor: float | None = None  # the whole split's, for a refit: `for_refit`
 
     @classmethod
     def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
@@ -251,6 +252,7 @@ class StreamingMoments:
         assert self._norm_weighted_sum is not None and self._fourth_sum is not None
         moved = StreamingMoments(self._storage)
         moved._count, moved._eigh_dtype = self._count, self._eigh_dtype
+        moved._floor = self._floor
         moved._mean, moved._scatter = self._mean.to(device), self._scatter.to(device)
         moved._norm_weighted_sum = self._norm_weighted_sum.to(device)
         moved._fourth_sum = self._fourth_sum.to(device)
@@ -284,21 +286,29 @@ class StreamingMoments:
         if exponent not in self._powers:
             if self._eigen is None:
                 shrunk = ledoit_wolf_shrinkage(self).covariance
-                floor = rounding_floor(shrunk, self._storage)
+                floor = rounding_floor(shrunk) if self._floor is None else self._floor
                 self._eigen = symmetric_eigh(shrunk, name, self._eigh_dtype, floor)
             self._powers[exponent] = _power_of(*self._eigen, exponent)
         return self._powers[exponent]
 
-    def for_refit(self) -> StreamingMoments:
+    def for_refit(self, floor: float | None = None) -> StreamingMoments:
         """These moments with `shrunk_power`'s eigendecomposition taken in float32 (returns self):
         for the jackknife's refits (`dcp_lens.protocol.fit.fit_maps`), whose maps differ from the
         whole split's by about 1e-2 relative, at a fraction of a float64 decomposition's cost (the
         refits' largest). Only where the shrunk covariance is well conditioned (`symmetric_eigh`):
         there the float32 powers are within about 1e-5 of the float64 ones; elsewhere float64.
-        Their powers stay float64."""
-        self._eigh_dtype = torch.float32
+        Their powers stay float64. ``floor``: the whole split's `eigenvalue_floor`, which the
+        refit then shares (see `rounding_floor`); None for its own."""
+        self._eigh_dtype, self._floor = torch.float32, floor
         self._eigen, self._powers = None, {}
         return self
+
+    def eigenvalue_floor(self) -> float:
+        """The floor `shrunk_power` lifts the shrunk covariance's eigenvalues to
+        (`rounding_floor`, or the one `for_refit` was given)."""
+        if self._floor is not None:
+            return self._floor
+        return rounding_floor(ledoit_wolf_shrinkage(self).covariance)
 
     @property
     def fourth_moment_sum(self) -> float:
