@@ -357,3 +357,26 @@ def test_states_spanning_few_directions_whiten(storage: torch.dtype) -> None:
     spanned = basis.T @ covariance @ basis
     whitened = basis.T @ inverse_root @ basis @ spanned @ basis.T @ inverse_root @ basis
     assert torch.allclose(whitened, torch.eye(6, dtype=torch.float64), atol=1e-3)
+
+
+def test_a_refit_lifts_unused_directions_to_the_whole_splits_floor() -> None:
+    """The jackknife's refit (the whole split less one group) and the whole split map the
+    directions their states do not use alike: the refit shares the whole's eigenvalue floor.
+    With a floor of its own, its map there would differ by the floors' ratio, and the jackknife
+    would read that as calibration variance of every state with a part outside the span."""
+    generator = torch.Generator().manual_seed(4)
+    basis, _ = torch.linalg.qr(torch.randn(64, 64, generator=generator, dtype=torch.float64))
+    used, unused = basis[:, :6], basis[:, 6:]
+    samples = torch.randn(4096, 6, generator=generator, dtype=torch.float64)
+    samples = samples * torch.logspace(0, 2, 6, dtype=torch.float64) @ used.T + 30.0
+    state = StreamingMoments.from_samples(samples).state()
+    state["fourth_sum"] = torch.zeros((), dtype=torch.float64)  # no shrinkage: see above
+    whole = StreamingMoments.from_state(state)
+    group = StreamingMoments(torch.float32)
+    group.update(samples[:400])
+    rest = whole.without(group)
+    assert rest is not None
+    rest.for_refit(whole.eigenvalue_floor())
+    want = unused.T @ whole.shrunk_power(-0.5) @ unused
+    got = unused.T @ rest.shrunk_power(-0.5) @ unused
+    assert float((got - want).norm() / want.norm()) < 1e-6
