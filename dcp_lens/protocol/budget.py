@@ -294,8 +294,10 @@ def estimate_run_memory(
     held = max(terms["moments"], terms["jackknife_maps"])
     terms["jackknife_fits_held"] = held + (terms["moments"] + terms["jackknife_maps"]) // n_streams
     if readout_rows is None:
-        fixed = sum(terms[name] for name in ("weights", "batch_states", "full_logits", "maps",
-                                             "jackknife_maps"))  # fmt: skip
+        fixed = sum(
+            terms[name]
+            for name in ("weights", "batch_states", "full_logits", "maps", "jackknife_maps")
+        )
         per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
         room = (budget - fixed) if budget is not None else 0
         cap = CPU_READOUT_ROWS if device_type == "cpu" else MAX_ACCELERATOR_ROWS

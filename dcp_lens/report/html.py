@@ -164,9 +164,15 @@ def _metrics_html(run: Mapping[str, Any], metrics: Sequence[str]) -> str:
         )
     head = "".join(
         f"<th>{name}</th>"
-        for name in ("metric", "S share", "B share", "D share", "truncation slope",
-                     "gap (metric's units)")
-    )  # fmt: skip
+        for name in (
+            "metric",
+            "S share",
+            "B share",
+            "D share",
+            "truncation slope",
+            "gap (metric's units)",
+        )
+    )
     return (
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
         f"<ul class='verdicts'>{''.join(verdicts)}</ul>"
@@ -232,13 +238,22 @@ def render_report(
 
     metrics = list(dict.fromkeys(m for run in records for m in run["shares"]))
     sections: list[tuple[str, str, list[str]]] = [
-        ("headline", "Headline",
-         ["<div class='runs'>", *(headline_html(run) for run in records), "</div>"]),
-        ("quality", "Quality against k, every condition",
-         [figure(f"quality_{metric}") for metric in metrics]),
-        ("decomposition", "The gap split into S, B and D, per k",
-         [figure(f"decomposition_{metric}") for metric in metrics]),
-    ]  # fmt: skip
+        (
+            "headline",
+            "Headline",
+            ["<div class='runs'>", *(headline_html(run) for run in records), "</div>"],
+        ),
+        (
+            "quality",
+            "Quality against k, every condition",
+            [figure(f"quality_{metric}") for metric in metrics],
+        ),
+        (
+            "decomposition",
+            "The gap split into S, B and D, per k",
+            [figure(f"decomposition_{metric}") for metric in metrics],
+        ),
+    ]
     missing: list[str] = []
     if "probe" in drawn:
         sections.append(("probe", "The residual-stream probe", [figure("probe")]))
