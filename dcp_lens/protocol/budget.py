@@ -14,7 +14,6 @@ would reuse; on the CPU, the memory the system reports available.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -362,10 +361,6 @@ def check_estimate(estimate: MemoryEstimate, budget: int | None, where: str, adv
         f"({estimate.peak_stage} stage), over its budget of {budget / GIB:.2f} GiB on {where}. "
         f"{advice} Terms:\n{estimate.table()}"
     )
-
-
-def gib(value: float) -> str:
-    return "unknown" if value is None or math.isnan(value) else f"{value / GIB:.2f} GiB"
 
 
 class OutOfMemoryStop(ResourceLimitError):

@@ -356,24 +356,6 @@ def _extras(
     return [{key: value for key, value in e.items() if isinstance(value, dict)} for e in entries]
 
 
-def _per_run(
-    drawn: Mapping[str, Any],
-    kind: str,
-    records: Sequence[Mapping[str, Any]],
-    figure: Any,
-    missing: str,
-) -> list[str]:
-    """One figure per run, one under the other (they are too wide to sit side by side)."""
-    parts = []
-    for index, run in enumerate(records):
-        name = f"{kind}_{index}"
-        if name in drawn:
-            parts.append(figure(name))
-        else:
-            parts.append(f"<p>{escape(_run_title(run))}: {missing}.</p>")
-    return parts
-
-
 def _hops_table(records: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for run, extra in zip(records, extras, strict=True):
