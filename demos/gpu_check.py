@@ -110,9 +110,11 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     # TF32 as `dcp-lens run` has it (PyTorch's default, off): the run measured is the one used.
     out: dict[str, Any] = {
-        "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
+        "device": str(device),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-    }  # fmt: skip
+    }
     if device.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,9 +127,12 @@ def main() -> None:
     save()
 
     cfg = bench_config(
-        "huginn", d_model=args.d_model, n_iterations=args.iterations, d_vocab=args.vocab,
+        "huginn",
+        d_model=args.d_model,
+        n_iterations=args.iterations,
+        d_vocab=args.vocab,
         seq=args.seq,
-    )  # fmt: skip
+    )
     model = HookedRecurrentTransformer(cfg).to(device=device, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.d_vocab, (2 * args.n, args.seq), generator=generator)
@@ -144,11 +149,14 @@ def main() -> None:
     per_second = batch.numel() / best
     flops = forward_flops_per_token(model, args.seq)
     out["forward"] = {
-        "batch": args.batch_size, "seq": args.seq, "n_iterations": int(model.n_iterations),
+        "batch": args.batch_size,
+        "seq": args.seq,
+        "n_iterations": int(model.n_iterations),
         "parameters": sum(p.numel() for p in model.parameters()),
-        "tokens_per_second": per_second, "gflop_per_token": flops / 1e9,
+        "tokens_per_second": per_second,
+        "gflop_per_token": flops / 1e9,
         "share_of_matmul_rate": per_second * flops / rate,
-    }  # fmt: skip
+    }
     save()
 
     evaluation = EvaluationSet.from_tokens(tokens[: args.n])
@@ -170,9 +178,13 @@ def main() -> None:
     total = time.perf_counter() - start
     n_tokens = 2 * args.n * args.seq
     out["run"] = {
-        "sequences": [args.n, args.n], "seq": args.seq, "batch_size": args.batch_size,
-        "k_grid": list(protocol.k_grid), "settings": protocol.config.to_dict(),
-        "seconds": total, "stage_seconds": seconds,
+        "sequences": [args.n, args.n],
+        "seq": args.seq,
+        "batch_size": args.batch_size,
+        "k_grid": list(protocol.k_grid),
+        "settings": protocol.config.to_dict(),
+        "seconds": total,
+        "stage_seconds": seconds,
         "seconds_per_million_tokens": total * 1e6 / n_tokens,
         "peak_memory_gib": peak_memory(device) / 2**30,
         "estimated_peak_gib": estimate.peak_bytes / 2**30,
@@ -183,7 +195,7 @@ def main() -> None:
         "verdicts": {
             m: (d.bracket_shares or {}).get("verdict") for m, d in results.decompositions.items()
         },
-    }  # fmt: skip
+    }
     save()
     run = out["run"]
     print(f"matrix rate ({args.dtype}, {args.matmul}^3): {rate / 1e12:.1f} TFLOP/s")

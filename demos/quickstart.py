@@ -11,17 +11,29 @@ from dcp_lens import DepthControlProtocol, HookedRecurrentTransformer, Recurrent
 
 # 1. A depth-recurrent model: 1 prelude block, a 2-block core looped 4 times, 1 coda block.
 cfg = RecurrentConfig(
-    d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=40, n_ctx=64,
-    n_prelude=1, n_core=2, n_coda=1, n_iterations=4, injection="add", state_init="zeros",
-)  # fmt: skip
+    d_model=64,
+    n_heads=4,
+    d_head=16,
+    d_mlp=256,
+    d_vocab=40,
+    n_ctx=64,
+    n_prelude=1,
+    n_core=2,
+    n_coda=1,
+    n_iterations=4,
+    injection="add",
+    state_init="zeros",
+)
 model = HookedRecurrentTransformer(cfg).eval()
 tokens = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
 
 with torch.no_grad():
     logits, cache = model.run_with_cache(tokens)  # a transformer_lens ActivationCache
 print("state after iteration 2:", cache[model.state_hook_name(2)].shape)
-print("attention pattern of core layer 0, iteration 3:",
-      cache[model.hook_name(3, 0, "attn.hook_pattern")].shape)  # fmt: skip
+print(
+    "attention pattern of core layer 0, iteration 3:",
+    cache[model.hook_name(3, 0, "attn.hook_pattern")].shape,
+)
 with model.iterations(8):  # the same weights, unrolled to 8 iterations
     print("blocks at 8 iterations:", model.cfg.n_layers)
 

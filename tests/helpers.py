@@ -160,9 +160,18 @@ def tiny_config(**fields: Any) -> RecurrentConfig:
     from dcp_lens.model.config import RecurrentConfig
 
     base: dict[str, Any] = dict(
-        d_model=16, n_heads=2, d_head=8, d_mlp=32, d_vocab=20, n_ctx=16,
-        n_prelude=1, n_core=1, n_coda=1, n_iterations=2, seed=0,
-    )  # fmt: skip
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_mlp=32,
+        d_vocab=20,
+        n_ctx=16,
+        n_prelude=1,
+        n_core=1,
+        n_coda=1,
+        n_iterations=2,
+        seed=0,
+    )
     return RecurrentConfig(**{**base, **fields})
 
 

@@ -120,8 +120,10 @@ def _causal_noise(tokens: Tensor, width: int, cfg) -> Tensor:
             h = _fmix32(h ^ high ^ (h1 * 0xCC9E2D51 & _M32))
             first = _fmix32(h ^ (h2 * 0x1B873593 & _M32))
             second = _fmix32(first ^ ((h1 ^ h2) * 0x27D4EB2F & _M32) ^ 0x165667B1)
-            words = [_fmix32(_fmix32(first ^ ((d + 1) * 0x85EBCA77 & _M32)) ^ second)
-                     for d in range(width)]  # fmt: skip
+            words = [
+                _fmix32(_fmix32(first ^ ((d + 1) * 0x85EBCA77 & _M32)) ^ second)
+                for d in range(width)
+            ]
             keys.append(words)
         rows.append(keys)
     uniform = ((torch.tensor(rows, dtype=torch.float64) // 256) + 0.5) / 2**24

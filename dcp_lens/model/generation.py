@@ -16,7 +16,7 @@ from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.tokenization import Tokenizer, padding_id
-from dcp_lens.utils.errors import DCPLensError
+from dcp_lens.utils.errors import DCPLensError, InputError
 from dcp_lens.utils.progress import progress as progress_display
 
 
@@ -208,6 +208,30 @@ class Generation:
             else:
                 out[i, : len(row)] = row
         return out
+
+    def _forward_masked(
+        self,
+        input: object,
+        attention_mask: Tensor,
+        return_type: str | None,
+        loss_per_token: bool,
+        n_iterations: int | None,
+        others: dict[str, object],
+    ) -> Any:
+        """`forward` of tokens with an ``attention_mask`` that pads (`_forward_padded`), at
+        ``n_iterations`` when given; ``others`` (forward's other arguments by name) must all be
+        None: a padded batch runs tokens only."""
+        given = [name for name, value in others.items() if value is not None]
+        if given:
+            raise InputError(
+                f"attention_mask with padding runs tokens only, not with {given}; run each "
+                "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
+            )
+        with (
+            self.iterations(n_iterations) if n_iterations is not None else contextlib.nullcontext()
+        ):
+            padded = self._as_tokens(input)
+            return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
 
     def _forward_padded(
         self,

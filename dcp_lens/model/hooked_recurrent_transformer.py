@@ -368,12 +368,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 the right (`to_tokens_with_mask`): each row's real tokens run alone, exactly as
                 that prompt by itself (`Generation._forward_padded`); with tokens only.
         """
-        if input is None:
-            if input_ids is None:
-                raise InputError("pass the tokens as input (or as input_ids=...).")
-            input = input_ids
-        elif input_ids is not None:
-            raise InputError("pass the tokens once: as input or as input_ids, not both.")
+        input = _the_input(input, input_ids)
         if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
             others = {
                 "start_at_layer": start_at_layer,
@@ -382,19 +377,9 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 "prelude_output": prelude_output,
                 "past_kv_cache": past_kv_cache,
             }
-            given = [name for name, value in others.items() if value is not None]
-            if given:
-                raise InputError(
-                    f"attention_mask with padding runs tokens only, not with {given}; run each "
-                    "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
-                )
-            with (
-                self.iterations(n_iterations)
-                if n_iterations is not None
-                else contextlib.nullcontext()
-            ):
-                padded = self._as_tokens(input)
-                return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
+            return self._forward_masked(
+                input, attention_mask, return_type, loss_per_token, n_iterations, others
+            )
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(
@@ -407,9 +392,8 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                     prelude_output=prelude_output,
                     past_kv_cache=past_kv_cache,
                 )
-        n_layers = self.cfg.n_layers
         start = self._check_layer("start_at_layer", start_at_layer, 0)
-        stop = self._check_layer("stop_at_layer", stop_at_layer, n_layers)
+        stop = self._check_layer("stop_at_layer", stop_at_layer, self.cfg.n_layers)
         if stop < start:
             raise ValueError(f"stop_at_layer={stop} comes before start_at_layer={start}.")
         past_kv_cache = self.check_past_kv_cache(past_kv_cache)
@@ -418,46 +402,67 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             tokens = self._as_tokens(input, offset)
             x = self._embed(tokens, offset)
         else:
-            if (
-                not isinstance(input, Tensor)
-                or input.ndim != 3
-                or input.shape[-1] != self.cfg.d_model
-            ):
-                raise ValueError(
-                    "with start_at_layer, input must be a residual stream [batch, pos, d_model="
-                    f"{self.cfg.d_model}], got {getattr(input, 'shape', type(input).__name__)}."
-                )
-            x = input
-        rotary = self._rotary(x.shape[1], offset)
-        P, L = self.cfg.n_prelude, self.cfg.n_core
-        embedding = prelude_output
-        if start_at_layer is not None and not self.is_dense:
+            x = self._resumed_stream(input, start, prelude_output)
+        x = self._run_blocks(
+            x, (start, stop), start_at_layer is not None, tokens, prelude_output, past_kv_cache
+        )
+        if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
+            return x
+        return self._finish(x, return_type, tokens, loss_per_token)
+
+    def _resumed_stream(
+        self, input: object, start: int, embedding: Tensor | None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The residual stream ``input`` resumed at ``blocks[start]``, checked: its shape, and the
+        prelude's output ``embedding`` (e) given when a later iteration injects it."""
+        if not isinstance(input, Tensor) or input.ndim != 3 or input.shape[-1] != self.cfg.d_model:
+            raise ValueError(
+                "with start_at_layer, input must be a residual stream [batch, pos, d_model="
+                f"{self.cfg.d_model}], got {getattr(input, 'shape', type(input).__name__)}."
+            )
+        if not self.is_dense:
             # Resuming before the last iteration: later iterations inject e again.
+            P, L = self.cfg.n_prelude, self.cfg.n_core
             needs_e = self.cfg.injection != "none" and P <= start < P + (self._active - 1) * L
             if embedding is None and needs_e:
                 raise ResumeError(
                     f"start_at_layer={start} is inside the loop; pass prelude_output (e, the "
                     "prelude's output) so later iterations can inject it."
                 )
-        state: Tensor | None = None
+        return input
+
+    def _run_blocks(
+        self,
+        x: Float[Tensor, "batch pos d_model"],
+        span: tuple[int, int],
+        resumed: bool,
+        tokens: Tensor | None,
+        embedding: Tensor | None,
+        past_kv_cache: KVCache | None,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """The stream ``x`` entering ``blocks[start]`` carried to the one entering
+        ``blocks[stop]`` (``span``: start, stop), crossing every iteration's boundary on the way:
+        the loop's entry, each iteration's state, the readout's input. A ``resumed`` stream has
+        already crossed the boundary before ``blocks[start]``; ``embedding`` is the prelude's
+        output e when the caller has it."""
+        start, stop = span
+        offset = past_kv_cache.length if past_kv_cache is not None else 0
+        rotary = self._rotary(x.shape[1], offset)
         for i in range(start, stop + 1):
-            # A stream resumed at blocks[start] has already crossed the boundary before it.
-            if i > start or start_at_layer is None:
+            if i > start or not resumed:
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, state = self._enter_loop(embedding, tokens, past_kv_cache, offset)
+                    x, _ = self._enter_loop(embedding, tokens, past_kv_cache, offset)
                 elif t is not None:
-                    x, state = self._finish_iteration(t, x, embedding)
-                elif self.is_dense and i == n_layers:
+                    x, _ = self._finish_iteration(t, x, embedding)
+                elif self.is_dense and i == self.cfg.n_layers:
                     x = self.hook_readout_in(x)
             if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
             x = self.blocks[i](x, rotary, cache)
-        if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
-            return x
-        return self._finish(x, return_type, tokens, loss_per_token)
+        return x
 
     def readout(
         self,
@@ -766,6 +771,17 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             else f"{c.n_prelude} + {c.n_core} x {self._active} + {c.n_coda}"
         )
         return f"{kind} blocks, d_model={c.d_model}, n_heads={c.n_heads}, d_vocab={c.d_vocab}"
+
+
+def _the_input(input: object, input_ids: object) -> Any:
+    """The tokens (or stream) given once: as ``input`` or as Hugging Face's ``input_ids``."""
+    if input is None:
+        if input_ids is None:
+            raise InputError("pass the tokens as input (or as input_ids=...).")
+        return input_ids
+    if input_ids is not None:
+        raise InputError("pass the tokens once: as input or as input_ids, not both.")
+    return input
 
 
 def _share_parameters(twin: nn.Module, owner: nn.Module) -> None:

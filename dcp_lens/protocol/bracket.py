@@ -149,8 +149,10 @@ def bracket_ends(cells: Cells) -> dict[str, np.ndarray]:
     a, c, e, z = (np.asarray(cells[n]) for n in ("truncate", "replay", "full", "base_rate"))
     b, d = np.asarray(cells["calibrate_truncate"]), np.asarray(cells["calibrate_replay"])
     lower = (a + discounted_gain(a, b, z), c + discounted_gain(c, d, z))
-    upper = (np.maximum(np.asarray(cells["translate_truncate"]), b),
-             np.maximum(np.asarray(cells["translate_replay"]), d))  # fmt: skip
+    upper = (
+        np.maximum(np.asarray(cells["translate_truncate"]), b),
+        np.maximum(np.asarray(cells["translate_replay"]), d),
+    )
     ends: dict[str, np.ndarray] = {}
     for end, (b_end, d_end) in (("lower", lower), ("upper", upper)):
         b_end, d_end = np.asarray(b_end), np.asarray(d_end)
@@ -431,8 +433,13 @@ def _shares(
         point_order = {"gap": ends["gap"], name: point[after] - point[before]}
         drawn_order = {"gap": sampled["gap"], name: draws[after] - draws[before]}
         low, high = percentile_interval(share(drawn_order, name)[:, None], confidence)
-        shares.update({name: float(share(point_order, name)), f"{name}_lo": float(low[0]),
-                       f"{name}_hi": float(high[0])})  # fmt: skip
+        shares.update(
+            {
+                name: float(share(point_order, name)),
+                f"{name}_lo": float(low[0]),
+                f"{name}_hi": float(high[0]),
+            }
+        )
     # Each factor in the worse order at every k (no cancellation between k's): S as
     # min(b - a, d - c), B as min(c - a, d - b), summed over k, as shares, with intervals.
     worse = {
@@ -463,13 +470,22 @@ def _shares(
 
 _SHARE_KEYS = (
     *(f"{n}{s}" for n in BRACKET_QUANTITIES for s in ("", "_lo", "_hi")),
-    "S_width_hi", "B_width_hi", "headroom", "headroom_lo",
+    "S_width_hi",
+    "B_width_hi",
+    "headroom",
+    "headroom_lo",
     *(f"{f}_point{s}" for f in ("S", "B", "D") for s in ("", "_lo", "_hi", "_interval")),
-    *(f"{n}{s}" for n in ("S_first", "S_after_B", "B_first", "B_after_S")
-      for s in ("", "_lo", "_hi")),
-    "order_difference", "order_width_hi", "order_span", "order_span_hi",
+    *(
+        f"{n}{s}"
+        for n in ("S_first", "S_after_B", "B_first", "B_after_S")
+        for s in ("", "_lo", "_hi")
+    ),
+    "order_difference",
+    "order_width_hi",
+    "order_span",
+    "order_span_hi",
     *(f"{n}{s}" for n in ("S_worse_order", "B_worse_order") for s in ("", "_lo", "_hi")),
-)  # fmt: skip
+)
 
 
 def _ordered(shares: dict[str, float]) -> dict[str, float]:

@@ -14,7 +14,6 @@ would reuse; on the CPU, the memory the system reports available.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,8 +293,10 @@ def estimate_run_memory(
     held = max(terms["moments"], terms["jackknife_maps"])
     terms["jackknife_fits_held"] = held + (terms["moments"] + terms["jackknife_maps"]) // n_streams
     if readout_rows is None:
-        fixed = sum(terms[name] for name in ("weights", "batch_states", "full_logits", "maps",
-                                             "jackknife_maps"))  # fmt: skip
+        fixed = sum(
+            terms[name]
+            for name in ("weights", "batch_states", "full_logits", "maps", "jackknife_maps")
+        )
         per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
         room = (budget - fixed) if budget is not None else 0
         cap = CPU_READOUT_ROWS if device_type == "cpu" else MAX_ACCELERATOR_ROWS
@@ -360,10 +361,6 @@ def check_estimate(estimate: MemoryEstimate, budget: int | None, where: str, adv
         f"({estimate.peak_stage} stage), over its budget of {budget / GIB:.2f} GiB on {where}. "
         f"{advice} Terms:\n{estimate.table()}"
     )
-
-
-def gib(value: float) -> str:
-    return "unknown" if value is None or math.isnan(value) else f"{value / GIB:.2f} GiB"
 
 
 class OutOfMemoryStop(ResourceLimitError):

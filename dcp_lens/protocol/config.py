@@ -40,10 +40,15 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
 # far past what a run uses, far below what would exhaust memory (the bootstrap's draws and the
 # jackknife's groups each hold a copy of per-example statistics).
 MAXIMA: dict[str, int] = {
-    "mixture_components": 1024, "calibration_points": 1 << 24, "noise_draws": 10_000,
-    "batch_size": 1 << 20, "n_bootstrap": 100_000, "seed": 2**63 - 1, "probe_points": 1 << 24,
+    "mixture_components": 1024,
+    "calibration_points": 1 << 24,
+    "noise_draws": 10_000,
+    "batch_size": 1 << 20,
+    "n_bootstrap": 100_000,
+    "seed": 2**63 - 1,
+    "probe_points": 1 << 24,
     "calibration_groups": 10_000,
-}  # fmt: skip
+}
 
 
 def _option(default: T, flag: str, help: str, **extra: object) -> T:
@@ -88,9 +93,11 @@ class ProtocolConfig:
     """
 
     k_grid: Sequence[int] | None = _option(
-        None, "--k", "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 "
-        "grid to r)", kind="ints",
-    )  # fmt: skip
+        None,
+        "--k",
+        "comma-separated k grid (default: every k if r <= 8, else 1-4 and a x1.5 grid to r)",
+        kind="ints",
+    )
     metrics: Sequence[str] | None = _option(
         None, "--metrics", "comma-separated metrics (default: all the task defines)", kind="names"
     )
@@ -102,9 +109,11 @@ class ProtocolConfig:
         4096, "--calibration-points", "states per condition kept to fit the mixture map"
     )
     calibration_groups: int = _option(
-        10, "--calibration-groups", "calibration groups of the jackknife that puts the "
+        10,
+        "--calibration-groups",
+        "calibration groups of the jackknife that puts the "
         "calibration split's variability into the intervals (0: off)",
-    )  # fmt: skip
+    )
     match_confidence: bool = _option(
         True, "--match-confidence", "score loss metrics at full depth's mean entropy"
     )
@@ -122,10 +131,12 @@ class ProtocolConfig:
         False, "--skip-first-position", "leave position 0 out of the calibration statistics"
     )
     memory_budget: float | int | str | None = _option(
-        None, "--memory-budget", "GiB of device memory the run plans to use (readouts are "
+        None,
+        "--memory-budget",
+        "GiB of device memory the run plans to use (readouts are "
         "scored in chunks that fit; default: 85%% of what the device can give, its cache "
         "included)",
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         checked = _checked({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})

@@ -239,9 +239,13 @@ def _bracket(
 
     rule = BracketRule(confidence=confidence)
     return bracket(
-        cells(qualities), cells(draws), grid, rule=rule, walk_gain=walk_gain,
+        cells(qualities),
+        cells(draws),
+        grid,
+        rule=rule,
+        walk_gain=walk_gain,
         replay_same=replay_same,
-    )  # fmt: skip
+    )
 
 
 def _column(
@@ -271,10 +275,12 @@ def _jackknife_deviations(
             vectors = [group.get(condition, {}).get(k) for group in jackknife]
             if any(vector is None for vector in vectors):
                 continue
-            means = np.array([
-                float(np.mean(_as_vector(vector, f"jackknife[{condition}][{k}]")))
-                for vector in vectors
-            ])  # fmt: skip
+            means = np.array(
+                [
+                    float(np.mean(_as_vector(vector, f"jackknife[{condition}][{k}]")))
+                    for vector in vectors
+                ]
+            )
             if len(_as_vector(vectors[0], "jackknife")) != m or not np.isfinite(means).all():
                 continue
             spread = means - means.mean()

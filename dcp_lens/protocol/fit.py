@@ -245,9 +245,13 @@ def _fitted(
     base_rate = None if records.base is None else records.base.table()
     maps = FittedMaps(
         _fit_whole(entry, config, records, totals),
-        _fit_null(entry, config, records.sample, records.halves), records.sample.tensor(),
-        config.calibration_mode, r, translators, base_rate,
-    )  # fmt: skip
+        _fit_null(entry, config, records.sample, records.halves),
+        records.sample.tensor(),
+        config.calibration_mode,
+        r,
+        translators,
+        base_rate,
+    )
     maps.states = {label: 0 if total is None else total.count for label, total in totals.items()}
     maps.gate = gate
     populated = sum(bool(m.count) for m in (records.streams["full"].groups or []))
@@ -273,12 +277,18 @@ def _fit_whole(
     non-finite)."""
     reference = totals["full"]
     return {
-        label: None if source is None or reference is None else _fit_map(
-            entry, config, source, reference, records.samples.get(label),
+        label: None
+        if source is None or reference is None
+        else _fit_map(
+            entry,
+            config,
+            source,
+            reference,
+            records.samples.get(label),
             records.samples.get("full"),
         )
         for label, source in totals.items()
-    }  # fmt: skip
+    }
 
 
 def _refit_left_out(
@@ -305,10 +315,13 @@ def _refit_left_out(
                 if source is not None and reference is not None:
                     try:
                         fitted = _fit_map(
-                            entry, config, source, reference,
+                            entry,
+                            config,
+                            source,
+                            reference,
                             _without(records.samples.get(label), g, n_groups),
                             _without(records.samples.get("full"), g, n_groups),
-                        )  # fmt: skip
+                        )
                     except ValueError:
                         fitted = None  # too few states without the group: no jackknife cell
                 refits[g][label] = (
@@ -674,7 +687,11 @@ def bounded(decomposition: Decomposition, mode: str) -> Decomposition:
     if shares is None or CALIBRATION_MAPS[mode].lower_bound:
         return decomposition
     reason = UNBOUNDED_MAP_REASON.format(mode=mode)
-    shares = {**shares, "S_identified": False, "verdict": "inconclusive",
-              "reason": f"{reason} {shares.get('reason', '')}".strip()}  # fmt: skip
+    shares = {
+        **shares,
+        "S_identified": False,
+        "verdict": "inconclusive",
+        "reason": f"{reason} {shares.get('reason', '')}".strip(),
+    }
     unidentified = np.zeros_like(np.asarray(decomposition.s_identified, dtype=bool))
     return dataclasses.replace(decomposition, bracket_shares=shares, s_identified=unidentified)

@@ -347,9 +347,14 @@ class CalibrationRecords:
             full = context.config.calibration_mode == "full"
             positions = int(states[0].numel()) // width
             check_moment_memory(
-                len(self.conditions), self.n_groups, width, on_device, positions,
-                context.device(), full,
-            )  # fmt: skip
+                len(self.conditions),
+                self.n_groups,
+                width,
+                on_device,
+                positions,
+                context.device(),
+                full,
+            )
         if self.base is not None:  # full depth's readout in chunks of examples
             for chunk in plan.example_chunks(rows.stop - rows.start):
                 chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)

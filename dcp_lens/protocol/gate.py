@@ -82,11 +82,19 @@ class GateRecord:
     @classmethod
     def from_record(cls, record: dict[str, object]) -> GateRecord:
         """The record back from its saved form."""
-        ridge, error, mean = (_float(record.get(key)) for key in ("ridge", "translator_error",
-                                                                   "mean_error"))  # fmt: skip
+        ridge, error, mean = (
+            _float(record.get(key)) for key in ("ridge", "translator_error", "mean_error")
+        )
         folds, positions = (int(_float(record.get(key, 0))) for key in ("folds", "positions"))
-        return cls(str(record["judged"]), ridge, error, mean, folds, positions,
-                   str(record.get("reason", "")))  # fmt: skip
+        return cls(
+            str(record["judged"]),
+            ridge,
+            error,
+            mean,
+            folds,
+            positions,
+            str(record.get("reason", "")),
+        )
 
 
 def _number(value: float) -> float | None:

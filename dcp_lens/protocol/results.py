@@ -612,9 +612,10 @@ class ProtocolResults:
             Path(directory), "results", flag="directory", on_finished="replace"
         ) as out:
             for name, table in (
-                ("decomposition.csv", self.table()), ("curves.csv", self.curves()),
+                ("decomposition.csv", self.table()),
+                ("curves.csv", self.curves()),
                 ("shares.csv", self.shares()),
-            ):  # fmt: skip
+            ):
                 write_text_atomically(out / name, table.to_csv(index=False))
             write_results_json([self], out / "results.json")
         return Path(directory)

@@ -66,8 +66,14 @@ class AffineTranslator:
             return state
         # h + h W^T + b as one fused product and sum: h (I + W)^T + b (the identity added once
         # per device and dtype, not once per call).
-        key = (state.device, state.dtype, id(self.weight), self.weight._version,
-               id(self.bias), self.bias._version)  # fmt: skip
+        key = (
+            state.device,
+            state.dtype,
+            id(self.weight),
+            self.weight._version,
+            id(self.bias),
+            self.bias._version,
+        )
         if key not in self._cast:
             self._cast.clear()
             weight = self.weight.to(state.device, state.dtype)

@@ -103,8 +103,13 @@ def script_safe(json_text: str) -> str:
     escapes, so that no ``</script>`` or ``<!--`` can form, and the line separators U+2028 and
     U+2029 escaped too. Those characters occur in JSON only inside strings, where JSON and
     JavaScript read the escapes back as the same characters."""
-    for char, code in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                       ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):  # fmt: skip
+    for char, code in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         json_text = json_text.replace(char, code)
     return json_text
 

@@ -66,8 +66,10 @@ def _model_lines(results: ProtocolResults) -> list[str]:
     run = decode_json(results.to_results_json())
     title = f"{results.model} ({results.architecture}, r = {results.n_iterations})"
     null = results.null_control["max_abs_logit_diff"]
-    lines = ["", *_wrapped(f"{title}; null control max |logit diff| {null:.2e} (0 up to float"
-                           " error)", "")]  # fmt: skip
+    lines = [
+        "",
+        *_wrapped(f"{title}; null control max |logit diff| {null:.2e} (0 up to float error)", ""),
+    ]
     if not results.replay_realizable:
         lines.append("  replay: not realizable as the same model (dense network)")
     unvalidated = []

@@ -114,15 +114,20 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             hover = plot_text(condition) + (f" (on {plot_text(under)})" if under else "")
             figure.add_trace(
                 go.Scatter(
-                    x=x, y=value, mode="lines+markers",
-                    name=_legend_name(condition, run, runs, overlaps), legendgroup=condition,
-                    showlegend=condition not in shown, legendrank=_rank(condition),
+                    x=x,
+                    y=value,
+                    mode="lines+markers",
+                    name=_legend_name(condition, run, runs, overlaps),
+                    legendgroup=condition,
+                    showlegend=condition not in shown,
+                    legendrank=_rank(condition),
                     line={"color": colour, "dash": dash, "width": width},
                     marker={"symbol": symbol, "size": 9 if under else 6},
                     hovertemplate=f"{hover}<br>k=%{{x}}<br>%{{y:.4g}}<extra></extra>",
                 ),
-                row=1, col=column,
-            )  # fmt: skip
+                row=1,
+                col=column,
+            )
             drawn.append(condition)
             shown.add(condition)
         figure.update_xaxes(title_text="k (iterations)", dtick=1, row=1, col=column)
@@ -130,10 +135,17 @@ def quality_figure(runs: Sequence[Run], metric: str) -> go.Figure:
     figure.update_layout(
         title={"text": f"Quality against k: {plot_text(metric)}", "y": 0.98, "yanchor": "top"},
         height=520,
-        legend={"orientation": "h", "yanchor": "top", "y": -0.2, "x": 0,
-                "traceorder": "normal", "groupclick": "togglegroup"},
-        margin={"t": 120, "b": 150}, updatemenus=[_view_buttons(drawn)],
-    )  # fmt: skip
+        legend={
+            "orientation": "h",
+            "yanchor": "top",
+            "y": -0.2,
+            "x": 0,
+            "traceorder": "normal",
+            "groupclick": "togglegroup",
+        },
+        margin={"t": 120, "b": 150},
+        updatemenus=[_view_buttons(drawn)],
+    )
     return figure
 
 
@@ -211,13 +223,22 @@ def _view_buttons(drawn: Sequence[str]) -> dict[str, object]:
     the legend, greyed, a click away)."""
     buttons = []
     for label, view in CONDITION_VIEWS.items():
-        visible = [True if view is None or c in view or c not in CONDITION_ORDER else "legendonly"
-                   for c in drawn]  # fmt: skip
+        visible = [
+            True if view is None or c in view or c not in CONDITION_ORDER else "legendonly"
+            for c in drawn
+        ]
         buttons.append({"label": label, "method": "restyle", "args": [{"visible": visible}]})
     return {
-        "type": "buttons", "direction": "right", "buttons": buttons, "showactive": True,
-        "x": 0, "xanchor": "left", "y": 1.13, "yanchor": "bottom", "pad": {"r": 4, "t": 0},
-    }  # fmt: skip
+        "type": "buttons",
+        "direction": "right",
+        "buttons": buttons,
+        "showactive": True,
+        "x": 0,
+        "xanchor": "left",
+        "y": 1.13,
+        "yanchor": "bottom",
+        "pad": {"r": 4, "t": 0},
+    }
 
 
 def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
@@ -248,23 +269,35 @@ def decomposition_figure(runs: Sequence[Run], metric: str) -> go.Figure:
             ]
             figure.add_trace(
                 go.Bar(
-                    x=ks, y=[row[factor] for row in rows], name=FACTOR_NAMES[factor],
-                    legendgroup=factor, showlegend=column == 1,
-                    marker={"color": FACTOR_COLOURS[factor]}, hovertext=hover,
+                    x=ks,
+                    y=[row[factor] for row in rows],
+                    name=FACTOR_NAMES[factor],
+                    legendgroup=factor,
+                    showlegend=column == 1,
+                    marker={"color": FACTOR_COLOURS[factor]},
+                    hovertext=hover,
                     hoverinfo="text",
                 ),
-                row=1, col=column,
-            )  # fmt: skip
+                row=1,
+                col=column,
+            )
         gaps = [row["gap"] for row in rows]
         figure.add_trace(
             go.Scatter(
-                x=ks, y=gaps, mode="markers", name="gap", legendgroup="gap",
-                showlegend=column == 1, marker={"color": "black", "symbol": "diamond", "size": 9},
-                error_y=_error_bars(gaps, [row.get("gap_lo") for row in rows],
-                                    [row.get("gap_hi") for row in rows]),
+                x=ks,
+                y=gaps,
+                mode="markers",
+                name="gap",
+                legendgroup="gap",
+                showlegend=column == 1,
+                marker={"color": "black", "symbol": "diamond", "size": 9},
+                error_y=_error_bars(
+                    gaps, [row.get("gap_lo") for row in rows], [row.get("gap_hi") for row in rows]
+                ),
             ),
-            row=1, col=column,
-        )  # fmt: skip
+            row=1,
+            col=column,
+        )
         figure.update_xaxes(title_text="k (iterations)", row=1, col=column)
     figure.update_yaxes(title_text=f"quality units of {plot_text(metric)}", row=1, col=1)
     figure.update_layout(
@@ -293,9 +326,12 @@ def probe_figure(runs: Sequence[Run]) -> go.Figure:
     full-depth states (noise floor line) and the two-sample AUROC (0.5 line), for s_t at every t
     and for the calibrated states calibrate(truncate(k)). One column per run."""
     figure = make_subplots(
-        rows=2, cols=max(1, len(runs)), subplot_titles=[plot_text(run_title(r)) for r in runs],
-        vertical_spacing=0.12, horizontal_spacing=0.08,
-    )  # fmt: skip
+        rows=2,
+        cols=max(1, len(runs)),
+        subplot_titles=[plot_text(run_title(r)) for r in runs],
+        vertical_spacing=0.12,
+        horizontal_spacing=0.08,
+    )
     for column, run in enumerate(runs, start=1):
         probe = run.get("probe") or {}
         trajectory = probe.get("trajectory") or []
@@ -309,28 +345,42 @@ def probe_figure(runs: Sequence[Run]) -> go.Figure:
         ):
             figure.add_trace(
                 go.Scatter(
-                    x=[p["iteration"] for p in trajectory], y=[p[score] for p in trajectory],
-                    mode="lines+markers", name="s_t (truncated states)", legendgroup="s_t",
-                    showlegend=column == 1 and row == 1, line={"color": "#d62728"},
+                    x=[p["iteration"] for p in trajectory],
+                    y=[p[score] for p in trajectory],
+                    mode="lines+markers",
+                    name="s_t (truncated states)",
+                    legendgroup="s_t",
+                    showlegend=column == 1 and row == 1,
+                    line={"color": "#d62728"},
                 ),
-                row=row, col=column,
-            )  # fmt: skip
+                row=row,
+                col=column,
+            )
             figure.add_trace(
                 go.Scatter(
-                    x=[p["k"] for p in calibrated], y=[p[score] for p in calibrated],
-                    mode="markers", name="calibrate(truncate(k))", legendgroup="calibrated",
+                    x=[p["k"] for p in calibrated],
+                    y=[p[score] for p in calibrated],
+                    mode="markers",
+                    name="calibrate(truncate(k))",
+                    legendgroup="calibrated",
                     showlegend=column == 1 and row == 1,
                     marker={"color": "#ff7f0e", "symbol": "x", "size": 10},
                 ),
-                row=row, col=column,
-            )  # fmt: skip
+                row=row,
+                col=column,
+            )
             figure.add_trace(
                 go.Scatter(
-                    x=[min(ts), max(ts)], y=[reference] * 2, mode="lines", name=name,
-                    showlegend=column == 1, line={"color": "grey", "dash": "dot"},
+                    x=[min(ts), max(ts)],
+                    y=[reference] * 2,
+                    mode="lines",
+                    name=name,
+                    showlegend=column == 1,
+                    line={"color": "grey", "dash": "dot"},
                 ),
-                row=row, col=column,
-            )  # fmt: skip
+                row=row,
+                col=column,
+            )
         distances = [p["mahalanobis"] for p in (*trajectory, *calibrated)]
         if any(isinstance(d, float) and d > 10 for d in distances):
             figure.update_yaxes(type="log", row=1, col=column)  # far-off states: orders apart
@@ -353,19 +403,30 @@ def hops_figure(runs: Sequence[Run], by_hops: Sequence[Mapping[str, Any] | None]
             name = plot_text(f"{group['hops']} hop{'s' if group['hops'] != 1 else ''}")
             figure.add_trace(
                 go.Scatter(
-                    x=table["k_grid"], y=group["truncate"], mode="lines+markers", name=name,
-                    legendgroup=name, showlegend=column == 1, line={"color": colour},
+                    x=table["k_grid"],
+                    y=group["truncate"],
+                    mode="lines+markers",
+                    name=name,
+                    legendgroup=name,
+                    showlegend=column == 1,
+                    line={"color": colour},
                 ),
-                row=1, col=column,
-            )  # fmt: skip
+                row=1,
+                col=column,
+            )
             figure.add_trace(
                 go.Scatter(
-                    x=[table["k_grid"][0], run["n_iterations"]], y=[group["full"]] * 2,
-                    mode="lines", legendgroup=name, showlegend=False,
-                    line={"color": colour, "dash": "dash"}, name=f"{name}, full depth",
+                    x=[table["k_grid"][0], run["n_iterations"]],
+                    y=[group["full"]] * 2,
+                    mode="lines",
+                    legendgroup=name,
+                    showlegend=False,
+                    line={"color": colour, "dash": "dash"},
+                    name=f"{name}, full depth",
                 ),
-                row=1, col=column,
-            )  # fmt: skip
+                row=1,
+                col=column,
+            )
         figure.update_xaxes(title_text="k (iterations)", row=1, col=column)
     figure.update_yaxes(title_text="accuracy of truncate(k)", row=1, col=1)
     figure.update_layout(title="Truncation by hop count (dashed: full depth)", height=420)
@@ -393,20 +454,35 @@ def lens_figure(run: Run, lens: Mapping[str, Any]) -> go.Figure:
     ]
     figure = go.Figure(
         go.Heatmap(
-            z=lens["top_probs"], x=x, y=y, text=top, texttemplate="%{text}",
-            textfont={"size": 11}, colorscale="Blues", zmin=0, zmax=1, hovertext=hover,
-            hoverinfo="text", colorbar={"title": {"text": "top-1 p"}, "thickness": 14},
-            xgap=1, ygap=1,
+            z=lens["top_probs"],
+            x=x,
+            y=y,
+            text=top,
+            texttemplate="%{text}",
+            textfont={"size": 11},
+            colorscale="Blues",
+            zmin=0,
+            zmax=1,
+            hovertext=hover,
+            hoverinfo="text",
+            colorbar={"title": {"text": "top-1 p"}, "thickness": 14},
+            xgap=1,
+            ygap=1,
         )
-    )  # fmt: skip
+    )
     margin = {"t": 60, "b": 110, "l": 70, "r": 30}
     figure.update_layout(
         title=f"Logit lens over iterations: {plot_text(run_title(run))}",
-        xaxis={"title": {"text": "position: input token"}, "tickangle": -45, "automargin": True,
-               "type": "category"},
+        xaxis={
+            "title": {"text": "position: input token"},
+            "tickangle": -45,
+            "automargin": True,
+            "type": "category",
+        },
         yaxis={"title": {"text": "readout of s_t"}, "type": "category", "automargin": True},
-        height=margin["t"] + margin["b"] + LENS_ROW_PX * len(y), margin=margin,
-    )  # fmt: skip
+        height=margin["t"] + margin["b"] + LENS_ROW_PX * len(y),
+        margin=margin,
+    )
     return figure
 
 
@@ -424,11 +500,17 @@ def attention_figure(run: Run, attention: Mapping[str, Any]) -> go.Figure:
         ]
         figure.add_trace(
             go.Heatmap(
-                z=mean, x=labels, y=labels, colorscale="Viridis", zmin=0, zmax=1,
-                visible=index == 0, name=plot_text(f"t={attention['iterations'][index]}"),
+                z=mean,
+                x=labels,
+                y=labels,
+                colorscale="Viridis",
+                zmin=0,
+                zmax=1,
+                visible=index == 0,
+                name=plot_text(f"t={attention['iterations'][index]}"),
                 colorbar={"title": {"text": "attention"}},
             )
-        )  # fmt: skip
+        )
     steps = [
         {
             "method": "update",
@@ -443,9 +525,11 @@ def attention_figure(run: Run, attention: Mapping[str, Any]) -> go.Figure:
             f"{plot_text(run_title(run))}"
         ),
         sliders=[{"steps": steps, "currentvalue": {"prefix": "iteration t = "}}],
-        xaxis_title="source position", yaxis_title="destination position",
-        yaxis={"autorange": "reversed"}, height=560,
-    )  # fmt: skip
+        xaxis_title="source position",
+        yaxis_title="destination position",
+        yaxis={"autorange": "reversed"},
+        height=560,
+    )
     return figure
 
 
@@ -456,9 +540,11 @@ _VALUE_KEYS = ("value", "value_lo", "value_hi")
 
 def _columns(runs: Sequence[Run]) -> go.Figure:
     return make_subplots(
-        rows=1, cols=max(1, len(runs)), subplot_titles=[plot_text(run_title(r)) for r in runs],
+        rows=1,
+        cols=max(1, len(runs)),
+        subplot_titles=[plot_text(run_title(r)) for r in runs],
         horizontal_spacing=0.08,
-    )  # fmt: skip
+    )
 
 
 def _band(
@@ -476,12 +562,19 @@ def _band(
         return False
     figure.add_trace(
         go.Scatter(
-            x=[*x, *reversed(x)], y=[*high, *reversed(low)], fill="toself", fillcolor=colour,
-            opacity=0.15, line={"width": 0}, hoverinfo="skip", showlegend=False,
+            x=[*x, *reversed(x)],
+            y=[*high, *reversed(low)],
+            fill="toself",
+            fillcolor=colour,
+            opacity=0.15,
+            line={"width": 0},
+            hoverinfo="skip",
+            showlegend=False,
             legendgroup=group,
         ),
-        row=1, col=column,
-    )  # fmt: skip
+        row=1,
+        col=column,
+    )
     return True
 
 

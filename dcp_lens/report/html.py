@@ -164,9 +164,15 @@ def _metrics_html(run: Mapping[str, Any], metrics: Sequence[str]) -> str:
         )
     head = "".join(
         f"<th>{name}</th>"
-        for name in ("metric", "S share", "B share", "D share", "truncation slope",
-                     "gap (metric's units)")
-    )  # fmt: skip
+        for name in (
+            "metric",
+            "S share",
+            "B share",
+            "D share",
+            "truncation slope",
+            "gap (metric's units)",
+        )
+    )
     return (
         f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
         f"<ul class='verdicts'>{''.join(verdicts)}</ul>"
@@ -232,13 +238,22 @@ def render_report(
 
     metrics = list(dict.fromkeys(m for run in records for m in run["shares"]))
     sections: list[tuple[str, str, list[str]]] = [
-        ("headline", "Headline",
-         ["<div class='runs'>", *(headline_html(run) for run in records), "</div>"]),
-        ("quality", "Quality against k, every condition",
-         [figure(f"quality_{metric}") for metric in metrics]),
-        ("decomposition", "The gap split into S, B and D, per k",
-         [figure(f"decomposition_{metric}") for metric in metrics]),
-    ]  # fmt: skip
+        (
+            "headline",
+            "Headline",
+            ["<div class='runs'>", *(headline_html(run) for run in records), "</div>"],
+        ),
+        (
+            "quality",
+            "Quality against k, every condition",
+            [figure(f"quality_{metric}") for metric in metrics],
+        ),
+        (
+            "decomposition",
+            "The gap split into S, B and D, per k",
+            [figure(f"decomposition_{metric}") for metric in metrics],
+        ),
+    ]
     missing: list[str] = []
     if "probe" in drawn:
         sections.append(("probe", "The residual-stream probe", [figure("probe")]))
@@ -339,24 +354,6 @@ def _extras(
     entries = [by_model.get(run["model"]) or {} for run in records]
     # Only parts that are there: a null in report_data.json reads back as NaN.
     return [{key: value for key, value in e.items() if isinstance(value, dict)} for e in entries]
-
-
-def _per_run(
-    drawn: Mapping[str, Any],
-    kind: str,
-    records: Sequence[Mapping[str, Any]],
-    figure: Any,
-    missing: str,
-) -> list[str]:
-    """One figure per run, one under the other (they are too wide to sit side by side)."""
-    parts = []
-    for index, run in enumerate(records):
-        name = f"{kind}_{index}"
-        if name in drawn:
-            parts.append(figure(name))
-        else:
-            parts.append(f"<p>{escape(_run_title(run))}: {missing}.</p>")
-    return parts
 
 
 def _hops_table(records: Sequence[Mapping[str, Any]], extras: Sequence[Mapping[str, Any]]) -> str:

@@ -11,17 +11,17 @@ machine whose speed drifts or jitters slows them alike and their ratios compare 
   it (`paired_ratio`). The fastest sweep over the fastest forward
   (``sweep_over_forward_fastest``) is biased upwards on a busy machine: a sweep lasts about four
   forwards, so it is less often run through without interference than a forward is;
-- ``sweep_over_irreducible``: the sweep against its irreducible work (`irreducible_work`: the
-  calibration and evaluation passes and the readouts the conditions need), paired the same way
-  (each sweep between two runs of it); ``irreducible_seconds`` (and ``*_median``),
-  ``irreducible_parts_seconds`` (each part's median), ``irreducible_readouts`` (the readouts
-  counted) and ``irreducible_over_forward`` beside it;
+- ``sweep_over_irreducible``: the sweep against its irreducible work
+  (`dcp_lens.studies.bench_floor.irreducible_work`: the calibration and evaluation passes and the
+  readouts the conditions need), paired the same way (each sweep between two runs of it);
+  ``irreducible_seconds`` (and ``*_median``), ``irreducible_parts_seconds`` (each part's median),
+  ``irreducible_readouts`` (the readouts counted) and ``irreducible_over_forward`` beside it;
 - ``sweep_floor_over_irreducible``: one plus the seconds of the work beyond the irreducible work
-  that the sweep's definition asks of any implementation (`overhead_floor`: the maps and
-  translators applied before their readouts, and the metrics of every readout) over the median
-  irreducible work: a floor under ``sweep_over_irreducible`` (the solves, refits and moments are
-  not in it); ``floor_parts_seconds`` and ``floor_calls`` (the calls timed, over all batches)
-  beside it;
+  that the sweep's definition asks of any implementation
+  (`dcp_lens.studies.bench_floor.overhead_floor`: the maps and translators applied before their
+  readouts, and the metrics of every readout) over the median irreducible work: a floor under
+  ``sweep_over_irreducible`` (the solves, refits and moments are not in it); ``floor_parts_seconds``
+  and ``floor_calls`` (the calls timed, over all batches) beside it;
 - ``naive_over_sweep``: the same sweep done naively (full once, then every condition re-run
   through its hooks at every k) against the fast sweep (both include the same calibration fit);
 - ``hooks_off_over_plain``: a `HookedRecurrentTransformer` forward with no hooks attached against
@@ -42,7 +42,6 @@ blocks, vocabulary 65536, r = 32) with random weights, for GPU runs (no plain ba
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import statistics
@@ -50,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,14 +58,16 @@ from torch import Tensor
 from dcp_lens.model.components.attention import set_fused_attention
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Shift, Translate
-from dcp_lens.protocol.confidence import matched
+from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
-from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
-from dcp_lens.protocol.readout import needed_readouts, readout_groups
-from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.sweep import jackknife_examples
+from dcp_lens.studies.bench_floor import (
+    IRREDUCIBLE_PARTS,
+    irreducible_readouts,
+    irreducible_work,
+    overhead_floor,
+    synchronize,
+)
 from dcp_lens.studies.bench_memory import (
     bench_bytes,
     device_memory_bytes,
@@ -74,12 +75,11 @@ from dcp_lens.studies.bench_memory import (
     peak_memory,
     reset_peak,
 )
-from dcp_lens.studies.commands import DTYPES
+from dcp_lens.utils.checks import WEIGHT_DTYPES
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
 BENCH_PRESETS = ("small", "huginn")
-T = TypeVar("T")
 # Per preset: the defaults of the shape and batch arguments left as None.
 # The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
 # bootstrap and no probe; its batch is the preset's (or ``batch``).
@@ -108,8 +108,13 @@ def bench_config(
     default (``huginn`` with a smaller ``d_model`` keeps heads of 96 and Huginn's MLP ratio)."""
     if preset not in BENCH_PRESETS:
         raise ValueError(f"preset={preset!r} is not one of {BENCH_PRESETS}.")
-    given = {"d_model": d_model, "n_core": n_core, "n_iterations": n_iterations,
-             "d_vocab": d_vocab, "seq": seq}  # fmt: skip
+    given = {
+        "d_model": d_model,
+        "n_core": n_core,
+        "n_iterations": n_iterations,
+        "d_vocab": d_vocab,
+        "seq": seq,
+    }
     size = {**PRESET_DEFAULTS[preset], **{k: v for k, v in given.items() if v is not None}}
     d = size["d_model"]
     if preset == "small" and (d % 2 or (d >= 64 and d % 64)):
@@ -119,21 +124,35 @@ def bench_config(
         )
     if preset == "small":
         return RecurrentConfig(
-            d_model=d, n_heads=d // 64 or 1, d_head=64 if d >= 64 else d, d_mlp=4 * d,
-            d_vocab=size["d_vocab"], n_ctx=size["seq"], n_prelude=1, n_core=size["n_core"],
-            n_coda=1, n_iterations=size["n_iterations"], seed=seed,
-        )  # fmt: skip
+            d_model=d,
+            n_heads=d // 64 or 1,
+            d_head=64 if d >= 64 else d,
+            d_mlp=4 * d,
+            d_vocab=size["d_vocab"],
+            n_ctx=size["seq"],
+            n_prelude=1,
+            n_core=size["n_core"],
+            n_coda=1,
+            n_iterations=size["n_iterations"],
+            seed=seed,
+        )
     from dcp_lens.zoo.loaders.huginn import HUGINN_0125, huginn_config
 
     heads = max(1, d // HUGINN_0125["head_dim"])
     ratio = HUGINN_0125["intermediate_size"] / HUGINN_0125["n_embd"]
     raven = {
-        **HUGINN_0125, "n_embd": d, "n_heads": heads, "num_key_value_heads": heads,
-        "head_dim": d // heads, "intermediate_size": 64 * math.ceil(ratio * d / 64),
-        "vocab_size": size["d_vocab"], "padded_vocab_size": size["d_vocab"],
-        "n_layers_in_recurrent_block": size["n_core"], "mean_recurrence": size["n_iterations"],
+        **HUGINN_0125,
+        "n_embd": d,
+        "n_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": d // heads,
+        "intermediate_size": 64 * math.ceil(ratio * d / 64),
+        "vocab_size": size["d_vocab"],
+        "padded_vocab_size": size["d_vocab"],
+        "n_layers_in_recurrent_block": size["n_core"],
+        "mean_recurrence": size["n_iterations"],
         "block_size": max(size["seq"], 16),
-    }  # fmt: skip
+    }
     return huginn_config(raven, source="the huginn bench preset", seed=seed)
 
 
@@ -204,10 +223,10 @@ def _timings(
         for name, fn in runs.items():
             if round_number >= repeats[name]:
                 continue
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             fn()
-            _synchronize(device)
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
     return times
 
@@ -227,275 +246,6 @@ def paired_ratio(long: list[float], short: list[float]) -> float:
     return statistics.median(
         seconds / ((short[i] + short[i + 1]) / 2) for i, seconds in enumerate(long)
     )
-
-
-def irreducible_work(
-    protocol: DepthControlProtocol, calibration: EvaluationSet, evaluation: EvaluationSet
-) -> Callable[[], dict[str, float]]:
-    """The work no implementation of ``protocol``'s sweep can skip, as a function that does it
-    and returns the seconds of each part (`IRREDUCIBLE_PARTS`). ``protocol`` must be fitted (its
-    maps tell which readouts the conditions need, as in the sweep).
-
-    - ``calibration_pass``: one forward of each calibration batch through s_r, keeping every
-      state s_0..s_r (what the fit stage reads; the maps need no logits);
-    - ``matching_readouts``: confidence matching's readouts of the calibration positions it reads
-      (`ConfidenceMatching.pieces`): full depth's, and per k each distinct condition given a
-      temperature, when a loss metric is matched;
-    - ``evaluation_pass``: one forward of each evaluation batch, keeping every state and the
-      logits;
-    - ``evaluation_readouts``: per evaluation batch, per k of the grid (and r), the readouts the
-      sweep's conditions need (`needed_readouts`: each distinct condition once, none for full
-      depth or the base rate), the calibration null's, and the jackknife's (the conditions each
-      left-out calibration group's maps change, on the tenth of the examples it reads).
-
-    The calibration pass includes the base rate's one readout of s_r per batch.
-
-    A readout is ``model.readout`` of a captured state, grouped into calls as the sweep groups
-    them (`readout_groups`): its cost does not depend on the state's values, so the maps and
-    translators that move a state before its readout, the moments, the temperatures' solves and
-    the metrics are the sweep's overhead, not in this."""
-    context, model, r = protocol.context, protocol.model, protocol.r
-    device, size = context.device(), context.config.batch_size
-    plan = irreducible_readouts(protocol)
-    sweep_reads, matched_reads = plan["evaluation"], plan["matching"]
-    null_reads, matching = plan["null"], context.matches_confidence()
-    jackknife_reads, base_reads = plan["jackknife"], plan["base_rate"]
-    jackknifed = jackknife_examples(evaluation.example_keys(), int(evaluation.tokens.shape[1]))
-    confidence = protocol.confidence
-
-    def read(states: Tensor, state: Tensor, n: int) -> None:
-        for group in readout_groups(states, n):
-            copies = len(range(n)[group])
-            model.readout(state if copies == 1 else torch.cat([state] * copies))
-
-    def work() -> dict[str, float]:
-        seconds = dict.fromkeys(IRREDUCIBLE_PARTS, 0.0)
-
-        def clock(part: str, start: float) -> float:
-            _synchronize(device)
-            now = time.perf_counter()
-            seconds[part] += now - start
-            return now
-
-        start = time.perf_counter()
-        budget_left = matching
-        for index, rows in enumerate(calibration.batches(size)):
-            tokens = calibration.tokens[rows].to(device)
-            states, _ = capture_states(model, tokens, stop_after_last=True)
-            if base_reads:  # the base rate's table: full depth's readout of the batch
-                read(states, states[r], 1)
-            start = clock("calibration_pass", start)
-            pieces = confidence.pieces(calibration, index, rows) if budget_left else None
-            budget_left = pieces is not None
-            for sequences, positions in pieces or []:
-                local = slice(sequences.start - rows.start, sequences.stop - rows.start)
-                kept = states[:, local, :positions]
-                read(kept, kept[-1], 1)
-                for k, n in matched_reads.items():
-                    read(kept, kept[k], n)
-            start = clock("matching_readouts", start)
-        for rows in evaluation.batches(size):
-            states, _ = capture_states(model, evaluation.tokens[rows].to(device))
-            start = clock("evaluation_pass", start)
-            for k, n in sweep_reads.items():
-                read(states, states[k], n)
-            read(states, states[r], null_reads)
-            chosen = jackknifed[rows].to(device)
-            if bool(chosen.any()):
-                for k, n in jackknife_reads.items():
-                    read(states[:, chosen], states[k][chosen], n)
-            start = clock("evaluation_readouts", start)
-        return seconds
-
-    return work
-
-
-class IrreducibleReadouts(TypedDict):
-    """`irreducible_readouts`: readouts per k (``null`` and ``base_rate``: per batch, 0 or 1)."""
-
-    evaluation: dict[int, int]
-    null: int
-    jackknife: dict[int, int]
-    base_rate: int
-    matching: dict[int, int]
-
-
-def irreducible_readouts(protocol: DepthControlProtocol) -> IrreducibleReadouts:
-    """The readouts of `irreducible_work`: ``evaluation`` {k: readouts of one evaluation batch},
-    ``null`` (the calibration null's, per batch), ``matching`` {k: readouts of each calibration
-    piece confidence matching reads, besides full depth's}.
-
-    Raises:
-        ValueError: ``protocol`` is not fitted yet."""
-    context, r, maps = protocol.context, protocol.r, protocol.maps
-    if maps is None:
-        raise ValueError("the irreducible work needs a fitted protocol: call protocol.fit first.")
-    grid = [*context.k_grid, *([] if r in context.k_grid else [r])]
-    matching = context.matches_confidence()
-    return {
-        "evaluation": {
-            k: len(needed_readouts(r, {n: e.build(k, maps) for n, e in SWEEP.items()}))
-            for k in grid
-        },
-        "null": int(maps.null is not None),
-        # The jackknife's: per k, the conditions each left-out group's maps change, read on the
-        # evaluation examples `jackknife_examples` picks.
-        "jackknife": {
-            k: sum(
-                len(
-                    needed_readouts(
-                        r,
-                        {
-                            n: c
-                            for n, e in SWEEP.items()
-                            if (c := e.build(k, left_out)) != e.build(k, maps)
-                        },
-                    )
-                )
-                for left_out in maps.jackknife
-            )
-            for k in context.k_grid
-        },
-        "base_rate": int(maps.base_rate is not None),
-        "matching": {
-            k: len(needed_readouts(r, matched(k, maps))) if matching else 0 for k in context.k_grid
-        },
-    }
-
-
-FLOOR_PARTS = ("maps", "metrics")
-
-
-def overhead_floor(
-    protocol: DepthControlProtocol, evaluation: EvaluationSet
-) -> tuple[dict[str, float], dict[str, int]]:
-    """Seconds, over all of ``evaluation``, of the work beyond `irreducible_work` that the sweep's
-    definition asks of any implementation (`FLOOR_PARTS`):
-
-    - ``maps``: each mapped condition's map or translator applied to its readout input (one
-      d x d product over the batch's positions: `Calibrate`, `Translate`, `Shift` and the
-      calibration null), the jackknife's left-out maps on the tenth of the examples they read;
-    - ``metrics``: every readout of the sweep scored by the run's metrics against full depth's
-      reference (made once per batch), full depth's own and the jackknife's included.
-
-    Conditions whose logits are full depth's (full depth itself past its own score, truncate(r),
-    the base rate's rearranged logits) are not scored here. Neither the maps' and translators'
-    solves, the jackknife's refits, the streamed moments nor
-    the temperatures are in it, so the sweep's true floor lies above ``1 + floor /
-    irreducible``. Timed on every evaluation batch (its states and readouts computed untimed):
-    the jackknife reads the examples `jackknife_examples` picks (key 0 mod 10, capped), so its
-    share differs from batch to batch, and one batch scaled up misstates it (at eight batches of
-    the bench the first held one such example in 16, the set 19 in 128). The jackknife's cells
-    are scored as the sweep scores them, stacked in the readout's groups. Returns the seconds per
-    part and how many maps and readouts each part timed over all batches (the jackknife's on the
-    examples it reads).
-    ``protocol`` must be fitted.
-
-    Raises:
-        ValueError: ``protocol`` is not fitted yet.
-    """
-    context, model, r, maps = protocol.context, protocol.model, protocol.r, protocol.maps
-    if maps is None:
-        raise ValueError("the overhead floor needs a fitted protocol: call protocol.fit first.")
-    device, metrics = context.device(), context.metrics
-    seconds = dict.fromkeys(FLOOR_PARTS, 0.0)
-    calls = dict.fromkeys(FLOOR_PARTS, 0)
-
-    def timed(part: str, fn: Callable[[], T]) -> T:
-        _synchronize(device)
-        start = time.perf_counter()
-        out = fn()
-        _synchronize(device)
-        seconds[part] += time.perf_counter() - start
-        return out
-
-    def reference(logits: Tensor, answers: Tensor) -> tuple[Tensor, ...]:
-        log_probs = timed("metrics", lambda: reference_log_probs(logits))
-        probs, top1 = timed("metrics", lambda: (log_probs.exp(), log_probs.argmax(-1)))
-        return log_probs, answers, top1, probs
-
-    def score(logits: Tensor, against: tuple[Tensor, ...], n: int = 1) -> None:
-        log_probs, answers, top1, probs = against
-        calls["metrics"] += n
-        timed(
-            "metrics", lambda: per_example_metrics(logits, log_probs, answers, metrics, top1, probs)
-        )
-
-    def mapped_logits(at: Tensor, conditions: list[Condition]) -> list[Tensor]:
-        out = []
-        for condition in conditions:
-            mapped = _mapped(condition, at)
-            if mapped is None:
-                state = condition.readout_input(at)
-            else:
-                calls["maps"] += 1
-                state = timed("maps", mapped)
-            out.append(model.readout(state))
-        return out
-
-    # Per k: the readouts the sweep's conditions need, and those the left-out groups' maps change.
-    plan: dict[int, tuple[list[Condition], list[Condition]]] = {}
-    for k in [*context.k_grid, *([] if r in context.k_grid else [r])]:
-        built = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
-        changed: list[Condition] = []
-        for left_out in maps.jackknife if k in context.k_grid else []:
-            moved = {
-                name: condition
-                for name, entry in SWEEP.items()
-                if (condition := entry.build(k, left_out)) != built[name]
-            }
-            changed.extend(needed_readouts(r, moved))
-        plan[k] = needed_readouts(r, built), changed
-    picked = jackknife_examples(evaluation.example_keys(), int(evaluation.tokens.shape[1]))
-    for rows in evaluation.batches(context.config.batch_size):
-        states, full_logits = capture_states(model, evaluation.tokens[rows].to(device))
-        targets = evaluation.targets[rows].to(device)
-        full = reference(full_logits, targets)
-        score(full_logits, full)
-        chosen = picked[rows].to(device)
-        jackknifed = bool(chosen.any())
-        if jackknifed:
-            sub_states = states[:, chosen]
-            sub = reference(full_logits[chosen], targets[chosen])
-        for needed, changed in plan.values():
-            for logits in mapped_logits(states, needed):
-                score(logits, full)
-            if not (jackknifed and changed):
-                continue
-            # The jackknife's cells, scored as the sweep scores them: stacked in the readout's
-            # groups against a reference repeated as often (the stacking is not timed).
-            cells = mapped_logits(sub_states, changed)
-            for piece in readout_groups(sub_states, len(cells)):
-                stacked = cells[piece]
-                repeated = tuple(t.repeat(len(stacked), *[1] * (t.ndim - 1)) for t in sub)
-                score(torch.cat(stacked), repeated, len(stacked))
-        if maps.null is not None:
-            calls["maps"] += 1
-            halves = model.readout(timed("maps", functools.partial(maps.null, states[r])))
-            score(halves, full)
-    return seconds, calls
-
-
-def _mapped(condition: Condition, states: Tensor) -> Callable[[], Tensor] | None:
-    """What moves ``condition``'s readout input by a fitted map, as a call whose input is
-    computed before it (None for a condition that maps nothing)."""
-    if isinstance(condition, Calibrate | Translate):
-        inner = condition.inner.readout_input(states)
-        move = condition.state_map if isinstance(condition, Calibrate) else condition.translator
-        return lambda: move(inner)
-    if isinstance(condition, Shift):
-        inverse, last = condition.state_map.inverse(), states[-1]
-        return lambda: inverse(last)
-    return None
-
-
-IRREDUCIBLE_PARTS = ("calibration_pass", "matching_readouts", "evaluation_pass",
-                     "evaluation_readouts")  # fmt: skip
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_bench(
@@ -537,8 +287,10 @@ def run_bench(
             f"batches={batches!r} must be an int >= 1 (calibration and evaluation batches each); "
             "pass --batches 1 or more."
         )
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}.")
+    if dtype not in WEIGHT_DTYPES:
+        raise ConfigError(
+            f"dtype={dtype!r} is not one of {sorted(WEIGHT_DTYPES)}; pass one of them."
+        )
     cfg = bench_config(preset, d_model, n_core, n_iterations, d_vocab, seq, seed)
     defaults = PRESET_DEFAULTS[preset]
     batch = defaults["batch"] if batch is None else batch
@@ -547,9 +299,15 @@ def run_bench(
     element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     n_weights = parameter_count(cfg)
     needed = bench_bytes(
-        batch, seq, cfg.n_heads, cfg.d_model, n_blocks, element=element, d_vocab=cfg.d_vocab,
+        batch,
+        seq,
+        cfg.n_heads,
+        cfg.d_model,
+        n_blocks,
+        element=element,
+        d_vocab=cfg.d_vocab,
         n_weights=n_weights,
-    )  # fmt: skip
+    )
     available = device_memory_bytes(target)
     if available is not None and needed > available:
         raise ResourceLimitError(
@@ -642,14 +400,25 @@ def run_bench(
     return {
         "preset": preset,
         "model": {
-            "d_model": cfg.d_model, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
-            "n_iterations": r, "n_coda": cfg.n_coda, "n_layers": n_blocks,
-            "d_vocab": cfg.d_vocab, "parameters": n_weights,
+            "d_model": cfg.d_model,
+            "n_prelude": cfg.n_prelude,
+            "n_core": cfg.n_core,
+            "n_iterations": r,
+            "n_coda": cfg.n_coda,
+            "n_layers": n_blocks,
+            "d_vocab": cfg.d_vocab,
+            "parameters": n_weights,
         },
-        "dtype": dtype, "batch": batch, "batches": batches, "seq": seq,
+        "dtype": dtype,
+        "batch": batch,
+        "batches": batches,
+        "seq": seq,
         "k_grid": list(protocol.k_grid),
-        "device": str(target), "threads": torch.get_num_threads(),
-        "forward_seconds": forward, "plain_seconds": plain, "sweep_seconds": sweep_seconds,
+        "device": str(target),
+        "threads": torch.get_num_threads(),
+        "forward_seconds": forward,
+        "plain_seconds": plain,
+        "sweep_seconds": sweep_seconds,
         "naive_seconds": naive_seconds,
         "forward_seconds_median": medians["forward"],
         "plain_seconds_median": medians.get("plain", math.nan),
@@ -685,7 +454,7 @@ def run_bench(
         "peak_memory_mb": peak,
         "peak_memory_kind": "cuda max allocated" if target.type == "cuda" else "process max RSS",
         "sweep_memory_per_batch_token_mb": (sweep_peak - before) / batch_tokens,
-    }  # fmt: skip
+    }
 
 
 def parameter_count(cfg: RecurrentConfig) -> int:

@@ -98,10 +98,11 @@ class WorkCount:
     ) -> dict[str, float]:
         """Per stage, its multiply-adds over its tokens and one forward's per token."""
         return {
-            stage: self.macs(stage, costs) / max(1, self.tokens.get(stage, 0))
+            stage: self.macs(stage, costs)
+            / max(1, self.tokens.get(stage, 0))
             / forward_macs_per_token
             for stage in WORK_STAGES
-        }  # fmt: skip
+        }
 
     def readouts_per_token(self) -> dict[str, float]:
         """Per stage, `model.readout` rows over its tokens."""
@@ -185,10 +186,12 @@ def count_run(
     count = WorkCount()
     calibration_tokens, evaluation_tokens = calibration.tokens.numel(), evaluation.tokens.numel()
     count.tokens = {
-        "calibration pass": calibration_tokens, "refits": calibration_tokens,
-        "confidence matching": calibration_tokens, "evaluation": evaluation_tokens,
+        "calibration pass": calibration_tokens,
+        "refits": calibration_tokens,
+        "confidence matching": calibration_tokens,
+        "evaluation": evaluation_tokens,
         "probe": evaluation_tokens,
-    }  # fmt: skip
+    }
     each = context.each
 
     def staged(items: Sequence[Any], description: str) -> Iterator[Any]:
@@ -215,9 +218,12 @@ def count_run(
             count.stage = "probe"
             if protocol.config.probe != "none":
                 probe_run(
-                    maps.probe_reference, swept.probe_samples, n_iterations=protocol.r,
-                    points=protocol.config.probe_points, seed=protocol.config.seed,
-                )  # fmt: skip
+                    maps.probe_reference,
+                    swept.probe_samples,
+                    n_iterations=protocol.r,
+                    points=protocol.config.probe_points,
+                    seed=protocol.config.seed,
+                )
         forward = forward_macs_per_token(model, evaluation.tokens[:1], costs)
     finally:
         del context.each
@@ -277,10 +283,14 @@ def run_count(
         "preset": preset,
         "counted_on": {"d_model": cfg.d_model, "d_vocab": cfg.d_vocab, "seq": seq},
         "weighed_at": {"d_model": full.d_model, "d_vocab": full.d_vocab, "seq": defaults["seq"]},
-        "n_iterations": protocol.r, "k_grid": list(protocol.k_grid), "batch": batch,
-        "batches": batches, "calibration_groups": config.calibration_groups,
-        "probe": config.probe, **counted,
-    }  # fmt: skip
+        "n_iterations": protocol.r,
+        "k_grid": list(protocol.k_grid),
+        "batch": batch,
+        "batches": batches,
+        "calibration_groups": config.calibration_groups,
+        "probe": config.probe,
+        **counted,
+    }
 
 
 def print_count(result: dict[str, Any], as_json: bool) -> None:
@@ -341,10 +351,14 @@ def run_estimate(
 
     def at(size_: int) -> Any:
         return estimate_run_memory(
-            ModelShape.of(model), batch_size=size_, seq_len=size["seq"], n_streams=n_streams,
-            calibration_groups=config.calibration_groups, budget=budget,
+            ModelShape.of(model),
+            batch_size=size_,
+            seq_len=size["seq"],
+            n_streams=n_streams,
+            calibration_groups=config.calibration_groups,
+            budget=budget,
             calibration_mode=config.calibration_mode,
-        )  # fmt: skip
+        )
 
     chosen = batch is None and budget is not None  # as `run` chooses with no --batch-size
     if chosen:
@@ -352,9 +366,15 @@ def run_estimate(
     batch = batch or config.batch_size
     estimate = at(batch)
     return {
-        "preset": preset, "dtype": dtype, "batch": batch, "batch_from_budget": chosen,
+        "preset": preset,
+        "dtype": dtype,
+        "batch": batch,
+        "batch_from_budget": chosen,
         "seq": size["seq"],
-        "k_grid": list(grid), "calibration_groups": config.calibration_groups,
+        "k_grid": list(grid),
+        "calibration_groups": config.calibration_groups,
         "parameters": ModelShape.of(model).n_parameters,
-        "budget_gib": budget_gib, **estimate.to_dict(), "table": estimate.table(),
-    }  # fmt: skip
+        "budget_gib": budget_gib,
+        **estimate.to_dict(),
+        "table": estimate.table(),
+    }

@@ -327,9 +327,11 @@ def _train_in_parallel(pending: list[tuple[Path, TrainConfig]], jobs: int, progr
     context = multiprocessing.get_context("spawn")
     workers = min(jobs, len(pending))
     pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=context, initializer=die_with_parent,
+        max_workers=workers,
+        mp_context=context,
+        initializer=die_with_parent,
         initargs=(os.getpid(),),
-    )  # fmt: skip
+    )
     with pool:
         futures = [pool.submit(_train_quietly, config, folder) for folder, config in pending]
         for future in progress_display(

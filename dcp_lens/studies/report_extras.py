@@ -164,9 +164,13 @@ def hop_breakdown(
         for name in DECOMPOSED:
             values[name] = {k: flat[(name, k)][pick] for k in protocol.k_grid}
         decomposition = decompose(
-            values, protocol.k_grid, n_iterations=protocol.r, metric="accuracy",
-            n_bootstrap=n_bootstrap, seed=protocol.seed,
-        )  # fmt: skip
+            values,
+            protocol.k_grid,
+            n_iterations=protocol.r,
+            metric="accuracy",
+            n_bootstrap=n_bootstrap,
+            seed=protocol.seed,
+        )
         groups.append(
             {
                 "hops": h,

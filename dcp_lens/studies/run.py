@@ -294,11 +294,15 @@ def _settings(
     """What makes a run's results (recorded for --resume): the specs, the task, the data's
     size and reading, the dtype and every protocol setting."""
     values: dict[str, object] = {
-        "model": model, "dense": dense, "task": task, "n_eval": options.n_eval,
-        "n_calibration": options.n_calibration, "dtype": options.dtype,
+        "model": model,
+        "dense": dense,
+        "task": task,
+        "n_eval": options.n_eval,
+        "n_calibration": options.n_calibration,
+        "dtype": options.dtype,
         **{f"text.{k}": v for k, v in asdict(options.text).items()},
         **{f"config.{k}": v for k, v in config.to_dict().items()},
-    }  # fmt: skip
+    }
     return {key: str(value) for key, value in sorted(values.items())}
 
 
@@ -361,9 +365,12 @@ def _load(
             _check_same_data(first, model, spec, task)
         first = first if first is not None else model
         protocol = DepthControlProtocol(
-            model, config, spec=spec, progress=options.progress and distributed.is_main(),
+            model,
+            config,
+            spec=spec,
+            progress=options.progress and distributed.is_main(),
             checkpoint=Checkpoint(work / CHECKPOINTS / name, options.checkpoint_every),
-        )  # fmt: skip
+        )
         plans.append(_Plan(spec, name, model, protocol, data))
     return plans
 
@@ -443,9 +450,10 @@ def _save_model(results: ProtocolResults, folder: Path) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, table in (
-        ("decomposition.csv", results.table()), ("curves.csv", results.curves()),
+        ("decomposition.csv", results.table()),
+        ("curves.csv", results.curves()),
         ("shares.csv", results.shares()),
-    ):  # fmt: skip
+    ):
         write_text_atomically(folder / name, table.to_csv(index=False))
     write_results_json([results], folder / "results.json")
 

@@ -146,8 +146,9 @@ def coverage(
     validated: dict[str, bool] = {}
     for name in names:
         for seed in seeds:
-            run, expected = _run_planted(name, config.replace(seed=seed), n_eval, n_calibration,
-                                         progress, width)  # fmt: skip
+            run, expected = _run_planted(
+                name, config.replace(seed=seed), n_eval, n_calibration, progress, width
+            )
             for metric in config.metrics or ():
                 record = run.get("metrics", {}).get(metric, {})
                 validated[metric] = record.get("validated", True) is not False
@@ -171,10 +172,14 @@ def coverage(
         if quantity in coverage_counted(name)
     )
     return {
-        "replicates": replicates, "seeds": seeds, "target": COVERAGE_TARGET,
+        "replicates": replicates,
+        "seeds": seeds,
+        "target": COVERAGE_TARGET,
         "validated_metrics": [m for m, ok in validated.items() if ok],
-        "models": table, "passed": passed, "draws": found,
-    }  # fmt: skip
+        "models": table,
+        "passed": passed,
+        "draws": found,
+    }
 
 
 def coverage_counted(name: str) -> tuple[str, ...]:
@@ -241,10 +246,13 @@ def rejudge(rows: Sequence[ValidationRow]) -> list[ValidationRow]:
             numbers = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
             decided = share_verdict(numbers, BracketRule())
             record.update(
-                verdict=decided.verdict, reason=decided.reason, bound=decided.bound,
-                stable=decided.stable, S_identified=decided.S_identified,
+                verdict=decided.verdict,
+                reason=decided.reason,
+                bound=decided.bound,
+                stable=decided.stable,
+                S_identified=decided.S_identified,
                 B_identified=decided.B_identified,
-            )  # fmt: skip
+            )
         judgement = judge_bracket(
             row.bracket, row.shares, row.per_k, row.expected, row.identifiable, record or None
         )
@@ -282,15 +290,18 @@ def save(
     document: dict[str, Any] = {
         "settings": settings,
         "rules": {
-            "truth_slack": TRUTH_SLACK, "narrow_width": NARROW_WIDTH,
-            "point_tolerance": POINT_TOLERANCE, "false_alarm_rate": FALSE_ALARM_RATE,
-            "coverage_target": COVERAGE_TARGET, "verdict_rate": VERDICT_RATE,
+            "truth_slack": TRUTH_SLACK,
+            "narrow_width": NARROW_WIDTH,
+            "point_tolerance": POINT_TOLERANCE,
+            "false_alarm_rate": FALSE_ALARM_RATE,
+            "coverage_target": COVERAGE_TARGET,
+            "verdict_rate": VERDICT_RATE,
             "claimed_share": CLAIMED_SHARE,
         },
         "rows": [asdict(row) for row in rows],
         "summary": summarize(rows),
         "passed": suite_passed(rows) and (coverage_table or {}).get("passed", True),
-    }  # fmt: skip
+    }
     if coverage_table is not None:
         document["coverage"] = coverage_table
     text = json.dumps(encode_json(document), indent=2, allow_nan=False)
@@ -324,9 +335,14 @@ def run_validation(
     if replicates is not None:
         mixtures = [n for n in MIXTURES if n not in (models or ())]
         table = coverage(
-            [*mixtures, *(models or ())], config=config, replicates=replicates, n_eval=n_eval,
-            n_calibration=n_calibration, progress=progress, width=width,
-        )  # fmt: skip
+            [*mixtures, *(models or ())],
+            config=config,
+            replicates=replicates,
+            n_eval=n_eval,
+            n_calibration=n_calibration,
+            progress=progress,
+            width=width,
+        )
         print("\n".join(coverage_markdown(table)))
     else:
         rows = validate(
@@ -341,11 +357,15 @@ def run_validation(
     seconds, peak = time.perf_counter() - started, peak_memory(torch.device("cpu"))[0]
     if out is not None:
         settings = {
-            "seed": config.seed, "n_eval": n_eval, "n_calibration": n_calibration,
-            "n_bootstrap": config.n_bootstrap, "config": config.to_dict(),
+            "seed": config.seed,
+            "n_eval": n_eval,
+            "n_calibration": n_calibration,
+            "n_bootstrap": config.n_bootstrap,
+            "config": config.to_dict(),
             **({} if width is None else {"width": width}),
-            "seconds": round(seconds, 1), "peak_rss_mib": round(peak),
-        }  # fmt: skip
+            "seconds": round(seconds, 1),
+            "peak_rss_mib": round(peak),
+        }
         save(rows, out, settings, table)
         print(f"wrote {out / 'validation.json'} and {out / 'validation.md'}")
     return bool(table["passed"]) if table is not None else suite_passed(rows)
@@ -367,7 +387,7 @@ def markdown(rows: Sequence[ValidationRow]) -> list[str]:
             f"| {row.model} | {row.metric} | {'yes' if row.identifiable else 'no'} | {truth} "
             f"| {point} | " + " | ".join(brackets) + f" | {width} | {_flag_cell(row)} "
             f"| {row.judgement.verdict} | {_result(row)} |"
-        )  # fmt: skip
+        )
     lines.append("")
     for metric, s in summarize(rows).items():
         lines.append(
@@ -469,14 +489,21 @@ def _row(
     judgement = judge_run(run, metric, expected, identifiable)
     validated = run.get("metrics", {}).get(metric, {}).get("validated", True)
     return ValidationRow(
-        model=name, metric=metric, planted=planted.EXPECTED_FACTOR[name],
-        identifiable=identifiable, shares=shares, bracket=bracket_of(run, metric),
-        expected=expected, per_k=per_k_of(run, metric), judgement=judgement,
+        model=name,
+        metric=metric,
+        planted=planted.EXPECTED_FACTOR[name],
+        identifiable=identifiable,
+        shares=shares,
+        bracket=bracket_of(run, metric),
+        expected=expected,
+        per_k=per_k_of(run, metric),
+        judgement=judgement,
         passed=judgement.passed,
         point_rule_passed=judge(planted.EXPECTED_FACTOR[name], shares, expected),
-        counted=validated is not False, flags=_flags(run, metric),
+        counted=validated is not False,
+        flags=_flags(run, metric),
         record=dict(run.get("bracket", {}).get(metric) or {}),
-    )  # fmt: skip
+    )
 
 
 def _flags(run: Mapping[str, Any], metric: str) -> dict[str, object]:

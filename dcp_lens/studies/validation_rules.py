@@ -168,11 +168,19 @@ def judge_bracket(
     else:
         passed = (not outside and bool(flagged)) or named.startswith("inconclusive")
     return Judgement(
-        in_bracket=not outside, outside=outside, narrow=narrow, point_ok=point_ok,
-        flagged_every_k=flagged, unflagged_ks=unflagged, false_alarms=false_alarms,
-        alarm_ks=alarm_ks, passed=passed and not wrong, verdict=named, verdict_right=right,
+        in_bracket=not outside,
+        outside=outside,
+        narrow=narrow,
+        point_ok=point_ok,
+        flagged_every_k=flagged,
+        unflagged_ks=unflagged,
+        false_alarms=false_alarms,
+        alarm_ks=alarm_ks,
+        passed=passed and not wrong,
+        verdict=named,
+        verdict_right=right,
         confident_wrong=wrong,
-    )  # fmt: skip
+    )
 
 
 # The shares of S and B in each order (`dcp_lens.protocol.bracket`), whose intervals widen the
@@ -195,9 +203,11 @@ def _span(
 
 
 def judge_verdict(
-    verdict: Mapping[str, object], expected: Mapping[str, float], identifiable: bool,
+    verdict: Mapping[str, object],
+    expected: Mapping[str, float],
+    identifiable: bool,
     in_bracket: bool,
-) -> tuple[str, bool | None, bool]:  # fmt: skip
+) -> tuple[str, bool | None, bool]:
     """(the verdict as counted, whether it is right on an identifiable model, whether it is
     confidently wrong). ``verdict``: ``verdict`` and ``bound`` of the results. Right: S or B
     named whose true share is at least `CLAIMED_SHARE`; "inconclusive" bounded as not
@@ -227,9 +237,13 @@ def judge_run(
 ) -> Judgement:
     """`judge_bracket` on ``metric`` of one ``results.json`` run."""
     return judge_bracket(
-        bracket_of(run, metric), shares_of(run, metric), per_k_of(run, metric), expected,
-        identifiable, run.get("bracket", {}).get(metric),
-    )  # fmt: skip
+        bracket_of(run, metric),
+        shares_of(run, metric),
+        per_k_of(run, metric),
+        expected,
+        identifiable,
+        run.get("bracket", {}).get(metric),
+    )
 
 
 def shares_of(run: Mapping[str, Any], metric: str) -> dict[str, float]:

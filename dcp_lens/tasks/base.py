@@ -223,7 +223,8 @@ def check_batch_request(split: str, n: int, offset: int, n_ctx: int | None = Non
         from dcp_lens.utils.bounds import check_allocation
 
         check_allocation(
-            n * n_ctx * 8 * 4, f"{n:,} sequences of n_ctx={n_ctx:,} tokens",
+            n * n_ctx * 8 * 4,
+            f"{n:,} sequences of n_ctx={n_ctx:,} tokens",
             "lower the number of sequences or the task's n_ctx",
-        )  # fmt: skip
+        )
     return check_split(split)

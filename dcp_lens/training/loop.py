@@ -173,8 +173,9 @@ def train(
     check_device(config.device)
     # A new folder or a training run's (resumed, or with resume=False replaced: its own files
     # go, files added to it stay); locked while training writes it.
-    folder = OutputFolder(Path(out_dir), "train", resume=resume, overwrite=not resume,
-                          on_finished="continue")  # fmt: skip
+    folder = OutputFolder(
+        Path(out_dir), "train", resume=resume, overwrite=not resume, on_finished="continue"
+    )
     folder.open()
     try:
         out = folder.prepare()

@@ -172,18 +172,38 @@ def _lm_config(
 
 def _lm(regime: RegimeConfig, seed: int) -> TrainConfig:
     return _lm_config(
-        regime, seed, n_ctx=64, d_model=64, n_iterations=4, steps=2000, batch_size=32, lr=3e-3,
-        warmup_steps=100, eval_interval=500, eval_programs=64, table_programs=256,
+        regime,
+        seed,
+        n_ctx=64,
+        d_model=64,
+        n_iterations=4,
+        steps=2000,
+        batch_size=32,
+        lr=3e-3,
+        warmup_steps=100,
+        eval_interval=500,
+        eval_programs=64,
+        table_programs=256,
         checkpoint_interval=500,
-    )  # fmt: skip
+    )
 
 
 def _lm_tiny(regime: RegimeConfig, seed: int) -> TrainConfig:
     return _lm_config(
-        regime, seed, n_ctx=32, d_model=32, n_iterations=3, steps=60, batch_size=16, lr=3e-3,
-        warmup_steps=10, eval_interval=30, eval_programs=16, table_programs=32,
+        regime,
+        seed,
+        n_ctx=32,
+        d_model=32,
+        n_iterations=3,
+        steps=60,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=10,
+        eval_interval=30,
+        eval_programs=16,
+        table_programs=32,
         checkpoint_interval=30,
-    )  # fmt: skip
+    )
 
 
 PRESETS: dict[str, Callable[[RegimeConfig, int], TrainConfig]] = {

@@ -210,9 +210,12 @@ def load_checkpoint(
 
 # The fields of trainer_state.json and their types.
 PLAIN_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "step": int, "max_hops": (int, type(None)), "history": dict, "parameter_names": list,
+    "step": int,
+    "max_hops": (int, type(None)),
+    "history": dict,
+    "parameter_names": list,
     "param_groups": list,
-}  # fmt: skip
+}
 
 
 def _check_plain_state(plain: dict[str, Any], path: Path, recovery: str) -> None:

@@ -19,7 +19,7 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -200,6 +200,8 @@ def _type_hints(cls: type) -> dict[str, object]:
 
 
 def _matches(value: object, annotation: object) -> bool:
+    """Whether ``value`` (read from JSON) is of type ``annotation``: a plain type, a union,
+    a Literal, or a tuple, sequence or mapping of them."""
     if annotation is Any:
         return True
     if annotation is type(None) or annotation is None:
@@ -210,28 +212,10 @@ def _matches(value: object, annotation: object) -> bool:
         return any(_matches(value, a) for a in args)
     if origin is typing.Literal:
         return isinstance(value, str | int) and not isinstance(value, bool) and value in args
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if annotation is float:
-        return (
-            isinstance(value, numbers.Real)
-            and not isinstance(value, bool)
-            and math.isfinite(float(value))
-        )
-    if annotation is str:
-        return isinstance(value, str)
-    if annotation is Path:
-        return isinstance(value, str | Path)
+    if isinstance(annotation, type) and annotation in SCALARS:
+        return SCALARS[annotation](value)
     if origin is tuple:
-        if not isinstance(value, tuple | list):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_matches(v, args[0]) for v in value)
-        return len(value) == len(args) and all(
-            _matches(v, a) for v, a in zip(value, args, strict=True)
-        )
+        return _matches_tuple(value, args)
     if origin in (list, collections.abc.Sequence):
         if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
             return False
@@ -243,6 +227,32 @@ def _matches(value: object, annotation: object) -> bool:
     if isinstance(annotation, type):
         return isinstance(value, annotation)
     return True
+
+
+def _matches_tuple(value: object, args: tuple[object, ...]) -> bool:
+    """Whether ``value`` is a ``tuple[args]``: fixed length, or ``tuple[T, ...]``."""
+    if not isinstance(value, tuple | list):
+        return False
+    if len(args) == 2 and args[1] is Ellipsis:
+        return all(_matches(v, args[0]) for v in value)
+    return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args, strict=True))
+
+
+def _is_real(value: object) -> bool:
+    """A finite real number, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return math.isfinite(float(value))
+
+
+# The scalar annotations of a config's fields, and what a JSON value of each must be.
+SCALARS: dict[object, Callable[[object], bool]] = {
+    bool: lambda value: isinstance(value, bool),
+    int: lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool),
+    float: _is_real,
+    str: lambda value: isinstance(value, str),
+    Path: lambda value: isinstance(value, str | Path),
+}
 
 
 # ----------------------------------------------------------------------------- files

@@ -322,10 +322,13 @@ class OutputFolder:
             if record.owns(folder, name):
                 files[name] = record.current(folder, name)
         document = {
-            "format": FORMAT, "kind": kind, "finished": finished, "files": files,
+            "format": FORMAT,
+            "kind": kind,
+            "finished": finished,
+            "files": files,
             "tokens": tokens,
             "note": "the files dcp-lens wrote here; replacing this folder removes those only",
-        }  # fmt: skip
+        }
         write_text_atomically(folder / MANIFEST, json.dumps(document, indent=1) + "\n")
 
     def __enter__(self) -> Path:

@@ -94,9 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = compare(before, after, args.ignore)
     print(
         f"{args.after}: {result['numbers']} numbers compared, max abs diff "
-        f"{result['max_abs_diff']:g}" + (f" at {result['at']}" if result["at"] else "")
+        f"{result['max_abs_diff']:g}"
+        + (f" at {result['at']}" if result["at"] else "")
         + f", {len(result['structural'])} structural differences (ignoring {args.ignore})"
-    )  # fmt: skip
+    )
     for line in result["structural"][:20]:
         print(f"  {line}")
     return 0 if result["max_abs_diff"] == 0 and not result["structural"] else 1

@@ -140,9 +140,21 @@ def test_bundle_copies_a_finished_run(tmp_path) -> None:
 def test_dcp_lens_run_without_a_model_diagnoses_the_default_pair(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     code = main(
-        ["run", "--out", str(out), "--n-eval", "128", "--n-calibration", "128",
-         "--bootstrap", "20", "--probe", "none", "--quiet"]
-    )  # fmt: skip
+        [
+            "run",
+            "--out",
+            str(out),
+            "--n-eval",
+            "128",
+            "--n-calibration",
+            "128",
+            "--bootstrap",
+            "20",
+            "--probe",
+            "none",
+            "--quiet",
+        ]
+    )
     assert code == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [run["model"] for run in runs] == ["default", "default-dense"]
@@ -164,8 +176,12 @@ def test_the_documented_command_rebuilds_the_bundled_default(tmp_path) -> None:
     """`dcp-lens train --preset default --regime fixed --seed 0` (about 5 minutes on one CPU
     thread) gives the bundled weights again, bit for bit after rounding to float16."""
     run = tmp_path / "run"
-    assert main(["train", "--preset", "default", "--regime", "fixed", "--seed", "0",
-                 "--out", str(run)]) == 0  # fmt: skip
+    assert (
+        main(
+            ["train", "--preset", "default", "--regime", "fixed", "--seed", "0", "--out", str(run)]
+        )
+        == 0
+    )
     trained = load_file(str(run / "model" / "model.safetensors"))
     stored = load_file(str(bundled_path("default") / "model.safetensors"))
     assert trained.keys() == stored.keys()

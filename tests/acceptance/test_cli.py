@@ -21,10 +21,25 @@ from dcp_lens.protocol.results import read_results_json
 )
 def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, factor):
     code = main(
-        ["run", "--model", f"planted:{name}", "--seed", "3", "--n-eval", "256",
-         "--n-calibration", "256", "--bootstrap", "200", "--probe", "none", "--quiet",
-         "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "run",
+            "--model",
+            f"planted:{name}",
+            "--seed",
+            "3",
+            "--n-eval",
+            "256",
+            "--n-calibration",
+            "256",
+            "--bootstrap",
+            "200",
+            "--probe",
+            "none",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out.strip().splitlines()  # ends: summary, then the report
     assert printed[-1].endswith(str(tmp_path / "report.html"))
@@ -40,9 +55,17 @@ def test_run_on_planted_models_recovers_the_factor(tmp_path, capsys, name, facto
     for row in run["decomposition"]:
         assert {"metric", "k", "gap", "S", "B", "D", "I_BS", "S_lo", "S_hi"} <= set(row)
     conditions = {row["condition"] for row in run["curves"]}
-    assert conditions == {"full", "truncate", "replay", "calibrate_truncate",
-                          "calibrate_replay", "shift", "translate_truncate", "translate_replay",
-                          "base_rate"}  # fmt: skip
+    assert conditions == {
+        "full",
+        "truncate",
+        "replay",
+        "calibrate_truncate",
+        "calibrate_replay",
+        "shift",
+        "translate_truncate",
+        "translate_replay",
+        "base_rate",
+    }
     # The bracket names the planted factor, except on distinct_computation: its remaining
     # computation is a fixed permutation of a one-hot state, a frame change that a paired map
     # performs, so its S bracket spans [0, 1] and the verdict must stay inconclusive
@@ -66,9 +89,21 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
 
 def test_bench_json_reports_the_design_keys(capsys):
     code = main(
-        ["bench", "--json", "--d-model", "32", "--iterations", "3", "--batch-size", "2",
-         "--seq", "8", "--repeats", "1"]
-    )  # fmt: skip
+        [
+            "bench",
+            "--json",
+            "--d-model",
+            "32",
+            "--iterations",
+            "3",
+            "--batch-size",
+            "2",
+            "--seq",
+            "8",
+            "--repeats",
+            "1",
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     for key in ("sweep_over_forward", "naive_over_sweep", "hooks_off_over_plain", "peak_memory_mb"):
@@ -84,8 +119,12 @@ def test_bench_json_reports_the_design_keys(capsys):
     assert result["plain_max_abs_logit_diff"] <= 1e-4  # the plain loop is the same model
     # One sweep, timed between two forwards and between two runs of its irreducible work.
     assert result["repeats"] == {
-        "forward": 2, "forward_materialised": 1, "plain": 1, "irreducible": 2, "sweep": 1
-    }  # fmt: skip
+        "forward": 2,
+        "forward_materialised": 1,
+        "plain": 1,
+        "irreducible": 2,
+        "sweep": 1,
+    }
     assert result["materialised_over_fused_forward"] > 0
     assert result["sweep_over_forward_fastest"] == pytest.approx(
         result["sweep_seconds"] / result["forward_seconds"]
@@ -97,8 +136,11 @@ def test_bench_json_reports_the_design_keys(capsys):
     assert result["irreducible_seconds"] == min(irreducible)
     parts = result["irreducible_parts_seconds"]
     assert set(parts) == {
-        "calibration_pass", "matching_readouts", "evaluation_pass", "evaluation_readouts"
-    }  # fmt: skip
+        "calibration_pass",
+        "matching_readouts",
+        "evaluation_pass",
+        "evaluation_readouts",
+    }
     assert all(seconds > 0 for seconds in parts.values()), parts
     assert sum(parts.values()) <= result["irreducible_seconds_median"] * 1.01
     # k grid 1, 2, 3 of r = 3: five conditions and two translators need a readout below r (not
@@ -139,12 +181,8 @@ def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_
     from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
     from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
     from dcp_lens.protocol.sweep import jackknife_examples
-    from dcp_lens.studies.bench import (
-        BENCH_CONFIG,
-        bench_config,
-        irreducible_readouts,
-        overhead_floor,
-    )
+    from dcp_lens.studies.bench import BENCH_CONFIG, bench_config
+    from dcp_lens.studies.bench_floor import irreducible_readouts, overhead_floor
 
     cfg = bench_config("small", 16, None, 3, None, 4, 0)
     model = HookedRecurrentTransformer(cfg).eval()
@@ -300,9 +338,24 @@ def test_an_unwritable_out_folder_is_refused(tmp_path, capsys, monkeypatch):
 def test_threads_applies_to_the_command_and_is_restored(capsys):
     before = torch.get_num_threads()
     code = main(
-        ["bench", "--json", "--threads", "2", "--d-model", "16", "--iterations", "2",
-         "--batch-size", "1", "--seq", "4", "--repeats", "1", "--no-naive"]
-    )  # fmt: skip
+        [
+            "bench",
+            "--json",
+            "--threads",
+            "2",
+            "--d-model",
+            "16",
+            "--iterations",
+            "2",
+            "--batch-size",
+            "1",
+            "--seq",
+            "4",
+            "--repeats",
+            "1",
+            "--no-naive",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out)["threads"] == 2
     assert torch.get_num_threads() == before
@@ -359,8 +412,13 @@ def test_the_heap_is_trimmed_only_past_what_it_may_keep(monkeypatch):
             trims.append(pad)
 
     monkeypatch.setattr(memory, "_glibc", lambda: Libc())
-    for free, keep, trimmed in [(100, 200, False), (200, 200, False), (201, 200, True),
-                                (None, 10**12, True), (1, 0, True)]:  # fmt: skip
+    for free, keep, trimmed in [
+        (100, 200, False),
+        (200, 200, False),
+        (201, 200, True),
+        (None, 10**12, True),
+        (1, 0, True),
+    ]:
         monkeypatch.setattr(memory, "free_heap_bytes", lambda free=free: free)
         assert memory.release_free_memory(keep) is trimmed
     assert trims == [0, 0, 0]
@@ -397,9 +455,13 @@ def test_the_protocol_returns_free_heap_pages_after_every_batch(monkeypatch):
     model = load("planted:distinct_computation")
     evaluation, calibration = task_data(model, None, 24, 16, 0)
     protocol = DepthControlProtocol(
-        model, k_grid=[1, model.n_iterations], batch_size=8, n_bootstrap=0, probe="none",
+        model,
+        k_grid=[1, model.n_iterations],
+        batch_size=8,
+        n_bootstrap=0,
+        probe="none",
         progress=False,
-    )  # fmt: skip
+    )
     protocol.run(evaluation, calibration)
     # The calibration pass and the evaluation pass: one release per batch of each (the
     # translators are fitted from states the calibration pass kept, with no pass of their own).

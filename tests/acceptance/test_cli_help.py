@@ -48,8 +48,10 @@ def test_every_command_declares_every_protocol_setting_with_one_spelling(capsys)
     )
     config = protocol_config(args, "validate")
     assert (config.calibration_mode, config.k_grid, config.match_confidence) == (
-        "diag", (1, 3), False,
-    )  # fmt: skip
+        "diag",
+        (1, 3),
+        False,
+    )
     assert config.n_bootstrap == COMMAND_DEFAULTS["validate"]["n_bootstrap"]
     assert protocol_config(parser.parse_args(["run", "--out", "x"]), "run").batch_size == 64
     assert parser.parse_args(["train", "--no-resume", "--out", "x"]).resume is False

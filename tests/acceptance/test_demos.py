@@ -184,10 +184,21 @@ def test_a_script_only_demo_imports_what_it_names(name: str) -> None:
 def test_the_retrofit_demo_distils_and_runs_dcp_at_a_toy_size(tmp_path: Path) -> None:
     """`python demos/retrofit_stories260k.py` end to end at a toy size: both models reported."""
     command = [
-        sys.executable, str(DEMOS / "retrofit_stories260k.py"), "--out", str(tmp_path),
-        "--steps", "3", "--sequences", "96", "--held-out", "32", "--length", "32",
-        "--bootstrap", "20",
-    ]  # fmt: skip
+        sys.executable,
+        str(DEMOS / "retrofit_stories260k.py"),
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "3",
+        "--sequences",
+        "96",
+        "--held-out",
+        "32",
+        "--length",
+        "32",
+        "--bootstrap",
+        "20",
+    ]
     subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=1200)
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert len(runs) == 2 and all("shares" in run for run in runs)
@@ -197,21 +208,30 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
     """demos/gpu_check.sh (the GPU measurement) end to end on the CPU at a toy Huginn size: the
     bench JSON it writes holds the figures it prints, per million tokens and peak memory."""
     environment = {
-        **os.environ, "DEVICE": "cpu", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "DEVICE": "cpu",
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
         "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch-size 1 --seq 8 --repeats 1",
         "GPU_CHECK_ARGS": "--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --batch-size 2 "
         "--matmul 64 --forward-repeats 1 --n-bootstrap 50 --probe none",
-    }  # fmt: skip
+    }
     completed = subprocess.run(
         ["bash", str(REPO / "demos" / "gpu_check.sh"), str(tmp_path)],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     bench = json.loads((tmp_path / "bench_huginn_bf16.json").read_text())
     assert bench["preset"] == "huginn" and bench["dtype"] == "bfloat16"
     assert (bench["model"]["n_prelude"], bench["model"]["n_core"], bench["model"]["n_coda"]) == (
-        2, 4, 2,
-    )  # fmt: skip
+        2,
+        4,
+        2,
+    )
     assert bench["model"]["n_layers"] == 2 + 4 * 2 + 2
     per_million = bench["sweep_seconds_per_million_tokens"]
     assert per_million == pytest.approx(1e6 / bench["sweep_tokens_per_second"])

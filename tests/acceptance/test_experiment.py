@@ -43,9 +43,23 @@ def experiment(tmp_path_factory) -> tuple[Path, str]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = main(
-            ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0,1",
-             "--dense-seeds", "0,1", "--jobs", "2", *CLI_SETTINGS, "--quiet", "--out", str(out)]
-        )  # fmt: skip
+            [
+                "experiment",
+                "training-intervention",
+                "--preset",
+                "tiny",
+                "--seeds",
+                "0,1",
+                "--dense-seeds",
+                "0,1",
+                "--jobs",
+                "2",
+                *CLI_SETTINGS,
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 0
     return out, printed.getvalue()
 
@@ -109,7 +123,7 @@ def test_regime_numbers_are_recomputed_from_the_saved_runs(experiment):
                     )
                 )
                 for run in runs
-            ],  # fmt: skip
+            ],
         }
         for name, values in per_seed.items():
             for entry, value in zip(row["per_seed"], values, strict=True):
@@ -151,8 +165,9 @@ def test_the_markdown_states_prediction_table_and_verdict(experiment):
     for regime in REGIMES:
         assert f"| {regime} | 0,1" in text
     assert "## Verdict" in text and "negative control" in text
-    labels = [check["label"] for checks in _document(out)["verdict"].values()
-              for check in checks.values()]  # fmt: skip
+    labels = [
+        check["label"] for checks in _document(out)["verdict"].values() for check in checks.values()
+    ]
     assert all(f"**{label}**" in text for label in labels)
 
 
@@ -357,9 +372,21 @@ def _lm_experiment(out: Path, preset_name: str, seeds: list[int], settings: list
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = main(
-            ["experiment", "training-intervention", "--preset", preset_name, "--seeds",
-             ",".join(map(str, seeds)), "--jobs", "2", *settings, "--quiet", "--out", str(out)]
-        )  # fmt: skip
+            [
+                "experiment",
+                "training-intervention",
+                "--preset",
+                preset_name,
+                "--seeds",
+                ",".join(map(str, seeds)),
+                "--jobs",
+                "2",
+                *settings,
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
     assert code == 0
     assert str(out / "intervention.html") in printed.getvalue()
     return _document(out)
@@ -444,18 +471,23 @@ def test_s_verdict_compares_brackets_where_both_runs_have_them(s_lower, s_upper,
 def test_s_lower_needs_a_readout_shift_in_fixed_to_shrink():
     """A fixed regime whose S bracket reaches zero has no S to shrink: a tested regime whose S
     is negative (calibration costs quality) is not 'lower' in the prediction's sense."""
-    fixed = {**FIXED_BRACKETED, **_row(S_lower_abs=(0.0, -0.002, 0.003),
-                                       S_upper_abs=(0.002, 0.0, 0.007))}  # fmt: skip
-    tested = {**_row(S_abs=(-0.008, -0.011, -0.004), D_abs=(0.2, 0.1, 0.3)),
-              **_row(S_lower_abs=(-0.008, -0.011, -0.004),
-                     S_upper_abs=(-0.008, -0.011, -0.004))}  # fmt: skip
+    fixed = {
+        **FIXED_BRACKETED,
+        **_row(S_lower_abs=(0.0, -0.002, 0.003), S_upper_abs=(0.002, 0.0, 0.007)),
+    }
+    tested = {
+        **_row(S_abs=(-0.008, -0.011, -0.004), D_abs=(0.2, 0.1, 0.3)),
+        **_row(S_lower_abs=(-0.008, -0.011, -0.004), S_upper_abs=(-0.008, -0.011, -0.004)),
+    }
     result = s_verdict(tested, fixed)
     assert result["label"] == "not resolved" and "no S to shrink" in result["why"]
 
 
 def test_d_verdict_compares_brackets_where_both_runs_have_them():
-    near = {**_row(S_abs=(0.2, 0.1, 0.3), D_abs=(0.35, 0.32, 0.4)),
-            **_row(D_lower_abs=(0.3, 0.28, 0.4), D_upper_abs=(0.35, 0.3, 0.45))}  # fmt: skip
+    near = {
+        **_row(S_abs=(0.2, 0.1, 0.3), D_abs=(0.35, 0.32, 0.4)),
+        **_row(D_lower_abs=(0.3, 0.28, 0.4), D_upper_abs=(0.35, 0.3, 0.45)),
+    }
     # Point intervals apart (0.32 > fixed's 0.3), brackets with their intervals overlapping.
     assert d_verdict(near, FIXED)["label"] == "not supported"
     assert d_verdict(near, FIXED_BRACKETED)["label"] == "supported"

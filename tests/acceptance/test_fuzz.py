@@ -55,9 +55,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Values a careless or hostile user types for a flag.
 HOSTILE = st.sampled_from(
-    ["", " ", "0", "-1", "1e3", "3e7", "abc", "..", "/", ".", ",", "1,,2", "1.5", "999999999999",
-     "nan", "planted:", "\x00", "../..", "-", "--out"]
-)  # fmt: skip
+    [
+        "",
+        " ",
+        "0",
+        "-1",
+        "1e3",
+        "3e7",
+        "abc",
+        "..",
+        "/",
+        ".",
+        ",",
+        "1,,2",
+        "1.5",
+        "999999999999",
+        "nan",
+        "planted:",
+        "\x00",
+        "../..",
+        "-",
+        "--out",
+    ]
+)
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats() | st.text(max_size=8),
     lambda inner: (
@@ -139,17 +159,37 @@ def run_arguments(draw: st.DrawFn) -> tuple[list[str], str]:
     if command == "run":
         model = draw(
             st.sampled_from(
-                ["planted:readout_shift", "planted:block_count", "..", ".", "/", "planted:nope",
-                 "huginn:/nonexistent", "default-dense", "huginn:.."]
+                [
+                    "planted:readout_shift",
+                    "planted:block_count",
+                    "..",
+                    ".",
+                    "/",
+                    "planted:nope",
+                    "huginn:/nonexistent",
+                    "default-dense",
+                    "huginn:..",
+                ]
             )
-        )  # fmt: skip
-        options = {"--model": model, "--n-eval": "16", "--n-calibration": "16",
-                   "--bootstrap": "5", "--probe": "none", "--out": out}  # fmt: skip
+        )
+        options = {
+            "--model": model,
+            "--n-eval": "16",
+            "--n-calibration": "16",
+            "--bootstrap": "5",
+            "--probe": "none",
+            "--out": out,
+        }
         flags = ["--k", "--metrics", "--batch-size", "--seed", "--threads", "--n-eval",
                  "--checkpoint-every", "--task", "--dense", "--max-tokens", "--dtype"]  # fmt: skip
     elif command == "validate":
-        options = {"--models": "readout_shift", "--n-eval": "16", "--n-calibration": "16",
-                   "--bootstrap": "5", "--out": out}  # fmt: skip
+        options = {
+            "--models": "readout_shift",
+            "--n-eval": "16",
+            "--n-calibration": "16",
+            "--bootstrap": "5",
+            "--out": out,
+        }
         flags = ["--models", "--metrics", "--n-eval", "--seed", "--threads"]
     else:
         options = {"--d-model": "16", "--iterations": "2", "--batch-size": "1", "--seq": "4",
@@ -222,11 +262,25 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 REPORT_OUTS = st.sampled_from(
-    ["results.json", "report.html", "report_data.json", "planted_readout_shift",
-     "planted_readout_shift/shares.csv", "planted_readout_shift/results.json", "new.html",
-     "new", "new/deeper/r.html", "INCOMPLETE", ".checkpoints", "plotly.min.js", "x.HTML",
-     "planted_readout_shift/report.html", "..", "results.json/x.html"]
-)  # fmt: skip
+    [
+        "results.json",
+        "report.html",
+        "report_data.json",
+        "planted_readout_shift",
+        "planted_readout_shift/shares.csv",
+        "planted_readout_shift/results.json",
+        "new.html",
+        "new",
+        "new/deeper/r.html",
+        "INCOMPLETE",
+        ".checkpoints",
+        "plotly.min.js",
+        "x.HTML",
+        "planted_readout_shift/report.html",
+        "..",
+        "results.json/x.html",
+    ]
+)
 
 
 @settings(QUICK, max_examples=6)
@@ -311,8 +365,16 @@ def check_folder_contract(
                 str(target / "r.html" if "file" in writer else target),
             ]
         else:
-            argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--overwrite",
-                    "--out", str(target)]  # fmt: skip
+            argv = [
+                "run",
+                "--model",
+                "planted:readout_shift",
+                *SMALL,
+                "--quiet",
+                "--overwrite",
+                "--out",
+                str(target),
+            ]
         if argv:
             code, err = cli(argv, capsys)
             check_cli_outcome(code, err, argv)
@@ -348,10 +410,12 @@ ARRAYS = st.builds(
         if kind == "list"
         else np.full((rows, cols), low).astype(kind)
     ),
-    st.integers(0, 3), st.integers(0, 6),
+    st.integers(0, 3),
+    st.integers(0, 6),
     st.sampled_from(["list", "int64", "int32", "uint8", "float32", "float64", "bool", "complex64"]),
-    st.integers(-2, 3), st.booleans(),
-)  # fmt: skip
+    st.integers(-2, 3),
+    st.booleans(),
+)
 POSITIONS = st.one_of(
     st.none(),
     st.lists(st.lists(st.one_of(st.integers(-2, 8), st.floats(-1, 8)), max_size=3), max_size=4),
@@ -478,8 +542,13 @@ def training_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]
 
 
 @QUICK
-@given(field=st.sampled_from(["step", "max_hops", "history", "parameter_names", "param_groups",
-                              "format", "config"]), value=JSON, drop=st.booleans())  # fmt: skip
+@given(
+    field=st.sampled_from(
+        ["step", "max_hops", "history", "parameter_names", "param_groups", "format", "config"]
+    ),
+    value=JSON,
+    drop=st.booleans(),
+)
 def test_training_states_restore_or_are_refused(tmp_path, training_state, field, value, drop):
     from dcp_lens.training.loop import make_optimizer
     from dcp_lens.training.regimes import build_model
@@ -507,10 +576,13 @@ TOKENS = st.builds(
     lambda batch, pos, dtype, low, high, meta: (
         torch.randint(low, high + 1, (batch, pos)).to(dtype).to("meta" if meta else "cpu")
     ),
-    st.integers(0, 3), st.integers(0, 10),
+    st.integers(0, 3),
+    st.integers(0, 10),
     st.sampled_from([torch.long, torch.int32, torch.float32, torch.uint8, torch.bool]),
-    st.integers(-3, 0), st.integers(0, 40), st.booleans(),
-)  # fmt: skip
+    st.integers(-3, 0),
+    st.integers(0, 40),
+    st.booleans(),
+)
 
 
 @functools.cache
@@ -584,9 +656,12 @@ def start(argv: list[str], cwd: Path) -> subprocess.Popen[bytes]:
     code = "import sys; from dcp_lens.cli import main; raise SystemExit(main(sys.argv[1:]))"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-c", code, *argv], cwd=cwd, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [sys.executable, "-c", code, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def kill_after(
@@ -626,8 +701,22 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def run_command(out: Path, seed: int, *extra: str) -> list[str]:
-    return ["run", "--model", "planted:readout_shift", *SMALL, "--seed", str(seed), "--quiet",
-            "--checkpoint-every", "1", "--batch-size", "8", "--out", str(out), *extra]  # fmt: skip
+    return [
+        "run",
+        "--model",
+        "planted:readout_shift",
+        *SMALL,
+        "--seed",
+        str(seed),
+        "--quiet",
+        "--checkpoint-every",
+        "1",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def check_killed_run(tmp_path: Path, rng: random.Random, reference: Path) -> None:

@@ -16,8 +16,11 @@ from dcp_lens.studies.validate import coverage, validate
 from dcp_lens.studies.validation_rules import judge, suite_passed
 from dcp_lens.zoo import planted
 
-NEW = [name for name in planted.PLANTED if name not in ("readout_shift", "distinct_computation",
-                                                       "block_count")]  # fmt: skip
+NEW = [
+    name
+    for name in planted.PLANTED
+    if name not in ("readout_shift", "distinct_computation", "block_count")
+]
 HARD = [name for name in NEW if not name.endswith("_soft")]
 N = 256
 
@@ -202,10 +205,23 @@ def test_judge_applies_the_stated_rules():
 
 def test_validate_command_writes_its_files(tmp_path, capsys):
     code = main(
-        ["validate", "--models", "readout_shift,mixture_shift_distinct", "--metrics",
-         "accuracy,kl_to_full", "--n-eval", "64", "--n-calibration", "64", "--bootstrap", "20",
-         "--quiet", "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "validate",
+            "--models",
+            "readout_shift,mixture_shift_distinct",
+            "--metrics",
+            "accuracy,kl_to_full",
+            "--n-eval",
+            "64",
+            "--n-calibration",
+            "64",
+            "--bootstrap",
+            "20",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "| readout_shift | accuracy | yes |" in printed
     assert "false alarms" in printed
@@ -287,9 +303,12 @@ def test_a_map_class_or_order_ambiguity_is_never_named(name):
     model = planted.load_planted(name)
     task = model.planted_task
     protocol = DepthControlProtocol(
-        model, metrics=("accuracy", "top1_agreement"), n_bootstrap=100, probe="none",
+        model,
+        metrics=("accuracy", "top1_agreement"),
+        n_bootstrap=100,
+        probe="none",
         progress=False,
-    )  # fmt: skip
+    )
     results = protocol.run(task.evaluation(N), task.calibration(N))
     for metric, decomposition in results.decompositions.items():
         record = decomposition.bracket_shares
@@ -330,9 +349,14 @@ def test_the_whole_validation_suite_passes(seed):
 
 def test_coverage_replicates_a_model_with_successive_seeds(tmp_path):
     table = coverage(
-        ["readout_shift"], ["accuracy"], replicates=3, n_eval=32, n_calibration=32,
-        n_bootstrap=20, probe="none",
-    )  # fmt: skip
+        ["readout_shift"],
+        ["accuracy"],
+        replicates=3,
+        n_eval=32,
+        n_calibration=32,
+        n_bootstrap=20,
+        probe="none",
+    )
     assert table["seeds"] == [0, 1, 2] and table["replicates"] == 3
     # Every replicate's record is kept, with its truth, so a miss can be traced to its seed.
     draws = table["draws"]["readout_shift"]["accuracy"]
@@ -345,7 +369,7 @@ def test_coverage_replicates_a_model_with_successive_seeds(tmp_path):
     # Each seed builds another model and data set: the estimates differ between replicates.
     assert 0 < entries["S"]["spread_ratio"] < float("inf"), entries["S"]
     assert table["passed"] == all(
-        entries[q]["covers_truth"] >= 0.9 for q in ("S", "B", "D", "S_bracket", "B_bracket",
-                                                    "D_bracket")
-    )  # fmt: skip
+        entries[q]["covers_truth"] >= 0.9
+        for q in ("S", "B", "D", "S_bracket", "B_bracket", "D_bracket")
+    )
     assert main(["validate", "--coverage", "1", "--quiet"]) == 2  # one replicate has no spread

@@ -21,8 +21,9 @@ from dcp_lens.cli import main
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.report.assets import PLOTLY_JS, plotly_js
 
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists()
-                                        else None)  # fmt: skip
+CHROMIUM = shutil.which("chromium") or (
+    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
+)
 OFFLINE_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -35,9 +36,19 @@ def default_run(tmp_path_factory) -> Path:
     """The bundled default pair (recurrent and dense) with small n: lens, attention, hops."""
     out = tmp_path_factory.mktemp("run") / "out"
     code = main(
-        ["run", "--out", str(out), "--n-eval", "64", "--n-calibration", "64",
-         "--bootstrap", "50", "--quiet"]
-    )  # fmt: skip
+        [
+            "run",
+            "--out",
+            str(out),
+            "--n-eval",
+            "64",
+            "--n-calibration",
+            "64",
+            "--bootstrap",
+            "50",
+            "--quiet",
+        ]
+    )
     assert code == 0
     return out
 
@@ -46,8 +57,13 @@ def test_run_writes_the_report_beside_results_and_tables(default_run) -> None:
     for name in ("report.html", "results.json", "report_data.json"):
         assert (default_run / name).is_file(), name
     for folder in ("default", "default-dense"):
-        for name in ("results.json", "decomposition.csv", "curves.csv", "shares.csv",
-                     "report_data.json"):  # fmt: skip
+        for name in (
+            "results.json",
+            "decomposition.csv",
+            "curves.csv",
+            "shares.csv",
+            "report_data.json",
+        ):
             assert (default_run / folder / name).is_file(), f"{folder}/{name}"
     data = json.loads((default_run / "report_data.json").read_text())
     assert data["command"].startswith("dcp-lens run --out")
@@ -108,9 +124,21 @@ def planted_run(tmp_path_factory) -> Path:
     """`dcp-lens run` on planted:readout_shift with small n: its answer is known (S)."""
     out = tmp_path_factory.mktemp("planted") / "out"
     code = main(
-        ["run", "--model", "planted:readout_shift", "--n-eval", "64", "--n-calibration", "64",
-         "--bootstrap", "50", "--quiet", "--out", str(out)]
-    )  # fmt: skip
+        [
+            "run",
+            "--model",
+            "planted:readout_shift",
+            "--n-eval",
+            "64",
+            "--n-calibration",
+            "64",
+            "--bootstrap",
+            "50",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     return out
 
@@ -160,10 +188,20 @@ def chromium(report: Path, profiles: Path, *flags: str) -> tuple[str, list[str]]
     assert CHROMIUM is not None
     profile = profiles / f"profile{len(list(profiles.iterdir()))}"
     done = subprocess.run(
-        [CHROMIUM, *OFFLINE_FLAGS, f"--user-data-dir={profile}", "--enable-logging=stderr",
-         "--v=0", *flags, report.as_uri()],
-        capture_output=True, text=True, timeout=300, check=True,
-    )  # fmt: skip
+        [
+            CHROMIUM,
+            *OFFLINE_FLAGS,
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            *flags,
+            report.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     # Chromium logs each console message as `...:CONSOLE:LINE] "message", source: URL (LINE)`.
     console = [line for line in done.stderr.splitlines() if re.search(r":CONSOLE[:(]", line)]
     return done.stdout, console
@@ -182,8 +220,14 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
     metrics = METRICS
     assert set(expected) == {
         *(f"{kind}_{metric}" for kind in ("quality", "decomposition") for metric in metrics),
-        "answer", "probe", "by_hops", "lens_0", "lens_1", "attention_0", "attention_1",
-    }  # fmt: skip
+        "answer",
+        "probe",
+        "by_hops",
+        "lens_0",
+        "lens_1",
+        "attention_0",
+        "attention_1",
+    }
 
     dom, console = chromium(report, tmp_path, "--virtual-time-budget=5000", "--dump-dom")
     assert console == [], console
@@ -198,8 +242,13 @@ def test_chromium_draws_every_figure_offline(default_run, tmp_path) -> None:
             plot = re.search(r'<rect class="nsewdrag drag"[^>]*\bheight="([\d.]+)"', dom[start:end])
             assert plot is not None and float(plot.group(1)) / rows >= 30, (name, plot)
     screenshot = tmp_path / "report.png"
-    chromium(report, tmp_path, f"--screenshot={screenshot}", "--window-size=1200,1600",
-             "--virtual-time-budget=5000")  # fmt: skip
+    chromium(
+        report,
+        tmp_path,
+        f"--screenshot={screenshot}",
+        "--window-size=1200,1600",
+        "--virtual-time-budget=5000",
+    )
     assert screenshot.stat().st_size > 10_000
 
 
@@ -210,8 +259,9 @@ def test_chromium_reports_a_missing_plotly_js(default_run, tmp_path) -> None:
     alone = tmp_path / "alone"
     alone.mkdir()
     shutil.copy(default_run / "report.html", alone / "report.html")
-    dom, console = chromium(alone / "report.html", tmp_path, "--virtual-time-budget=5000",
-                            "--dump-dom")  # fmt: skip
+    dom, console = chromium(
+        alone / "report.html", tmp_path, "--virtual-time-budget=5000", "--dump-dom"
+    )
     assert console and all("Plotly is not defined" in line for line in console), console
     assert 'class="main-svg"' not in dom
     assert f'<p class="flag">The figures need {PLOTLY_JS}, which did not load' in dom
@@ -252,8 +302,11 @@ def _hostile_folder(run_folder: Path, folder: Path) -> dict[str, str]:
         names[run["model"]] = hostile(f"model{i}")
     results = _rename(results, names)
     for run in results["runs"]:  # a condition of another sweep, beside those the run needs
-        run["curves"] += [{**row, "condition": hostile("condition")} for row in run["curves"]
-                          if row["condition"] == "calibrate_truncate"]  # fmt: skip
+        run["curves"] += [
+            {**row, "condition": hostile("condition")}
+            for row in run["curves"]
+            if row["condition"] == "calibrate_truncate"
+        ]
         run["metadata"][hostile("metadata-key")] = hostile("metadata-value")
         run["metadata"]["config"][hostile("config-key")] = [hostile("config-item")]
         run["null_control"][hostile("null-key")] = hostile("null-value")
@@ -302,17 +355,20 @@ def test_hostile_strings_in_every_field_stay_text(default_run, tmp_path) -> None
     figures = [attrs for tag, attrs in written if tag == "div" and "data-figure" in attrs]
     # plotly.min.js, the note if it is missing, one script per figure: nothing more.
     assert sum(tag == "script" for tag, _ in written) == 2 + len(figures)
-    assert {attrs["data-figure"] for attrs in figures} >= {f"quality_{m}" for m in names.values()
-                                                           if "metric" in m}  # fmt: skip
+    assert {attrs["data-figure"] for attrs in figures} >= {
+        f"quality_{m}" for m in names.values() if "metric" in m
+    }
 
     dom, console = chromium(report, tmp_path, "--virtual-time-budget=5000", "--dump-dom")
     assert console == [], console
     elements = _elements(dom)
     injected = [
-        (tag, attrs) for tag, attrs in elements
-        if tag == "img" or "pwned" in (attrs.get("class") or "")
+        (tag, attrs)
+        for tag, attrs in elements
+        if tag == "img"
+        or "pwned" in (attrs.get("class") or "")
         or any(name.startswith("on") for name in attrs)
-    ]  # fmt: skip
+    ]
     assert injected == [], injected[:3]
     title = dom.split("<title>", 1)[1].split("</title>", 1)[0]
     assert title.startswith("DCP report: model0"), title  # no script set it

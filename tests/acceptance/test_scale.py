@@ -25,8 +25,11 @@ def _dcp_lens(args: list[str], env: dict[str, str] | None = None) -> subprocess.
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "dcp_lens", *args],
-        env=environment, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _largest_difference(a: Any, b: Any, path: str = "") -> float:
@@ -54,10 +57,24 @@ def test_torchrun_two_processes_match_one(tmp_path):
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "dcp_lens", *args, "--out", str(tmp_path / "two")],
-        env=environment, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "dcp_lens",
+            *args,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert launched.returncode == 0, launched.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     two = json.loads((tmp_path / "two" / "results.json").read_text())

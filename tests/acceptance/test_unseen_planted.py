@@ -112,8 +112,10 @@ def test_an_unseen_planted_kind_is_bracketed_or_flagged_never_confidently_wrong(
         judgement = rules.judge_run(run, metric, truth, identifiable=False)
         verdict = run["shares"][metric]["verdict"]
         assert judgement.in_bracket or judgement.flagged_every_k or verdict == "inconclusive", (
-            name, metric, judgement,
-        )  # fmt: skip
+            name,
+            metric,
+            judgement,
+        )
         assert verdict in ("inconclusive", "mixed") or verdict in factors, (name, metric, verdict)
         # Never a named factor whose truth is below 0.65 of the gap.
         assert not judgement.confident_wrong, (name, metric, verdict, truth)

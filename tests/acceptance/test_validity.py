@@ -127,9 +127,18 @@ def test_shares_of_a_gap_that_may_be_zero_are_flagged_unstable():
         if not (low > 0 or high < 0):
             assert record["shares"][metric]["verdict"] == "inconclusive", metric
     assert set(record["shares"]["cross_entropy"]) == {
-        "S", "B", "D", "stable", "S_lower", "S_upper", "S_identified", "B_identified", "verdict",
-        "reason", "bound",
-    }  # fmt: skip
+        "S",
+        "B",
+        "D",
+        "stable",
+        "S_lower",
+        "S_upper",
+        "S_identified",
+        "B_identified",
+        "verdict",
+        "reason",
+        "bound",
+    }
     assert record["metrics"]["cross_entropy"].keys() >= {"validated", "reason"}
 
 
@@ -171,8 +180,11 @@ def test_mixture_calibration_is_the_identity_where_the_marginals_agree():
     # And it does repair a shift that differs between clusters (opposite translations).
     shift = torch.where(torch.arange(3)[:, None] == 0, 2.0, -2.0).to(torch.float64)
     which = torch.randint(3, (3000,), generator=generator)
-    shifted = centres[which] + shift[which] + 0.3 * torch.randn(3000, 6, generator=generator,
-                                                                 dtype=torch.float64)  # fmt: skip
+    shifted = (
+        centres[which]
+        + shift[which]
+        + 0.3 * torch.randn(3000, 6, generator=generator, dtype=torch.float64)
+    )
     repaired = MixtureCalibration.fit(shifted, reference, components=6, seed=0)(shifted)
     pooled = fit_calibration(shifted, reference, "full")(shifted)
     spread = float(torch.cdist(reference, centres).min(-1).values.mean())  # ~0.71
@@ -184,9 +196,13 @@ def test_mixture_calibration_keeps_the_distinct_computation_model_all_d():
     model = load("planted:distinct_computation")
     task = model.planted_task
     protocol = DepthControlProtocol(
-        model, calibration_mode="mixture", metrics=("accuracy",), n_bootstrap=100,
-        probe="none", progress=False,
-    )  # fmt: skip
+        model,
+        calibration_mode="mixture",
+        metrics=("accuracy",),
+        n_bootstrap=100,
+        probe="none",
+        progress=False,
+    )
     shares = protocol.run(task.evaluation(256), task.calibration(256)).shares().iloc[0]
     assert shares["D"] >= 0.9 and abs(shares["S"]) <= 0.1
 
@@ -301,9 +317,13 @@ def test_noisy_initial_states_do_not_depend_on_batch_size_or_order():
 
     def run(data: EvaluationSet, batch_size: int):
         protocol = DepthControlProtocol(
-            model, batch_size=batch_size, n_bootstrap=100, probe="none", noise_draws=2,
+            model,
+            batch_size=batch_size,
+            n_bootstrap=100,
+            probe="none",
+            noise_draws=2,
             progress=False,
-        )  # fmt: skip
+        )
         return protocol.run(data, calibration).table()
 
     first, second = run(evaluation, 7), run(shuffled, 16)

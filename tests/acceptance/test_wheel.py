@@ -26,8 +26,11 @@ def _tree() -> list[str]:
     if (ROOT / ".git").exists() and shutil.which("git"):
         listed = subprocess.run(
             ["git", "ls-files", "dcp_lens", "hooks"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout.split()  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     else:
         listed = [
             str(p.relative_to(ROOT))
@@ -61,10 +64,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in SOURCES[2:]:
         shutil.copy2(ROOT / name, source / name)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-         "--wheel-dir", str(work / "dist"), str(source)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            str(work / "dist"),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     (built,) = (work / "dist").glob("dcp_lens-*.whl")
     return built
@@ -77,9 +92,13 @@ def test_the_wheel_holds_the_package_tree_and_nothing_else(wheel: Path) -> None:
     assert sorted(set(tree) - set(package)) == [], "in the tree, not in the wheel"
     assert sorted(set(package) - set(tree)) == [], "in the wheel, not in the tree"
     # What the README's examples read, and what `dcp-lens --help` needs.
-    assert {"dcp_lens/data/fixtures/huginn_tiny/model.safetensors",
-            "dcp_lens/data/tinyshakespeare.txt", "dcp_lens/utils/errors.py",
-            "dcp_lens/hooks/__init__.py", "dcp_lens/py.typed"} <= set(package)  # fmt: skip
+    assert {
+        "dcp_lens/data/fixtures/huginn_tiny/model.safetensors",
+        "dcp_lens/data/tinyshakespeare.txt",
+        "dcp_lens/utils/errors.py",
+        "dcp_lens/hooks/__init__.py",
+        "dcp_lens/py.typed",
+    } <= set(package)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "dcp-lens = dcp_lens.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -42,6 +42,12 @@ def test_the_stage_contracts_hold() -> None:
     [
         ("model/config.py", "from dcp_lens.zoo import registry", "dcp_lens.model is not allowed"),
         ("utils/errors.py", "from dcp_lens.tasks import get_task", "dcp_lens.utils is not allowed"),
+        ("studies/run.py", "from dcp_lens.cli import main", "dcp_lens.studies is not allowed"),
+        (
+            "cli/help.py",
+            "from dcp_lens.cli.parser import build_parser",
+            "dcp_lens.cli.help is not allowed to import dcp_lens.cli.parser",
+        ),
         (
             "report/figures.py",
             "    from dcp_lens.protocol.dcp import DepthControlProtocol",

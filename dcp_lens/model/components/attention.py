@@ -146,9 +146,12 @@ class Attention(nn.Module):
             # Nobody reads the scores or the pattern: one fused kernel that never forms them.
             mask = None if past == 0 else _causal(n_query, n_key, past, x.device).logical_not()
             z = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=mask, is_causal=past == 0,
-            ).transpose(1, 2)  # fmt: skip
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                is_causal=past == 0,
+            ).transpose(1, 2)
         else:
             scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
             future = _causal(n_query, n_key, past, x.device)
@@ -169,9 +172,13 @@ def _watched(point: HookPoint) -> bool:
     forward or backward hook registered on it, or a wrapper that replaced its ``forward``
     (nnsight's) while that wrapper is tracing."""
     return bool(
-        point.fwd_hooks or point.bwd_hooks or point._forward_hooks
-        or point._forward_pre_hooks or point._backward_hooks or point._backward_pre_hooks
-    ) or _wrapped_and_tracing(point)  # fmt: skip
+        point.fwd_hooks
+        or point.bwd_hooks
+        or point._forward_hooks
+        or point._forward_pre_hooks
+        or point._backward_hooks
+        or point._backward_pre_hooks
+    ) or _wrapped_and_tracing(point)
 
 
 # Where nnsight keeps a wrapped module's state (``module.__dict__``); its ``active()`` returns

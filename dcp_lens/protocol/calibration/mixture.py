@@ -244,10 +244,17 @@ def _transport_plan(
     from scipy.optimize import linprog
 
     k = len(source)
-    a = torch.tensor([float(w) if g is not None else 0.0 for w, g in zip(source_weight, source,
-                      strict=True)], dtype=torch.float64)  # fmt: skip
-    b = torch.tensor([float(w) if g is not None else 0.0 for w, g in zip(reference_weight,
-                      reference, strict=True)], dtype=torch.float64)  # fmt: skip
+    a = torch.tensor(
+        [float(w) if g is not None else 0.0 for w, g in zip(source_weight, source, strict=True)],
+        dtype=torch.float64,
+    )
+    b = torch.tensor(
+        [
+            float(w) if g is not None else 0.0
+            for w, g in zip(reference_weight, reference, strict=True)
+        ],
+        dtype=torch.float64,
+    )
     if float(a.sum()) <= 0 or float(b.sum()) <= 0:
         raise ValueError("no cluster has enough states on both sides to fit a mixture map.")
     a, b = a / a.sum(), b / b.sum()

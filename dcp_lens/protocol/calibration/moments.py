@@ -153,10 +153,12 @@ class StreamingMoments:
         # The part's sums about the whole's mean, taken off the whole's; what is left are the
         # rest's sums about the whole's mean, recentred onto the rest's own mean.
         moved = _recentre(
-            part._count, part_mean - self._mean,
+            part._count,
+            part_mean - self._mean,
             part._scatter.to(device=device, dtype=torch.float64),
-            part._norm_weighted_sum.to(device), part._fourth_sum.to(device),
-        )  # fmt: skip
+            part._norm_weighted_sum.to(device),
+            part._fourth_sum.to(device),
+        )
         about_whole = (
             whole - piece
             for whole, piece in zip(

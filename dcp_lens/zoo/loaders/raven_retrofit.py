@@ -394,8 +394,10 @@ def parent_layers(retrofit: str | Path, parent: str | Path) -> dict[str, Any]:
     blocks = SafetensorsCheckpoint(Path(retrofit))
     if raven_family(raven, blocks.shapes) not in VARIANTS:
         raise ConfigError(f"{retrofit} is not a retrofitted-recurrence checkpoint folder.")
-    counts = {our: required_int(raven, field, str(retrofit_config_path))
-              for our, field in RAVEN_COUNTS.items()}  # fmt: skip
+    counts = {
+        our: required_int(raven, field, str(retrofit_config_path))
+        for our, field in RAVEN_COUNTS.items()
+    }
     layers = SafetensorsCheckpoint(Path(parent))
     n_layers = len({key.split(".")[2] for key in layers.shapes if key.startswith("model.layers.")})
     if n_layers < sum(counts.values()):
@@ -403,14 +405,16 @@ def parent_layers(retrofit: str | Path, parent: str | Path) -> dict[str, Any]:
             f"{parent} has {n_layers} layers (model.layers.*) but {retrofit} has "
             f"{sum(counts.values())} blocks; it is not this retrofit's dense parent."
         )
-    wanted = [f"model.layers.{i}.self_attn.{name}.weight" for i in range(n_layers)
-              for name in PARENT_QKV]  # fmt: skip
+    wanted = [
+        f"model.layers.{i}.self_attn.{name}.weight" for i in range(n_layers) for name in PARENT_QKV
+    ]
     parent_tensors = layers.read(wanted)
     parent_qkv = [
         torch.cat([parent_tensors[f"model.layers.{i}.self_attn.{n}.weight"] for n in PARENT_QKV])
-        .flatten().float()
+        .flatten()
+        .float()
         for i in range(n_layers)
-    ]  # fmt: skip
+    ]
     mapping: dict[str, Any] = {}
     similarities: list[float] = []
     for (part, _), ours in zip(PARTS, ("prelude", "core", "coda"), strict=True):

@@ -155,10 +155,25 @@ IDENTIFIABLE = {
 
 # The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
 # judges every model of BRACKET_PLANTED by the bracket rule (docs/validation.md).
-PLANTED = tuple(name for name in BUILDERS if name not in ("distinct_computation_context",
-    "block_count_context", "frame_flip", "distinct_computation_skewed", "mixture_three_way",
-    "distinct_computation_smooth", "readout_shift_step", "frame_flip_gated",
-    "frame_warp", "readout_shift_walk", "nuisance_shift", "nuisance_distinct"))  # fmt: skip
+PLANTED = tuple(
+    name
+    for name in BUILDERS
+    if name
+    not in (
+        "distinct_computation_context",
+        "block_count_context",
+        "frame_flip",
+        "distinct_computation_skewed",
+        "mixture_three_way",
+        "distinct_computation_smooth",
+        "readout_shift_step",
+        "frame_flip_gated",
+        "frame_warp",
+        "readout_shift_walk",
+        "nuisance_shift",
+        "nuisance_distinct",
+    )
+)
 # The nuisance models test the translators' gate (tests/integration/zoo/test_nuisance.py); they
 # are not in the validation suite, whose committed tables they would change.
 NUISANCE_PLANTED = ("nuisance_shift", "nuisance_distinct")

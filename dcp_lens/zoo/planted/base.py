@@ -68,11 +68,22 @@ def base_config(
     d_model: int, d_vocab: int, n_iterations: int, d_mlp: int, n_prelude: int = 0
 ) -> RecurrentConfig:
     return RecurrentConfig(
-        d_model=d_model, n_heads=1, d_head=d_model, d_mlp=d_mlp, d_vocab=d_vocab,
-        n_ctx=SEQUENCE_LENGTH, n_prelude=n_prelude, n_core=1, n_coda=0, n_iterations=n_iterations,
-        injection="none", state_init="embed", normalization_type="RMS", eps=1e-12,
+        d_model=d_model,
+        n_heads=1,
+        d_head=d_model,
+        d_mlp=d_mlp,
+        d_vocab=d_vocab,
+        n_ctx=SEQUENCE_LENGTH,
+        n_prelude=n_prelude,
+        n_core=1,
+        n_coda=0,
+        n_iterations=n_iterations,
+        injection="none",
+        state_init="embed",
+        normalization_type="RMS",
+        eps=1e-12,
         positional_embedding_type="learned",
-    )  # fmt: skip
+    )
 
 
 class PlantedModel(HookedRecurrentTransformer):
@@ -146,8 +157,10 @@ def mixture(first: PlantedModel, second: PlantedModel, factors: tuple[str, str])
     d = d1 + d2
     cfg = base_config(d, v1 + v2, first.n_iterations, m1 + m2)
     model = blank_model(cfg)
-    blocks = ((first, slice(0, d1), slice(0, v1), slice(0, m1)),
-              (second, slice(d1, d), slice(v1, v1 + v2), slice(m1, m1 + m2)))  # fmt: skip
+    blocks = (
+        (first, slice(0, d1), slice(0, v1), slice(0, m1)),
+        (second, slice(d1, d), slice(v1, v1 + v2), slice(m1, m1 + m2)),
+    )
     with torch.no_grad():
         mlp = model._core[0][0].mlp
         for part, state, vocab, hidden in blocks:
@@ -191,11 +204,22 @@ def adapter_config(d_model: int, d_vocab: int, n_iterations: int, d_mlp: int) ->
     every iteration without staying in the state (what the remaining computation needs is then
     absent from s_k)."""
     return RecurrentConfig(
-        d_model=d_model, n_heads=1, d_head=d_model, d_mlp=d_mlp, d_vocab=d_vocab,
-        n_ctx=SEQUENCE_LENGTH, n_prelude=0, n_core=1, n_coda=0, n_iterations=n_iterations,
-        injection="concat_adapter", state_init="embed", normalization_type="RMS", eps=1e-12,
+        d_model=d_model,
+        n_heads=1,
+        d_head=d_model,
+        d_mlp=d_mlp,
+        d_vocab=d_vocab,
+        n_ctx=SEQUENCE_LENGTH,
+        n_prelude=0,
+        n_core=1,
+        n_coda=0,
+        n_iterations=n_iterations,
+        injection="concat_adapter",
+        state_init="embed",
+        normalization_type="RMS",
+        eps=1e-12,
         positional_embedding_type="learned",
-    )  # fmt: skip
+    )
 
 
 def route(model: PlantedModel, from_state: Sequence[int], from_input: Sequence[int]) -> None:

@@ -203,11 +203,16 @@ def embed(
     if getattr(model, "tokenizer", None) is not None:
         embedded.tokenizer = model.tokenizer
     embedded.embedding = {
-        "width": width, "seed": seed, "d_original": d, "d_shadow": d_shadow,
-        "shadow": g, "static_scale": c, "static_nuisance": eta if nuisance is not None else 0.0,
-        "n_static": int(static.sum()), "position_nuisance": bool(
-            nuisance is not None and nuisance[1].abs().sum() > 0),
-    }  # fmt: skip
+        "width": width,
+        "seed": seed,
+        "d_original": d,
+        "d_shadow": d_shadow,
+        "shadow": g,
+        "static_scale": c,
+        "static_nuisance": eta if nuisance is not None else 0.0,
+        "n_static": int(static.sum()),
+        "position_nuisance": bool(nuisance is not None and nuisance[1].abs().sum() > 0),
+    }
     return embedded
 
 

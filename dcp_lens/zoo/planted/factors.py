@@ -223,8 +223,12 @@ def _type_dependent_shift(
     d_model = n_answers + 5
     cfg = base_config(d_model, n_inputs, r, 2 * d_model)
     model = blank_model(cfg)
-    z, clock_a, clock_b, carrier = slice(0, n_answers), [n_answers, n_answers + 1], \
-        [n_answers + 2, n_answers + 3], n_answers + 4  # fmt: skip
+    z, clock_a, clock_b, carrier = (
+        slice(0, n_answers),
+        [n_answers, n_answers + 1],
+        [n_answers + 2, n_answers + 3],
+        n_answers + 4,
+    )
     angle = 2 * math.pi / 11
     turn = torch.tensor([[math.cos(angle), math.sin(angle)], [-math.sin(angle), math.cos(angle)]])
     mirror = torch.diag(torch.tensor([1.0, -1.0]))

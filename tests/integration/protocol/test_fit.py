@@ -21,9 +21,14 @@ def _run(name: str, groups: int) -> dict:
     model = planted.load_planted(name, seed=0)
     task = model.planted_task
     protocol = DepthControlProtocol(
-        model, metrics=("accuracy",), n_bootstrap=50, probe="none", progress=False, seed=0,
+        model,
+        metrics=("accuracy",),
+        n_bootstrap=50,
+        probe="none",
+        progress=False,
+        seed=0,
         calibration_groups=groups,
-    )  # fmt: skip
+    )
     results = protocol.run(task.evaluation(N), task.calibration(N)).to_results_json()
     return results["runs"][0] if "runs" in results else results
 

@@ -116,9 +116,15 @@ def test_a_map_that_can_compute_never_identifies_s():
     model = planted.load_planted("readout_shift", seed=0)
     task = model.planted_task
     protocol = DepthControlProtocol(
-        model, metrics=("accuracy",), n_bootstrap=50, probe="none", progress=False, seed=0,
-        calibration_mode="mixture", calibration_groups=0,
-    )  # fmt: skip
+        model,
+        metrics=("accuracy",),
+        n_bootstrap=50,
+        probe="none",
+        progress=False,
+        seed=0,
+        calibration_mode="mixture",
+        calibration_groups=0,
+    )
     run = protocol.run(task.evaluation(N), task.calibration(N)).to_results_json()
     run = run["runs"][0] if "runs" in run else run
     shares = run["shares"]["accuracy"]

@@ -28,8 +28,10 @@ def null_rows(html: str) -> list[list[str]]:
     table = html.split("<table class='null-controls'>", 1)[1].split("</table>", 1)[0]
     body = table.split("<tbody>", 1)[1]
     rows = re.findall(r"<tr>(.*?)</tr>", body)
-    return [[unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td>(.*?)</td>", row)]
-            for row in rows]  # fmt: skip
+    return [
+        [unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td>(.*?)</td>", row)]
+        for row in rows
+    ]
 
 
 def test_null_controls_are_a_table_with_a_mark_per_check(planted_run) -> None:

@@ -105,8 +105,9 @@ def test_the_report_loads_only_the_plotly_js_beside_it(planted_results, tmp_path
 
 def test_the_protocol_takes_task_batches_and_a_bundled_models_task() -> None:
     model = load("default")
-    protocol = DepthControlProtocol(model, k_grid=[1, 4], n_bootstrap=0, probe="none",
-                                    progress=False)  # fmt: skip
+    protocol = DepthControlProtocol(
+        model, k_grid=[1, 4], n_bootstrap=0, probe="none", progress=False
+    )
     results = protocol.run(task_of(model).evaluation(16), task_of(model).calibration(16))
     assert results.model == "default" and results.metrics[0] == "accuracy"
     with pytest.raises(TypeError, match="EvaluationSet.from_task_batch"):

@@ -30,8 +30,9 @@ def _check(out: Path, variant: str) -> None:
     runs = json.loads((out / "results.json").read_text())["runs"]
     model, parent = _specs(variant)
     assert [(r["model"], r["architecture"]) for r in runs] == [
-        (model, "recurrent"), (parent, "dense"),
-    ]  # fmt: skip
+        (model, "recurrent"),
+        (parent, "dense"),
+    ]
     for record in runs:
         pairing = record["metadata"]["layer_pairing"]
         assert {k: pairing[k] for k in EXPECTED[variant]} == EXPECTED[variant]
@@ -48,10 +49,29 @@ def _check(out: Path, variant: str) -> None:
 def test_cli_runs_a_retrofit_with_its_dense_parent_as_the_control(tmp_path: Path) -> None:
     model, parent = _specs("llama")
     code = main(
-        ["run", "--model", model, "--dense-control", parent, "--task", f"text:{SHAKESPEARE}",
-         "--max-tokens", "1200", "--seq-len", "16", "--k", "1,2", "--bootstrap", "10",
-         "--probe", "none", "--quiet", "--out", str(tmp_path / "out")]
-    )  # fmt: skip
+        [
+            "run",
+            "--model",
+            model,
+            "--dense-control",
+            parent,
+            "--task",
+            f"text:{SHAKESPEARE}",
+            "--max-tokens",
+            "1200",
+            "--seq-len",
+            "16",
+            "--k",
+            "1,2",
+            "--bootstrap",
+            "10",
+            "--probe",
+            "none",
+            "--quiet",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 0
     _check(tmp_path / "out", "llama")
 

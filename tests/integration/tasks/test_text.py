@@ -261,10 +261,27 @@ def test_bfloat16_decomposition_is_within_the_stated_bound_of_float32(name: str)
 )
 def test_run_on_text_in_bfloat16(tmp_path: Path, spec: str) -> None:
     code = main(
-        ["run", "--model", spec, "--task", f"text:{SHAKESPEARE}", "--dtype", "bfloat16",
-         "--max-tokens", "3000", "--seq-len", "32", "--bootstrap", "20", "--probe", "none",
-         "--quiet", "--out", str(tmp_path / "out")]
-    )  # fmt: skip
+        [
+            "run",
+            "--model",
+            spec,
+            "--task",
+            f"text:{SHAKESPEARE}",
+            "--dtype",
+            "bfloat16",
+            "--max-tokens",
+            "3000",
+            "--seq-len",
+            "32",
+            "--bootstrap",
+            "20",
+            "--probe",
+            "none",
+            "--quiet",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 0
     run = json.loads((tmp_path / "out" / "results.json").read_text())["runs"][0]
     windows = 3000 // (32 if spec.startswith("llama2c") else 33)

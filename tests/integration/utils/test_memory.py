@@ -60,12 +60,21 @@ print(json.dumps({
 def _measured(n_eval: int) -> dict[str, float]:
     # A fixed mmap threshold: every tensor its own mapping, so the resident size follows the
     # tensors alive rather than what the heap keeps (`dcp_lens.utils.memory`).
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "DCP_LENS_MMAP_THRESHOLD": "131072"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "DCP_LENS_MMAP_THRESHOLD": "131072",
+    }
     done = subprocess.run(
-        [sys.executable, "-c", RUN, str(n_eval)], capture_output=True, text=True, env=env,
-        cwd=ROOT, timeout=900, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", RUN, str(n_eval)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=900,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -109,7 +118,11 @@ def test_the_estimate_at_huginn_shape_fits_one_80_gb_gpu() -> None:
     with torch.device("meta"):
         model = HookedRecurrentTransformer(bench_config("huginn")).to(torch.bfloat16)
     cpu = estimate_run_memory(
-        ModelShape.of(model), batch_size=8, seq_len=1024, n_streams=17,
-        calibration_groups=10, device_type="cpu",
-    )  # fmt: skip
+        ModelShape.of(model),
+        batch_size=8,
+        seq_len=1024,
+        n_streams=17,
+        calibration_groups=10,
+        device_type="cpu",
+    )
     assert cpu.terms["moments"] / GIB > 4 * estimate["terms_gib"]["moments"]

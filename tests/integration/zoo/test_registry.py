@@ -35,12 +35,21 @@ def toy_config(spec: dict[str, Any], **overrides: Any) -> RecurrentConfig:
     """The toy format's ``toy.json`` as a `RecurrentConfig`: pre-norm RMS blocks, rotate-half
     rotary, a gated MLP, the state and the prelude output merged by a [d, 2d] adapter."""
     fields: dict[str, Any] = dict(
-        d_model=spec["width"], n_heads=spec["heads"], d_head=spec["width"] // spec["heads"],
-        d_mlp=2 * spec["width"], d_vocab=spec["vocab"], n_ctx=64, n_prelude=spec["first"],
-        n_core=spec["looped"], n_coda=spec["last"], n_iterations=spec["loops"],
-        injection="concat_adapter", normalization_type="RMS",
-        positional_embedding_type="rotary_rotate_half", act_fn="silu_gated",
-    )  # fmt: skip
+        d_model=spec["width"],
+        n_heads=spec["heads"],
+        d_head=spec["width"] // spec["heads"],
+        d_mlp=2 * spec["width"],
+        d_vocab=spec["vocab"],
+        n_ctx=64,
+        n_prelude=spec["first"],
+        n_core=spec["looped"],
+        n_coda=spec["last"],
+        n_iterations=spec["loops"],
+        injection="concat_adapter",
+        normalization_type="RMS",
+        positional_embedding_type="rotary_rotate_half",
+        act_fn="silu_gated",
+    )
     return RecurrentConfig(**{**fields, **overrides})
 
 
@@ -88,9 +97,11 @@ def write_toy(model: HookedRecurrentTransformer, folder: Path) -> None:
     """``model``'s weights in the toy format (the inverse of `load_toy`)."""
     weights = model.canonical_state_dict()
     tensors = {
-        "embedding": weights["embed.W_E"], "merge": weights["inject.W_adapter"],
-        "final_norm": weights["ln_final.w"], "head": weights["unembed.W_U"].T,
-    }  # fmt: skip
+        "embedding": weights["embed.W_E"],
+        "merge": weights["inject.W_adapter"],
+        "final_norm": weights["ln_final.w"],
+        "head": weights["unembed.W_U"].T,
+    }
     for n, source in enumerate(toy_parts(model.cfg)):
         flat = [weights[f"{source}.attn.W_{x}"].transpose(1, 2).flatten(0, 1) for x in "QKV"]
         tensors |= {

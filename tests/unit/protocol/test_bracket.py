@@ -380,8 +380,11 @@ def test_a_gap_of_float_rounding_is_no_gap_to_identify():
     assert bool(exact.per_k["S_identified"][3])
     # A real gap of a millionth of the largest and up is still a gap.
     assert has_gap([1e-6, 1e-9, 0.0, 0.5], [1e-6, 1e-9, 0.0, 0.5], BracketRule()).tolist() == [
-        True, False, False, True
-    ]  # fmt: skip
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 def percentile_bounds(draws):
@@ -406,8 +409,14 @@ def percentile_bounds(draws):
 def test_at_least_only_for_a_bound_below_the_point(least, point, start):
     from dcp_lens.protocol.verdicts import _bracket_verdict
 
-    record = {"verdict": "S", "reason": "", "S_lower": point, "S_upper": 1.0,
-              "S_lower_lo": least, "S_upper_hi": 1.01}  # fmt: skip
+    record = {
+        "verdict": "S",
+        "reason": "",
+        "S_lower": point,
+        "S_upper": 1.0,
+        "S_lower_lo": least,
+        "S_upper_hi": 1.01,
+    }
     text = _bracket_verdict(record)
     assert text.startswith(start), text
     assert "S bracket [" in text and "(95% interval [" in text

@@ -10,9 +10,14 @@ HUGINN = ModelShape(5280, 65536, 17920, 32, 3_564_976_800, 2, 55)
 
 def _estimate(device_type: str, groups: int = 10):
     return estimate_run_memory(
-        HUGINN, batch_size=8, seq_len=1024, n_streams=17, calibration_groups=groups,
-        readout_rows=4096, device_type=device_type,
-    )  # fmt: skip
+        HUGINN,
+        batch_size=8,
+        seq_len=1024,
+        n_streams=17,
+        calibration_groups=groups,
+        readout_rows=4096,
+        device_type=device_type,
+    )
 
 
 def test_parked_groups_are_host_memory_beside_the_devices_peak() -> None:

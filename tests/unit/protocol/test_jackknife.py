@@ -43,9 +43,14 @@ def test_identical_groups_leave_the_intervals_as_they_are():
     rows = np.arange(0, N, 10)
     plain = decompose(values, GRID, n_iterations=R, n_bootstrap=300, seed=1)
     same = decompose(
-        values, GRID, n_iterations=R, n_bootstrap=300, seed=1,
-        jackknife=_jackknife(values, rows, 0.0), jackknife_rows=rows,
-    )  # fmt: skip
+        values,
+        GRID,
+        n_iterations=R,
+        n_bootstrap=300,
+        seed=1,
+        jackknife=_jackknife(values, rows, 0.0),
+        jackknife_rows=rows,
+    )
     assert same.shares["S_lo"] == pytest.approx(plain.shares["S_lo"])
     assert same.shares["S_hi"] == pytest.approx(plain.shares["S_hi"])
     assert same.shares["S"] == plain.shares["S"]  # the point never moves
@@ -57,9 +62,14 @@ def test_a_spread_fit_widens_the_interval_of_s_by_its_jackknife_variance():
     plain = decompose(values, GRID, n_iterations=R, n_bootstrap=1000, seed=1)
     spread = 0.1
     widened = decompose(
-        values, GRID, n_iterations=R, n_bootstrap=1000, seed=1,
-        jackknife=_jackknife(values, rows, spread), jackknife_rows=rows,
-    )  # fmt: skip
+        values,
+        GRID,
+        n_iterations=R,
+        n_bootstrap=1000,
+        seed=1,
+        jackknife=_jackknife(values, rows, spread),
+        jackknife_rows=rows,
+    )
     width = lambda d: d.shares["S_hi"] - d.shares["S_lo"]  # noqa: E731
     assert widened.shares["S"] == plain.shares["S"]
     assert width(widened) > 1.5 * width(plain)
@@ -76,8 +86,10 @@ def test_a_spread_fit_widens_the_interval_of_s_by_its_jackknife_variance():
 
 def test_a_position_that_walks_once_counts_its_replay_gain_at_every_k():
     truncate = {
-        1: torch.tensor([[0, 0, 0]]), 2: torch.tensor([[1, 1, 0]]), 4: torch.tensor([[2, 2, 2]])
-    }  # fmt: skip
+        1: torch.tensor([[0, 0, 0]]),
+        2: torch.tensor([[1, 1, 0]]),
+        4: torch.tensor([[2, 2, 2]]),
+    }
     replay = {1: torch.tensor([[1, 2, 5]]), 2: torch.tensor([[1, 0, 0]]), 4: truncate[4]}
     full = torch.tensor([[2, 2, 2]])
     targets = torch.tensor([[2, 2, IGNORE_INDEX]])
@@ -217,9 +229,14 @@ def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> 
     shape = ModelShape(5280, 65536, 17920, 32, 3_564_976_800, 2, 55)
     for groups, device_type, resident in ((10, "cuda", 1), (10, "cpu", 10), (0, "cuda", 1)):
         estimate = estimate_run_memory(
-            shape, batch_size=4, seq_len=1024, n_streams=17, calibration_groups=groups,
-            readout_rows=4096, device_type=device_type,
-        )  # fmt: skip
+            shape,
+            batch_size=4,
+            seq_len=1024,
+            n_streams=17,
+            calibration_groups=groups,
+            readout_rows=4096,
+            device_type=device_type,
+        )
         assert estimate.terms["moments"] == moment_bytes(17, groups, 5280, resident, 4096)
     scatter = 4 * 5280**2
     whole = 8 * (5280**2 + 3 * 5280)

@@ -36,15 +36,28 @@ def test_mypy_rejects_wrongly_typed_condition_calls(tmp_path: Path) -> None:
         "follow_imports = skip\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(tmp_path / "c"),
-         "--config-file", str(config), str(snippet)],
-        cwd=ROOT, capture_output=True, text=True, env={"MYPYPATH": str(ROOT), "PATH": ""},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--no-error-summary",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--config-file",
+            str(config),
+            str(snippet),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"MYPYPATH": str(ROOT), "PATH": ""},
+    )
     lines = result.stdout.splitlines()
     assert any(
         'Revealed type is "dcp_lens.protocol.conditions.Truncate"' in line for line in lines
     ), lines
-    assert any(':6: error: Argument 1 to "truncate" has incompatible type "str"' in line
-               for line in lines), lines  # fmt: skip
+    assert any(
+        ':6: error: Argument 1 to "truncate" has incompatible type "str"' in line for line in lines
+    ), lines
     assert any(":7: error: Too many arguments" in line for line in lines), lines
     assert not any(":8:" in line for line in lines), lines

@@ -10,7 +10,8 @@ import torch
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.sweep import jackknife_examples
-from dcp_lens.studies.bench import BENCH_CONFIG, bench_config, irreducible_readouts
+from dcp_lens.studies.bench import BENCH_CONFIG, bench_config
+from dcp_lens.studies.bench_floor import irreducible_readouts
 from dcp_lens.studies.bench_work import (
     UnitCosts,
     WorkCount,
@@ -90,8 +91,13 @@ def test_the_estimate_at_huginns_shape_chooses_a_batch_that_fits_80_and_141_gb_c
         chosen = run_estimate("huginn", dtype="bfloat16", config=config, budget_gib=budget)
         assert chosen["batch_from_budget"] and chosen["peak_gib"] <= budget < card_gib
         if chosen["batch"] < config.batch_size:  # one more would not fit
-            more = run_estimate("huginn", batch=chosen["batch"] + 1, dtype="bfloat16",
-                                config=config, budget_gib=budget)  # fmt: skip
+            more = run_estimate(
+                "huginn",
+                batch=chosen["batch"] + 1,
+                dtype="bfloat16",
+                config=config,
+                budget_gib=budget,
+            )
             assert more["peak_gib"] > budget
         assert chosen["host_total_gib"] > 10.0  # the parked groups, printed beside it
     given = run_estimate("huginn", batch=64, dtype="bfloat16", config=config, budget_gib=63.3)

@@ -105,9 +105,10 @@ def test_an_ambiguous_row_must_be_flagged_at_every_k_with_a_gap():
     # A gap of float rounding (1e-9 against 0.2, clear of zero by its tight interval) is no gap
     # either, while one a millionth of the largest and up still is.
     for tiny, counted in ((1e-9, False), (1e-5, True)):
-        rows = [row | {"gap": row["gap_lo"]} for row in per_k(
-            s_identified=(False, False, True), gap_lo=(0.2, 0.2, tiny)
-        )]  # fmt: skip
+        rows = [
+            row | {"gap": row["gap_lo"]}
+            for row in per_k(s_identified=(False, False, True), gap_lo=(0.2, 0.2, tiny))
+        ]
         judgement = judge_bracket(wide, POINT, rows, truth, identifiable=False)
         assert judgement.passed is not counted
         assert judgement.unflagged_ks == ([3] if counted else [])
@@ -117,10 +118,17 @@ def run(metric: str = "accuracy", **bracket_values: Any) -> dict[str, Any]:
     """A results.json run as the protocol writes it: the point shares, their intervals, the
     share-level bracket and one decomposition row per k (the row at k = r carries no flags)."""
     rows = [
-        {"metric": metric, "k": k, "gap": 0.5, "gap_lo": 0.4 if k < R else 0.0,
-         "S_identified": k < R, "B_identified": k < R, "S_width_hi": 0.01}
+        {
+            "metric": metric,
+            "k": k,
+            "gap": 0.5,
+            "gap_lo": 0.4 if k < R else 0.0,
+            "S_identified": k < R,
+            "B_identified": k < R,
+            "S_width_hi": 0.01,
+        }
         for k in range(1, R + 1)
-    ]  # fmt: skip
+    ]
     return {
         "n_iterations": R,
         "decomposition": rows,
@@ -141,19 +149,42 @@ def test_judge_run_reads_the_bracket_and_the_rows_below_r():
 
 
 def row(
-    metric: str, passed: bool, false_alarms: int, alarm_ks: int, counted=True, right=True,
+    metric: str,
+    passed: bool,
+    false_alarms: int,
+    alarm_ks: int,
+    counted=True,
+    right=True,
     wrong=False,
-):  # fmt: skip
+):
     judgement = rules.Judgement(
-        in_bracket=passed, outside=[], narrow=True, point_ok=True, flagged_every_k=None,
-        unflagged_ks=[], false_alarms=false_alarms, alarm_ks=alarm_ks, passed=passed,
-        verdict="S", verdict_right=right, confident_wrong=wrong,
-    )  # fmt: skip
+        in_bracket=passed,
+        outside=[],
+        narrow=True,
+        point_ok=True,
+        flagged_every_k=None,
+        unflagged_ks=[],
+        false_alarms=false_alarms,
+        alarm_ks=alarm_ks,
+        passed=passed,
+        verdict="S",
+        verdict_right=right,
+        confident_wrong=wrong,
+    )
     return ValidationRow(
-        model="m", metric=metric, planted="S", identifiable=True, shares={}, bracket={},
-        expected=TRUTH_S, per_k=[], judgement=judgement, passed=passed, point_rule_passed=True,
+        model="m",
+        metric=metric,
+        planted="S",
+        identifiable=True,
+        shares={},
+        bracket={},
+        expected=TRUTH_S,
+        per_k=[],
+        judgement=judgement,
+        passed=passed,
+        point_rule_passed=True,
         counted=counted,
-    )  # fmt: skip
+    )
 
 
 def test_the_false_alarm_rate_is_pooled_over_the_suite_and_can_fail_a_metric():
@@ -235,11 +266,23 @@ def test_the_verdict_rate_and_confident_errors_fail_a_metric():
 
 def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
     replicates = [
-        {**bracket(s=(s - 0.1, s + 0.3)), "S": s, "S_lo": s - 0.05, "S_hi": s + 0.05,
-         "B": 0.0, "B_lo": -0.01, "B_hi": 0.01, "D": 1 - s, "D_lo": 0.9 - s, "D_hi": 1.1 - s,
-         "truth_S": 0.5, "truth_B": 0.0, "truth_D": 0.5}
+        {
+            **bracket(s=(s - 0.1, s + 0.3)),
+            "S": s,
+            "S_lo": s - 0.05,
+            "S_hi": s + 0.05,
+            "B": 0.0,
+            "B_lo": -0.01,
+            "B_hi": 0.01,
+            "D": 1 - s,
+            "D_lo": 0.9 - s,
+            "D_hi": 1.1 - s,
+            "truth_S": 0.5,
+            "truth_B": 0.0,
+            "truth_D": 0.5,
+        }
         for s in (0.45, 0.52, 0.70, 0.30)
-    ]  # fmt: skip
+    ]
     table = coverage_of(replicates)
     assert table["S"]["covers_truth"] == 0.5  # 0.45 and 0.52 hold 0.5; 0.70 and 0.30 do not
     assert table["S_bracket"]["covers_truth"] == 0.75  # only [0.6, 1.0] misses 0.5
@@ -260,11 +303,23 @@ def test_coverage_counts_intervals_that_hold_each_replicate_s_truth():
 def test_coverage_judges_errors_so_that_a_truth_that_moves_with_the_model_is_no_spread():
     # Each replicate's estimate sits 0.1 above its own truth: a constant bias, no spread.
     replicates = [
-        {**bracket(), "S": t + 0.1, "S_lo": t + 0.05, "S_hi": t + 0.15, "B": 0.0, "B_lo": 0.0,
-         "B_hi": 0.0, "D": 0.0, "D_lo": 0.0, "D_hi": 0.0, "truth_S": t, "truth_B": 0.0,
-         "truth_D": 0.0}
+        {
+            **bracket(),
+            "S": t + 0.1,
+            "S_lo": t + 0.05,
+            "S_hi": t + 0.15,
+            "B": 0.0,
+            "B_lo": 0.0,
+            "B_hi": 0.0,
+            "D": 0.0,
+            "D_lo": 0.0,
+            "D_hi": 0.0,
+            "truth_S": t,
+            "truth_B": 0.0,
+            "truth_D": 0.0,
+        }
         for t in (0.2, 0.5, 0.8)
-    ]  # fmt: skip
+    ]
     table = coverage_of(replicates)
     assert table["S"]["covers_truth"] == 0.0 and table["S"]["covers_debiased"] == 1.0
     assert table["S"]["spread_ratio"] == pytest.approx(0.0, abs=1e-9)
@@ -273,12 +328,17 @@ def test_coverage_judges_errors_so_that_a_truth_that_moves_with_the_model_is_no_
 
 
 def test_coverage_counts_brackets_everywhere_and_points_only_where_identifiable():
-    assert validation.coverage_counted("mixture_three_way") == ("S_bracket", "B_bracket",
-                                                                "D_bracket")  # fmt: skip
+    assert validation.coverage_counted("mixture_three_way") == (
+        "S_bracket",
+        "B_bracket",
+        "D_bracket",
+    )
     assert "S" in validation.coverage_counted("mixture_shift_blocks")
     assert set(validation.MIXTURES) == {
-        "mixture_shift_distinct", "mixture_shift_blocks", "mixture_three_way"
-    }  # fmt: skip
+        "mixture_shift_distinct",
+        "mixture_shift_blocks",
+        "mixture_three_way",
+    }
 
 
 def test_validate_refuses_a_width_below_a_model_before_any_run():

@@ -78,9 +78,14 @@ def test_a_registered_map_and_metric_run_in_the_sweep_and_the_equivalence_checks
     model = make_model()
     evaluation, calibration = lm_sets(model)
     protocol = DepthControlProtocol(
-        model, calibration_mode="toy_mean_shift", metrics=("top1_agreement", "total_variation"),
-        n_bootstrap=20, probe="none", match_confidence=False, progress=False,
-    )  # fmt: skip
+        model,
+        calibration_mode="toy_mean_shift",
+        metrics=("top1_agreement", "total_variation"),
+        n_bootstrap=20,
+        probe="none",
+        match_confidence=False,
+        progress=False,
+    )
     results = protocol.run(evaluation, calibration)
     assert results.metrics == ("top1_agreement", "total_variation")
     assert results.calibration["mode"] == "toy_mean_shift"

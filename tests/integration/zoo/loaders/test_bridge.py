@@ -55,9 +55,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=N_LAYERS, n_embd=32, n_head=4, n_positions=32, vocab_size=len(wrapped),
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+        n_layer=N_LAYERS,
+        n_embd=32,
+        n_head=4,
+        n_positions=32,
+        vocab_size=len(wrapped),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     GPT2LMHeadModel(config).save_pretrained(path)
     wrapped.save_pretrained(path)
     return path

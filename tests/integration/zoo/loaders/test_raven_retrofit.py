@@ -126,8 +126,10 @@ def test_sharded_bf16_folder_loads_to_the_same_model(tmp_path: Path, variant: st
     source = fixture(variant)
     tensors = load_file(str(source / "model.safetensors"))
     keys = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": keys[::2],
-              "model-00002-of-00002.safetensors": keys[1::2]}  # fmt: skip
+    halves = {
+        "model-00001-of-00002.safetensors": keys[::2],
+        "model-00002-of-00002.safetensors": keys[1::2],
+    }
     for name, part in halves.items():
         save_file({k: tensors[k].to(torch.bfloat16).contiguous() for k in part}, tmp_path / name)
     index = {"metadata": {}, "weight_map": {k: n for n, part in halves.items() for k in part}}
@@ -262,9 +264,11 @@ def test_a_1b_retrofit_in_the_hub_layout_loads_within_1_2x_its_weights(tmp_path:
     weights = _write_hub_layout(tmp_path / "retrofit-1b", LLAMA_1B_RETROFIT)
     done = subprocess.run(
         [sys.executable, "-c", MEASURE, str(tmp_path / "retrofit-1b")],
-        capture_output=True, text=True, timeout=1200,
+        capture_output=True,
+        text=True,
+        timeout=1200,
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"\nweights {weights / 1e9:.2f} GB, {figures}")

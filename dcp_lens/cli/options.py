@@ -1,6 +1,7 @@
-"""`ProtocolConfig` on the command line: every setting declared as an option of a command from
-the field's metadata (one spelling, one help), and the config built back from parsed options.
-Reads no registry when declaring, so the parser builds without importing torch."""
+"""The command line's option tables, and `ProtocolConfig` on the command line: every setting
+declared as an option of a command from the field's metadata (one spelling, one help), and the
+config built back from parsed options. Reads no registry when declaring, so the parser builds
+without importing torch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from dcp_lens.cli.arguments import ints, names
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
-from dcp_lens.utils.arguments import ints, names
 
 TASK_FILES = ("char_lm", "text")  # tasks read from a local file: NAME:PATH
+# Model specs KIND:PATH of local files.
+PATH_KINDS = ("huginn", "ouro", "llama2c", "bridge", "raven-retrofit")
+# The compute dtypes `run` and `bench` take (statistics stay float64): the names of
+# `dcp_lens.utils.checks.WEIGHT_DTYPES`, written here so that the parser does not import torch.
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+EXPERIMENTS = ("training-intervention",)
+# One thread: OpenMP threads spin-wait for a core another process holds (docs/cli.md).
+DEFAULT_THREADS = 1
 
 
 def add_protocol_options(
@@ -80,4 +89,13 @@ def registered_names(kinds: Sequence[str]) -> str:
     return "\n".join(lines[kind] for kind in kinds)
 
 
-__all__ = ["TASK_FILES", "add_protocol_options", "protocol_config", "registered_names"]
+__all__ = [
+    "DEFAULT_THREADS",
+    "DTYPES",
+    "EXPERIMENTS",
+    "PATH_KINDS",
+    "TASK_FILES",
+    "add_protocol_options",
+    "protocol_config",
+    "registered_names",
+]

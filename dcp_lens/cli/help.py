@@ -1,17 +1,10 @@
 """What each command of the command line is, in words: the help's description, the model
-specs it takes and an example per command; and the command that diagnoses a trained model.
-Plain text, importing nothing, so that help stays instant."""
+specs it takes, an example per command and the help of options whose words run long. Plain
+text, importing nothing, so that help stays instant."""
 
 from __future__ import annotations
 
-import shlex
-from pathlib import Path
-
-DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
-# The compute dtypes `run` and `bench` accept (statistics stay float64).
-DTYPES = ("float64", "float32", "bfloat16", "float16")
-
-# The help of options whose words run long (the parser in dcp_lens/cli.py names them).
+# The help of options whose words run long (`dcp_lens.cli.parser` names them).
 HELP = {
     "threads": "CPU threads for torch (default 1: the docs' page Command line says why)",
     "dry_run": (
@@ -99,18 +92,4 @@ EXAMPLES = {
 }
 
 
-def diagnose_command(run_folder: Path) -> str:
-    """The ``dcp-lens run`` command that diagnoses the model ``dcp-lens train`` wrote in
-    ``run_folder`` (its results in ``run_folder/dcp``)."""
-    model, out = str(run_folder / "model"), str(run_folder / "dcp")
-    return shlex.join(["dcp-lens", "run", "--model", model, "--out", out])
-
-
-__all__ = [
-    "DEFAULT_DENSE",
-    "DEFAULT_MODEL",
-    "DESCRIPTION",
-    "EXAMPLES",
-    "MODEL_SPECS",
-    "diagnose_command",
-]
+__all__ = ["DESCRIPTION", "EXAMPLES", "HELP", "MODEL_SPECS"]
