@@ -63,8 +63,8 @@ def test_a_translator_of_ignored_content_only_gives_way_to_the_mean() -> None:
     assert _judged(model, source, target) == REPLACED
 
 
-def _run(name: str) -> dict:
-    model = planted.load_planted(name, seed=0)
+def _run(name: str, width: int | None = None) -> dict:
+    model = planted.load_planted(name, seed=0, width=width)
     task = model.planted_task
     protocol = DepthControlProtocol(
         model, metrics=("accuracy",), n_bootstrap=100, probe="none", progress=False, seed=0
@@ -73,9 +73,15 @@ def _run(name: str) -> dict:
     return results["runs"][0] if "runs" in results else results
 
 
+# None: as built (158 and 64 coordinates); 512: embedded in a stream of 512 by a random rotation
+# with more unread content (`dcp_lens.zoo.planted.embedding`).
+WIDTHS = [None, 512]
+
+
 @pytest.mark.slow
-def test_the_shift_in_a_wide_stream_is_named_with_every_translator_kept() -> None:
-    run = _run("nuisance_shift")
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_shift_in_a_wide_stream_is_named_with_every_translator_kept(width: int | None) -> None:
+    run = _run("nuisance_shift", width)
     gate = run["metadata"]["translator_gate"]
     assert len(gate) == 14 and {r["judged"] for r in gate.values()} == {KEPT}
     record = run["bracket"]["accuracy"]
@@ -84,8 +90,11 @@ def test_the_shift_in_a_wide_stream_is_named_with_every_translator_kept() -> Non
 
 
 @pytest.mark.slow
-def test_computation_beside_predictable_ignored_content_raises_no_s_alarm() -> None:
-    run = _run("nuisance_distinct")
+@pytest.mark.parametrize("width", WIDTHS)
+def test_computation_beside_predictable_ignored_content_raises_no_s_alarm(
+    width: int | None,
+) -> None:
+    run = _run("nuisance_distinct", width)
     assert len(run["metadata"]["translators_replaced_by_the_mean"]) == 14
     rows = [r for r in run["decomposition"] if r["metric"] == "accuracy" and r["k"] < 8]
     assert all(row["S_identified"] for row in rows)  # no per-k false alarm
