@@ -22,6 +22,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -80,6 +81,12 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
 
     # The task a saved model was trained on (``task.json`` beside its weights), for `dcp-lens run`.
     task_config: dict[str, Any] | None = None
+    # The block every prelude, core and coda application is built from (a subclass may use its
+    # own `TransformerBlock` subclass, e.g. with a gate on the attention output).
+    block_class: type[TransformerBlock] = TransformerBlock
+    # Where a loader's architecture breaks an assumption of the protocol: feature -> what it
+    # means for a run. `DepthControlProtocol` records it in ``results.metadata["model_caveats"]``.
+    protocol_caveats: Mapping[str, str] = MappingProxyType({})
     rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
     rotary_sin: Tensor
 
@@ -110,11 +117,11 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         )
         self.hook_logits = HookPoint()  # [batch, pos, d_vocab]
 
-        self._prelude = [TransformerBlock(cfg) for _ in range(cfg.n_prelude)]
-        self._coda = [TransformerBlock(cfg) for _ in range(cfg.n_coda)]
+        self._prelude = [self.block_class(cfg) for _ in range(cfg.n_prelude)]
+        self._coda = [self.block_class(cfg) for _ in range(cfg.n_coda)]
         # _core[t][l]: layer l in iteration t + 1; _core[0] owns the parameters, later rows share.
         self._core: list[list[TransformerBlock]] = [
-            [TransformerBlock(cfg) for _ in range(cfg.n_core)]
+            [self.block_class(cfg) for _ in range(cfg.n_core)]
         ]
         self._iteration_hooks: list[IterationHooks] = [IterationHooks(cfg, 0)]
         self._active = -1
@@ -210,7 +217,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
 
     def _tied_copy(self, block: TransformerBlock) -> TransformerBlock:
         with torch.device("meta"):
-            twin = TransformerBlock(self.cfg)
+            twin = type(block)(self.cfg)
         _share_parameters(twin, block)
         return twin
 
@@ -454,10 +461,20 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
-            x = self.blocks[i](x, rotary, cache)
+            x = self._apply_block(i, x, rotary, cache)
         if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
             return x
         return self._finish(x, return_type, tokens, loss_per_token)
+
+    def _apply_block(
+        self,
+        i: int,
+        x: Float[Tensor, "batch pos d_model"],
+        rotary: tuple[Tensor, Tensor] | None,
+        cache: Any,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """``blocks[i]`` on the stream entering it (a subclass adds what runs between blocks)."""
+        return self.blocks[i](x, rotary, cache)
 
     def readout(
         self,
