@@ -177,6 +177,10 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
 
     block_class = GatedBlock
     stream_refusal = STREAM_REFUSAL
+    inner: nn.ModuleList  # inner.{t}: `InnerStateHooks` of the active view, t = 0..k
+    # What one forward carries between blocks: "high" (z_H entering the cycle), "low" (z_L).
+    _carry: dict[str, Tensor]
+    _inner_hooks: list[InnerStateHooks]  # every one built, for any view
 
     def __init__(
         self,
@@ -228,12 +232,19 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
     # ---------------------------------------------------------------------- the nested loop
 
     def _set_view(self, k: int) -> None:
-        hooks: list[InnerStateHooks] = self.__dict__["_inner_hooks"]
+        hooks = self._inner_hooks
         while len(hooks) <= k:
             hooks.append(InnerStateHooks())
         if k != self._active:
             self.inner = nn.ModuleList(hooks[: k + 1])
         super()._set_view(k)
+
+    def _every_hook_point(self) -> list[HookPoint]:
+        """The base's hook points and z_L's of every view (`reset_hooks` reaches them all)."""
+        points = super()._every_hook_point()
+        known = {id(point) for point in points}
+        inner = [hooks.hook_state for hooks in self._inner_hooks]
+        return points + [point for point in inner if id(point) not in known]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """As `HookedRecurrentTransformer.forward`; ``start_at_layer`` is refused (resuming needs
@@ -263,7 +274,7 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
         if position % n == n - 1:
             x = F.rms_norm(x, (x.shape[-1],), eps=self.cfg.eps)
             if position == self.inner_cycles * n - 1:
-                x = self._carry["low"] = self.inner[cycle + 1].hook_state(x)
+                x = self._carry["low"] = self._inner_hooks[cycle + 1].hook_state(x)
         return x
 
     def _next_input(
@@ -276,7 +287,7 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
             return self._enter_readout(state)
         if t == 0:
             start = self.inner_init.to(state.dtype).expand_as(state)
-            carry["low"] = self.inner[0].hook_state(start)
+            carry["low"] = self._inner_hooks[0].hook_state(start)
         carry["high"] = state
         return self._iteration_hooks[t + 1].hook_inject(state + carry["low"])
 

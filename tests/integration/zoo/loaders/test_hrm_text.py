@@ -105,13 +105,48 @@ def test_every_pass_is_hooked_and_the_state_is_z_h(folder: Path, tokens: Tensor)
         with torch.no_grad():
             z_high = reference(folder, t).model(tokens, use_cache=False).last_hidden_state
         torch.testing.assert_close(cache[model.state_hook_name(t)], z_high, atol=ATOL, rtol=0)
-        first_h = (t - 1) * PER_CYCLE + INNER * N  # the H stack reads z_H + z_L
+        first_h = model.hook_name(t, INNER * N, "hook_resid_pre")  # the H stack reads z_H + z_L
         expected_input = cache[model.state_hook_name(t - 1)] + cache[f"inner.{t}.hook_state"]
-        torch.testing.assert_close(cache[f"blocks.{first_h}.hook_resid_pre"], expected_input)
+        torch.testing.assert_close(cache[first_h], expected_input)
     # One weight per L layer across its inner passes and cycles; the H stack its own.
     blocks = model.blocks
+    folded = repr(blocks)  # the whole cycle is the core's period, not one inner pass
+    assert f"core, {PER_CYCLE} layers x {k} iterations" in folded and "coda" not in folded
     assert blocks[0].attn.W_Q is blocks[N].attn.W_Q is blocks[PER_CYCLE].attn.W_Q
     assert blocks[INNER * N].attn.W_Q is not blocks[0].attn.W_Q
+
+
+def test_transformer_lens_surface(folder: Path, tokens: Tensor) -> None:
+    """run_with_cache, hook_name and transformer_lens.patching work on the unrolled blocks."""
+    from transformer_lens import patching
+
+    model = load(f"hrm-text:{folder}")
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(tokens)  # attention materialised: same logits
+        torch.testing.assert_close(logits, model(tokens), atol=1e-6, rtol=0)
+    name = model.hook_name(2, INNER * N + 1, "hook_resid_post")  # cycle 2's second H layer
+    assert name == f"blocks.{PER_CYCLE + INNER * N + 1}.hook_resid_post" and name in cache
+    clean, corrupted = tokens[:1, :3], tokens[1:, :3]
+    _, clean_cache = model.run_with_cache(clean)
+
+    def metric(patched: Tensor) -> Tensor:
+        return patched[0, -1, 0]
+
+    with torch.no_grad():
+        table = patching.get_act_patch_resid_pre(model, corrupted, clean_cache, metric)
+    assert table.shape == (model.cfg.n_layers, 3)
+    for layer, position in [(0, 2), (INNER * N, 1), (PER_CYCLE + 3, 2)]:
+        hook = f"blocks.{layer}.hook_resid_pre"
+
+        def patch(
+            stream: Tensor, hook: object, position: int = position, name: str = hook
+        ) -> Tensor:
+            stream[:, position] = clean_cache[name][:, position]
+            return stream
+
+        with torch.no_grad():
+            manual = metric(model.run_with_hooks(corrupted, fwd_hooks=[(hook, patch)]))
+        torch.testing.assert_close(table[layer, position], manual, atol=1e-6, rtol=0)
 
 
 def test_an_edit_of_the_inner_state_reaches_the_logits(folder: Path, tokens: Tensor) -> None:
