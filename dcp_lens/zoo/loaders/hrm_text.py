@@ -235,8 +235,9 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
         hooks = self._inner_hooks
         while len(hooks) <= k:
             hooks.append(InnerStateHooks())
-        if k != self._active:
+        if k != self._active:  # new hooks follow the model's mode, as the base's containers
             self.inner = nn.ModuleList(hooks[: k + 1])
+            self.inner.train(self.training)
         super()._set_view(k)
 
     def _every_hook_point(self) -> list[HookPoint]:

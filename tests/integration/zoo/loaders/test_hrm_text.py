@@ -124,6 +124,8 @@ def test_transformer_lens_surface(folder: Path, tokens: Tensor) -> None:
     with torch.no_grad():
         logits, cache = model.run_with_cache(tokens)  # attention materialised: same logits
         torch.testing.assert_close(logits, model(tokens), atol=1e-6, rtol=0)
+    with model.iterations(3):  # a longer view's new hooks are in eval mode too (patching asks)
+        assert not any(module.training for module in model.modules())
     name = model.hook_name(2, INNER * N + 1, "hook_resid_post")  # cycle 2's second H layer
     assert name == f"blocks.{PER_CYCLE + INNER * N + 1}.hook_resid_post" and name in cache
     clean, corrupted = tokens[:1, :3], tokens[1:, :3]
@@ -159,6 +161,21 @@ def test_an_edit_of_the_inner_state_reaches_the_logits(folder: Path, tokens: Ten
         plain = model(tokens)
         edited = model.run_with_hooks(tokens, fwd_hooks=[("inner.1.hook_state", zero)])
     assert (plain - edited).abs().max() > 1000 * ATOL
+
+
+def test_reset_hooks_reaches_the_inner_state_of_a_longer_view(folder: Path, tokens: Tensor) -> None:
+    model = load(f"hrm-text:{folder}")  # r = 2
+
+    def zero(state: Tensor, hook: object) -> Tensor:
+        return torch.zeros_like(state)
+
+    with torch.no_grad(), model.iterations(4):
+        plain = model(tokens)
+        model.add_hook("inner.4.hook_state", zero)
+        assert (model(tokens) - plain).abs().max() > 1000 * ATOL
+    model.reset_hooks()  # in the r = 2 view, which has no inner.4
+    with torch.no_grad(), model.iterations(4):
+        torch.testing.assert_close(model(tokens), plain, atol=0, rtol=0)
 
 
 def test_truncate_and_replay_run_as_hooks(folder: Path, tokens: Tensor) -> None:
