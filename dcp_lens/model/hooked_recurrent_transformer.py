@@ -22,6 +22,7 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _IncompatibleKeys
 from transformer_lens.hook_points import HookPoint
 
+from dcp_lens.model import canonical
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.components.block import TransformerBlock
 from dcp_lens.model.components.embeddings import Embed, Inject, PosEmbed
@@ -80,6 +82,12 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
 
     # The task a saved model was trained on (``task.json`` beside its weights), for `dcp-lens run`.
     task_config: dict[str, Any] | None = None
+    # The block every prelude, core and coda application is built from (a subclass may use its
+    # own `TransformerBlock` subclass, e.g. with a gate on the attention output).
+    block_class: type[TransformerBlock] = TransformerBlock
+    # Where a loader's architecture breaks an assumption of the protocol: feature -> what it
+    # means for a run. `DepthControlProtocol` records it in ``results.metadata["model_caveats"]``.
+    protocol_caveats: Mapping[str, str] = MappingProxyType({})
     rotary_cos: Tensor  # [n_ctx, d_head / 2] buffers, rotary models only
     rotary_sin: Tensor
 
@@ -110,11 +118,11 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         )
         self.hook_logits = HookPoint()  # [batch, pos, d_vocab]
 
-        self._prelude = [TransformerBlock(cfg) for _ in range(cfg.n_prelude)]
-        self._coda = [TransformerBlock(cfg) for _ in range(cfg.n_coda)]
+        self._prelude = [self.block_class(cfg) for _ in range(cfg.n_prelude)]
+        self._coda = [self.block_class(cfg) for _ in range(cfg.n_coda)]
         # _core[t][l]: layer l in iteration t + 1; _core[0] owns the parameters, later rows share.
         self._core: list[list[TransformerBlock]] = [
-            [TransformerBlock(cfg) for _ in range(cfg.n_core)]
+            [self.block_class(cfg) for _ in range(cfg.n_core)]
         ]
         self._iteration_hooks: list[IterationHooks] = [IterationHooks(cfg, 0)]
         self._active = -1
@@ -210,7 +218,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
 
     def _tied_copy(self, block: TransformerBlock) -> TransformerBlock:
         with torch.device("meta"):
-            twin = TransformerBlock(self.cfg)
+            twin = type(block)(self.cfg)
         _share_parameters(twin, block)
         return twin
 
@@ -461,8 +469,18 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
-            x = self.blocks[i](x, rotary, cache)
+            x = self._apply_block(i, x, rotary, cache)
         return x
+
+    def _apply_block(
+        self,
+        i: int,
+        x: Float[Tensor, "batch pos d_model"],
+        rotary: tuple[Tensor, Tensor] | None,
+        cache: Any,
+    ) -> Float[Tensor, "batch pos d_model"]:
+        """``blocks[i]`` on the stream entering it (a subclass adds what runs between blocks)."""
+        return self.blocks[i](x, rotary, cache)
 
     def readout(
         self,
@@ -682,57 +700,13 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
     def canonical_state_dict(self) -> dict[str, Tensor]:
         """Each parameter once, under a name that does not depend on the unrolled view:
         ``prelude.{i}.…``, ``core.{l}.…``, ``coda.{c}.…``, ``embed.W_E``, …"""
-        owners: list[tuple[str, nn.Module | None]] = [
-            ("embed", self.embed),
-            ("pos_embed", self.pos_embed),
-            ("inject", self.inject),
-            ("ln_final", self.ln_final),
-            ("ln_pre_coda", self.ln_pre_coda if self.cfg.pre_coda_norm == "own" else None),
-        ]
-        owners += [(f"prelude.{i}", b) for i, b in enumerate(self._prelude)]
-        owners += [(f"core.{i}", b) for i, b in enumerate(self._core[0])]
-        owners += [(f"coda.{i}", b) for i, b in enumerate(self._coda)]
-        if self.cfg.iteration_norm == "own" and not self.is_dense:
-            owners.append(
-                (
-                    "ln_iter",
-                    self._iteration_hooks[1].ln_iter if len(self._iteration_hooks) > 1 else None,
-                )
-            )
-        state: dict[str, Tensor] = {
-            f"{prefix}.{name}": p
-            for prefix, module in owners
-            if module is not None
-            for name, p in module.named_parameters()
-        }
-        if self.W_U_untied is not None:
-            state["unembed.W_U"] = self.W_U_untied
-        return state
+        return canonical.state_dict_of(self)
 
     def load_canonical_state_dict(
         self, state: dict[str, Tensor], source: str = "state dict"
     ) -> None:
         """Copy a `canonical_state_dict` into the model (strict: names and shapes must match)."""
-        if len(self._iteration_hooks) < 2 and self.cfg.iteration_norm == "own":
-            self._set_view(max(self._active, 1))
-        expected = self.canonical_state_dict()
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"{source}: missing keys {missing[:10]}{'…' if len(missing) > 10 else ''}, "
-                f"unexpected keys {unexpected[:10]}{'…' if len(unexpected) > 10 else ''}."
-            )
-        for name, parameter in expected.items():
-            value = state[name]
-            if tuple(value.shape) != tuple(parameter.shape):
-                raise ValueError(
-                    f"{source}: {name} has shape {tuple(value.shape)}, expected "
-                    f"{tuple(parameter.shape)}."
-                )
-            with torch.no_grad():
-                parameter.copy_(value)
-        self.tie_weights()
+        canonical.load_into(self, state, source)
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (each shared tensor once) to a folder."""

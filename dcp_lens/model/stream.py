@@ -65,6 +65,9 @@ class StreamWalk:
     """
 
     def __init__(self, model: Any, cache: Any):
+        refusal = getattr(model, "stream_refusal", None)
+        if refusal:  # an architecture whose stream this walk does not follow
+            raise DecompositionError(refusal)
         self.model = model
         self.cache = cache
         self.ops: list[LinearOp] = []

@@ -77,10 +77,14 @@ def folded_entries(modules: Sequence[nn.Module]) -> list[tuple[str, str]]:
     if first is None:
         return _runs(modules, 0, len(modules), "")
     start = owners.index(owners[first])
-    layers = first - start
-    end = first
-    while end < len(modules) and owners[end] == owners[start + (end - start) % layers]:
-        end += 1
+    # The period is the one whose repetition runs furthest (the fewest layers among equals): a
+    # core that repeats a layer inside one iteration (HRM-Text's inner passes) repeats with the
+    # whole iteration's period too, and that one runs to the coda.
+    periods = [j - start for j in range(first, len(modules)) if owners[j] == owners[start]]
+    layers, end = max(
+        ((period, _periodic_end(owners, start, period)) for period in periods),
+        key=lambda candidate: (candidate[1], -candidate[0]),
+    )
     iterations = (end - start) // layers
     core = (
         f"core, {layers} layer{'s' if layers > 1 else ''} x {iterations} iterations (weights "
@@ -91,6 +95,14 @@ def folded_entries(modules: Sequence[nn.Module]) -> list[tuple[str, str]]:
         (_span(start, end), core),
         *_runs(modules, end, len(modules), "coda, "),
     ]
+
+
+def _periodic_end(owners: Sequence[tuple[int, ...]], start: int, period: int) -> int:
+    """Where the run of ``owners`` from ``start`` that repeats with ``period`` ends."""
+    end = start + period
+    while end < len(owners) and owners[end] == owners[start + (end - start) % period]:
+        end += 1
+    return end
 
 
 def _runs(modules: Sequence[nn.Module], start: int, end: int, role: str) -> list[tuple[str, str]]:

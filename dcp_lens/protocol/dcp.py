@@ -403,6 +403,7 @@ class DepthControlProtocol:
                 "translator_gate": maps.gate_record(),
                 "calibration_maps_fitted": maps.fitted_record(),
                 "config": config.to_dict(),
+                **_model_caveats(self.model),
             },
         )
 
@@ -465,3 +466,10 @@ class DepthControlProtocol:
 
 
 __all__ = ["DepthControlProtocol", "EvaluationSet", "ProtocolConfig", "task_data"]
+
+
+def _model_caveats(model: object) -> dict[str, object]:
+    """``{"model_caveats": ...}`` when the model names features that break a protocol assumption
+    (its ``protocol_caveats``, set by its loader), else nothing."""
+    caveats = getattr(model, "protocol_caveats", None)
+    return {"model_caveats": dict(caveats)} if caveats else {}

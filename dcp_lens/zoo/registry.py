@@ -110,9 +110,9 @@ def load(spec: str, **overrides: Any) -> Any:
 
 def foreign_checkpoint(path: str) -> tuple[str, str] | None:
     """(loader kind, what it is) when ``path`` is a checkpoint a registered loader reads rather
-    than a `save_pretrained` folder: a Huginn, retrofit or Ouro ``config.json``, or llama2.c
-    ``.bin`` files; None otherwise (nothing is read but ``config.json`` and, for a RavenConfig,
-    the safetensors headers that tell Huginn-0125 from a retrofit)."""
+    than a `save_pretrained` folder: a Huginn, retrofit, Ouro or HRM-Text ``config.json``, or
+    llama2.c ``.bin`` files; None otherwise (nothing is read but ``config.json`` and, for a
+    RavenConfig, the safetensors headers that tell Huginn-0125 from a retrofit)."""
     import json
 
     location = Path(path)
@@ -139,6 +139,8 @@ def foreign_checkpoint(path: str) -> tuple[str, str] | None:
         if family in ("llama", "olmo"):
             return KIND, f"a retrofitted-recurrence checkpoint ({family} variant, a RavenConfig)"
         return "huginn", "a Huginn checkpoint (config.json is a RavenConfig)"
+    if model_type == "hrm_text":
+        return "hrm-text", "an HRM-Text checkpoint (config.json has model_type 'hrm_text')"
     if model_type.startswith("ouro"):
         return "ouro", f"an Ouro checkpoint (config.json has model_type {model_type!r})"
     return None
@@ -159,6 +161,8 @@ def _import_builtin_kinds() -> None:
     _builtins_imported = True
     from dcp_lens.zoo.bundled import BUNDLED, bundled_loader
     from dcp_lens.zoo.loaders.bridge import load_bridge
+    from dcp_lens.zoo.loaders.hrm_text import KIND as HRM_TEXT
+    from dcp_lens.zoo.loaders.hrm_text import load_hrm_text
     from dcp_lens.zoo.loaders.huginn import load_huginn
     from dcp_lens.zoo.loaders.llama2c import load_llama2c
     from dcp_lens.zoo.loaders.ouro import load_ouro
@@ -173,6 +177,7 @@ def _import_builtin_kinds() -> None:
         "llama2c": load_llama2c,
         "bridge": load_bridge,
         RAVEN_RETROFIT: load_raven_retrofit,
+        HRM_TEXT: load_hrm_text,
     }
     for kind, loader in kinds.items():
         add_entry(LOADERS, kind, loader, "loader kind")

@@ -117,7 +117,7 @@ class Attention(nn.Module):
         """``rotary``: cos and sin [pos, d_head/2] for these positions (rotary models only)."""
         batch, n_pos, _ = x.shape
         # One fused matmul for q, k and v (the weights keep TransformerLens's per-head layout).
-        fused = torch.cat([_flat(self.W_Q), _flat(self.W_K), _flat(self.W_V)], dim=1)
+        fused = torch.cat([flat_heads(self.W_Q), flat_heads(self.W_K), flat_heads(self.W_V)], dim=1)
         q, k, v = (x @ fused).split(
             [w.shape[0] * self.d_head for w in (self.W_Q, self.W_K, self.W_V)], -1
         )
@@ -158,8 +158,14 @@ class Attention(nn.Module):
             scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
             pattern = self.hook_pattern(scores.softmax(dim=-1))
             z = (pattern @ v.transpose(1, 2)).transpose(1, 2)
-        z = self.hook_z(z)  # [batch, pos, head, d_head]
+        z = self.hook_z(self.gate_output(x, z))  # [batch, pos, head, d_head]
         return z.reshape(batch, n_pos, -1) @ self.W_O.reshape(-1, self.W_O.shape[-1])
+
+    def gate_output(
+        self, x: Float[Tensor, "batch pos d_model"], z: Float[Tensor, "batch pos head d_head"]
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """Each head's output before ``W_O`` (ungated here; a subclass may gate it)."""
+        return z
 
 
 def _causal(n_query: int, n_key: int, past: int, device: torch.device) -> Tensor:
@@ -198,7 +204,9 @@ def _wrapped_and_tracing(point: HookPoint) -> bool:
     return active()[0] is not None
 
 
-def _flat(weight: Float[Tensor, "head d_model d_head"]) -> Float[Tensor, "d_model head_d_head"]:
+def flat_heads(
+    weight: Float[Tensor, "head d_model d_head"],
+) -> Float[Tensor, "d_model head_d_head"]:
     """[head, d_model, d_head] -> [d_model, head * d_head], heads major (as x @ W_Q[h])."""
     return weight.permute(1, 0, 2).reshape(weight.shape[1], -1)
 
