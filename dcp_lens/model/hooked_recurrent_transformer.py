@@ -42,6 +42,7 @@ from dcp_lens.model.hooking import HookSurface
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.names import IterationHookName, note_block_index
 from dcp_lens.model.noise import causal_noise
+from dcp_lens.model.padding import Padding, padded_outputs, padding_for
 from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.text import TextMethods
 from dcp_lens.model.tl_surface import TLSurface
@@ -364,9 +365,11 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 is refused with the way to build one.
             input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
                 ``model(**{"input_ids": tokens})``).
-            attention_mask: [batch, pos], True on real tokens, for a batch padded on the left or
-                the right (`to_tokens_with_mask`): each row's real tokens run alone, exactly as
-                that prompt by itself (`Generation._forward_padded`); with tokens only.
+            attention_mask: [batch, pos], True on real tokens (TransformerLens's argument), for
+                prompts of different lengths in one batch padded on the left or the right
+                (`to_tokens_with_mask`); text input gets its own. One masked pass, each row as its
+                real tokens alone (`dcp_lens.model.padding`); with a KV cache, the mask of the
+                new tokens (the cache keeps the earlier ones').
         """
         if input is None:
             if input_ids is None:
@@ -374,27 +377,13 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             input = input_ids
         elif input_ids is not None:
             raise InputError("pass the tokens once: as input or as input_ids, not both.")
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
-            others = {
-                "start_at_layer": start_at_layer,
-                "stop_at_layer": stop_at_layer,
-                "tokens": tokens,
-                "prelude_output": prelude_output,
-                "past_kv_cache": past_kv_cache,
-            }
-            given = [name for name, value in others.items() if value is not None]
-            if given:
-                raise InputError(
-                    f"attention_mask with padding runs tokens only, not with {given}; run each "
-                    "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
-                )
-            with (
-                self.iterations(n_iterations)
-                if n_iterations is not None
-                else contextlib.nullcontext()
-            ):
-                padded = self._as_tokens(input)
-                return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
+        resumed = (start_at_layer, prelude_output, tokens)
+        if attention_mask is not None and any(value is not None for value in resumed):
+            raise InputError(
+                "attention_mask applies to a forward from tokens, not with start_at_layer, "
+                "prelude_output or tokens=; run from the tokens with the mask, or each row's "
+                "real tokens alone (tokens[i:i+1, mask[i]])."
+            )
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
                 return self.forward(
@@ -406,6 +395,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                     tokens=tokens,
                     prelude_output=prelude_output,
                     past_kv_cache=past_kv_cache,
+                    attention_mask=attention_mask,
                 )
         n_layers = self.cfg.n_layers
         start = self._check_layer("start_at_layer", start_at_layer, 0)
@@ -414,9 +404,16 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             raise ValueError(f"stop_at_layer={stop} comes before start_at_layer={start}.")
         past_kv_cache = self.check_past_kv_cache(past_kv_cache)
         offset = past_kv_cache.length if past_kv_cache is not None else 0
+        padding: Padding | None = None
         if start_at_layer is None:
+            if isinstance(input, (str, list)) and attention_mask is None:
+                input, attention_mask = self.to_tokens_with_mask(input)
             tokens = self._as_tokens(input, offset)
-            x = self._embed(tokens, offset)
+            past_mask = past_kv_cache.attention_mask if past_kv_cache is not None else None
+            padding = padding_for(attention_mask, tokens.shape, tokens.device, past_mask, offset)
+            if past_kv_cache is not None:
+                past_kv_cache.attention_mask = None if padding is None else padding.key_mask
+            x = self._embed(tokens, offset, padding)
         else:
             if (
                 not isinstance(input, Tensor)
@@ -428,7 +425,8 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                     f"{self.cfg.d_model}], got {getattr(input, 'shape', type(input).__name__)}."
                 )
             x = input
-        rotary = self._rotary(x.shape[1], offset)
+        rotary = self._rotary(x.shape[1], offset, padding)
+        key_mask = None if padding is None else padding.key_mask
         P, L = self.cfg.n_prelude, self.cfg.n_core
         embedding = prelude_output
         if start_at_layer is not None and not self.is_dense:
@@ -446,7 +444,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, state = self._enter_loop(embedding, tokens, past_kv_cache, offset)
+                    x, state = self._enter_loop(embedding, tokens, past_kv_cache, offset, padding)
                 elif t is not None:
                     x, state = self._finish_iteration(t, x, embedding)
                 elif self.is_dense and i == n_layers:
@@ -454,9 +452,13 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
-            x = self.blocks[i](x, rotary, cache)
+            x = self.blocks[i](x, rotary, cache, key_mask)
         if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
             return x
+        if padding is not None and return_type is not None:
+            assert tokens is not None
+            logits = self._finish(x, "logits", tokens, loss_per_token)
+            return padded_outputs(logits, tokens, padding.query_mask, return_type, loss_per_token)
         return self._finish(x, return_type, tokens, loss_per_token)
 
     def readout(
@@ -481,9 +483,10 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         tokens: Tensor | None = None,
         kv_cache: KVCache | None = None,
         offset: int = 0,
+        padding: Padding | None = None,
     ) -> tuple[Tensor, Tensor]:
         """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
-        initial = self._initial_state(embedding, tokens, kv_cache, offset)
+        initial = self._initial_state(embedding, tokens, kv_cache, offset, padding)
         state = self._iteration_hooks[0].hook_state(initial)
         return self._next_input(0, state, embedding), state
 
@@ -539,11 +542,13 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         tokens: Tensor | None = None,
         kv_cache: KVCache | None = None,
         offset: int = 0,
+        padding: Padding | None = None,
     ) -> Tensor:
         """s_0: zeros, e, or noise drawn causally (`dcp_lens.model.noise`): position p's noise
         depends only on ``cfg.state_init_seed``, p and ``tokens[:, :p+1]``, so it is the same in
         a prefix's forward, in generation with or without a KV cache (the cache carries the
-        prefix state), at any number of iterations and in any batch, slot or right padding."""
+        prefix state), at any number of iterations and in any batch, slot or padding (with the
+        attention mask, ``padding``: p and the prefix are the row's own real tokens)."""
         kind = self.cfg.state_init
         if kind == "zeros":
             return torch.zeros_like(embedding)
@@ -564,23 +569,32 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             truncated=kind == "huginn",
             state=state,
             batch=embedding.shape[0],
+            mask=None if padding is None else padding.query_mask,
+            positions=None if padding is None else padding.positions,
         )
         if kv_cache is not None and after is not None:
             setattr(kv_cache, NOISE_PREFIX, after)
         scale = self.cfg.state_init_std * (self.cfg.embed_scale if kind == "huginn" else 1.0)
         return (noise * scale).to(device=embedding.device, dtype=embedding.dtype)
 
-    def _embed(self, tokens: Tensor, offset: int) -> Tensor:
+    def _embed(self, tokens: Tensor, offset: int, padding: Padding | None = None) -> Tensor:
         x = self.hook_embed(self.embed(tokens))
         if self.pos_embed is not None and self.hook_pos_embed is not None:
-            positions = self.pos_embed(tokens.shape[1], offset).expand_as(x)  # TL: [batch, pos, d]
+            rows = None if padding is None else padding.positions
+            positions = self.pos_embed(tokens.shape[1], offset, rows).expand_as(x)  # TL: [b, p, d]
             x = x + self.hook_pos_embed(positions)
         return x
 
-    def _rotary(self, n_positions: int, offset: int) -> tuple[Tensor, Tensor] | None:
+    def _rotary(
+        self, n_positions: int, offset: int, padding: Padding | None = None
+    ) -> tuple[Tensor, Tensor] | None:
+        """cos and sin [pos, d_head / 2], or [batch, pos, d_head / 2] in a padded batch."""
         if self.pos_embed is not None:
             return None
         dtype = self.embed.W_E.dtype
+        if padding is not None:
+            rows = padding.positions.to(self.rotary_cos.device)
+            return self.rotary_cos[rows].to(dtype), self.rotary_sin[rows].to(dtype)
         cos = self.rotary_cos[offset : offset + n_positions].to(dtype)
         sin = self.rotary_sin[offset : offset + n_positions].to(dtype)
         return cos, sin

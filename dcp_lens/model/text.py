@@ -50,7 +50,8 @@ class TextMethods:
             warnings.warn(
                 "to_tokens padded the shorter texts on the left; the model reads pad tokens as "
                 "tokens unless forward gets the mask: use to_tokens_with_mask and pass "
-                "attention_mask=mask, or pass the texts to generate, which continues each alone.",
+                "attention_mask=mask, or pass the texts themselves to forward or generate, which "
+                "mask their padding.",
                 PaddingWarning,
                 stacklevel=2,
             )
