@@ -12,9 +12,9 @@ are the same on every device and for every batch):
 1. A prefix key per position: two polynomial hashes of ``tokens[:p+1]`` modulo the prime
    2^31 - 1 (bases `BASES`), ``H_p = sum_{i <= p} (t_i + 1) * B^(p - i)``, computed at once with a
    cumulative sum of ``(t_i + 1) * B^(-i)``. A KV cache keeps the running sums
-   (`PrefixState`), so the next chunk continues them. A pad (attention mask False) adds 0, so
-   at a real position the hash is that of the row's real tokens alone (the powers of B count
-   the distance back from p, which pads before the prefix do not change).
+   (`PrefixState`), so the next chunk continues them. In a padded batch a pad (attention mask
+   False) adds 0 and the powers of B count the row's own positions (real tokens only), so at a
+   real position the hash is that of the row's real tokens alone.
 2. The key of position p mixes the seed, p and both hashes into two 32-bit words
    (murmur3's finaliser, `fmix32`); in a padded batch p is the row's own position, counted from
    its first real token.
@@ -75,11 +75,15 @@ def _powers(base: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def prefix_hashes(
-    tokens: Tensor, state: PrefixState | None = None, mask: Tensor | None = None
+    tokens: Tensor,
+    state: PrefixState | None = None,
+    mask: Tensor | None = None,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, PrefixState]:
     """Hashes [batch, pos, 2] of every prefix ``tokens[:, :p+1]`` (continuing ``state``'s
-    positions when given; the tokens where ``mask`` [batch, pos] is False left out), and the
-    state after the last position."""
+    positions when given), and the state after the last position. In a padded batch the tokens
+    where ``mask`` [batch, pos] is False are left out and ``positions`` [batch, pos] (each row's
+    own, real tokens counted) take the place of the indices."""
     batch, n = tokens.shape
     offset = 0 if state is None else state.length
     device = tokens.device
@@ -89,8 +93,13 @@ def prefix_hashes(
     hashes, sums = [], []
     for j, base in enumerate(BASES):
         up, down = _powers(base, offset + n)
-        up_t = torch.tensor(up[offset:], dtype=torch.long, device=device)
-        down_t = torch.tensor(down[offset:], dtype=torch.long, device=device)
+        if positions is None:
+            up_t = torch.tensor(up[offset:], dtype=torch.long, device=device)
+            down_t = torch.tensor(down[offset:], dtype=torch.long, device=device)
+        else:  # [batch, pos]: each position's own powers
+            index = positions.to(device=device, dtype=torch.long)
+            up_t = torch.tensor(up, dtype=torch.long, device=device)[index]
+            down_t = torch.tensor(down, dtype=torch.long, device=device)[index]
         terms = (digits % MODULUS) * down_t % MODULUS  # < 2^62
         running = terms.cumsum(dim=1)  # < n * 2^31
         if state is not None:
@@ -156,6 +165,6 @@ def causal_noise(
         offset = 0 if state is None else state.length
         keys = position_keys(seed, hashes, offset)
         return standard_normals(keys, width, truncated), None
-    hashes, after = prefix_hashes(tokens, state, mask)
+    hashes, after = prefix_hashes(tokens, state, mask, positions)
     keys = position_keys(seed, hashes, after.length - tokens.shape[1], positions)
     return standard_normals(keys, width, truncated), after

@@ -64,7 +64,7 @@ def check_attention_mask(
             "value per token (True on real tokens), as to_tokens_with_mask returns it."
         )
     if mask.dtype != torch.bool:
-        if mask.is_floating_point() or bool(((mask != 0) & (mask != 1)).any()):
+        if bool(((mask != 0) & (mask != 1)).any()):
             raise PaddingError(
                 f"attention_mask must hold booleans or 0 / 1 (1 on real tokens), got {mask.dtype} "
                 "values other than 0 and 1."
