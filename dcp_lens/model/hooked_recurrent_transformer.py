@@ -456,8 +456,8 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
             return x
         if padding is not None and return_type is not None:
-            assert tokens is not None
             logits = self._finish(x, "logits", tokens, loss_per_token)
+            assert isinstance(logits, Tensor) and tokens is not None
             return padded_outputs(logits, tokens, padding.query_mask, return_type, loss_per_token)
         return self._finish(x, return_type, tokens, loss_per_token)
 

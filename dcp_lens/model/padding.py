@@ -53,7 +53,7 @@ class Padding:
 
 
 def check_attention_mask(
-    attention_mask: object, shape: tuple[int, int], device: torch.device
+    attention_mask: object, shape: tuple[int, ...], device: torch.device
 ) -> Bool[Tensor, "batch pos"]:
     """``attention_mask`` as booleans [batch, pos] on ``device``; refused unless it has the
     tokens' ``shape`` and holds booleans or 0 / 1."""
@@ -75,7 +75,7 @@ def check_attention_mask(
 
 def padding_for(
     attention_mask: object,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     device: torch.device,
     past_mask: Tensor | None = None,
     past: int = 0,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -69,7 +70,7 @@ class TLSurface(nn.Module):
     def __class__(self) -> type:  # noqa: D105
         """The model's type, as always; read by a TransformerLens check that takes only its
         TransformerBridge (`BRIDGE_ONLY_CHECKS`), the refusal with the dcp-lens way out."""
-        caller = sys._getframe(1)
+        caller: FrameType | None = sys._getframe(1)
         # The caller, or a few frames up where a type checker's wrapper runs this getter.
         for _ in range(_CALLER_DEPTH):
             if caller is None:
