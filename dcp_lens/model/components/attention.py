@@ -151,26 +151,32 @@ class Attention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         n_query, n_key = q.shape[1], k.shape[1]
-        # [batch or 1, 1, query, key]: True where a query may read a key.
-        allowed = (
-            _causal(n_query, n_key, past, x.device).logical_not()
-            if key_mask is None
-            else attention_allowed(key_mask, n_query, past)
-        )
         if self.fused and not (_watched(self.hook_attn_scores) or _watched(self.hook_pattern)):
             # Nobody reads the scores or the pattern: one fused kernel that never forms them.
             plain = past == 0 and key_mask is None
+            mask = None if plain else _allowed(n_query, n_key, past, key_mask, x.device)
             z = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                attn_mask=None if plain else allowed, is_causal=plain,
+                attn_mask=mask, is_causal=plain,
             ).transpose(1, 2)  # fmt: skip
         else:
             scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
+            allowed = _allowed(n_query, n_key, past, key_mask, x.device)
             scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")))
             pattern = self.hook_pattern(scores.softmax(dim=-1))
             z = (pattern @ v.transpose(1, 2)).transpose(1, 2)
         z = self.hook_z(z)  # [batch, pos, head, d_head]
         return z.reshape(batch, n_pos, -1) @ self.W_O.reshape(-1, self.W_O.shape[-1])
+
+
+def _allowed(
+    n_query: int, n_key: int, past: int, key_mask: Tensor | None, device: torch.device
+) -> Tensor:
+    """[query, key], or [batch, 1, query, key] with a ``key_mask`` (a padded batch): True where
+    a query may read a key."""
+    if key_mask is None:
+        return _causal(n_query, n_key, past, device).logical_not()
+    return attention_allowed(key_mask, n_query, past)
 
 
 def _causal(n_query: int, n_key: int, past: int, device: torch.device) -> Tensor:

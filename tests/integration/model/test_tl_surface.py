@@ -206,6 +206,8 @@ def test_the_refused_analysis_functions_refuse() -> None:
                 function(model, tokens, cache, cache, lambda logits: logits.sum(), 0, 0)
             elif name == "faithfulness":
                 function(model, tokens[:1], tokens[1:], lambda logits: logits.sum(), [])
+            elif name == "JacobianLens":  # a class: its fit takes the model
+                function.fit(model, ["x"], corpus="local", show_progress=False)
             else:
                 function(model, tokens)
 
