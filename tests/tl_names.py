@@ -114,7 +114,8 @@ _CHECKED_MODEL = {
     "block_submodules": "= blocks[i]'s child modules that are not hook points",
     "blocks_with": "(i, blocks[i]) for every block with that submodule",
     "get_hook_point": "= hook_dict[name]; None for an unknown name",
-    "loss_fn": "= model(tokens, return_type='loss')",
+    "loss_fn": "= model(tokens, return_type='loss'); with attention_mask = TransformerLens's "
+    "lm_cross_entropy_loss and the masked forward's loss",
     "init_weights": "two models of one config agree after init_weights()",
     "accumulated_bias": "= the sum of b_out over earlier blocks (pre-norm)",
     "tokens_to_residual_directions": "conformance workflow rows: directions @ stack + b_U",

@@ -27,6 +27,7 @@ from transformer_lens.hook_points import HookPoint
 from dcp_lens.model.components.attention import Attention, KVCache
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.padding import check_attention_mask, padded_outputs
 from dcp_lens.utils.errors import UnsupportedToolError
 
 # TransformerLens's name of the unembedding weight (SVDInterpreter reads it).
@@ -272,12 +273,14 @@ class TLSurface(nn.Module):
         per_token: bool = False,
     ) -> Tensor:
         """Mean next-token cross-entropy of ``logits`` [batch, pos, d_vocab] on ``tokens``
-        [batch, pos] ([batch, pos - 1] with ``per_token``), as ``return_type="loss"``."""
+        [batch, pos] ([batch, pos - 1] with ``per_token``), as ``return_type="loss"``; with an
+        ``attention_mask`` [batch, pos] only a real token predicted from a real one counts (zero
+        elsewhere per token), as TransformerLens's ``lm_cross_entropy_loss``."""
         if attention_mask is not None:
-            raise UnsupportedToolError(
-                "loss_fn(attention_mask=...): pass the logits and tokens of unpadded prompts, or "
-                "mask per_token=True losses yourself."
-            )
+            mask = check_attention_mask(attention_mask, tuple(tokens.shape), tokens.device)
+            loss = padded_outputs(logits, tokens, mask, "loss", per_token)
+            assert isinstance(loss, Tensor)
+            return loss
         return next_token_loss(logits, tokens, per_token=per_token)
 
     def init_weights(self) -> None:
