@@ -80,8 +80,6 @@ STATUSES = {
     "hook points (every patching row above goes through it)",
     "independent": "takes no model (tensors, devices, files, result types): TransformerLens's "
     "own code, unaffected by dcp-lens",
-    "refused by TransformerLens": "TransformerLens raises its own TypeError (it takes only its "
-    "TransformerBridge) before reading the model; the note names the dcp-lens equivalent",
 }
 _HOOKED_ROOT = (
     "add_caching_hooks add_hook add_perma_hook cache_all cache_some check_and_add_hook "
@@ -116,7 +114,8 @@ _CHECKED_MODEL = {
     "block_submodules": "= blocks[i]'s child modules that are not hook points",
     "blocks_with": "(i, blocks[i]) for every block with that submodule",
     "get_hook_point": "= hook_dict[name]; None for an unknown name",
-    "loss_fn": "= model(tokens, return_type='loss')",
+    "loss_fn": "= model(tokens, return_type='loss'); with attention_mask = TransformerLens's "
+    "lm_cross_entropy_loss and the masked forward's loss",
     "init_weights": "two models of one config agree after init_weights()",
     "accumulated_bias": "= the sum of b_out over earlier blocks (pre-norm)",
     "tokens_to_residual_directions": "conformance workflow rows: directions @ stack + b_U",
@@ -218,9 +217,9 @@ _INDEPENDENT_FUNCTIONS = {
         ).split()
     },
 }
-# TransformerLens raises its own TypeError ("supports TransformerBridge only") before it reads
-# the model, so no dcp-lens code runs; the note names dcp-lens's equivalent.
-_TL_REFUSED = {
+# TransformerLens's checks that take only its TransformerBridge read ``model.__class__``, which
+# refuses there (`dcp_lens.model.tl_surface.BRIDGE_ONLY_CHECKS`) naming dcp-lens's equivalent.
+_REFUSED_FUNCTIONS |= {
     "tools.analysis.JacobianLens": "dcp_lens.lenses.tuned.JacobianLens.fit(model, tokens): the "
     "Jacobian of each iteration's state to the stream entering ln_final",
 }
@@ -247,8 +246,6 @@ def surface_table(conformance: set[str]) -> dict[str, tuple[str, str]]:
             table[name] = ("checked", _CHECKED_FUNCTIONS[name])
         elif name in _REFUSED_FUNCTIONS:
             table[name] = ("refused", _REFUSED_FUNCTIONS[name])
-        elif name in _TL_REFUSED:
-            table[name] = ("refused by TransformerLens", _TL_REFUSED[name])
         elif name in _INDEPENDENT_FUNCTIONS:
             table[name] = ("independent", _INDEPENDENT_FUNCTIONS[name])
         elif kind in _MODEL_KINDS and name not in RESULT_TYPES:

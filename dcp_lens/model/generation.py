@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from jaxtyping import Float, Int
-from torch import Tensor, nn
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
 from transformer_lens.hook_points import HookPoint
 
 from dcp_lens.model.components.attention import KVCache
 from dcp_lens.model.config import RecurrentConfig
-from dcp_lens.model.loss import next_token_loss
+from dcp_lens.model.padding import PaddingError, check_attention_mask
 from dcp_lens.model.tokenization import Tokenizer, padding_id
-from dcp_lens.utils.errors import DCPLensError, InputError
+from dcp_lens.utils.errors import DCPLensError
 from dcp_lens.utils.progress import progress as progress_display
 
 
@@ -37,11 +37,24 @@ class Generation:
 
         def _as_tokens(self, input: object, offset: int = 0) -> Tensor: ...
 
-        def forward(self, input: Tensor, *, past_kv_cache: KVCache | None = None) -> Tensor: ...
+        def forward(
+            self,
+            input: Tensor,
+            *,
+            past_kv_cache: KVCache | None = None,
+            attention_mask: Tensor | None = None,
+        ) -> Tensor: ...
 
         def to_string(self, tokens: Tensor) -> str | list[str]: ...
 
         def to_tokens(self, text: str | list[str], prepend_bos: bool | None = None) -> Tensor: ...
+
+        def to_tokens_with_mask(
+            self,
+            text: str | list[str],
+            prepend_bos: bool | None = None,
+            padding_side: PaddingSide | None = None,
+        ) -> tuple[Tensor, Tensor]: ...
 
         tokenizer: Tokenizer | None
 
@@ -67,18 +80,20 @@ class Generation:
         prepend_bos: bool | None = None,
         padding_side: PaddingSide | None = None,
         return_type: GenerateReturn = "input",
+        attention_mask: Tensor | None = None,
     ) -> Tensor | str | list[str]:
         """Greedy (default) or sampled continuation. With ``use_past_kv_cache`` every block
         application (every iteration of every core layer) keeps its own keys and values.
 
         Args:
-            input: tokens [batch, pos] (each row a prompt as it is: padding in it is read as
-                tokens), a string, or a list of strings. Strings are tokenized with
+            input: tokens [batch, pos] (each row a prompt as it is, unless ``attention_mask``
+                marks its padding), a string, or a list of strings. Strings are tokenized with
                 ``prepend_bos`` (default: ``cfg.default_prepend_bos``); prompts of different
-                lengths are each continued alone, so each row continues exactly as that prompt
-                does by itself, and the rows are then padded to one length on ``padding_side``
-                (default ``"left"``, as TransformerLens pads a batch of prompts) with the
-                tokenizer's pad id (`dcp_lens.model.tokenization.padding_id`).
+                lengths are padded on the left with the tokenizer's pad id
+                (`dcp_lens.model.tokenization.padding_id`) and continued in one masked batch
+                (`dcp_lens.model.padding`), so each row continues as that prompt does by
+                itself; the rows come back padded on ``padding_side`` (default ``"left"``, as
+                TransformerLens pads a batch of prompts).
             max_new_tokens: tokens to add.
             do_sample, temperature, top_k, top_p, freq_penalty, seed: sampling as
                 TransformerLens (`sampling_logits`); ``seed`` makes a sample reproducible.
@@ -87,6 +102,8 @@ class Generation:
             verbose: a progress display (`dcp_lens.utils.progress`).
             return_type: ``"input"`` (a string for a string, a list of strings for a list, else
                 tokens), ``"str"`` or ``"tokens"`` ([batch, pos + new]).
+            attention_mask: [batch, pos] for token input, True on real tokens: a batch padded
+                (on the left) by the caller, continued in one masked pass.
 
         Returns:
             tokens [batch, pos + new], a string, or a list of strings (``return_type``).
@@ -125,10 +142,22 @@ class Generation:
         if n_iterations is not None and not self.is_dense and n_iterations != self._active:
             with self.iterations(n_iterations):
                 return self._generate_input(
-                    input, max_new_tokens, settings, prepend_bos, padding_side, return_type
+                    input,
+                    max_new_tokens,
+                    settings,
+                    prepend_bos,
+                    padding_side,
+                    return_type,
+                    attention_mask,
                 )
         return self._generate_input(
-            input, max_new_tokens, settings, prepend_bos, padding_side, return_type
+            input,
+            max_new_tokens,
+            settings,
+            prepend_bos,
+            padding_side,
+            return_type,
+            attention_mask,
         )
 
     def _generate_input(
@@ -139,26 +168,41 @@ class Generation:
         prepend_bos: bool | None,
         padding_side: PaddingSide | None,
         return_type: GenerateReturn,
+        attention_mask: Tensor | None = None,
     ) -> Tensor | str | list[str]:
         """`generate` on one kind of input: tokens, a string or a list of strings."""
         if isinstance(input, Tensor):
-            tokens = self._continue(self._as_tokens(input), max_new_tokens, settings)
-            return self.to_string(tokens) if return_type == "str" else tokens
+            tokens = self._as_tokens(input)
+            mask = None
+            if attention_mask is not None:
+                mask = check_attention_mask(attention_mask, tuple(tokens.shape), tokens.device)
+            tokens, mask = self._continue(tokens, max_new_tokens, settings, mask)
+            if return_type == "str":
+                return [str(self.to_string(row)) for row in _real_rows(tokens, mask)]
+            return tokens
+        elif attention_mask is not None:
+            raise PaddingError(
+                "attention_mask goes with token input; text is tokenized and masked by generate."
+            )
         texts = [input] if isinstance(input, str) else list(input)
-        prompts = [self.to_tokens(text, prepend_bos=prepend_bos) for text in texts]
-        if len({prompt.shape[1] for prompt in prompts}) == 1:
-            rows = list(self._continue(torch.cat(prompts), max_new_tokens, settings))
-        else:  # each prompt alone: no padding inside any prompt
-            rows = [self._continue(prompt, max_new_tokens, settings)[0] for prompt in prompts]
+        prompts, mask = self.to_tokens_with_mask(texts, prepend_bos, "left")
+        tokens, mask = self._continue(prompts, max_new_tokens, settings, mask)
+        rows = _real_rows(tokens, mask)
         if return_type == "tokens":
-            return self._padded(rows, padding_side or "left", settings)
+            side = padding_side or "left"
+            return tokens if side == "left" else self._padded(rows, side)
         strings = [str(self.to_string(row)) for row in rows]
         return strings[0] if isinstance(input, str) and return_type == "input" else strings
 
     def _continue(
-        self, tokens: Int[Tensor, "batch pos"], max_new_tokens: int, settings: GenerationSettings
-    ) -> Int[Tensor, "batch pos_new"]:
-        """``tokens`` with up to ``max_new_tokens`` tokens added to every row."""
+        self,
+        tokens: Int[Tensor, "batch pos"],
+        max_new_tokens: int,
+        settings: GenerationSettings,
+        mask: Bool[Tensor, "batch pos"] | None = None,
+    ) -> tuple[Int[Tensor, "batch pos_new"], Bool[Tensor, "batch pos_new"] | None]:
+        """``tokens`` with up to ``max_new_tokens`` tokens added to every row, and the mask
+        (``mask`` [batch, pos], True on real tokens, with True for every new token)."""
         generator = (
             torch.Generator(device=tokens.device).manual_seed(settings.seed)
             if settings.seed is not None
@@ -167,10 +211,13 @@ class Generation:
         cache = KVCache(self.cfg.n_layers) if settings.use_past_kv_cache else None
         finished = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         eos = settings.eos_token_id if settings.stop_at_eos else None
-        new_input = tokens
+        new_input, new_mask = tokens, mask
         steps = progress_display(range(max_new_tokens), desc="generate", enabled=settings.verbose)
         for _ in steps:
-            logits = self.forward(new_input if cache is not None else tokens, past_kv_cache=cache)
+            if cache is not None:  # the cache keeps the mask of what it holds
+                logits = self.forward(new_input, past_kv_cache=cache, attention_mask=new_mask)
+            else:
+                logits = self.forward(tokens, attention_mask=mask)
             last = logits[:, -1, :]
             if settings.do_sample:
                 last = sampling_logits(
@@ -180,6 +227,7 @@ class Generation:
                     settings.freq_penalty,
                     settings.top_k,
                     settings.top_p,
+                    mask,
                 )
                 next_token = torch.multinomial(last.softmax(-1), 1, generator=generator)
             else:
@@ -188,17 +236,16 @@ class Generation:
                 next_token = next_token.masked_fill(finished[:, None], eos)
                 finished |= next_token[:, 0] == eos
             tokens = torch.cat((tokens, next_token), dim=1)
-            new_input = next_token
+            if mask is not None:
+                mask = torch.cat((mask, torch.ones_like(next_token, dtype=torch.bool)), dim=1)
+            new_input, new_mask = next_token, None
             if eos is not None and bool(finished.all()):
                 break
-        return tokens
+        return tokens, mask
 
-    def _padded(
-        self, rows: list[Tensor], side: PaddingSide, settings: GenerationSettings
-    ) -> Int[Tensor, "batch pos"]:
+    def _padded(self, rows: list[Tensor], side: PaddingSide) -> Int[Tensor, "batch pos"]:
         """Rows of different lengths as one [batch, pos] tensor, padded on ``side`` with the pad
-        id; a row that stopped at EOS early is first filled with EOS up to the longest
-        continuation, as a batch would have filled it."""
+        id."""
         width = max(len(row) for row in rows)
         pad = padding_id(self.tokenizer)
         out = torch.full((len(rows), width), pad, dtype=rows[0].dtype, device=rows[0].device)
@@ -209,79 +256,6 @@ class Generation:
                 out[i, : len(row)] = row
         return out
 
-    def _forward_masked(
-        self,
-        input: object,
-        attention_mask: Tensor,
-        return_type: str | None,
-        loss_per_token: bool,
-        n_iterations: int | None,
-        others: dict[str, object],
-    ) -> Any:
-        """`forward` of tokens with an ``attention_mask`` that pads (`_forward_padded`), at
-        ``n_iterations`` when given; ``others`` (forward's other arguments by name) must all be
-        None: a padded batch runs tokens only."""
-        given = [name for name, value in others.items() if value is not None]
-        if given:
-            raise InputError(
-                f"attention_mask with padding runs tokens only, not with {given}; run each "
-                "row's real tokens alone for those (tokens[i:i+1, mask[i]])."
-            )
-        with (
-            self.iterations(n_iterations) if n_iterations is not None else contextlib.nullcontext()
-        ):
-            padded = self._as_tokens(input)
-            return self._forward_padded(padded, attention_mask, return_type, loss_per_token)
-
-    def _forward_padded(
-        self,
-        tokens: Int[Tensor, "batch pos"],
-        attention_mask: Tensor,
-        return_type: str | None,
-        loss_per_token: bool,
-    ) -> Any:
-        """`forward` of a padded batch: each row's real tokens (``attention_mask`` True, one
-        contiguous run, padding on the left or the right) run alone, so positions, Huginn's
-        prefix-keyed noise and attention see only them, exactly as the prompt alone. Logits
-        [batch, pos, d_vocab] are zero at pad positions; the loss is the mean next-token
-        cross-entropy over real tokens ([batch, pos - 1] with ``loss_per_token``, zero where the
-        target or its context is a pad). Refused while hooks are on (a cache, ``run_with_hooks``):
-        they would see each row apart."""
-        spans = padded_spans(tokens, attention_mask)
-        hooked = [name for name, point in self.hook_dict.items() if _has_hooks(point)]
-        if hooked:
-            raise PaddingError(
-                f"a padded batch runs row by row, so hooks (on {hooked[:3]}) would see each row "
-                "apart and a cache would keep only the last; run_with_cache / run_with_hooks each "
-                "prompt alone (tokens[i:i+1, mask[i]]) or batch prompts of one length."
-            )
-        logits_rows = [
-            self.forward(tokens[row : row + 1, lo:hi]) for row, (lo, hi) in enumerate(spans)
-        ]
-        if return_type is None:
-            return None
-        first = logits_rows[0]
-        logits = first.new_zeros((*tokens.shape, first.shape[-1]))
-        losses = first.new_zeros((tokens.shape[0], tokens.shape[1] - 1))
-        for row, ((lo, hi), row_logits) in enumerate(zip(spans, logits_rows, strict=True)):
-            logits[row, lo:hi] = row_logits[0]
-            if hi - lo > 1:
-                row_tokens = tokens[row : row + 1, lo:hi]
-                losses[row, lo : hi - 1] = next_token_loss(row_logits, row_tokens, per_token=True)[
-                    0
-                ]
-        if return_type == "logits":
-            return logits
-        n_targets = sum(max(hi - lo - 1, 0) for lo, hi in spans)
-        loss = losses if loss_per_token else losses.sum() / max(n_targets, 1)
-        if return_type == "loss":
-            return loss
-        if return_type == "both":
-            return logits, loss
-        raise GenerationInputError(
-            f"return_type={return_type!r} is not one of 'logits', 'loss', 'both', None."
-        )
-
     def _eos_id(self, eos_token_id: int | None) -> int | None:
         if eos_token_id is not None:
             return eos_token_id
@@ -289,38 +263,15 @@ class Generation:
         return value if isinstance(value, int) else None
 
 
-def _has_hooks(point: nn.Module) -> bool:
-    """Whether anything is hooked on ``point``: a TransformerLens hook or a PyTorch one."""
-    return bool(
-        getattr(point, "fwd_hooks", None)
-        or getattr(point, "bwd_hooks", None)
-        or point._forward_hooks
-        or point._forward_pre_hooks
-        or point._backward_hooks
+def _real_rows(
+    tokens: Int[Tensor, "batch pos"], mask: Bool[Tensor, "batch pos"] | None
+) -> list[Int[Tensor, " real"]]:
+    """Each row's real tokens (all of them without a mask)."""
+    return (
+        list(tokens)
+        if mask is None
+        else [row[real] for row, real in zip(tokens, mask, strict=True)]
     )
-
-
-def padded_spans(tokens: Int[Tensor, "batch pos"], attention_mask: Tensor) -> list[tuple[int, int]]:
-    """Per row, ``(start, end)`` of its real tokens: the one contiguous run where
-    ``attention_mask`` [batch, pos] is true (left or right padding). A mask of another shape,
-    a row with no real token or with a pad between real tokens is refused."""
-    mask = torch.as_tensor(attention_mask).to(device=tokens.device).bool()
-    if mask.shape != tokens.shape:
-        raise PaddingError(
-            f"attention_mask has shape {tuple(mask.shape)}, the tokens {tuple(tokens.shape)}; "
-            "pass the mask to_tokens_with_mask returns with its tokens (True on real tokens)."
-        )
-    spans = []
-    for row, real in enumerate(mask):
-        where = real.nonzero()[:, 0]
-        if where.numel() == 0 or int(where[-1]) - int(where[0]) + 1 != where.numel():
-            what = "no real token" if where.numel() == 0 else "a pad between real tokens"
-            raise PaddingError(
-                f"row {row} of attention_mask has {what}; a row's real tokens must be one run, "
-                "padded on the left or on the right."
-            )
-        spans.append((int(where[0]), int(where[-1]) + 1))
-    return spans
 
 
 PaddingSide = Literal["left", "right"]
@@ -349,10 +300,6 @@ class GenerationInputError(DCPLensError, ValueError):
     """A `HookedRecurrentTransformer.generate` argument outside what it accepts."""
 
 
-class PaddingError(DCPLensError, ValueError):
-    """An attention mask that does not describe a padded batch of these tokens."""
-
-
 class SamplingError(DCPLensError):
     """A sampling setting of `HookedRecurrentTransformer.generate` outside its range."""
 
@@ -364,14 +311,17 @@ def sampling_logits(
     freq_penalty: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    mask: Bool[Tensor, "batch pos"] | None = None,
 ) -> Float[Tensor, "batch d_vocab"]:
     """The logits generate samples from: divided by ``temperature``, less ``freq_penalty``
-    times each token's count in ``tokens``, with tokens outside the top k and outside the
-    nucleus of mass ``top_p`` set to -inf (the most likely token always stays)."""
+    times each token's count in ``tokens`` (real tokens only, with a ``mask``), with tokens
+    outside the top k and outside the nucleus of mass ``top_p`` set to -inf (the most likely
+    token always stays)."""
     logits = logits / temperature
     if freq_penalty:
+        ones = torch.ones_like(tokens, dtype=logits.dtype)
         counts = torch.zeros_like(logits).scatter_add_(
-            -1, tokens, torch.ones_like(tokens, dtype=logits.dtype)
+            -1, tokens, ones if mask is None else ones * mask.to(logits.dtype)
         )
         logits = logits - freq_penalty * counts
     if top_k is not None:

@@ -44,6 +44,7 @@ from dcp_lens.model.hooking import HookSurface
 from dcp_lens.model.loss import next_token_loss
 from dcp_lens.model.names import IterationHookName, note_block_index
 from dcp_lens.model.noise import causal_noise
+from dcp_lens.model.padding import Padding, padded_outputs, padding_for
 from dcp_lens.model.peers import register_with_pyvene
 from dcp_lens.model.text import TextMethods
 from dcp_lens.model.tl_surface import TLSurface
@@ -54,12 +55,8 @@ from dcp_lens.utils.checks import check_limit
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import (
     DCPLensError,
-    DeviceError,
     InputError,
-    InputTypeError,
-    ResourceLimitError,
 )
-from dcp_lens.utils.memory import available_memory_bytes
 
 ReturnType = Literal["logits", "loss", "both"] | None
 ModelT = TypeVar("ModelT", bound="HookedRecurrentTransformer")
@@ -372,21 +369,19 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                 is refused with the way to build one.
             input_ids: the tokens under Hugging Face's name, in place of ``input`` (pyvene calls
                 ``model(**{"input_ids": tokens})``).
-            attention_mask: [batch, pos], True on real tokens, for a batch padded on the left or
-                the right (`to_tokens_with_mask`): each row's real tokens run alone, exactly as
-                that prompt by itself (`Generation._forward_padded`); with tokens only.
+            attention_mask: [batch, pos], True on real tokens (TransformerLens's argument), for
+                prompts of different lengths in one batch padded on the left or the right
+                (`to_tokens_with_mask`); text input gets its own. One masked pass, each row as its
+                real tokens alone (`dcp_lens.model.padding`); with a KV cache, the mask of the
+                new tokens (the cache keeps the earlier ones').
         """
         input = _the_input(input, input_ids)
-        if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
-            others = {
-                "start_at_layer": start_at_layer,
-                "stop_at_layer": stop_at_layer,
-                "tokens": tokens,
-                "prelude_output": prelude_output,
-                "past_kv_cache": past_kv_cache,
-            }
-            return self._forward_masked(
-                input, attention_mask, return_type, loss_per_token, n_iterations, others
+        resumed = (start_at_layer, prelude_output, tokens)
+        if attention_mask is not None and any(value is not None for value in resumed):
+            raise InputError(
+                "attention_mask applies to a forward from tokens, not with start_at_layer, "
+                "prelude_output or tokens=; run from the tokens with the mask, or each row's "
+                "real tokens alone (tokens[i:i+1, mask[i]])."
             )
         if n_iterations is not None and (self.is_dense or n_iterations != self._active):
             with self.iterations(n_iterations):
@@ -399,6 +394,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
                     tokens=tokens,
                     prelude_output=prelude_output,
                     past_kv_cache=past_kv_cache,
+                    attention_mask=attention_mask,
                 )
         start = self._check_layer("start_at_layer", start_at_layer, 0)
         stop = self._check_layer("stop_at_layer", stop_at_layer, self.cfg.n_layers)
@@ -406,16 +402,33 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             raise ValueError(f"stop_at_layer={stop} comes before start_at_layer={start}.")
         past_kv_cache = self.check_past_kv_cache(past_kv_cache)
         offset = past_kv_cache.length if past_kv_cache is not None else 0
+        padding: Padding | None = None
         if start_at_layer is None:
+            if isinstance(input, (str, list)) and attention_mask is None:
+                input, attention_mask = self.to_tokens_with_mask(input)
             tokens = self._as_tokens(input, offset)
-            x = self._embed(tokens, offset)
+            past_mask = past_kv_cache.attention_mask if past_kv_cache is not None else None
+            padding = padding_for(attention_mask, tokens.shape, tokens.device, past_mask, offset)
+            if past_kv_cache is not None:
+                past_kv_cache.attention_mask = None if padding is None else padding.key_mask
+            x = self._embed(tokens, offset, padding)
         else:
             x = self._resumed_stream(input, start, prelude_output)
         x = self._run_blocks(
-            x, (start, stop), start_at_layer is not None, tokens, prelude_output, past_kv_cache
+            x,
+            (start, stop),
+            start_at_layer is not None,
+            tokens,
+            prelude_output,
+            past_kv_cache,
+            padding,
         )
         if stop_at_layer is not None:  # as TransformerLens: the stream, even at n_layers
             return x
+        if padding is not None and return_type is not None:
+            logits = self._finish(x, "logits", tokens, loss_per_token)
+            assert isinstance(logits, Tensor) and tokens is not None
+            return padded_outputs(logits, tokens, padding.query_mask, return_type, loss_per_token)
         return self._finish(x, return_type, tokens, loss_per_token)
 
     def _resumed_stream(
@@ -447,21 +460,23 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         tokens: Tensor | None,
         embedding: Tensor | None,
         past_kv_cache: KVCache | None,
+        padding: Padding | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """The stream ``x`` entering ``blocks[start]`` carried to the one entering
         ``blocks[stop]`` (``span``: start, stop), crossing every iteration's boundary on the way:
         the loop's entry, each iteration's state, the readout's input. A ``resumed`` stream has
         already crossed the boundary before ``blocks[start]``; ``embedding`` is the prelude's
-        output e when the caller has it."""
+        output e when the caller has it; ``padding``: a padded batch's masks and positions."""
         start, stop = span
         offset = past_kv_cache.length if past_kv_cache is not None else 0
-        rotary = self._rotary(x.shape[1], offset)
+        rotary = self._rotary(x.shape[1], offset, padding)
+        key_mask = None if padding is None else padding.key_mask
         for i in range(start, stop + 1):
             if i > start or not resumed:
                 t = self._iteration_ending_at.get(i)
                 if t == 0:
                     embedding = x
-                    x, _ = self._enter_loop(embedding, tokens, past_kv_cache, offset)
+                    x, _ = self._enter_loop(embedding, tokens, past_kv_cache, offset, padding)
                 elif t is not None:
                     x, _ = self._finish_iteration(t, x, embedding)
                 elif self.is_dense and i == self.cfg.n_layers:
@@ -469,7 +484,7 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             if i == stop:
                 break
             cache = past_kv_cache[i] if past_kv_cache is not None else None
-            x = self._apply_block(i, x, rotary, cache)
+            x = self._apply_block(i, x, rotary, cache, key_mask)
         return x
 
     def _apply_block(
@@ -478,9 +493,11 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         x: Float[Tensor, "batch pos d_model"],
         rotary: tuple[Tensor, Tensor] | None,
         cache: Any,
+        key_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """``blocks[i]`` on the stream entering it (a subclass adds what runs between blocks)."""
-        return self.blocks[i](x, rotary, cache)
+        """``blocks[i]`` on the stream entering it (a subclass adds what runs between blocks);
+        ``key_mask`` [batch, past + pos] in a padded batch (`dcp_lens.model.padding`)."""
+        return self.blocks[i](x, rotary, cache, key_mask)
 
     def readout(
         self,
@@ -504,9 +521,10 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         tokens: Tensor | None = None,
         kv_cache: KVCache | None = None,
         offset: int = 0,
+        padding: Padding | None = None,
     ) -> tuple[Tensor, Tensor]:
         """s_0 = Init(e), then the first iteration's input u_1 = Inject(s_0, e)."""
-        initial = self._initial_state(embedding, tokens, kv_cache, offset)
+        initial = self._initial_state(embedding, tokens, kv_cache, offset, padding)
         state = self._iteration_hooks[0].hook_state(initial)
         return self._next_input(0, state, embedding), state
 
@@ -562,11 +580,13 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         tokens: Tensor | None = None,
         kv_cache: KVCache | None = None,
         offset: int = 0,
+        padding: Padding | None = None,
     ) -> Tensor:
         """s_0: zeros, e, or noise drawn causally (`dcp_lens.model.noise`): position p's noise
         depends only on ``cfg.state_init_seed``, p and ``tokens[:, :p+1]``, so it is the same in
         a prefix's forward, in generation with or without a KV cache (the cache carries the
-        prefix state), at any number of iterations and in any batch, slot or right padding."""
+        prefix state), at any number of iterations and in any batch, slot or padding (with the
+        attention mask, ``padding``: p and the prefix are the row's own real tokens)."""
         kind = self.cfg.state_init
         if kind == "zeros":
             return torch.zeros_like(embedding)
@@ -587,23 +607,32 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             truncated=kind == "huginn",
             state=state,
             batch=embedding.shape[0],
+            mask=None if padding is None else padding.query_mask,
+            positions=None if padding is None else padding.positions,
         )
         if kv_cache is not None and after is not None:
             setattr(kv_cache, NOISE_PREFIX, after)
         scale = self.cfg.state_init_std * (self.cfg.embed_scale if kind == "huginn" else 1.0)
         return (noise * scale).to(device=embedding.device, dtype=embedding.dtype)
 
-    def _embed(self, tokens: Tensor, offset: int) -> Tensor:
+    def _embed(self, tokens: Tensor, offset: int, padding: Padding | None = None) -> Tensor:
         x = self.hook_embed(self.embed(tokens))
         if self.pos_embed is not None and self.hook_pos_embed is not None:
-            positions = self.pos_embed(tokens.shape[1], offset).expand_as(x)  # TL: [batch, pos, d]
+            rows = None if padding is None else padding.positions
+            positions = self.pos_embed(tokens.shape[1], offset, rows).expand_as(x)  # TL: [b, p, d]
             x = x + self.hook_pos_embed(positions)
         return x
 
-    def _rotary(self, n_positions: int, offset: int) -> tuple[Tensor, Tensor] | None:
+    def _rotary(
+        self, n_positions: int, offset: int, padding: Padding | None = None
+    ) -> tuple[Tensor, Tensor] | None:
+        """cos and sin [pos, d_head / 2], or [batch, pos, d_head / 2] in a padded batch."""
         if self.pos_embed is not None:
             return None
         dtype = self.embed.W_E.dtype
+        if padding is not None:
+            rows = padding.positions.to(self.rotary_cos.device)
+            return self.rotary_cos[rows].to(dtype), self.rotary_sin[rows].to(dtype)
         cos = self.rotary_cos[offset : offset + n_positions].to(dtype)
         sin = self.rotary_sin[offset : offset + n_positions].to(dtype)
         return cos, sin
@@ -618,55 +647,6 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         if not 0 <= value <= self.cfg.n_layers:
             raise ValueError(f"{name}={value} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
         return value
-
-    def _as_tokens(self, input: object, offset: int = 0) -> Tensor:
-        if isinstance(input, (str, list)) and not isinstance(input, Tensor):
-            return self.to_tokens(input)
-        if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
-            raise InputTypeError(
-                f"input must be integer tokens [batch, pos] (or text with a tokenizer), got "
-                f"{type(input).__name__} {getattr(input, 'dtype', '')}."
-            )
-        if input.device.type == "meta":
-            raise DeviceError(
-                "tokens are on the meta device, which holds shapes but no values; pass tokens on "
-                f"the model's device ({self.cfg.device})."
-            )
-        if input.ndim == 1:
-            input = input[None]
-        if input.ndim != 2 or 0 in input.shape:
-            raise InputError(
-                f"tokens must be [batch >= 1, pos >= 1], got shape {tuple(input.shape)}; pass at "
-                "least one sequence of at least one token."
-            )
-        if input.shape[1] + offset > self.cfg.n_ctx:
-            raise InputError(
-                f"sequence length {input.shape[1] + offset} exceeds n_ctx={self.cfg.n_ctx}; "
-                "shorten the input or build the model with a larger n_ctx."
-            )
-        if input.min() < 0 or input.max() >= self.cfg.d_vocab:
-            bad = input[(input < 0) | (input >= self.cfg.d_vocab)][0].item()
-            raise InputError(
-                f"token id {bad} is outside the vocabulary 0..{self.cfg.d_vocab - 1} (d_vocab)."
-            )
-        self._check_forward_size(input.shape[0], input.shape[1] + offset)
-        return input.long()
-
-    def _check_forward_size(self, batch: int, pos: int) -> None:
-        """Refuse a forward whose largest tensors (one layer's attention scores, the logits, a
-        few residual streams) would not fit in the memory this machine has free."""
-        cfg = self.cfg
-        element = self.W_E.element_size()
-        largest = batch * pos * (cfg.n_heads * pos + cfg.d_vocab + 8 * cfg.d_model) * element
-        if self.W_E.device.type != "cpu" or largest < 1 << 30:
-            return
-        free = available_memory_bytes()
-        if free is not None and largest > free:
-            raise ResourceLimitError(
-                f"tokens [{batch}, {pos}] need about {largest / 2**30:.1f} GiB for one layer's "
-                f"attention scores and the logits, more than the {free / 2**30:.1f} GiB free "
-                "here; pass fewer or shorter sequences (split a long text into windows)."
-            )
 
     def to(self: ModelT, *args: Any, **kwargs: Any) -> ModelT:
         """`torch.nn.Module.to`, with an unavailable device refused in one line."""

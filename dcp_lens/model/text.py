@@ -13,6 +13,8 @@ from torch import Tensor
 
 from dcp_lens.model.config import RecurrentConfig
 from dcp_lens.model.tokenization import Tokenizer, encode_text, padding_id
+from dcp_lens.utils.errors import DeviceError, InputError, InputTypeError, ResourceLimitError
+from dcp_lens.utils.memory import available_memory_bytes
 
 
 class PaddingWarning(UserWarning):
@@ -33,7 +35,8 @@ class TextMethods:
         @property
         def W_U(self) -> Tensor: ...
 
-        def _as_tokens(self, input: object, offset: int = 0) -> Tensor: ...
+        @property
+        def W_E(self) -> Tensor: ...
 
     def to_tokens(
         self,
@@ -50,7 +53,8 @@ class TextMethods:
             warnings.warn(
                 "to_tokens padded the shorter texts on the left; the model reads pad tokens as "
                 "tokens unless forward gets the mask: use to_tokens_with_mask and pass "
-                "attention_mask=mask, or pass the texts to generate, which continues each alone.",
+                "attention_mask=mask, or pass the texts themselves to forward or generate, which "
+                "mask their padding.",
                 PaddingWarning,
                 stacklevel=2,
             )
@@ -183,3 +187,52 @@ class TextMethods:
             tokens = self.to_single_token(tokens)
         index = torch.as_tensor(tokens, device=self.W_U.device)
         return self.W_U[:, index].movedim(0, -1)
+
+    def _as_tokens(self, input: object, offset: int = 0) -> Tensor:
+        if isinstance(input, (str, list)) and not isinstance(input, Tensor):
+            return self.to_tokens(input)
+        if not isinstance(input, Tensor) or input.dtype not in (torch.int64, torch.int32):
+            raise InputTypeError(
+                f"input must be integer tokens [batch, pos] (or text with a tokenizer), got "
+                f"{type(input).__name__} {getattr(input, 'dtype', '')}."
+            )
+        if input.device.type == "meta":
+            raise DeviceError(
+                "tokens are on the meta device, which holds shapes but no values; pass tokens on "
+                f"the model's device ({self.cfg.device})."
+            )
+        if input.ndim == 1:
+            input = input[None]
+        if input.ndim != 2 or 0 in input.shape:
+            raise InputError(
+                f"tokens must be [batch >= 1, pos >= 1], got shape {tuple(input.shape)}; pass at "
+                "least one sequence of at least one token."
+            )
+        if input.shape[1] + offset > self.cfg.n_ctx:
+            raise InputError(
+                f"sequence length {input.shape[1] + offset} exceeds n_ctx={self.cfg.n_ctx}; "
+                "shorten the input or build the model with a larger n_ctx."
+            )
+        if input.min() < 0 or input.max() >= self.cfg.d_vocab:
+            bad = input[(input < 0) | (input >= self.cfg.d_vocab)][0].item()
+            raise InputError(
+                f"token id {bad} is outside the vocabulary 0..{self.cfg.d_vocab - 1} (d_vocab)."
+            )
+        self._check_forward_size(input.shape[0], input.shape[1] + offset)
+        return input.long()
+
+    def _check_forward_size(self, batch: int, pos: int) -> None:
+        """Refuse a forward whose largest tensors (one layer's attention scores, the logits, a
+        few residual streams) would not fit in the memory this machine has free."""
+        cfg = self.cfg
+        element = self.W_E.element_size()
+        largest = batch * pos * (cfg.n_heads * pos + cfg.d_vocab + 8 * cfg.d_model) * element
+        if self.W_E.device.type != "cpu" or largest < 1 << 30:
+            return
+        free = available_memory_bytes()
+        if free is not None and largest > free:
+            raise ResourceLimitError(
+                f"tokens [{batch}, {pos}] need about {largest / 2**30:.1f} GiB for one layer's "
+                f"attention scores and the logits, more than the {free / 2**30:.1f} GiB free "
+                "here; pass fewer or shorter sequences (split a long text into windows)."
+            )

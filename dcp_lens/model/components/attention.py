@@ -13,6 +13,7 @@ from transformer_lens.hook_points import HookPoint
 from dcp_lens.model.components.norms import RMSNorm
 from dcp_lens.model.components.rotary import apply_rotary
 from dcp_lens.model.config import RecurrentConfig
+from dcp_lens.model.padding import attention_allowed
 
 
 class KVCacheEntry:
@@ -43,10 +44,15 @@ class KVCacheEntry:
 
 
 class KVCache:
-    """One `KVCacheEntry` per block application, so every iteration keeps its own keys."""
+    """One `KVCacheEntry` per block application, so every iteration keeps its own keys.
+
+    ``attention_mask`` [batch, length] is True on the real tokens among the cached positions, or
+    None when all are real (`dcp_lens.model.padding`): the next chunk reads only real keys and
+    counts its positions from each row's first real token."""
 
     def __init__(self, n_layers: int) -> None:
         self.entries = [KVCacheEntry() for _ in range(n_layers)]
+        self.attention_mask: Tensor | None = None
 
     def __getitem__(self, index: int) -> KVCacheEntry:
         return self.entries[index]
@@ -113,8 +119,11 @@ class Attention(nn.Module):
         x: Float[Tensor, "batch pos d_model"],
         rotary: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCacheEntry | None = None,
+        key_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
-        """``rotary``: cos and sin [pos, d_head/2] for these positions (rotary models only)."""
+        """``rotary``: cos and sin [pos, d_head/2] (or [batch, pos, d_head/2] in a padded
+        batch) for these positions (rotary models only); ``key_mask`` [batch, past + pos]: True
+        on real tokens, in a padded batch (`dcp_lens.model.padding`), else None."""
         batch, n_pos, _ = x.shape
         # One fused matmul for q, k and v (the weights keep TransformerLens's per-head layout).
         fused = torch.cat([flat_heads(self.W_Q), flat_heads(self.W_K), flat_heads(self.W_V)], dim=1)
@@ -144,18 +153,19 @@ class Attention(nn.Module):
         n_query, n_key = q.shape[1], k.shape[1]
         if self.fused and not (_watched(self.hook_attn_scores) or _watched(self.hook_pattern)):
             # Nobody reads the scores or the pattern: one fused kernel that never forms them.
-            mask = None if past == 0 else _causal(n_query, n_key, past, x.device).logical_not()
+            plain = past == 0 and key_mask is None
+            mask = None if plain else _allowed(n_query, n_key, past, key_mask, x.device)
             z = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 k.transpose(1, 2),
                 v.transpose(1, 2),
                 attn_mask=mask,
-                is_causal=past == 0,
+                is_causal=plain,
             ).transpose(1, 2)
         else:
             scores = q.transpose(1, 2) @ k.permute(0, 2, 3, 1) / math.sqrt(self.d_head)
-            future = _causal(n_query, n_key, past, x.device)
-            scores = self.hook_attn_scores(scores.masked_fill(future, float("-inf")))
+            allowed = _allowed(n_query, n_key, past, key_mask, x.device)
+            scores = self.hook_attn_scores(scores.masked_fill(~allowed, float("-inf")))
             pattern = self.hook_pattern(scores.softmax(dim=-1))
             z = (pattern @ v.transpose(1, 2)).transpose(1, 2)
         z = self.hook_z(self.gate_output(x, z))  # [batch, pos, head, d_head]
@@ -166,6 +176,16 @@ class Attention(nn.Module):
     ) -> Float[Tensor, "batch pos head d_head"]:
         """Each head's output before ``W_O`` (ungated here; a subclass may gate it)."""
         return z
+
+
+def _allowed(
+    n_query: int, n_key: int, past: int, key_mask: Tensor | None, device: torch.device
+) -> Tensor:
+    """[query, key], or [batch, 1, query, key] with a ``key_mask`` (a padded batch): True where
+    a query may read a key."""
+    if key_mask is None:
+        return _causal(n_query, n_key, past, device).logical_not()
+    return attention_allowed(key_mask, n_query, past)
 
 
 def _causal(n_query: int, n_key: int, past: int, device: torch.device) -> Tensor:

@@ -63,9 +63,12 @@ class TransformerBlock(nn.Module):
         resid_pre: Float[Tensor, "batch pos d_model"],
         rotary: tuple[Tensor, Tensor] | None = None,
         kv_cache: KVCacheEntry | None = None,
+        key_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
+        """``key_mask`` [batch, past + pos]: True on real tokens in a padded batch (see
+        `Attention.forward`)."""
         x = self.hook_resid_pre(resid_pre)
-        attn_out = self.attn(self.ln1(x), rotary, kv_cache)
+        attn_out = self.attn(self.ln1(x), rotary, kv_cache, key_mask)
         if self.placement in OUTPUT_NORMED:
             attn_out = self.ln1_post(attn_out)
         attn_out = self.hook_attn_out(attn_out)

@@ -29,7 +29,13 @@ class PosEmbed(nn.Module):
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
 
-    def forward(self, n_positions: int, offset: int = 0) -> Float[Tensor, "pos d_model"]:
+    def forward(
+        self, n_positions: int, offset: int = 0, positions: Tensor | None = None
+    ) -> Float[Tensor, "*batch pos d_model"]:
+        """[pos, d_model] for positions ``offset..offset + n_positions - 1``, or [batch, pos,
+        d_model] for ``positions`` [batch, pos] (each row its own, in a padded batch)."""
+        if positions is not None:
+            return self.W_pos[positions]
         return self.W_pos[offset : offset + n_positions]
 
 

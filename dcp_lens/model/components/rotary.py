@@ -25,13 +25,14 @@ def rotary_tables(
 
 def apply_rotary(
     x: Float[Tensor, "batch pos head d_head"],
-    cos: Float[Tensor, "pos half"],
-    sin: Float[Tensor, "pos half"],
+    cos: Float[Tensor, "*batch pos half"],
+    sin: Float[Tensor, "*batch pos half"],
     interleaved: bool,
 ) -> Float[Tensor, "batch pos head d_head"]:
     """Rotate feature pairs of every head: (2i, 2i+1) if ``interleaved`` (llama2.c, Huginn),
-    else (i, i + d_head/2) (rotate-half: Llama, Ouro)."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    else (i, i + d_head/2) (rotate-half: Llama, Ouro). ``cos`` and ``sin``: [pos, d_head/2], or
+    [batch, pos, d_head/2] when each row has its own positions (a padded batch)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if interleaved:
         pairs = x.unflatten(-1, (-1, 2))
         first, second = pairs[..., 0], pairs[..., 1]

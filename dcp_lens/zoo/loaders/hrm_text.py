@@ -264,6 +264,7 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
         x: Float[Tensor, "batch pos d_model"],
         rotary: tuple[Tensor, Tensor] | None,
         cache: Any,
+        key_mask: Tensor | None = None,
     ) -> Float[Tensor, "batch pos d_model"]:
         """Block i of the view; a stack pass after the first in a cycle starts by adding z_H,
         and each stack pass ends with its weightless RMSNorm (the last L pass's output is z_L)."""
@@ -271,7 +272,7 @@ class HrmRecurrentTransformer(HookedRecurrentTransformer):
         cycle, position = divmod(i, self.cfg.n_core)
         if position > 0 and position % n == 0:
             x = x + self._carry["high"]
-        x = self.blocks[i](x, rotary, cache)
+        x = self.blocks[i](x, rotary, cache, key_mask)
         if position % n == n - 1:
             x = F.rms_norm(x, (x.shape[-1],), eps=self.cfg.eps)
             if position == self.inner_cycles * n - 1:

@@ -861,6 +861,29 @@ def _batch(ctx: Context) -> str:
     return "an example's logits do not depend on its batch, order or right padding"
 
 
+@check("workflow.left_padding_with_attention_mask")
+def _left_padding(ctx: Context) -> str:
+    model = ctx.model
+    tokens = long_tokens(ctx, batch=2, length=min(LONG, model.cfg.n_ctx - 3))
+    short = tokens[1:, : tokens.shape[1] // 2]
+    pads = tokens.shape[1] - short.shape[1]
+    padded = torch.cat([tokens[:1], torch.cat([torch.zeros_like(tokens[1:, :pads]), short], 1)])
+    mask = torch.ones_like(padded, dtype=torch.bool)
+    mask[1, :pads] = False
+    logits, cache = model.run_with_cache(padded, attention_mask=mask)
+    alone_logits, alone = model.run_with_cache(short)
+    close(logits[1, pads:], alone_logits[0], "the left-padded row's logits")
+    close(logits[:1], model(tokens[:1]), "the unpadded row's logits")
+    for name in (model.state_hook_name(0), model.state_hook_name(model.n_iterations)):
+        close(cache[name][1, pads:], alone[name][0], name)
+    continued = model.generate(padded, 3, attention_mask=mask)[1, pads:]
+    assert torch.equal(continued, model.generate(short, 3)[0]), "generate with the mask"
+    return (
+        "a left-padded row with attention_mask = its tokens alone (logits, s_0, the last "
+        "state, 3 generated tokens), in one masked pass"
+    )
+
+
 def _answers(ctx: Context) -> tuple[Tensor, Tensor, Tensor, RecurrentActivationCache]:
     tokens = long_tokens(ctx, batch=2)
     logits, cache = ctx.model.run_with_cache(tokens)

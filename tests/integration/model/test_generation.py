@@ -1,6 +1,6 @@
 """Generation and padded batches as TransformerLens has them: prompts of different lengths each
-continue exactly as alone (Huginn's prefix-keyed noise included), a padded forward reads each row
-as that prompt by itself, and the arguments TL users pass are accepted or refused clearly."""
+continue exactly as alone (Huginn's prefix-keyed noise included), and the arguments TL users pass
+are accepted or refused clearly (padded forwards: test_padding.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from helpers import data_path
 
 from dcp_lens import load
-from dcp_lens.model.generation import GenerationInputError, PaddingError
+from dcp_lens.model.generation import GenerationInputError
+from dcp_lens.model.padding import PaddingError
 from dcp_lens.model.text import PaddingWarning
 from dcp_lens.model.tokenization import padding_id
 
@@ -58,45 +59,15 @@ def test_each_prompt_of_a_batch_generates_what_it_generates_alone(model, use_pas
         assert torch.equal(row[: len(alone)], alone)
 
 
-def test_a_padded_forward_reads_each_row_as_the_prompt_alone(model):
-    texts = _texts(model)
-    for side in ("left", "right"):
-        tokens, mask = model.to_tokens_with_mask(texts, padding_side=side)
-        assert not bool(mask.all())
-        logits = model(tokens, attention_mask=mask)
-        losses = model(tokens, return_type="loss", loss_per_token=True, attention_mask=mask)
-        for row, text in enumerate(texts):
-            alone = model.to_tokens(text)
-            real = mask[row]
-            torch.testing.assert_close(logits[row, real], model(alone)[0], rtol=0, atol=1e-5)
-            expected = model(alone, return_type="loss", loss_per_token=True)[0]
-            positions = real[1:] & real[:-1]
-            torch.testing.assert_close(losses[row, positions], expected, rtol=0, atol=1e-5)
-        mean = model(tokens, return_type="loss", attention_mask=mask)
-        torch.testing.assert_close(mean, losses[mask[:, 1:] & mask[:, :-1]].mean())
-
-
 def test_left_padding_without_its_mask_is_flagged_and_bad_arguments_refused(model):
     texts = _texts(model)
     with pytest.warns(PaddingWarning, match="attention_mask=mask"):
         tokens = model.to_tokens(texts, padding_side="left")
-    mask = torch.ones_like(tokens, dtype=torch.bool)
-    mask[0, 2] = False
-    mask[0, 0] = True
-    with pytest.raises(PaddingError, match="a pad between real tokens"):
-        model(tokens, attention_mask=mask)
-    with pytest.raises(PaddingError, match="shape"):
-        model(tokens, attention_mask=mask[:, 1:])
+    padded, mask = model.to_tokens_with_mask(texts, padding_side="left")
+    assert torch.equal(tokens, padded)  # the same batch; the mask is what forward needs
     with pytest.raises(GenerationInputError, match="'embeds' is not supported"):
         model.generate(texts, 2, return_type="embeds")
     with pytest.raises(GenerationInputError, match="padding_side"):
         model.generate(texts, 2, padding_side="middle")
-    assert torch.equal(model(tokens, attention_mask=torch.ones_like(mask)), model(tokens))
-    padded, real = model.to_tokens_with_mask(texts, padding_side="left")
-    # Row by row, a cache would keep only the last row: refused, with the way out.
-    with pytest.raises(PaddingError, match="each prompt alone"):
-        model.run_with_cache(padded, attention_mask=real)
-    with pytest.raises(PaddingError, match="hooks"):
-        model.run_with_hooks(
-            padded, attention_mask=real, fwd_hooks=[("hook_embed", lambda a, hook: a)]
-        )
+    with pytest.raises(PaddingError, match="attention_mask goes with token input"):
+        model.generate(texts, 2, attention_mask=mask)

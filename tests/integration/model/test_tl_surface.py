@@ -206,6 +206,8 @@ def test_the_refused_analysis_functions_refuse() -> None:
                 function(model, tokens, cache, cache, lambda logits: logits.sum(), 0, 0)
             elif name == "faithfulness":
                 function(model, tokens[:1], tokens[1:], lambda logits: logits.sum(), [])
+            elif name == "JacobianLens":  # a class: its fit takes the model
+                function.fit(model, ["x"], corpus="local", show_progress=False)
             else:
                 function(model, tokens)
 
@@ -244,8 +246,14 @@ def test_loss_fn_init_weights_and_accumulated_bias() -> None:
     close(model.loss_fn(logits, tokens), model(tokens, return_type="loss"), 1e-12, "loss_fn")
     per_token = model.loss_fn(logits, tokens, per_token=True)
     assert per_token.shape == (tokens.shape[0], tokens.shape[1] - 1)
-    with pytest.raises(UnsupportedToolError, match="unpadded"):
-        model.loss_fn(logits, tokens, attention_mask=torch.ones_like(tokens))
+    mask = torch.ones_like(tokens)
+    mask[0, :3] = 0  # left padding on row 0
+    for per_token in (False, True):
+        expected = tl_utilities.lm_cross_entropy_loss(logits, tokens, mask.bool(), per_token)
+        actual = model.loss_fn(logits, tokens, attention_mask=mask, per_token=per_token)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-12)
+    masked = model(tokens, return_type="loss", attention_mask=mask)
+    close(model.loss_fn(model(tokens, attention_mask=mask), tokens, mask), masked, 1e-12, "mask")
     fresh = make_model(dtype=torch.float32)
     other = make_model(dtype=torch.float32, seed=fresh.cfg.seed)
     with torch.no_grad():

@@ -357,11 +357,21 @@ def test_das_loss_is_the_hand_patched_cross_entropy() -> None:
     close(result.losses[0], expected, 1e-6, "DAS loss")
 
 
-def test_jacobian_lens_is_refused_by_transformer_lens_and_ours_fits() -> None:
-    """TransformerLens's JacobianLens takes only its TransformerBridge (its own TypeError, before
-    it reads the model); dcp-lens's lens of the same name fits the recurrent model."""
+def test_jacobian_lens_is_refused_naming_ours_which_fits() -> None:
+    """TransformerLens's JacobianLens takes only its TransformerBridge: its check reads
+    ``model.__class__``, which refuses naming dcp-lens's lens (fit, validate_model and readout
+    alike); dcp-lens's lens of the same name fits the recurrent model, and the model's class
+    reads as ever everywhere else."""
     model = make_model()
-    with pytest.raises(TypeError, match="TransformerBridge only"):
+    way_out = r"dcp_lens\.lenses\.tuned\.JacobianLens\.fit\(model, tokens\)"
+    with pytest.raises(UnsupportedToolError, match=way_out):
         analysis.JacobianLens.fit(model, ["x"], corpus="local", show_progress=False)
+    fitted = analysis.JacobianLens(
+        {0: torch.eye(model.cfg.d_model)}, n_prompts=1, d_model=model.cfg.d_model
+    )
+    with pytest.raises(UnsupportedToolError, match=way_out):
+        fitted.validate_model(model)
+    assert model.__class__ is HookedRecurrentTransformer
+    assert not isinstance(model, analysis.JacobianLens)
     lens = JacobianLens.fit(model, tokens_for(model, batch=1, pos=4), iterations=[1])
     assert lens.jacobians[1].shape == (model.cfg.d_model, model.cfg.d_model)
