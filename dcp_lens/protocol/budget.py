@@ -15,9 +15,10 @@ would reuse; on the CPU, the memory the system reports available.
 from __future__ import annotations
 
 import math
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +26,8 @@ from dcp_lens.utils.errors import ResourceLimitError
 from dcp_lens.utils.memory import available_memory_bytes, fixed_threshold, release_keep
 
 GIB = 2**30
+Chunks = TypeVar("Chunks")
+Result = TypeVar("Result")
 # Share of what the device can give that a run plans to use when no budget is set.
 DEFAULT_BUDGET_SHARE = 0.85
 # [rows, d_vocab] float32 tensors one scored readout holds at its peak besides its own logits:
@@ -375,6 +378,53 @@ def release_device_memory(device: torch.device) -> None:
     """Return what a failed batch left cached on ``device`` to the allocator's pool."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def in_smaller_chunks(
+    attempt: Callable[[Chunks], Result],
+    chunks: Chunks,
+    smaller: Callable[[Chunks], Chunks | None],
+    device: torch.device,
+    stop: Callable[[Chunks], str],
+) -> tuple[Result, Chunks]:
+    """``attempt(chunks)``, redone with ``smaller(chunks)`` each time the device runs out of
+    memory, until it fits: the result and the chunks that fitted (for the next call).
+
+    The one out-of-memory retry of every stage. ``attempt`` must change nothing outside itself
+    before it returns, so that a failed attempt can be redone. After a failure the failed
+    attempt's tensors, which its traceback's frames still reference, are dropped before the
+    device's cache is emptied (else the cache keeps them). Where ``smaller`` gives None (the
+    smallest chunks failed too), raises `OutOfMemoryStop` with ``stop(chunks)``, the message
+    that says what to change.
+    """
+    while True:
+        try:
+            return attempt(chunks), chunks
+        except torch.OutOfMemoryError as error:
+            # The frames below this one hold the failed chunk's tensors: clear their locals.
+            traceback.clear_frames(error.__traceback__)
+            failure = error
+        release_device_memory(device)
+        fewer = smaller(chunks)
+        if fewer is None:
+            raise OutOfMemoryStop(stop(chunks)) from failure
+        chunks = fewer
+
+
+def retried_once(tried: bool) -> bool | None:
+    """`in_smaller_chunks`' ``smaller`` for work that cannot be cut (one matrix's
+    decomposition): the same work once more on the emptied cache, then the stop."""
+    return None if tried else True
+
+
+def stage_stop_message(stage: str, where: str, tried: str, resume: str, change: str) -> str:
+    """What to do after ``stage`` ran out of memory on ``where`` at its smallest chunks
+    (``tried``): how ``--resume`` continues (``resume``) and the settings to change."""
+    return (
+        f"the device ({where}) ran out of memory in the {stage} stage, even {tried}. {resume} "
+        f"Free memory on the device and continue with --resume, or start again with {change}; "
+        "`dcp-lens run --dry-run` prints what each setting needs."
+    )
 
 
 def out_of_memory_message(

@@ -40,7 +40,9 @@ from dcp_lens.protocol.budget import (
     ModelShape,
     check_estimate,
     estimate_run_memory,
+    in_smaller_chunks,
     largest_fitting_batch,
+    stage_stop_message,
 )
 from dcp_lens.protocol.calibration import CALIBRATION_MAPS, FittedMap
 from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
@@ -328,9 +330,25 @@ class DepthControlProtocol:
     def _probe(self, reference: Tensor | None, swept: SweepOutput) -> dict[str, Any]:
         if self.config.probe == "none":
             return {"reference_auroc": math.nan, "trajectory": []}
-        summary, probe = probe_run(
-            reference, swept.probe_samples, n_iterations=self.r, points=self.config.probe_points,
-            seed=self.config.seed, progress=self.context.each,
+        device = self.context.device()
+
+        def attempt(on: torch.device) -> tuple[dict[str, Any], ResidualOODProbe | None]:
+            return probe_run(
+                None if reference is None else reference.to(on),
+                swept.probe_samples.to(on), n_iterations=self.r,
+                points=self.config.probe_points, seed=self.config.seed,
+                progress=self.context.each,
+            )  # fmt: skip
+
+        # Out of memory on an accelerator, the probe is fitted on the host (its samples are few).
+        (summary, probe), _ = in_smaller_chunks(
+            attempt, device, lambda on: None if on.type == "cpu" else torch.device("cpu"),
+            device, lambda _: stage_stop_message(
+                "probe", str(device), "on the host",
+                "--resume does not evaluate again: it probes the evaluation's last snapshot "
+                "(with a --resume snapshot folder).",
+                "--probe-points N (fewer samples) or --probe none",
+            ),
         )  # fmt: skip
         if probe is not None:
             self.probe = probe

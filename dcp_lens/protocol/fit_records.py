@@ -329,15 +329,37 @@ class CalibrationRecords:
         self.base = BaseRateSums(1, calibration) if wants_base_rate else None
         self.buffer_rows = 0  # set from the states' width on the first batch
 
-    def add(
+    def base_part(
         self,
         context: RunContext,
         calibration: EvaluationSet,
         rows: slice,
         states: Float[Tensor, "r_plus_1 batch pos d_model"],
         plan: ReadoutPlan,
+    ) -> BaseRateSums | None:
+        """One calibration batch's base-rate sums (rows ``rows``, full depth's readout in chunks
+        of examples, ``plan``), apart from the records' own: `add` folds them in, so a batch that
+        runs out of memory here leaves the records as they were. None without a base rate."""
+        if self.base is None:
+            return None
+        part, keys = BaseRateSums(self.base.n_groups, calibration), calibration.example_keys()
+        for chunk in plan.example_chunks(rows.stop - rows.start):
+            chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
+            full_logits = context.model.readout(states[context.r][chunk])
+            part.add(full_logits, keys[chunk_rows], chunk_rows)
+            del full_logits
+        return part
+
+    def add(
+        self,
+        context: RunContext,
+        calibration: EvaluationSet,
+        rows: slice,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        base: BaseRateSums | None = None,
     ) -> None:
-        """Fold one calibration batch's states (rows ``rows``) into every record."""
+        """Fold one calibration batch's states (rows ``rows``) and its base-rate sums (``base``,
+        `base_part`) into every record."""
         r, keys = context.r, calibration.example_keys()
         if not self.buffer_rows:  # before any moments are held
             width = int(states.shape[-1])
@@ -349,14 +371,10 @@ class CalibrationRecords:
                 len(self.conditions), self.n_groups, width, on_device, positions,
                 context.device(), full,
             )  # fmt: skip
-        if self.base is not None:  # full depth's readout in chunks of examples
-            for chunk in plan.example_chunks(rows.stop - rows.start):
-                chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
-                full_logits = context.model.readout(states[r][chunk])
-                self.base.add(full_logits, keys[chunk_rows], chunk_rows)
-                del full_logits
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
+        if self.base is not None and base is not None:
+            self.base.merge(base)
         example, position = row_ids(keys[rows], keep)
         self.sample.add(pooled[r], example, position)
         if self.halves is not None and not all_finite(pooled[r]):
