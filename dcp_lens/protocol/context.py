@@ -67,12 +67,15 @@ class RunContext:
             yield item
             release_free_memory()
 
-    def restore(self, stage: str, into: Callable[[Any], None]) -> int:
-        """Batches done of ``stage``'s last snapshot, its state handed to ``into`` (an
-        accumulator's ``restore``); 0 without a snapshot (``into`` is not called)."""
+    def restore(
+        self, stage: str, into: Callable[[Any], None], on: torch.device | None = None
+    ) -> int:
+        """Batches done of ``stage``'s last snapshot, its state loaded on ``on`` (default: the
+        model's device) and handed to ``into`` (an accumulator's ``restore``); 0 without a
+        snapshot (``into`` is not called)."""
         if self.checkpoint is None:
             return 0
-        return self.checkpoint.restore(stage, self.device(), into)[0]
+        return self.checkpoint.restore(stage, on or self.device(), into)[0]
 
     def snapshot(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
         """Snapshot ``state()`` after ``done`` of ``total`` batches of ``stage`` (when due)."""

@@ -207,7 +207,9 @@ def fit_maps(
     records = CalibrationRecords(
         context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
     )
-    done = context.restore("calibration", records.restore)
+    # With parked groups the snapshot is read into host memory: the groups come to the device
+    # one at a time as the pass fills them (`GroupMoments`), the rest of the records at once.
+    done = context.restore("calibration", records.restore, host)
     if confidence is not None:
         confidence.start_stash()
     leading = LeadingStates(calibration)

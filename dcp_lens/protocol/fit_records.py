@@ -313,6 +313,7 @@ class CalibrationRecords:
         self.conditions = conditions
         self.n_groups = max(1, config.calibration_groups)
         self.host = host  # where groups not being filled wait (`moments_host`)
+        self.device = context.device()
         storage = torch.float32 if self.n_groups >= 2 else torch.float64
         self.streams = {label: GroupMoments(self.n_groups, storage, host) for label in conditions}
         self.samples = {
@@ -434,6 +435,23 @@ class CalibrationRecords:
                     for i, h in enumerate(halves)
                 ]
             )
+        if self.host is not None:  # read on the host: all but the groups' moments to the device
+            self._to_device()
+
+    def _to_device(self) -> None:
+        """The subsamples, base-rate sums and halves on the records' device (the groups' moments
+        stay where they are: `GroupMoments` brings one group at a time, to this device even
+        where no batch is left to read)."""
+        for moments in self.streams.values():
+            moments.compute = self.device
+        for sample in (*self.samples.values(), self.sample):
+            if sample.rows is not None:
+                sample.rows = sample.rows.to(self.device)
+        if self.base is not None and self.base.sums is not None:
+            self.base.sums = self.base.sums.to(self.device)
+            self.base.counts = self.base.counts.to(self.device)
+        if self.halves is not None:
+            self.halves = [half.to(self.device) for half in self.halves]
 
     @staticmethod
     def _own(records: dict[str, Item], label: object, field: str) -> Item:

@@ -134,11 +134,12 @@ def test_the_calibration_pass_reads_a_batch_that_does_not_fit_in_smaller_forward
     assert _close(_numbers(results), reference)
 
 
-def test_a_calibration_batch_that_never_fits_stops_and_resume_finishes_it(setup, tmp_path) -> None:
-    model, evaluation, calibration, _ = setup
+def _calibration_stop_and_resume(model, evaluation, calibration, folder: Path) -> list[float]:
+    """A run stopped by a shortage from the third calibration batch on, resumed: its numbers
+    beside an uninterrupted run's."""
     # A snapshot folds the groups' waiting rows into their float32 moments, which rounds them:
     # the uninterrupted run snapshots where the stopped one does (after two batches).
-    uninterrupted = Checkpoint(tmp_path / "uninterrupted", every=2)
+    uninterrupted = Checkpoint(folder / "uninterrupted", every=2)
     reference = _numbers(
         DepthControlProtocol(model, checkpoint=uninterrupted, **SETTINGS).run(
             evaluation, calibration
@@ -150,7 +151,7 @@ def test_a_calibration_batch_that_never_fits_stops_and_resume_finishes_it(setup,
         calls.append(1)
         return len(calls) >= 3
 
-    checkpoint = Checkpoint(tmp_path / "stopped", every=2)
+    checkpoint = Checkpoint(folder / "stopped", every=2)
     with _short_of_memory(fit_module, "capture_states", from_the_third_batch):
         with pytest.raises(OutOfMemoryStop, match="--resume") as stop:
             DepthControlProtocol(model, checkpoint=checkpoint, **SETTINGS).run(
@@ -163,6 +164,34 @@ def test_a_calibration_batch_that_never_fits_stops_and_resume_finishes_it(setup,
         evaluation, calibration
     )
     assert _close(_numbers(resumed), reference)
+    return reference
+
+
+def test_a_calibration_batch_that_never_fits_stops_and_resume_finishes_it(setup, tmp_path) -> None:
+    model, evaluation, calibration, _ = setup
+    _calibration_stop_and_resume(model, evaluation, calibration, tmp_path)
+
+
+def test_resume_with_parked_groups_reads_the_snapshot_into_host_memory(
+    setup, tmp_path, monkeypatch
+) -> None:
+    """On an accelerator the groups not being filled wait on the host (forced here on the CPU):
+    a resumed pass reads its snapshot there, and the groups go to the device one at a time."""
+    model, evaluation, calibration, _ = setup
+    host = torch.device("cpu")
+    monkeypatch.setattr(fit_module, "moments_host", lambda context: host)
+    read_on: list[tuple[str, torch.device]] = []
+    original = Checkpoint.restore
+
+    def spied(self, stage, device, into=None):
+        read_on.append((stage, device))
+        return original(self, stage, device, into)
+
+    monkeypatch.setattr(Checkpoint, "restore", spied)
+    _calibration_stop_and_resume(model, evaluation, calibration, tmp_path)
+    # The resumed run's read of its calibration snapshot (the last one) went to the host.
+    calibration_reads = [device for stage, device in read_on if stage == "calibration"]
+    assert calibration_reads[-1] is host
 
 
 # ---------------------------------------------------------- the stages after the pass
