@@ -37,9 +37,7 @@ from torch import Tensor
 
 from dcp_lens.protocol.budget import (
     MemoryEstimate,
-    ModelShape,
     check_estimate,
-    estimate_run_memory,
     in_smaller_chunks,
     largest_fitting_batch,
     stage_stop_message,
@@ -242,15 +240,9 @@ class DepthControlProtocol:
         if budget is None:
             return self.config.batch_size
         seq = max(int(evaluation.tokens.shape[1]), int(calibration.tokens.shape[1]))
-        shape = ModelShape.of(self.model)
 
         def fits(size: int) -> bool:
-            return estimate_run_memory(
-                shape, batch_size=size, seq_len=seq, n_streams=self.context.n_streams(),
-                calibration_groups=self.config.calibration_groups,
-                calibration_mode=self.config.calibration_mode, budget=budget,
-                device_type=self.context.device().type,
-            ).peak_bytes <= budget  # fmt: skip
+            return self.context.estimate_at(size, seq, budget).peak_bytes <= budget
 
         return largest_fitting_batch(fits, self.config.batch_size)
 
