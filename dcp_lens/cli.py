@@ -227,7 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--estimate", action="store_true", help=HELP["estimate"])
     bench.add_argument("--count", action="store_true", help=HELP["count"])
-    add_protocol_options(bench, "bench", unset=("batch_size", "probe"))  # --batch-size: the preset's
+    add_protocol_options(
+        bench, "bench", unset=("batch_size", "probe")
+    )  # --batch-size: the preset's
     bench.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, mps, ...")
     bench.add_argument("--threads", type=int, help=HELP["bench_threads"])
     return parser

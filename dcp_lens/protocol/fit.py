@@ -20,7 +20,6 @@ from torch import Tensor
 
 from dcp_lens.protocol.budget import (
     OutOfMemoryStop,
-    ReadoutPlan,
     in_smaller_chunks,
     retried_once,
     stage_stop_message,
@@ -40,12 +39,15 @@ from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit_records import (
-    BaseRateSums,
     CalibrationRecords,
     LeadingStates,
+    PassChunks,
+    fold_stop,
     group_major,
     leading_states,
     moments_host,
+    pass_stop,
+    read_batch,
     translator_rows,
 )
 from dcp_lens.protocol.gate import (
@@ -70,6 +72,8 @@ if TYPE_CHECKING:
 Translator = AffineTranslator | LeftOutTranslator
 # The translators' held-out gate (`dcp_lens.protocol.gate`): its folds where the jackknife is off.
 GATE_FOLDS = 10
+# What to change when a fit after the calibration pass runs out of memory at its smallest.
+_FEWER_MAPS = "--calibration-groups 0 (no jackknife refits) or a shorter --k grid (fewer maps)"
 
 
 @dataclass
@@ -222,8 +226,8 @@ def fit_maps(
     ):
         try:
             (states, base), chunks = in_smaller_chunks(
-                functools.partial(_read_batch, context, calibration, rows, records), chunks,
-                PassChunks.halved, device, functools.partial(_pass_stop, context, rows),
+                functools.partial(read_batch, context, calibration, rows, records), chunks,
+                PassChunks.halved, device, functools.partial(pass_stop, context, rows),
             )  # fmt: skip
         except OutOfMemoryStop:  # the records hold every finished batch: keep them for --resume
             context.snapshot("calibration", batch_number, batch_number, records.state)
@@ -234,79 +238,13 @@ def fit_maps(
                 confidence.stash_batch(calibration, index, rows, states)
             leading.add(context, calibration, index, rows, states)
         except torch.OutOfMemoryError as error:  # the records changed part way: not snapshotted
-            raise OutOfMemoryStop(_fold_stop(context, rows)) from error
+            raise OutOfMemoryStop(fold_stop(context, rows)) from error
         del states, base
         context.snapshot("calibration", batch_number + 1, len(batches), records.state)
     records.flush()
     if distributed.rank_and_world()[1] > 1:
         records.merge_processes(device)
     return _fitted(context, calibration, entry, records, leading)
-
-
-@dataclass(frozen=True)
-class PassChunks:
-    """How the calibration pass cuts one batch of ``batch`` sequences of ``positions`` tokens:
-    ``sequences`` per forward, full depth's readout for the base rate by ``plan``."""
-
-    sequences: int
-    plan: ReadoutPlan
-    batch: int
-    positions: int
-
-    def halved(self) -> PassChunks | None:
-        """Half the sequences per forward and half the readout rows (None: one sequence and one
-        example's readout already)."""
-        plan = self.plan.halved(self.batch, self.positions) or self.plan
-        if self.sequences <= 1 and plan is self.plan:
-            return None
-        return dataclasses.replace(self, sequences=max(1, self.sequences // 2), plan=plan)
-
-
-def _read_batch(
-    context: RunContext,
-    calibration: EvaluationSet,
-    rows: slice,
-    records: CalibrationRecords,
-    chunks: PassChunks,
-) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], BaseRateSums | None]:
-    """One calibration batch's states, its forward run ``chunks.sequences`` sequences at a time,
-    and its base-rate sums (`CalibrationRecords.base_part`): nothing of the records changes."""
-    tokens, device = calibration.tokens[rows], context.device()
-    states: Tensor | None = None
-    for start in range(0, len(tokens), chunks.sequences):
-        stop = min(len(tokens), start + chunks.sequences)
-        # Only the states: the maps are fitted to readout inputs, not to logits.
-        part, _ = capture_states(context.model, tokens[start:stop].to(device), stop_after_last=True)
-        if stop - start == len(tokens):
-            states = part
-            break
-        if states is None:
-            states = part.new_empty((part.shape[0], len(tokens), *part.shape[2:]))
-        states[:, start:stop] = part
-        del part
-    assert states is not None
-    return states, records.base_part(context, calibration, rows, states, chunks.plan)
-
-
-def _pass_stop(context: RunContext, rows: slice, chunks: PassChunks) -> str:
-    return stage_stop_message(
-        "calibration", str(context.device()),
-        f"running one sequence per forward (sequences {rows.start}-{rows.stop - 1})",
-        "Every finished calibration batch is kept (with a --resume snapshot folder).",
-        f"--batch-size {max(1, context.config.batch_size // 2)} (the batch size is fixed for a "
-        "run) or --calibration-groups 0 (no jackknife moments)",
-    )  # fmt: skip
-
-
-def _fold_stop(context: RunContext, rows: slice) -> str:
-    return stage_stop_message(
-        "calibration", str(context.device()),
-        f"after reading sequences {rows.start}-{rows.stop - 1}, while folding them into the "
-        "moments",
-        "--resume continues from the last calibration snapshot (the records had changed part "
-        "way through this batch, so it was not snapshotted).",
-        "--calibration-groups 0 (no jackknife moments) or a shorter --k grid",
-    )  # fmt: skip
 
 
 def _confidence_rows(calibration: EvaluationSet, confidence: ConfidenceMatching | None) -> int:
@@ -440,9 +378,6 @@ def _refit_stream(
                 fitted = None  # too few states without the group: no jackknife cell
         out.append(None if fitted is None else LeftOutAffine.of(whole[label], fitted))
     return out
-
-
-_FEWER_MAPS = "--calibration-groups 0 (no jackknife refits) or a shorter --k grid (fewer maps)"
 
 
 def _after_pass_stop(context: RunContext, stage: str, change: str) -> str:

@@ -7,7 +7,9 @@ states (`LeadingStates`) are kept beside them, never snapshotted."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypedDict, TypeVar
 
 import torch
@@ -19,6 +21,7 @@ from dcp_lens.protocol.budget import (
     device_memory_bytes,
     group_buffer_rows,
     moment_bytes,
+    stage_stop_message,
 )
 from dcp_lens.protocol.calibration import (
     CalibrationMap,
@@ -30,6 +33,7 @@ from dcp_lens.protocol.conditions import Condition, position_bucket
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
@@ -476,6 +480,72 @@ class CalibrationRecords:
         for part in parts[1:]:
             if self.base is not None and part.base is not None:
                 self.base.merge(part.base)
+
+
+@dataclass(frozen=True)
+class PassChunks:
+    """How the calibration pass cuts one batch of ``batch`` sequences of ``positions`` tokens:
+    ``sequences`` per forward, full depth's readout for the base rate by ``plan``."""
+
+    sequences: int
+    plan: ReadoutPlan
+    batch: int
+    positions: int
+
+    def halved(self) -> PassChunks | None:
+        """Half the sequences per forward and half the readout rows (None: one sequence and one
+        example's readout already)."""
+        plan = self.plan.halved(self.batch, self.positions) or self.plan
+        if self.sequences <= 1 and plan is self.plan:
+            return None
+        return dataclasses.replace(self, sequences=max(1, self.sequences // 2), plan=plan)
+
+
+def read_batch(
+    context: RunContext,
+    calibration: EvaluationSet,
+    rows: slice,
+    records: CalibrationRecords,
+    chunks: PassChunks,
+) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], BaseRateSums | None]:
+    """One calibration batch's states, its forward run ``chunks.sequences`` sequences at a time,
+    and its base-rate sums (`CalibrationRecords.base_part`): nothing of the records changes."""
+    tokens, device = calibration.tokens[rows], context.device()
+    states: Tensor | None = None
+    for start in range(0, len(tokens), chunks.sequences):
+        stop = min(len(tokens), start + chunks.sequences)
+        # Only the states: the maps are fitted to readout inputs, not to logits.
+        part, _ = capture_states(context.model, tokens[start:stop].to(device), stop_after_last=True)
+        if stop - start == len(tokens):
+            states = part
+            break
+        if states is None:
+            states = part.new_empty((part.shape[0], len(tokens), *part.shape[2:]))
+        states[:, start:stop] = part
+        del part
+    assert states is not None
+    return states, records.base_part(context, calibration, rows, states, chunks.plan)
+
+
+def pass_stop(context: RunContext, rows: slice, chunks: PassChunks) -> str:
+    return stage_stop_message(
+        "calibration", str(context.device()),
+        f"running one sequence per forward (sequences {rows.start}-{rows.stop - 1})",
+        "Every finished calibration batch is kept (with a --resume snapshot folder).",
+        f"--batch-size {max(1, context.config.batch_size // 2)} (the batch size is fixed for a "
+        "run) or --calibration-groups 0 (no jackknife moments)",
+    )  # fmt: skip
+
+
+def fold_stop(context: RunContext, rows: slice) -> str:
+    return stage_stop_message(
+        "calibration", str(context.device()),
+        f"after reading sequences {rows.start}-{rows.stop - 1}, while folding them into the "
+        "moments",
+        "--resume continues from the last calibration snapshot (the records had changed part "
+        "way through this batch, so it was not snapshotted).",
+        "--calibration-groups 0 (no jackknife moments) or a shorter --k grid",
+    )  # fmt: skip
 
 
 class LeadingStates:

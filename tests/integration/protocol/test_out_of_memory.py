@@ -20,6 +20,7 @@ from helpers import lm_sets, make_model
 import dcp_lens.protocol.confidence as confidence_module
 import dcp_lens.protocol.dcp as dcp_module
 import dcp_lens.protocol.fit as fit_module
+import dcp_lens.protocol.fit_records as fit_records_module
 from dcp_lens import DepthControlProtocol
 from dcp_lens.protocol.budget import OutOfMemoryStop
 from dcp_lens.protocol.probe import ResidualOODProbe
@@ -119,7 +120,7 @@ def _stopped_then_resumed(
 def test_the_calibration_pass_reads_a_batch_that_does_not_fit_in_smaller_forwards(setup) -> None:
     model, evaluation, calibration, reference = setup
     seen: list[int] = []
-    original = fit_module.capture_states
+    original = fit_records_module.capture_states
 
     def scarce(model_, tokens, *args, **kwargs):
         seen.append(int(tokens.shape[0]))
@@ -128,7 +129,7 @@ def test_the_calibration_pass_reads_a_batch_that_does_not_fit_in_smaller_forward
         return original(model_, tokens, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fit_module, "capture_states", scarce)
+        patch.setattr(fit_records_module, "capture_states", scarce)
         results = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
     assert max(seen) > 2 and 2 in seen  # it failed, then read two sequences a forward
     assert _close(_numbers(results), reference)
@@ -152,7 +153,7 @@ def _calibration_stop_and_resume(model, evaluation, calibration, folder: Path) -
         return len(calls) >= 3
 
     checkpoint = Checkpoint(folder / "stopped", every=2)
-    with _short_of_memory(fit_module, "capture_states", from_the_third_batch):
+    with _short_of_memory(fit_records_module, "capture_states", from_the_third_batch):
         with pytest.raises(OutOfMemoryStop, match="--resume") as stop:
             DepthControlProtocol(model, checkpoint=checkpoint, **SETTINGS).run(
                 evaluation, calibration
