@@ -431,7 +431,8 @@ def memory_table() -> str:
         f"k grid {_k_list(data['k_grid'])}, {data['calibration_groups']} calibration groups, "
         f"{data['readout_rows']} readout rows a call). Peak: {data['peak_gib']:.2f} GiB, the "
         f"{data['peak_stage']} stage; host memory beside it: {data['host_total_gib']:.2f} GiB "
-        "(the calibration groups parked off the device).*\n"
+        "(the calibration groups parked off the device); one calibration snapshot for --resume: "
+        f"{data['calibration_snapshot_gib']:.2f} GiB on disk.*\n"
     )
     return _table(["term", "GiB"], rows) + note
 

@@ -251,7 +251,8 @@ def _add_bench(commands: Commands[Parser]) -> None:
     bench.add_argument("--no-naive", action="store_true", help="skip the slow naive sweep")
     bench.add_argument("--estimate", action="store_true", help=HELP["estimate"])
     bench.add_argument("--count", action="store_true", help=HELP["count"])
-    add_protocol_options(bench, "bench", unset=("batch_size",))  # --batch-size: the preset's
+    # --batch-size: the preset's; --probe: none for the timed bench, the run's for --estimate
+    add_protocol_options(bench, "bench", unset=("batch_size", "probe"))
     bench.add_argument("--device", default="cpu", help=DEVICE_HELP)
     bench.add_argument("--threads", type=int, help=HELP["bench_threads"])
 

@@ -14,16 +14,21 @@ would reuse; on the CPU, the memory the system reports available.
 
 from __future__ import annotations
 
+import math
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from dcp_lens.protocol.conditions import EXACT_POSITIONS
 from dcp_lens.utils.errors import ResourceLimitError
 from dcp_lens.utils.memory import available_memory_bytes, fixed_threshold, release_keep
 
 GIB = 2**30
+Chunks = TypeVar("Chunks")
+Result = TypeVar("Result")
 # Share of what the device can give that a run plans to use when no budget is set.
 DEFAULT_BUDGET_SHARE = 0.85
 # [rows, d_vocab] float32 tensors one scored readout holds at its peak besides its own logits:
@@ -148,6 +153,7 @@ class MemoryEstimate:
         plan: the readout plan the estimate assumes.
         host: what waits in host memory off the device, by name (``parked_groups``: the
             calibration groups not being filled, `dcp_lens.protocol.fit_records.moments_host`).
+        snapshot: bytes of one calibration snapshot on disk (`calibration_snapshot_bytes`).
     """
 
     terms: dict[str, int]
@@ -155,6 +161,7 @@ class MemoryEstimate:
     plan: ReadoutPlan
     notes: list[str] = field(default_factory=list)
     host: dict[str, int] = field(default_factory=dict)
+    snapshot: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -184,6 +191,7 @@ class MemoryEstimate:
         lines.append(
             f"  host memory beside it: {self.host_bytes / GIB:.2f} GiB ({parts or 'none'})"
         )
+        lines.append(f"  calibration snapshot (--resume, on disk): {self.snapshot / GIB:.2f} GiB")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, float | str | dict[str, float] | list[str]]:
@@ -195,6 +203,7 @@ class MemoryEstimate:
             "readout_rows": self.plan.rows,
             "host_gib": {name: value / GIB for name, value in self.host.items()},
             "host_total_gib": self.host_bytes / GIB,
+            "calibration_snapshot_gib": self.snapshot / GIB,
             "notes": list(self.notes),
         }
 
@@ -244,6 +253,8 @@ def estimate_run_memory(
     conditions_per_k: int = 8,
     matched_per_k: int = 5,
     device_type: str = "cuda",
+    probe_points: int = 0,
+    probe: bool = False,
 ) -> MemoryEstimate:
     """The peak memory of a DCP run on a model of ``shape``, by term and stage (bytes).
 
@@ -261,6 +272,10 @@ def estimate_run_memory(
         matched_per_k: conditions of one k given a temperature by confidence matching.
         device_type: on ``"cpu"`` the free heap the allocator keeps between batches counts too
             (`dcp_lens.utils.memory.release_keep`).
+        probe_points: states per subsample of the probe (`ProtocolConfig.probe_points`): the
+            probe's reference is kept from the calibration pass on.
+        probe: whether the probe runs (its samples are then kept through the evaluation, and
+            the probe stage fits on them).
     """
     d, vocab, es = shape.d_model, shape.d_vocab, shape.element_bytes
     positions = batch_size * seq_len
@@ -319,25 +334,94 @@ def estimate_run_memory(
     terms["confidence_reads"] = conditions_per_k * matched_positions * vocab * (es + 4)
     kept = 0 if fixed_threshold() else release_keep()  # a fixed threshold maps every tensor
     terms["allocator_kept"] = kept if device_type == "cpu" else 0
+    # The probe's reference (full depth's states, with their keys) is kept from the calibration
+    # pass on; with the probe on, the evaluation keeps its held-out reference, every s_t and
+    # calibrate(truncate(k)) at every k, and a batch's new rows beside them while they are
+    # merged in (`dcp_lens.protocol.subsample.Subsample.add_selected`); the probe stage fits on
+    # float64 copies with a d x d covariance, its square root and the whitened samples.
+    row = d * es + 8
+    n_subsamples = 1 + (shape.n_iterations + 1) + n_k
+    terms["probe_reference"] = probe_points * row
+    terms["probe_samples"] = (n_subsamples * probe_points * row + 2 * probe_points * d * es
+                              if probe else 0)  # fmt: skip
+    terms["probe_fit"] = 4 * probe_points * d * 8 + 3 * d * d * 8 if probe else 0
     stages = {
         "calibration": ("weights", "batch_states", "forward_activations", "moments",
-                        "base_rate_sums", "readouts", "allocator_kept"),
-        "jackknife fits": ("weights", "jackknife_fits_held", "jackknife_refits", "maps"),
+                        "base_rate_sums", "readouts", "probe_reference", "allocator_kept"),
+        "jackknife fits": ("weights", "jackknife_fits_held", "jackknife_refits", "maps",
+                           "probe_reference"),
         "confidence matching": ("weights", "batch_states", "forward_activations",
-                                "confidence_reads", "confidence_kept", "maps", "allocator_kept"),
+                                "confidence_reads", "confidence_kept", "maps", "probe_reference",
+                                "allocator_kept"),
         "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
-                       "readouts", "reference", "maps", "jackknife_maps", "allocator_kept"),
+                       "readouts", "reference", "maps", "jackknife_maps", "probe_reference",
+                       "probe_samples", "allocator_kept"),
     }  # fmt: skip
+    if probe:
+        stages["probe"] = ("weights", "maps", "jackknife_maps", "probe_reference",
+                           "probe_samples", "probe_fit")  # fmt: skip
     # On an accelerator the groups not being filled wait on the host in their float32 storage.
     parked = groups - on_device if device_type != "cpu" else 0
     host = {"parked_groups": n_streams * parked * 4 * (square + 3 * d)} if parked > 0 else {}
     estimate = MemoryEstimate(terms, stages, plan, host=host)
+    estimate.snapshot = calibration_snapshot_bytes(
+        n_streams, calibration_groups, d, full, seq_len, vocab, probe_points * row
+    )
     if full and groups:
         estimate.notes.append(
             f"the jackknife ({calibration_groups} groups) holds moments per group and a refit of "
             "every map: --calibration-groups 0 leaves both out"
         )
     return estimate
+
+
+def calibration_snapshot_bytes(
+    n_streams: int,
+    calibration_groups: int,
+    width: int,
+    full: bool,
+    seq_len: int,
+    d_vocab: int,
+    probe_reference: int,
+) -> int:
+    """Bytes of a calibration snapshot on disk (`dcp_lens.protocol.fit_records.CalibrationState`):
+    every stream's moments per group (float32 with groups, float64 alone: count, mean, scatter
+    and the shrinkage's two sums), the null's two float64 halves, the base rate's float64 sums
+    per position bucket and the probe's reference (``probe_reference`` bytes). What a resumed
+    pass needs, and nothing it could recompute."""
+    square = width * width if full else width
+    groups = max(1, calibration_groups)
+    stored = 4 if groups >= 2 else 8
+    moments = n_streams * groups * stored * (square + 3 * width)
+    halves = 2 * 8 * (square + 3 * width)
+    buckets = seq_len if seq_len <= EXACT_POSITIONS else (
+        EXACT_POSITIONS + 4 * math.ceil(math.log2(seq_len / EXACT_POSITIONS)) + 1
+    )  # fmt: skip
+    return moments + halves + 16 * buckets * d_vocab + probe_reference
+
+
+def estimate_with(
+    shape: ModelShape,
+    settings: Any,
+    n_streams: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    budget: int | None,
+    device_type: str,
+    readout_rows: int | None = None,
+) -> MemoryEstimate:
+    """`estimate_run_memory` with the settings of a run (``settings``: a `ProtocolConfig`, its
+    calibration groups and mode, probe and probe points): the one estimate the check before a
+    run, ``--dry-run``, ``bench --estimate``, the batch chosen from the budget and the readout
+    chunks are read from."""
+    return estimate_run_memory(
+        shape, batch_size=batch_size, seq_len=seq_len, n_streams=n_streams,
+        calibration_groups=settings.calibration_groups,
+        calibration_mode=settings.calibration_mode, readout_rows=readout_rows, budget=budget,
+        device_type=device_type, probe_points=int(settings.probe_points),
+        probe=settings.probe != "none",
+    )  # fmt: skip
 
 
 def largest_fitting_batch(fits: Callable[[int], bool], batch_size: int) -> int:
@@ -372,6 +456,53 @@ def release_device_memory(device: torch.device) -> None:
     """Return what a failed batch left cached on ``device`` to the allocator's pool."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def in_smaller_chunks(
+    attempt: Callable[[Chunks], Result],
+    chunks: Chunks,
+    smaller: Callable[[Chunks], Chunks | None],
+    device: torch.device,
+    stop: Callable[[Chunks], str],
+) -> tuple[Result, Chunks]:
+    """``attempt(chunks)``, redone with ``smaller(chunks)`` each time the device runs out of
+    memory, until it fits: the result and the chunks that fitted (for the next call).
+
+    The one out-of-memory retry of every stage. ``attempt`` must change nothing outside itself
+    before it returns, so that a failed attempt can be redone. After a failure the failed
+    attempt's tensors, which its traceback's frames still reference, are dropped before the
+    device's cache is emptied (else the cache keeps them). Where ``smaller`` gives None (the
+    smallest chunks failed too), raises `OutOfMemoryStop` with ``stop(chunks)``, the message
+    that says what to change.
+    """
+    while True:
+        try:
+            return attempt(chunks), chunks
+        except torch.OutOfMemoryError as error:
+            # The frames below this one hold the failed chunk's tensors: clear their locals.
+            traceback.clear_frames(error.__traceback__)
+            failure = error
+        release_device_memory(device)
+        fewer = smaller(chunks)
+        if fewer is None:
+            raise OutOfMemoryStop(stop(chunks)) from failure
+        chunks = fewer
+
+
+def retried_once(tried: bool) -> bool | None:
+    """`in_smaller_chunks`' ``smaller`` for work that cannot be cut (one matrix's
+    decomposition): the same work once more on the emptied cache, then the stop."""
+    return None if tried else True
+
+
+def stage_stop_message(stage: str, where: str, tried: str, resume: str, change: str) -> str:
+    """What to do after ``stage`` ran out of memory on ``where`` at its smallest chunks
+    (``tried``): how ``--resume`` continues (``resume``) and the settings to change."""
+    return (
+        f"the device ({where}) ran out of memory in the {stage} stage, even {tried}. {resume} "
+        f"Free memory on the device and continue with --resume, or start again with {change}; "
+        "`dcp-lens run --dry-run` prints what each setting needs."
+    )
 
 
 def out_of_memory_message(

@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from dcp_lens.protocol.budget import ReadoutPlan, in_smaller_chunks, stage_stop_message
 from dcp_lens.protocol.calibration import all_finite
 from dcp_lens.protocol.conditions import SWEEP, Condition, MapLookup
 from dcp_lens.protocol.context import RunContext
@@ -62,11 +63,42 @@ class ConfidenceMatching:
         Label-free: only the readouts' own distributions are used. Scaling logits does not move
         the argmax, so accuracy and top-1 agreement are unchanged."""
         context = self.context
-        kept: dict[tuple[str, int], list[Tensor]] = {}
-        full_kept: list[Tensor] = []
         # Only the conditions given a temperature are read out (not the translators, fitted to
         # full depth's confidence already, nor the base rate).
         built = {k: matched(k, fitted) for k in context.k_grid}
+        batch = min(context.config.batch_size, max(1, len(calibration)))
+        positions = int(calibration.tokens.shape[1])
+        (full_kept, kept), _ = in_smaller_chunks(
+            lambda plan: self._read(calibration, built, plan),
+            context.readout_plan(calibration),
+            lambda plan: plan.halved(batch, positions),
+            context.device(),
+            lambda plan: stage_stop_message(
+                "confidence matching", str(context.device()),
+                "reading one condition of one example per readout call",
+                "--resume does not read the calibration split again (with a --resume snapshot "
+                "folder).",
+                "--no-match-confidence or a shorter --k grid",
+            ),
+        )  # fmt: skip
+        self.stash = {}
+        reference = mean_entropy(torch.cat(full_kept), 1.0)
+        return {
+            cell: matching_temperature(torch.cat(chunks), reference)
+            for cell, chunks in kept.items()
+        }
+
+    def _read(
+        self,
+        calibration: EvaluationSet,
+        built: dict[int, dict[str, Condition | None]],
+        plan: ReadoutPlan,
+    ) -> tuple[list[Tensor], dict[tuple[str, int], list[Tensor]]]:
+        """Full depth's logits and every matched condition's, at the scored positions
+        confidence matching reads, read out in calls of ``plan.rows`` positions at most."""
+        context = self.context
+        kept: dict[tuple[str, int], list[Tensor]] = {}
+        full_kept: list[Tensor] = []
         # The positions read: the first `budget` scored positions of the leading calibration
         # sequences, in order. Their states were kept by the fit stage (or, after a resume or on
         # another rank, are recomputed in the same batches, so the same bytes).
@@ -84,15 +116,11 @@ class ConfidenceMatching:
                 scored = targets != IGNORE_INDEX
                 full_kept.append(full_logits[scored].float())
                 for k in context.k_grid:
-                    read = readouts(context.model, context.r, states, built[k], full_logits)
+                    read = readouts(context.model, context.r, states, built[k], full_logits, plan)
                     for name, logits in read.items():
                         kept.setdefault((name, k), []).append(logits[scored].float())
-        self.stash = {}
-        reference = mean_entropy(torch.cat(full_kept), 1.0)
-        return {
-            cell: matching_temperature(torch.cat(chunks), reference)
-            for cell, chunks in kept.items()
-        }
+                    del read
+        return full_kept, kept
 
     def pieces(
         self, calibration: EvaluationSet, index: int, rows: slice

@@ -17,7 +17,7 @@ from dcp_lens.protocol.budget import (
     ModelShape,
     ReadoutPlan,
     budget_bytes,
-    estimate_run_memory,
+    estimate_with,
 )
 from dcp_lens.protocol.conditions import ProtocolModel
 from dcp_lens.protocol.config import ProtocolConfig
@@ -67,12 +67,15 @@ class RunContext:
             yield item
             release_free_memory()
 
-    def restore(self, stage: str, into: Callable[[Any], None]) -> int:
-        """Batches done of ``stage``'s last snapshot, its state handed to ``into`` (an
-        accumulator's ``restore``); 0 without a snapshot (``into`` is not called)."""
+    def restore(
+        self, stage: str, into: Callable[[Any], None], on: torch.device | None = None
+    ) -> int:
+        """Batches done of ``stage``'s last snapshot, its state loaded on ``on`` (default: the
+        model's device) and handed to ``into`` (an accumulator's ``restore``); 0 without a
+        snapshot (``into`` is not called)."""
         if self.checkpoint is None:
             return 0
-        return self.checkpoint.restore(stage, self.device(), into)[0]
+        return self.checkpoint.restore(stage, on or self.device(), into)[0]
 
     def snapshot(self, stage: str, done: int, total: int, state: Callable[[], object]) -> None:
         """Snapshot ``state()`` after ``done`` of ``total`` batches of ``stage`` (when due)."""
@@ -91,17 +94,21 @@ class RunContext:
 
     def estimate(self, data: EvaluationSet, readout_rows: int | None = None) -> MemoryEstimate:
         """This run's peak memory on batches of ``data`` (`estimate_run_memory`)."""
-        return estimate_run_memory(
-            ModelShape.of(self.model),
-            batch_size=min(self.config.batch_size, max(1, len(data))),
-            seq_len=int(data.tokens.shape[1]),
-            n_streams=self.n_streams(),
-            calibration_groups=self.config.calibration_groups,
-            calibration_mode=self.config.calibration_mode,
+        return self.estimate_at(
+            min(self.config.batch_size, max(1, len(data))), int(data.tokens.shape[1]),
+            self.budget(), readout_rows,
+        )  # fmt: skip
+
+    def estimate_at(
+        self, batch_size: int, seq_len: int, budget: int | None, readout_rows: int | None = None
+    ) -> MemoryEstimate:
+        """This run's peak memory on batches of ``batch_size`` x ``seq_len`` tokens under
+        ``budget`` (`dcp_lens.protocol.budget.estimate_with`)."""
+        return estimate_with(
+            ModelShape.of(self.model), self.config, self.n_streams(), batch_size=batch_size,
+            seq_len=seq_len, budget=budget, device_type=self.device().type,
             readout_rows=readout_rows,
-            budget=self.budget(),
-            device_type=self.device().type,
-        )
+        )  # fmt: skip
 
     def readout_plan(self, data: EvaluationSet) -> ReadoutPlan:
         """How batches of ``data`` are read out: rows per call from the budget

@@ -37,10 +37,10 @@ from torch import Tensor
 
 from dcp_lens.protocol.budget import (
     MemoryEstimate,
-    ModelShape,
     check_estimate,
-    estimate_run_memory,
+    in_smaller_chunks,
     largest_fitting_batch,
+    stage_stop_message,
 )
 from dcp_lens.protocol.calibration import CALIBRATION_MAPS, FittedMap
 from dcp_lens.protocol.conditions import SWEEP, Condition, Full, ProtocolModel
@@ -240,15 +240,9 @@ class DepthControlProtocol:
         if budget is None:
             return self.config.batch_size
         seq = max(int(evaluation.tokens.shape[1]), int(calibration.tokens.shape[1]))
-        shape = ModelShape.of(self.model)
 
         def fits(size: int) -> bool:
-            return estimate_run_memory(
-                shape, batch_size=size, seq_len=seq, n_streams=self.context.n_streams(),
-                calibration_groups=self.config.calibration_groups,
-                calibration_mode=self.config.calibration_mode, budget=budget,
-                device_type=self.context.device().type,
-            ).peak_bytes <= budget  # fmt: skip
+            return self.context.estimate_at(size, seq, budget).peak_bytes <= budget
 
         return largest_fitting_batch(fits, self.config.batch_size)
 
@@ -328,9 +322,25 @@ class DepthControlProtocol:
     def _probe(self, reference: Tensor | None, swept: SweepOutput) -> dict[str, Any]:
         if self.config.probe == "none":
             return {"reference_auroc": math.nan, "trajectory": []}
-        summary, probe = probe_run(
-            reference, swept.probe_samples, n_iterations=self.r, points=self.config.probe_points,
-            seed=self.config.seed, progress=self.context.each,
+        device = self.context.device()
+
+        def attempt(on: torch.device) -> tuple[dict[str, Any], ResidualOODProbe | None]:
+            return probe_run(
+                None if reference is None else reference.to(on),
+                swept.probe_samples.to(on), n_iterations=self.r,
+                points=self.config.probe_points, seed=self.config.seed,
+                progress=self.context.each,
+            )  # fmt: skip
+
+        # Out of memory on an accelerator, the probe is fitted on the host (its samples are few).
+        (summary, probe), _ = in_smaller_chunks(
+            attempt, device, lambda on: None if on.type == "cpu" else torch.device("cpu"),
+            device, lambda _: stage_stop_message(
+                "probe", str(device), "on the host",
+                "--resume does not evaluate again: it probes the evaluation's last snapshot "
+                "(with a --resume snapshot folder).",
+                "--probe-points N (fewer samples) or --probe none",
+            ),
         )  # fmt: skip
         if probe is not None:
             self.probe = probe

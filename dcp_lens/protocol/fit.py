@@ -6,6 +6,7 @@ accumulates (`CalibrationRecords`). Hands a `FittedMaps` to the later stages."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -17,6 +18,12 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from dcp_lens.protocol.budget import (
+    OutOfMemoryStop,
+    in_smaller_chunks,
+    retried_once,
+    stage_stop_message,
+)
 from dcp_lens.protocol.calibration import (
     CALIBRATION_MAPS,
     MIN_STATES,
@@ -34,9 +41,13 @@ from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit_records import (
     CalibrationRecords,
     LeadingStates,
+    PassChunks,
+    fold_stop,
     group_major,
     leading_states,
     moments_host,
+    pass_stop,
+    read_batch,
     translator_rows,
 )
 from dcp_lens.protocol.gate import (
@@ -61,6 +72,8 @@ if TYPE_CHECKING:
 Translator = AffineTranslator | LeftOutTranslator
 # The translators' held-out gate (`dcp_lens.protocol.gate`): its folds where the jackknife is off.
 GATE_FOLDS = 10
+# What to change when a fit after the calibration pass runs out of memory at its smallest.
+_FEWER_MAPS = "--calibration-groups 0 (no jackknife refits) or a shorter --k grid (fewer maps)"
 
 
 @dataclass
@@ -198,23 +211,35 @@ def fit_maps(
     records = CalibrationRecords(
         context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
     )
-    done = context.restore("calibration", records.restore)
+    # With parked groups the snapshot is read into host memory: the groups come to the device
+    # one at a time as the pass fills them (`GroupMoments`), the rest of the records at once.
+    done = context.restore("calibration", records.restore, host)
     if confidence is not None:
         confidence.start_stash()
     leading = LeadingStates(calibration)
     batches = distributed.assigned(calibration.batches(config.batch_size))
+    batch = min(config.batch_size, max(1, len(calibration)))
     plan = context.readout_plan(calibration)
+    chunks = PassChunks(batch, plan, batch, int(calibration.tokens.shape[1]))
     for batch_number, (index, rows) in enumerate(
         context.each(batches[done:], "calibration"), start=done
     ):
-        # Only the states: the maps are fitted to readout inputs, not to logits.
-        states, _ = capture_states(
-            context.model, calibration.tokens[rows].to(device), stop_after_last=True
-        )
-        records.add(context, calibration, rows, states, plan)
-        if confidence is not None:
-            confidence.stash_batch(calibration, index, rows, states)
-        leading.add(context, calibration, index, rows, states)
+        try:
+            (states, base), chunks = in_smaller_chunks(
+                functools.partial(read_batch, context, calibration, rows, records), chunks,
+                PassChunks.halved, device, functools.partial(pass_stop, context, rows),
+            )  # fmt: skip
+        except OutOfMemoryStop:  # the records hold every finished batch: keep them for --resume
+            context.snapshot("calibration", batch_number, batch_number, records.state)
+            raise
+        try:
+            records.add(context, calibration, rows, states, base)
+            if confidence is not None:
+                confidence.stash_batch(calibration, index, rows, states)
+            leading.add(context, calibration, index, rows, states)
+        except torch.OutOfMemoryError as error:  # the records changed part way: not snapshotted
+            raise OutOfMemoryStop(fold_stop(context, rows)) from error
+        del states, base
         context.snapshot("calibration", batch_number + 1, len(batches), records.state)
     records.flush()
     if distributed.rank_and_world()[1] > 1:
@@ -241,7 +266,10 @@ def _fitted(
     ``records``, and with calibration groups their refits with each group left out."""
     config, r = context.config, context.r
     totals = {label: moments.total() for label, moments in records.streams.items()}
-    translators, left_out_translators, gate = fit_translators(context, calibration, leading.states)
+    (translators, left_out_translators, gate), _ = in_smaller_chunks(
+        lambda _: fit_translators(context, calibration, leading.states), False, retried_once,
+        context.device(), lambda _: _after_pass_stop(context, "translator fits", _FEWER_MAPS),
+    )  # fmt: skip
     base_rate = None if records.base is None else records.base.table()
     maps = FittedMaps(
         _fit_whole(entry, config, records, totals),
@@ -302,35 +330,77 @@ def _refit_left_out(
     depth's left-out moments are formed once per group, each other stream's group moments are
     released once its refits are done, and each refit is held as a difference from the whole
     split's map (`LeftOutAffine`). None where a refit cannot be fitted (too few states)."""
-    config, n_groups, streams = context.config, records.n_groups, records.streams
-    references = [streams["full"].left_out(totals["full"], g) for g in range(n_groups)]
+    n_groups, streams = records.n_groups, records.streams
+    device = context.device()
+
+    def stop(_: object) -> str:
+        return _after_pass_stop(context, "jackknife fits", _FEWER_MAPS)
+
+    references, _ = in_smaller_chunks(
+        lambda _: [streams["full"].left_out(totals["full"], g) for g in range(n_groups)],
+        False, retried_once, device, stop,
+    )  # fmt: skip
     refits: list[dict[str, FittedMap | None]] = [{} for _ in range(n_groups)]
     labels = [label for label in streams if label != "full"] + ["full"]
     with warnings.catch_warnings():  # the whole split's fit already said so
         warnings.simplefilter("ignore")
         for label in context.each(labels, "jackknife fits"):
-            for g, reference in enumerate(references):
-                source = reference if label == "full" else streams[label].left_out(totals[label], g)
-                fitted: FittedMap | None = None
-                if source is not None and reference is not None:
-                    try:
-                        fitted = _fit_map(
-                            entry,
-                            config,
-                            source,
-                            reference,
-                            _without(records.samples.get(label), g, n_groups),
-                            _without(records.samples.get("full"), g, n_groups),
-                        )
-                    except ValueError:
-                        fitted = None  # too few states without the group: no jackknife cell
-                refits[g][label] = (
-                    None if fitted is None else LeftOutAffine.of(whole[label], fitted)
-                )
+            each, _ = in_smaller_chunks(
+                functools.partial(
+                    _refit_stream, context, entry, records, totals, whole, references, label
+                ),
+                False,
+                retried_once,
+                device,
+                stop,
+            )
+            for g, refit in enumerate(each):
+                refits[g][label] = refit
             if label != "full":  # its groups' moments are no longer needed
                 streams[label].release()
                 totals[label] = None
     return [{label: refit[label] for label in whole} for refit in refits]
+
+
+def _refit_stream(
+    context: RunContext,
+    entry: CalibrationMap,
+    records: CalibrationRecords,
+    totals: dict[str, StreamingMoments | None],
+    whole: dict[str, FittedMap | None],
+    references: list[StreamingMoments | None],
+    label: str,
+    tried: object = None,
+) -> list[FittedMap | None]:
+    """Source ``label``'s map refitted with each calibration group left out, as differences from
+    the whole split's (None where a refit cannot be fitted); changes nothing it is handed.
+    ``tried``: whether this is the second try (`retried_once`), the same work either way."""
+    n_groups = records.n_groups
+    out: list[FittedMap | None] = []
+    for g, reference in enumerate(references):
+        source = reference if label == "full" else records.streams[label].left_out(totals[label], g)
+        fitted: FittedMap | None = None
+        if source is not None and reference is not None:
+            try:
+                fitted = _fit_map(
+                    entry, context.config, source, reference,
+                    _without(records.samples.get(label), g, n_groups),
+                    _without(records.samples.get("full"), g, n_groups),
+                )  # fmt: skip
+            except ValueError:
+                fitted = None  # too few states without the group: no jackknife cell
+        out.append(None if fitted is None else LeftOutAffine.of(whole[label], fitted))
+    return out
+
+
+def _after_pass_stop(context: RunContext, stage: str, change: str) -> str:
+    """The stop of a stage after the calibration pass (its snapshot holds what it reads)."""
+    return stage_stop_message(
+        stage, str(context.device()), "after emptying the cache and trying again",
+        "--resume does not read the calibration split again: it fits from the calibration "
+        "pass's last snapshot (with a --resume snapshot folder).",
+        change,
+    )  # fmt: skip
 
 
 def pooled_count(context: RunContext, data: EvaluationSet) -> int:

@@ -7,7 +7,9 @@ states (`LeadingStates`) are kept beside them, never snapshotted."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypedDict, TypeVar
 
 import torch
@@ -19,6 +21,7 @@ from dcp_lens.protocol.budget import (
     device_memory_bytes,
     group_buffer_rows,
     moment_bytes,
+    stage_stop_message,
 )
 from dcp_lens.protocol.calibration import (
     CalibrationMap,
@@ -30,6 +33,7 @@ from dcp_lens.protocol.conditions import Condition, position_bucket
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
 from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
@@ -314,6 +318,7 @@ class CalibrationRecords:
         self.conditions = conditions
         self.n_groups = max(1, config.calibration_groups)
         self.host = host  # where groups not being filled wait (`moments_host`)
+        self.device = context.device()
         storage = torch.float32 if self.n_groups >= 2 else torch.float64
         self.streams = {label: GroupMoments(self.n_groups, storage, host) for label in conditions}
         self.samples = {
@@ -330,15 +335,37 @@ class CalibrationRecords:
         self.base = BaseRateSums(1, calibration) if wants_base_rate else None
         self.buffer_rows = 0  # set from the states' width on the first batch
 
-    def add(
+    def base_part(
         self,
         context: RunContext,
         calibration: EvaluationSet,
         rows: slice,
         states: Float[Tensor, "r_plus_1 batch pos d_model"],
         plan: ReadoutPlan,
+    ) -> BaseRateSums | None:
+        """One calibration batch's base-rate sums (rows ``rows``, full depth's readout in chunks
+        of examples, ``plan``), apart from the records' own: `add` folds them in, so a batch that
+        runs out of memory here leaves the records as they were. None without a base rate."""
+        if self.base is None:
+            return None
+        part, keys = BaseRateSums(self.base.n_groups, calibration), calibration.example_keys()
+        for chunk in plan.example_chunks(rows.stop - rows.start):
+            chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
+            full_logits = context.model.readout(states[context.r][chunk])
+            part.add(full_logits, keys[chunk_rows], chunk_rows)
+            del full_logits
+        return part
+
+    def add(
+        self,
+        context: RunContext,
+        calibration: EvaluationSet,
+        rows: slice,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        base: BaseRateSums | None = None,
     ) -> None:
-        """Fold one calibration batch's states (rows ``rows``) into every record."""
+        """Fold one calibration batch's states (rows ``rows``) and its base-rate sums (``base``,
+        `base_part`) into every record."""
         r, keys = context.r, calibration.example_keys()
         if not self.buffer_rows:  # before any moments are held
             width = int(states.shape[-1])
@@ -355,14 +382,10 @@ class CalibrationRecords:
                 context.device(),
                 full,
             )
-        if self.base is not None:  # full depth's readout in chunks of examples
-            for chunk in plan.example_chunks(rows.stop - rows.start):
-                chunk_rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
-                full_logits = context.model.readout(states[r][chunk])
-                self.base.add(full_logits, keys[chunk_rows], chunk_rows)
-                del full_logits
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
+        if self.base is not None and base is not None:
+            self.base.merge(base)
         example, position = row_ids(keys[rows], keep)
         self.sample.add(pooled[r], example, position)
         if self.halves is not None and not all_finite(pooled[r]):
@@ -422,6 +445,23 @@ class CalibrationRecords:
                     for i, h in enumerate(halves)
                 ]
             )
+        if self.host is not None:  # read on the host: all but the groups' moments to the device
+            self._to_device()
+
+    def _to_device(self) -> None:
+        """The subsamples, base-rate sums and halves on the records' device (the groups' moments
+        stay where they are: `GroupMoments` brings one group at a time, to this device even
+        where no batch is left to read)."""
+        for moments in self.streams.values():
+            moments.compute = self.device
+        for sample in (*self.samples.values(), self.sample):
+            if sample.rows is not None:
+                sample.rows = sample.rows.to(self.device)
+        if self.base is not None and self.base.sums is not None:
+            self.base.sums = self.base.sums.to(self.device)
+            self.base.counts = self.base.counts.to(self.device)
+        if self.halves is not None:
+            self.halves = [half.to(self.device) for half in self.halves]
 
     @staticmethod
     def _own(records: dict[str, Item], label: object, field: str) -> Item:
@@ -446,6 +486,72 @@ class CalibrationRecords:
         for part in parts[1:]:
             if self.base is not None and part.base is not None:
                 self.base.merge(part.base)
+
+
+@dataclass(frozen=True)
+class PassChunks:
+    """How the calibration pass cuts one batch of ``batch`` sequences of ``positions`` tokens:
+    ``sequences`` per forward, full depth's readout for the base rate by ``plan``."""
+
+    sequences: int
+    plan: ReadoutPlan
+    batch: int
+    positions: int
+
+    def halved(self) -> PassChunks | None:
+        """Half the sequences per forward and half the readout rows (None: one sequence and one
+        example's readout already)."""
+        plan = self.plan.halved(self.batch, self.positions) or self.plan
+        if self.sequences <= 1 and plan is self.plan:
+            return None
+        return dataclasses.replace(self, sequences=max(1, self.sequences // 2), plan=plan)
+
+
+def read_batch(
+    context: RunContext,
+    calibration: EvaluationSet,
+    rows: slice,
+    records: CalibrationRecords,
+    chunks: PassChunks,
+) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], BaseRateSums | None]:
+    """One calibration batch's states, its forward run ``chunks.sequences`` sequences at a time,
+    and its base-rate sums (`CalibrationRecords.base_part`): nothing of the records changes."""
+    tokens, device = calibration.tokens[rows], context.device()
+    states: Tensor | None = None
+    for start in range(0, len(tokens), chunks.sequences):
+        stop = min(len(tokens), start + chunks.sequences)
+        # Only the states: the maps are fitted to readout inputs, not to logits.
+        part, _ = capture_states(context.model, tokens[start:stop].to(device), stop_after_last=True)
+        if stop - start == len(tokens):
+            states = part
+            break
+        if states is None:
+            states = part.new_empty((part.shape[0], len(tokens), *part.shape[2:]))
+        states[:, start:stop] = part
+        del part
+    assert states is not None
+    return states, records.base_part(context, calibration, rows, states, chunks.plan)
+
+
+def pass_stop(context: RunContext, rows: slice, chunks: PassChunks) -> str:
+    return stage_stop_message(
+        "calibration", str(context.device()),
+        f"running one sequence per forward (sequences {rows.start}-{rows.stop - 1})",
+        "Every finished calibration batch is kept (with a --resume snapshot folder).",
+        f"--batch-size {max(1, context.config.batch_size // 2)} (the batch size is fixed for a "
+        "run) or --calibration-groups 0 (no jackknife moments)",
+    )  # fmt: skip
+
+
+def fold_stop(context: RunContext, rows: slice) -> str:
+    return stage_stop_message(
+        "calibration", str(context.device()),
+        f"after reading sequences {rows.start}-{rows.stop - 1}, while folding them into the "
+        "moments",
+        "--resume continues from the last calibration snapshot (the records had changed part "
+        "way through this batch, so it was not snapshotted).",
+        "--calibration-groups 0 (no jackknife moments) or a shorter --k grid",
+    )  # fmt: skip
 
 
 class LeadingStates:

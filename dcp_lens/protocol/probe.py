@@ -437,6 +437,24 @@ class ProbeSamples:
     trajectory: list[tuple[Tensor | None, Tensor | None]] = field(default_factory=list)
     calibrate_truncate: dict[int, tuple[Tensor | None, Tensor | None]] = field(default_factory=dict)
 
+    def to(self, device: torch.device) -> ProbeSamples:
+        """These samples with every tensor on ``device`` (``self`` where they are there)."""
+
+        def moved(value: Tensor | None) -> Tensor | None:
+            return None if value is None else value.to(device)
+
+        if all(t is None or t.device == device for t in self._tensors()):
+            return self
+        return ProbeSamples(
+            moved(self.held_out), moved(self.held_out_groups),
+            [(moved(rows), moved(groups)) for rows, groups in self.trajectory],
+            {k: (moved(rows), moved(g)) for k, (rows, g) in self.calibrate_truncate.items()},
+        )  # fmt: skip
+
+    def _tensors(self) -> list[Tensor | None]:
+        pairs = [*self.trajectory, *self.calibrate_truncate.values()]
+        return [self.held_out, self.held_out_groups, *(t for pair in pairs for t in pair)]
+
 
 def probe_run(
     reference: Tensor | None,

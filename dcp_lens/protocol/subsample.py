@@ -4,7 +4,7 @@ position so it never depends on the batch size, the order of the examples or the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -46,6 +46,36 @@ class Subsample:
             return
         priority = _mix(keys.cpu().numpy(), positions.cpu().numpy(), self.seed)
         self._keep(priority, rows.detach(), keys.cpu())
+
+    def add_selected(
+        self,
+        rows_of: Callable[[Int[Tensor, " m"]], Float[Tensor, "m d"]],
+        keys: Int[Tensor, " n"],
+        positions: Int[Tensor, " n"],
+    ) -> None:
+        """`add` of ``n`` rows that are made only where kept: ``rows_of(index)`` gives the new
+        rows at ``index`` (int64 on the CPU, into ``keys``), so that a batch's rows are never
+        all copied at once. Keeps exactly what `add` of every row would."""
+        if keys.shape[0] == 0:
+            return
+        priority = _mix(keys.cpu().numpy(), positions.cpu().numpy(), self.seed)
+        held = 0 if self.rows is None else len(self.priority)
+        combined = priority if self.rows is None else np.concatenate([self.priority, priority])
+        order = np.argsort(combined, kind="stable")[: self.size]
+        old = torch.from_numpy(order < held)
+        fresh = torch.from_numpy(order[order >= held].astype(np.int64) - held)
+        new_rows = rows_of(fresh).detach()
+        if self.rows is None or self.keys is None:
+            self.rows, self.keys = new_rows, keys.cpu()[fresh]
+        else:
+            kept = torch.from_numpy(order[order < held].astype(np.int64))
+            rows = new_rows.new_empty((len(order), *new_rows.shape[1:]))
+            rows[old.to(rows.device)] = self.rows[kept.to(self.rows.device)]
+            rows[(~old).to(rows.device)] = new_rows
+            merged = torch.empty(len(order), dtype=self.keys.dtype)
+            merged[old], merged[~old] = self.keys[kept], keys.cpu()[fresh]
+            self.rows, self.keys = rows, merged
+        self.priority = combined[order]
 
     def _keep(self, priority: np.ndarray, rows: Tensor, keys: Tensor) -> None:
         """Keep the ``size`` rows of smallest priority among those kept and these."""

@@ -7,7 +7,7 @@ together (`SweepRecords`)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar
 
@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from dcp_lens.protocol.calibration import FittedMap
 from dcp_lens.protocol.conditions import Full, Truncate
 from dcp_lens.protocol.fit import FittedMaps, apply_map
 from dcp_lens.protocol.probe import ProbeSamples
@@ -228,6 +229,24 @@ class NullControl:
         }
 
 
+def _rows(
+    states: Float[Tensor, "r_plus_1 batch pos d_model"], t: int, among: Int[Tensor, " n"]
+) -> Callable[[Tensor], Tensor]:
+    """The rows of s_t at the flat (example, position) indices ``among[index]``."""
+    flat = states[t].reshape(-1, states.shape[-1])
+
+    def rows(index: Tensor) -> Tensor:
+        return flat[among[index.to(among.device)]]
+
+    return rows
+
+
+def _mapped(
+    mapping: FittedMap | None, rows: Callable[[Tensor], Tensor]
+) -> Callable[[Tensor], Tensor]:
+    return lambda index: apply_map(mapping, rows(index))
+
+
 class ProbeSampler:
     """The probe's subsamples of the evaluation's states (`ProbeSamples`): full depth's states
     of even examples (the held-out reference), and of odd examples every s_t and
@@ -247,18 +266,21 @@ class ProbeSampler:
         keys: Int[Tensor, " batch"],
         maps: FittedMaps,
     ) -> None:
-        """Sample the pooled positions ``keep`` of one batch's ``states`` (its examples' keys)."""
+        """Sample the pooled positions ``keep`` of one batch's ``states`` (its examples' keys).
+        Only the rows a subsample keeps are copied (and mapped): what this holds beside the
+        batch is the subsamples, not a copy of the batch's states."""
         example, position = row_ids(keys, keep)
         even = example % 2 == 0
         r = len(self.trajectory) - 1
-        self.held_out.add(states[r][keep][even.to(keep.device)], example[even], position[even])
-        probed = states[:, keep][:, (~even).to(keep.device)]
+        pooled = keep.flatten().nonzero().squeeze(1)  # flat (example, position) of each row
+        held, probed = pooled[even.to(pooled.device)], pooled[(~even).to(pooled.device)]
+        self.held_out.add_selected(_rows(states, r, held), example[even], position[even])
         probed_examples, probed_positions = example[~even], position[~even]
         for t, subsample in enumerate(self.trajectory):
-            subsample.add(probed[t], probed_examples, probed_positions)
+            subsample.add_selected(_rows(states, t, probed), probed_examples, probed_positions)
         for k, subsample in self.calibrated.items():
-            mapped = apply_map(maps.fitted(Truncate(k)), probed[k])
-            subsample.add(mapped, probed_examples, probed_positions)
+            mapped = _mapped(maps.fitted(Truncate(k)), _rows(states, k, probed))
+            subsample.add_selected(mapped, probed_examples, probed_positions)
 
     def state(self) -> ProbeState:
         return {

@@ -332,7 +332,7 @@ def run_estimate(
     from dcp_lens.protocol.budget import (
         GIB,
         ModelShape,
-        estimate_run_memory,
+        estimate_with,
         largest_fitting_batch,
     )
 
@@ -350,14 +350,14 @@ def run_estimate(
     budget = None if budget_gib is None else int(budget_gib * GIB)
 
     def at(size_: int) -> Any:
-        return estimate_run_memory(
+        return estimate_with(
             ModelShape.of(model),
+            config,
+            n_streams,
             batch_size=size_,
             seq_len=size["seq"],
-            n_streams=n_streams,
-            calibration_groups=config.calibration_groups,
             budget=budget,
-            calibration_mode=config.calibration_mode,
+            device_type="cuda",
         )
 
     chosen = batch is None and budget is not None  # as `run` chooses with no --batch-size

@@ -3,7 +3,19 @@ wait on the host in float32, printed beside the device's peak; on the CPU nothin
 
 from __future__ import annotations
 
-from dcp_lens.protocol.budget import GIB, ModelShape, estimate_run_memory
+import weakref
+
+import pytest
+import torch
+
+import dcp_lens.protocol.budget as budget_module
+from dcp_lens.protocol.budget import (
+    GIB,
+    ModelShape,
+    OutOfMemoryStop,
+    estimate_run_memory,
+    in_smaller_chunks,
+)
 
 HUGINN = ModelShape(5280, 65536, 17920, 32, 3_564_976_800, 2, 55)
 
@@ -33,3 +45,33 @@ def test_nothing_is_apart_on_the_cpu_or_without_the_jackknife() -> None:
     assert _estimate("cpu").host_bytes == 0
     assert _estimate("cuda", groups=0).host_bytes == 0
     assert "host memory beside it: 0.00 GiB (none)" in _estimate("cpu").table()
+
+
+def test_a_retry_drops_the_failed_chunks_tensors_before_emptying_the_cache(monkeypatch) -> None:
+    held: list[weakref.ref] = []
+    alive_at_release: list[bool] = []
+    monkeypatch.setattr(
+        budget_module,
+        "release_device_memory",
+        lambda device: alive_at_release.append(any(ref() is not None for ref in held)),
+    )
+
+    def attempt(rows: int) -> int:
+        chunk = torch.ones(rows, 8)  # what a chunk's readout would hold
+        held.append(weakref.ref(chunk))
+        if rows > 2:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return int(chunk.sum())
+
+    def halved(rows: int) -> int | None:
+        return rows // 2 if rows > 1 else None
+
+    result, fitted = in_smaller_chunks(attempt, 16, halved, torch.device("cpu"), str)
+    assert (result, fitted) == (16, 2)
+    assert alive_at_release == [False, False, False]  # 16, 8 and 4 rows failed, each dropped
+    with pytest.raises(OutOfMemoryStop, match="stop at 1") as stop:
+        in_smaller_chunks(
+            lambda rows: attempt(rows + 8), 2, halved, torch.device("cpu"), "stop at {}".format
+        )
+    assert isinstance(stop.value.__cause__, torch.OutOfMemoryError)
+    assert not any(alive_at_release)

@@ -53,3 +53,27 @@ def test_a_subsample_field_of_the_wrong_kind_is_refused(name, value, expected):
     state[name] = value
     with pytest.raises(SnapshotFieldError, match=rf"field probe\.{name} must be {expected}"):
         Subsample(6, seed=3).restore(state, "probe")
+
+
+def test_rows_made_only_where_kept_keep_what_adding_every_row_keeps() -> None:
+    """`Subsample.add_selected` asks for at most ``size`` rows a batch and keeps exactly the rows,
+    keys and order `Subsample.add` of the whole batch keeps."""
+    generator = torch.Generator().manual_seed(0)
+    every, selected = Subsample(50, 3), Subsample(50, 3)
+    asked: list[int] = []
+    for _ in range(8):
+        n = int(torch.randint(1, 120, (1,), generator=generator))
+        rows = torch.randn(n, 4, generator=generator)
+        keys = torch.randint(0, 40, (n,), generator=generator)
+        positions = torch.randint(0, 10, (n,), generator=generator)
+        every.add(rows, keys, positions)
+
+        def rows_of(index: torch.Tensor, rows: torch.Tensor = rows) -> torch.Tensor:
+            asked.append(len(index))
+            return rows[index]
+
+        selected.add_selected(rows_of, keys, positions)
+        assert torch.equal(every.tensor(), selected.tensor())
+        assert torch.equal(every.groups(), selected.groups())
+        assert (every.priority == selected.priority).all()
+    assert max(asked) <= 50 and sum(asked) < 8 * 50
