@@ -457,7 +457,8 @@ def work_table() -> str:
         f"jackknife on {data['jackknife_examples']} evaluation examples; weighed at d_model "
         f"{at['d_model']}, vocabulary {at['d_vocab']}). Per token of the stage's split: "
         "calibration for the first three, evaluation for the last two; the evaluation's "
-        "readouts include its own forward's.*\n"
+        "readouts are the sweep's and the jackknife's (its forward's own logits are not a "
+        "readout).*\n"
     )
     return _table(["stage", "forwards per token", "readouts per token", "target"], rows) + note
 

@@ -7,8 +7,8 @@ stages."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,7 +21,7 @@ from dcp_lens.protocol.budget import (
     out_of_memory_message,
     release_device_memory,
 )
-from dcp_lens.protocol.conditions import SWEEP, Condition
+from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Full, Shift
 from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
@@ -32,6 +32,7 @@ from dcp_lens.protocol.readout import readouts
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep_records import (
     BatchScores,
+    JackknifeKey,
     Maxima,
     NullControl,
     ProbeSampler,
@@ -73,8 +74,8 @@ def jackknife_examples(
 
 @dataclass(frozen=True)
 class _Reference:
-    """Full depth's side of every metric of one evaluation batch, computed once for the
-    batch's conditions: log-probabilities, probabilities, top-1 and the targets."""
+    """Full depth's side of every metric of one chunk of examples, computed once for the
+    chunk's conditions: log-probabilities, probabilities, top-1 and the targets."""
 
     log_probs: Float[Tensor, "batch pos d_vocab"]
     probs: Float[Tensor, "batch pos d_vocab"]
@@ -86,12 +87,6 @@ class _Reference:
         log_probs = reference_log_probs(full_logits)
         return cls(log_probs, log_probs.exp(), log_probs.argmax(-1), targets)
 
-    def repeated(self, times: int) -> _Reference:
-        """This reference for ``times`` stacked copies of the batch (one per condition)."""
-        return _Reference(*(t.repeat(times, *[1] * (t.ndim - 1)) for t in (
-            self.log_probs, self.probs, self.top1, self.targets
-        )))  # fmt: skip
-
     def score(self, logits: Tensor, metrics: Sequence[str]) -> dict[str, Tensor]:
         """`per_example_metrics` of ``logits`` against this reference: [batch] per metric."""
         return per_example_metrics(
@@ -102,15 +97,45 @@ class _Reference:
 @dataclass(frozen=True)
 class _Evaluation:
     """What every batch of one evaluation reads: the data, its examples' keys and those the
-    jackknife reads (`jackknife_examples`), the sweep
-    conditions at every k of the grid and at r, and per left-out calibration group the
-    conditions its maps change (only those are read again for the jackknife)."""
+    jackknife reads (`jackknife_examples`), the sweep conditions at every k of the grid and at
+    r (`sweep_conditions`), and per left-out calibration group the conditions its maps change
+    (only those are read again for the jackknife)."""
 
     data: EvaluationSet
     keys: Int[Tensor, " n"]
     jackknifed: Bool[Tensor, " n"]
     built: dict[int, dict[str, Condition | None]]
     left_out: list[dict[int, dict[str, Condition | None]]]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One evaluation batch as the sweep scores it: the evaluation it belongs to, its rows of
+    the evaluation set and the plan its readouts are cut by (`ReadoutPlan`)."""
+
+    run: _Evaluation
+    rows: slice
+    plan: ReadoutPlan
+
+    @property
+    def size(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    @property
+    def positions(self) -> int:
+        return int(self.run.data.tokens.shape[1])
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Whole examples of one batch read together: their states ``[r + 1, chunk, pos, d_model]``,
+    full depth's logits ``[chunk, pos, d_vocab]``, full depth's side of the metrics and the
+    examples' rows of the batch."""
+
+    states: Float[Tensor, "r_plus_1 chunk pos d_model"]
+    logits: Float[Tensor, "chunk pos d_vocab"]
+    reference: _Reference
+    examples: slice
 
 
 class Sweep:
@@ -138,8 +163,8 @@ class Sweep:
         return self._replay.values
 
     def conditions_at(self, k: int) -> dict[str, Condition | None]:
-        """Every sweep condition at k (None where a map it needs could not be fitted)."""
-        return {name: entry.build(k, self.maps) for name, entry in SWEEP.items()}
+        """Every sweep condition at k as the sweep reads it (`sweep_conditions`)."""
+        return sweep_conditions(k, self.maps)
 
     @torch.no_grad()
     def evaluate(self, evaluation: EvaluationSet, stage: str = "evaluation.0") -> SweepOutput:
@@ -154,7 +179,7 @@ class Sweep:
             context.each(batches[done:], "evaluation"), start=done
         ):
             try:
-                states, scores, plan = self._scored_batch(run, rows, plan)
+                states, scores, plan = self._scored_batch(_Batch(run, rows, plan))
             except OutOfMemoryStop:  # keep every finished batch for --resume
                 context.snapshot(stage, batch_number, batch_number, records.state)
                 raise
@@ -192,145 +217,217 @@ class Sweep:
         probe = ProbeSampler(config.probe_points, config.seed, context.r, context.k_grid)
         return SweepRecords(NullControl(null), self._replay, probe)
 
-    def _scored_batch(
-        self, run: _Evaluation, rows: slice, plan: ReadoutPlan
-    ) -> tuple[Tensor, BatchScores, ReadoutPlan]:
+    def _scored_batch(self, batch: _Batch) -> tuple[Tensor, BatchScores, ReadoutPlan]:
         """`_score_batch`, redone with readout calls of half the rows after the device runs out
         of memory; the plan that fitted comes back for the next batch. Where one example's
         readouts do not fit either, stops with what to change (nothing is recorded of a batch
         that did not finish: ``--resume`` continues from the last finished one)."""
-        batch, positions = rows.stop - rows.start, int(run.data.tokens.shape[1])
         while True:
             try:
-                states, scores = self._score_batch(run, rows, plan)
-                return states, scores, plan
+                states, scores = self._score_batch(batch)
+                return states, scores, batch.plan
             except torch.OutOfMemoryError as error:
-                release_device_memory(self.context.device())
-                smaller = plan.halved(batch, positions)
+                smaller = batch.plan.halved(batch.size, batch.positions)
                 if smaller is None:
-                    context = self.context
-                    raise OutOfMemoryStop(out_of_memory_message(
-                        "evaluation", rows, context.config.batch_size, positions,
-                        context.budget(), str(context.device()),
-                    )) from error  # fmt: skip
-                plan = smaller
+                    raise OutOfMemoryStop(self._out_of_memory(batch)) from error
+            # Out of the handler, the failed call's tensors are no longer referenced.
+            release_device_memory(self.context.device())
+            batch = replace(batch, plan=smaller)
 
-    def _score_batch(
-        self, run: _Evaluation, rows: slice, plan: ReadoutPlan
-    ) -> tuple[Tensor, BatchScores]:
+    def _out_of_memory(self, batch: _Batch) -> str:
+        context = self.context
+        config, device = context.config, str(context.device())
+        rows, positions = batch.rows, batch.positions
+        budget = context.budget()
+        return out_of_memory_message(
+            "evaluation", rows, config.batch_size, positions, budget, device
+        )
+
+    def _score_batch(self, batch: _Batch) -> tuple[Tensor, BatchScores]:
         """Every cell of one evaluation batch: its states and the batch's scores, the readouts
-        read and scored in chunks of whole examples (``plan``), so that what a batch holds is
-        its states, full depth's logits and one chunk's readouts."""
-        context, r, k_grid = self.context, self.context.r, self.context.k_grid
-        metrics, device, model = context.metrics, context.device(), context.model
-        built, left_out = run.built, run.left_out
-        targets = run.data.targets[rows].to(device)
-        states, full_logits = capture_all(context, run.data.tokens[rows])
-        scores = BatchScores()
-        null = scores.null
-        top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
-        chosen = run.jackknifed[rows]
-        null_map = self.maps.null
-        for examples in plan.example_chunks(rows.stop - rows.start):
-            chunk_states, chunk_logits = states[:, examples], full_logits[examples]
-            scoring = _Reference.of(chunk_logits, targets[examples])
-            reference = scores.add("full", 0, scoring.score(chunk_logits, metrics))
-            at_r: dict[str, Tensor] | None = None
-            for k in k_grid:
-                read = readouts(model, r, chunk_states, built[k], chunk_logits, plan)
-                for name in read:
-                    tempered = self._tempered(read[name], name, k)
-                    scores.add(name, k, scoring.score(tempered, metrics))
-                    del tempered
-                difference = _max_diff(read["replay"], read["truncate"])
-                scores.replay_difference[k] = nan_max(
-                    scores.replay_difference.get(k, 0.0), difference
-                )
-                for name in top1:
-                    top1[name].setdefault(k, []).append(read[name].argmax(-1))
-                at_r = read if k == r else None
-                del read
-            # The null control: at k = r every condition must reproduce full depth.
-            if at_r is None:
-                at_r = readouts(model, r, chunk_states, built[r], chunk_logits, plan)
-            for name in at_r:
-                at_full = built[r][name]
-                if at_full is None or at_full.reproduces_full_at_r:
-                    difference = _max_diff(at_r[name], chunk_logits)
-                    null.differences[name] = nan_max(null.differences.get(name, 0.0), difference)
-            del at_r
-            if null_map is not None:
-                halves = model.readout(null_map(chunk_states[r]))
-                null.halves_difference = nan_max(
-                    null.halves_difference, _max_diff(halves, chunk_logits)
-                )
-                moved = scoring.score(halves, metrics)
-                for metric in metrics:
-                    change = float((moved[metric] - reference[metric]).double().sum())
-                    null.halves_change[metric] = null.halves_change.get(metric, 0.0) + change
-                del halves
-            if left_out:
-                picked = chosen[examples].to(device)
-                self._score_jackknife(
-                    scores, chunk_states[:, picked], chunk_logits[picked],
-                    targets[examples][picked], left_out, plan,
-                )  # fmt: skip
-        for kind, per_k in walk_fractions(
-            {name: {k: torch.cat(parts) for k, parts in per.items()} for name, per in top1.items()},
-            full_logits.argmax(-1), targets, r,
-        ).items():  # fmt: skip
-            for k, value in per_k.items():
-                scores.walked[(kind, k)] = [value]
-        if left_out:
-            empty = torch.zeros(0, dtype=torch.float64, device=device)
-            for k in k_grid:  # a cell for every key, empty where none is read
-                for g, conditions in enumerate(left_out):
-                    for name in conditions[k]:
-                        for metric in metrics:
-                            scores.jackknife.setdefault((g, metric, name, k), [empty])
-        return states, scores
+        read and scored in chunks of whole examples (``batch.plan``), so that what a batch holds
+        is its states, full depth's logits and one chunk's readouts."""
+        context = self.context
+        states, full_logits = capture_all(context, batch.run.data.tokens[batch.rows])
+        targets = batch.run.data.targets[batch.rows].to(context.device())
+        accumulator = _BatchAccumulator(self, batch, states, full_logits, targets)
+        for examples in batch.plan.example_chunks(batch.size):
+            accumulator.add(examples)
+        return states, accumulator.scores()
 
-    def _score_jackknife(
-        self,
-        scores: BatchScores,
-        states: Tensor,
-        full_logits: Tensor,
-        targets: Tensor,
-        left_out: list[dict[int, dict[str, Condition | None]]],
-        plan: ReadoutPlan,
-    ) -> None:
-        """The jackknife's cells of one chunk's chosen examples: the mapped conditions under each
-        left-out group's maps, read in calls of at most ``plan.rows`` positions and scored one
-        condition at a time against full depth's side of the same examples."""
-        if states.shape[1] == 0:
-            return
-        context, r = self.context, self.context.r
-        scoring = _Reference.of(full_logits, targets)
-        for k in context.k_grid:
-            each = {
-                (g, name): condition
-                for g, conditions in enumerate(left_out)
-                for name, condition in conditions[k].items()
-            }
-            labels = list(each)
-            # No call holds more rows than the main readouts of a chunk do (all of a k's).
-            held = len(SWEEP) * plan.examples * states.shape[2]
-            for group in plan.condition_groups(len(labels), states.shape[1], states.shape[2], held):
-                named = {f"{name}@{g}": (g, name) for g, name in labels[group]}
-                read = readouts(
-                    context.model, r, states, {n: each[named[n]] for n in named}, full_logits, plan
-                )
-                for label, (g, name) in named.items():
-                    tempered = self._tempered(read[label], name, k)
-                    for metric, value in scoring.score(tempered, context.metrics).items():
-                        scores.jackknife.setdefault((g, metric, name, k), []).append(value)
-                    del tempered  # a view keeps the whole call's logits alive
-                del read
-
-    def _tempered(self, logits: Tensor, name: str, k: int) -> Tensor:
+    def tempered(self, logits: Tensor, name: str, k: int) -> Tensor:
         """``logits`` at the temperature confidence matching fitted for ``(name, k)``."""
         temperature = self.temperatures.get((name, k), 1.0)
         return logits if temperature == 1.0 else logits / temperature
+
+
+class _BatchAccumulator:
+    """The scores of one evaluation batch (`BatchScores`), added chunk by chunk of whole
+    examples: every condition at every k, the null control, the calibration null's readout and
+    the jackknife's cells of the chunk's chosen examples; `scores` adds where replay walks.
+
+    Args:
+        sweep: the sweep whose maps, temperatures and context the batch is read with.
+        batch: the batch.
+        states: ``[r + 1, batch, pos, d_model]`` its states s_0..s_r.
+        full_logits: ``[batch, pos, d_vocab]`` full depth's logits.
+        targets: ``[batch, pos]`` its next tokens.
+    """
+
+    def __init__(
+        self,
+        sweep: Sweep,
+        batch: _Batch,
+        states: Float[Tensor, "r_plus_1 batch pos d_model"],
+        full_logits: Float[Tensor, "batch pos d_vocab"],
+        targets: Int[Tensor, "batch pos"],
+    ) -> None:
+        self.sweep, self.batch, self.context = sweep, batch, sweep.context
+        self.states, self.full_logits, self.targets = states, full_logits, targets
+        self.batch_scores = BatchScores()
+        self.top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
+
+    def add(self, examples: slice) -> None:
+        """Score the batch's ``examples`` (a chunk the plan reads at once)."""
+        logits = self.full_logits[examples]
+        reference = _Reference.of(logits, self.targets[examples])
+        chunk = _Chunk(self.states[:, examples], logits, reference, examples)
+        full = self.batch_scores.add("full", 0, self._scored(chunk, logits))
+        context = self.context
+        at_r = None
+        for k in context.k_grid:
+            read = self._add_depth(chunk, k)
+            if k == context.r:
+                at_r = read
+            del read
+        if at_r is None:
+            at_r = self._read(chunk, self.batch.run.built[context.r])
+        self._add_null(chunk, at_r)
+        del at_r
+        self._add_halves(chunk, full)
+        if self.batch.run.left_out:
+            self._add_jackknife(chunk)
+
+    def scores(self) -> BatchScores:
+        """The batch's scores, with where replay walks (`walk_fractions`) and a jackknife cell
+        for every key (empty where none of the batch's examples is read)."""
+        scores, top1 = self.batch_scores, self.top1
+        joined = {
+            name: {k: torch.cat(parts) for k, parts in per.items()} for name, per in top1.items()
+        }
+        walked = walk_fractions(joined, self.full_logits.argmax(-1), self.targets, self.context.r)
+        for kind, per_k in walked.items():
+            for k, value in per_k.items():
+                scores.walked[(kind, k)] = [value]
+        empty = torch.zeros(0, dtype=torch.float64, device=self.context.device())
+        for key in self._jackknife_keys():
+            scores.jackknife.setdefault(key, [empty])
+        return scores
+
+    def _add_depth(self, chunk: _Chunk, k: int) -> dict[str, Tensor]:
+        """Every condition at k on ``chunk``: scored, replay's difference from truncate, the
+        top-1 where replay walks reads; the readouts come back (the null control's at r)."""
+        read = self._read(chunk, self.batch.run.built[k])
+        scores = self.batch_scores
+        for name, logits in read.items():
+            scores.add(name, k, self._scored(chunk, self.sweep.tempered(logits, name, k)))
+        difference = _max_diff(read["replay"], read["truncate"])
+        scores.replay_difference[k] = nan_max(scores.replay_difference.get(k, 0.0), difference)
+        for name, per_k in self.top1.items():
+            per_k.setdefault(k, []).append(read[name].argmax(-1))
+        return read
+
+    def _add_null(self, chunk: _Chunk, at_r: dict[str, Tensor]) -> None:
+        """The null control: at k = r every condition that must reproduce full depth does."""
+        null, built = self.batch_scores.null, self.batch.run.built[self.context.r]
+        for name, logits in at_r.items():
+            condition = built[name]
+            if condition is None or condition.reproduces_full_at_r:
+                difference = _max_diff(logits, chunk.logits)
+                null.differences[name] = nan_max(null.differences.get(name, 0.0), difference)
+
+    def _add_halves(self, chunk: _Chunk, full: Mapping[str, Tensor]) -> None:
+        """The calibration null: full depth's states under the map fitted between two halves of
+        the calibration split should read out as full depth does."""
+        null_map, null = self.sweep.maps.null, self.batch_scores.null
+        if null_map is None:
+            return
+        halves = self.context.model.readout(null_map(chunk.states[self.context.r]))
+        null.halves_difference = nan_max(null.halves_difference, _max_diff(halves, chunk.logits))
+        moved = self._scored(chunk, halves)
+        for metric in self.context.metrics:
+            change = float((moved[metric] - full[metric]).double().sum())
+            null.halves_change[metric] = null.halves_change.get(metric, 0.0) + change
+
+    def _add_jackknife(self, chunk: _Chunk) -> None:
+        """The jackknife's cells of the chunk's chosen examples: the mapped conditions under
+        each left-out group's maps, scored against full depth's side of the same examples."""
+        picked = self.batch.run.jackknifed[self.batch.rows][chunk.examples]
+        if not bool(picked.any()):
+            return
+        picked = picked.to(self.context.device())
+        logits = chunk.logits[picked]
+        targets = chunk.reference.targets[picked]
+        chosen = _Chunk(
+            chunk.states[:, picked], logits, _Reference.of(logits, targets), chunk.examples
+        )
+        for k in self.context.k_grid:
+            self._add_jackknife_at(chosen, k)
+
+    def _add_jackknife_at(self, chosen: _Chunk, k: int) -> None:
+        """The jackknife's cells at k: its readouts in calls of at most the plan's rows, each
+        call's logits scored and let go before the next call."""
+        left_out = self.batch.run.left_out
+        labels = [(g, name) for g, conditions in enumerate(left_out) for name in conditions[k]]
+        examples, positions = chosen.logits.shape[:2]
+        for group in self.batch.plan.condition_groups(len(labels), examples, positions):
+            named = {f"{name}@{g}": (g, name) for g, name in labels[group]}
+            read = self._read(
+                chosen, {label: left_out[g][k][name] for label, (g, name) in named.items()}
+            )
+            for label, (g, name) in named.items():
+                tempered = self.sweep.tempered(read.pop(label), name, k)
+                for metric, value in self._scored(chosen, tempered).items():
+                    self.batch_scores.jackknife.setdefault((g, metric, name, k), []).append(value)
+                del tempered  # a view keeps the whole call's logits alive
+
+    def _read(self, chunk: _Chunk, conditions: dict[str, Condition | None]) -> dict[str, Tensor]:
+        """`readouts` of ``conditions`` on ``chunk``, in calls of at most the plan's rows."""
+        context = self.context
+        return readouts(
+            context.model, context.r, chunk.states, conditions, chunk.logits, self.batch.plan
+        )
+
+    def _scored(self, chunk: _Chunk, logits: Tensor) -> dict[str, Tensor]:
+        return chunk.reference.score(logits, self.context.metrics)
+
+    def _jackknife_keys(self) -> Iterator[JackknifeKey]:
+        for k in self.context.k_grid:
+            for g, conditions in enumerate(self.batch.run.left_out):
+                for name in conditions[k]:
+                    for metric in self.context.metrics:
+                        yield g, metric, name, k
+
+
+def sweep_conditions(k: int, maps: FittedMaps) -> dict[str, Condition | None]:
+    """Every sweep condition at k built from ``maps`` (None where a map it needs could not be
+    fitted), as the sweep reads it: a condition that reads full depth's state through the map
+    fitted from full depth onto itself (calibrate(truncate(r)), calibrate(replay(r)), shift(r))
+    is full depth. That map matches a distribution onto itself, so it is the identity by
+    construction (what the null control records of it is ``calibrate_full_identity_deviation``);
+    reading it out would only add the fit's rounding."""
+    onto_itself = maps.fitted(Full()) if "full" in maps.maps else None
+    conditions = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
+    return {
+        name: Full() if _through(condition, onto_itself) else condition
+        for name, condition in conditions.items()
+    }
+
+
+def _through(condition: Condition | None, state_map: object) -> bool:
+    """Whether ``condition`` maps its readout input by ``state_map`` (not None)."""
+    mapped = isinstance(condition, Calibrate | Shift)
+    return state_map is not None and mapped and getattr(condition, "state_map", None) is state_map
 
 
 def capture_all(
@@ -371,7 +468,7 @@ def _changed(
     """Per k, the sweep conditions built from ``maps`` that differ from ``built``'s."""
     changed: dict[int, dict[str, Condition | None]] = {}
     for k in k_grid:
-        conditions = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
+        conditions = sweep_conditions(k, maps)
         changed[k] = {n: c for n, c in conditions.items() if c != built[k][n]}
     return changed
 

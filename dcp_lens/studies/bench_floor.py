@@ -13,14 +13,14 @@ from typing import TypedDict, TypeVar
 import torch
 from torch import Tensor
 
-from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Shift, Translate
+from dcp_lens.protocol.conditions import Calibrate, Condition, Shift, Translate
 from dcp_lens.protocol.confidence import matched
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.fit import FittedMaps
 from dcp_lens.protocol.metrics import per_example_metrics, reference_log_probs
 from dcp_lens.protocol.readout import needed_readouts, readout_groups
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.sweep import jackknife_examples
+from dcp_lens.protocol.sweep import jackknife_examples, sweep_conditions
 
 T = TypeVar("T")
 
@@ -129,26 +129,13 @@ def irreducible_readouts(protocol: DepthControlProtocol) -> IrreducibleReadouts:
     grid = [*context.k_grid, *([] if r in context.k_grid else [r])]
     matching = context.matches_confidence()
     return {
-        "evaluation": {
-            k: len(needed_readouts(r, {n: e.build(k, maps) for n, e in SWEEP.items()}))
-            for k in grid
-        },
+        "evaluation": {k: len(needed_readouts(r, sweep_conditions(k, maps))) for k in grid},
         "null": int(maps.null is not None),
         # The jackknife's: per k, the conditions each left-out group's maps change, read on the
         # evaluation examples `jackknife_examples` picks.
         "jackknife": {
             k: sum(
-                len(
-                    needed_readouts(
-                        r,
-                        {
-                            n: c
-                            for n, e in SWEEP.items()
-                            if (c := e.build(k, left_out)) != e.build(k, maps)
-                        },
-                    )
-                )
-                for left_out in maps.jackknife
+                len(needed_readouts(r, _moved(k, maps, left_out))) for left_out in maps.jackknife
             )
             for k in context.k_grid
         },
@@ -260,6 +247,13 @@ def overhead_floor(
     return seconds, calls
 
 
+def _moved(k: int, maps: FittedMaps, left_out: FittedMaps) -> dict[str, Condition | None]:
+    """The sweep conditions at k that a left-out group's maps change (the jackknife reads
+    those again), as the sweep reads them (`sweep_conditions`)."""
+    built = sweep_conditions(k, maps)
+    return {n: c for n, c in sweep_conditions(k, left_out).items() if c != built[n]}
+
+
 def _floor_plan(
     k_grid: tuple[int, ...], r: int, maps: FittedMaps
 ) -> dict[int, tuple[list[Condition], list[Condition]]]:
@@ -267,16 +261,10 @@ def _floor_plan(
     ``maps``, and those the jackknife's left-out groups' maps change."""
     plan: dict[int, tuple[list[Condition], list[Condition]]] = {}
     for k in [*k_grid, *([] if r in k_grid else [r])]:
-        built = {name: entry.build(k, maps) for name, entry in SWEEP.items()}
         changed: list[Condition] = []
         for left_out in maps.jackknife if k in k_grid else []:
-            moved = {
-                name: condition
-                for name, entry in SWEEP.items()
-                if (condition := entry.build(k, left_out)) != built[name]
-            }
-            changed.extend(needed_readouts(r, moved))
-        plan[k] = needed_readouts(r, built), changed
+            changed.extend(needed_readouts(r, _moved(k, maps, left_out)))
+        plan[k] = needed_readouts(r, sweep_conditions(k, maps)), changed
     return plan
 
 

@@ -23,7 +23,6 @@ FMT_SKIP = "# fmt: skip"
 PACKED_MODULES = {
     "dcp_lens/protocol/dcp.py",
     "dcp_lens/protocol/records.py",
-    "dcp_lens/protocol/sweep.py",
     "dcp_lens/protocol/sweep_records.py",
     "dcp_lens/protocol/verdicts.py",
 }
