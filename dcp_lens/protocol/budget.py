@@ -342,24 +342,61 @@ def estimate_run_memory(
     row = d * es + 8
     n_subsamples = 1 + (shape.n_iterations + 1) + n_k
     terms["probe_reference"] = probe_points * row
-    terms["probe_samples"] = (n_subsamples * probe_points * row + 2 * probe_points * d * es
-                              if probe else 0)  # fmt: skip
+    terms["probe_samples"] = (
+        n_subsamples * probe_points * row + 2 * probe_points * d * es if probe else 0
+    )
     terms["probe_fit"] = 4 * probe_points * d * 8 + 3 * d * d * 8 if probe else 0
     stages = {
-        "calibration": ("weights", "batch_states", "forward_activations", "moments",
-                        "base_rate_sums", "readouts", "probe_reference", "allocator_kept"),
-        "jackknife fits": ("weights", "jackknife_fits_held", "jackknife_refits", "maps",
-                           "probe_reference"),
-        "confidence matching": ("weights", "batch_states", "forward_activations",
-                                "confidence_reads", "confidence_kept", "maps", "probe_reference",
-                                "allocator_kept"),
-        "evaluation": ("weights", "batch_states", "forward_activations", "full_logits",
-                       "readouts", "reference", "maps", "jackknife_maps", "probe_reference",
-                       "probe_samples", "allocator_kept"),
-    }  # fmt: skip
+        "calibration": (
+            "weights",
+            "batch_states",
+            "forward_activations",
+            "moments",
+            "base_rate_sums",
+            "readouts",
+            "probe_reference",
+            "allocator_kept",
+        ),
+        "jackknife fits": (
+            "weights",
+            "jackknife_fits_held",
+            "jackknife_refits",
+            "maps",
+            "probe_reference",
+        ),
+        "confidence matching": (
+            "weights",
+            "batch_states",
+            "forward_activations",
+            "confidence_reads",
+            "confidence_kept",
+            "maps",
+            "probe_reference",
+            "allocator_kept",
+        ),
+        "evaluation": (
+            "weights",
+            "batch_states",
+            "forward_activations",
+            "full_logits",
+            "readouts",
+            "reference",
+            "maps",
+            "jackknife_maps",
+            "probe_reference",
+            "probe_samples",
+            "allocator_kept",
+        ),
+    }
     if probe:
-        stages["probe"] = ("weights", "maps", "jackknife_maps", "probe_reference",
-                           "probe_samples", "probe_fit")  # fmt: skip
+        stages["probe"] = (
+            "weights",
+            "maps",
+            "jackknife_maps",
+            "probe_reference",
+            "probe_samples",
+            "probe_fit",
+        )
     # On an accelerator the groups not being filled wait on the host in their float32 storage.
     parked = groups - on_device if device_type != "cpu" else 0
     host = {"parked_groups": n_streams * parked * 4 * (square + 3 * d)} if parked > 0 else {}
@@ -394,9 +431,11 @@ def calibration_snapshot_bytes(
     stored = 4 if groups >= 2 else 8
     moments = n_streams * groups * stored * (square + 3 * width)
     halves = 2 * 8 * (square + 3 * width)
-    buckets = seq_len if seq_len <= EXACT_POSITIONS else (
-        EXACT_POSITIONS + 4 * math.ceil(math.log2(seq_len / EXACT_POSITIONS)) + 1
-    )  # fmt: skip
+    buckets = (
+        seq_len
+        if seq_len <= EXACT_POSITIONS
+        else (EXACT_POSITIONS + 4 * math.ceil(math.log2(seq_len / EXACT_POSITIONS)) + 1)
+    )
     return moments + halves + 16 * buckets * d_vocab + probe_reference
 
 
@@ -416,12 +455,18 @@ def estimate_with(
     run, ``--dry-run``, ``bench --estimate``, the batch chosen from the budget and the readout
     chunks are read from."""
     return estimate_run_memory(
-        shape, batch_size=batch_size, seq_len=seq_len, n_streams=n_streams,
+        shape,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_streams=n_streams,
         calibration_groups=settings.calibration_groups,
-        calibration_mode=settings.calibration_mode, readout_rows=readout_rows, budget=budget,
-        device_type=device_type, probe_points=int(settings.probe_points),
+        calibration_mode=settings.calibration_mode,
+        readout_rows=readout_rows,
+        budget=budget,
+        device_type=device_type,
+        probe_points=int(settings.probe_points),
         probe=settings.probe != "none",
-    )  # fmt: skip
+    )
 
 
 def largest_fitting_batch(fits: Callable[[int], bool], batch_size: int) -> int:

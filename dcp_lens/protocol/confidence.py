@@ -74,13 +74,14 @@ class ConfidenceMatching:
             lambda plan: plan.halved(batch, positions),
             context.device(),
             lambda plan: stage_stop_message(
-                "confidence matching", str(context.device()),
+                "confidence matching",
+                str(context.device()),
                 "reading one condition of one example per readout call",
                 "--resume does not read the calibration split again (with a --resume snapshot "
                 "folder).",
                 "--no-match-confidence or a shorter --k grid",
             ),
-        )  # fmt: skip
+        )
         self.stash = {}
         reference = mean_entropy(torch.cat(full_kept), 1.0)
         return {

@@ -95,9 +95,11 @@ class RunContext:
     def estimate(self, data: EvaluationSet, readout_rows: int | None = None) -> MemoryEstimate:
         """This run's peak memory on batches of ``data`` (`estimate_run_memory`)."""
         return self.estimate_at(
-            min(self.config.batch_size, max(1, len(data))), int(data.tokens.shape[1]),
-            self.budget(), readout_rows,
-        )  # fmt: skip
+            min(self.config.batch_size, max(1, len(data))),
+            int(data.tokens.shape[1]),
+            self.budget(),
+            readout_rows,
+        )
 
     def estimate_at(
         self, batch_size: int, seq_len: int, budget: int | None, readout_rows: int | None = None
@@ -105,10 +107,15 @@ class RunContext:
         """This run's peak memory on batches of ``batch_size`` x ``seq_len`` tokens under
         ``budget`` (`dcp_lens.protocol.budget.estimate_with`)."""
         return estimate_with(
-            ModelShape.of(self.model), self.config, self.n_streams(), batch_size=batch_size,
-            seq_len=seq_len, budget=budget, device_type=self.device().type,
+            ModelShape.of(self.model),
+            self.config,
+            self.n_streams(),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            budget=budget,
+            device_type=self.device().type,
             readout_rows=readout_rows,
-        )  # fmt: skip
+        )
 
     def readout_plan(self, data: EvaluationSet) -> ReadoutPlan:
         """How batches of ``data`` are read out: rows per call from the budget

@@ -226,9 +226,12 @@ def fit_maps(
     ):
         try:
             (states, base), chunks = in_smaller_chunks(
-                functools.partial(read_batch, context, calibration, rows, records), chunks,
-                PassChunks.halved, device, functools.partial(pass_stop, context, rows),
-            )  # fmt: skip
+                functools.partial(read_batch, context, calibration, rows, records),
+                chunks,
+                PassChunks.halved,
+                device,
+                functools.partial(pass_stop, context, rows),
+            )
         except OutOfMemoryStop:  # the records hold every finished batch: keep them for --resume
             context.snapshot("calibration", batch_number, batch_number, records.state)
             raise
@@ -267,9 +270,12 @@ def _fitted(
     config, r = context.config, context.r
     totals = {label: moments.total() for label, moments in records.streams.items()}
     (translators, left_out_translators, gate), _ = in_smaller_chunks(
-        lambda _: fit_translators(context, calibration, leading.states), False, retried_once,
-        context.device(), lambda _: _after_pass_stop(context, "translator fits", _FEWER_MAPS),
-    )  # fmt: skip
+        lambda _: fit_translators(context, calibration, leading.states),
+        False,
+        retried_once,
+        context.device(),
+        lambda _: _after_pass_stop(context, "translator fits", _FEWER_MAPS),
+    )
     base_rate = None if records.base is None else records.base.table()
     maps = FittedMaps(
         _fit_whole(entry, config, records, totals),
@@ -338,8 +344,11 @@ def _refit_left_out(
 
     references, _ = in_smaller_chunks(
         lambda _: [streams["full"].left_out(totals["full"], g) for g in range(n_groups)],
-        False, retried_once, device, stop,
-    )  # fmt: skip
+        False,
+        retried_once,
+        device,
+        stop,
+    )
     refits: list[dict[str, FittedMap | None]] = [{} for _ in range(n_groups)]
     labels = [label for label in streams if label != "full"] + ["full"]
     with warnings.catch_warnings():  # the whole split's fit already said so
@@ -383,10 +392,13 @@ def _refit_stream(
         if source is not None and reference is not None:
             try:
                 fitted = _fit_map(
-                    entry, context.config, source, reference,
+                    entry,
+                    context.config,
+                    source,
+                    reference,
                     _without(records.samples.get(label), g, n_groups),
                     _without(records.samples.get("full"), g, n_groups),
-                )  # fmt: skip
+                )
             except ValueError:
                 fitted = None  # too few states without the group: no jackknife cell
         out.append(None if fitted is None else LeftOutAffine.of(whole[label], fitted))
@@ -396,11 +408,13 @@ def _refit_stream(
 def _after_pass_stop(context: RunContext, stage: str, change: str) -> str:
     """The stop of a stage after the calibration pass (its snapshot holds what it reads)."""
     return stage_stop_message(
-        stage, str(context.device()), "after emptying the cache and trying again",
+        stage,
+        str(context.device()),
+        "after emptying the cache and trying again",
         "--resume does not read the calibration split again: it fits from the calibration "
         "pass's last snapshot (with a --resume snapshot folder).",
         change,
-    )  # fmt: skip
+    )
 
 
 def pooled_count(context: RunContext, data: EvaluationSet) -> int:

@@ -535,23 +535,25 @@ def read_batch(
 
 def pass_stop(context: RunContext, rows: slice, chunks: PassChunks) -> str:
     return stage_stop_message(
-        "calibration", str(context.device()),
+        "calibration",
+        str(context.device()),
         f"running one sequence per forward (sequences {rows.start}-{rows.stop - 1})",
         "Every finished calibration batch is kept (with a --resume snapshot folder).",
         f"--batch-size {max(1, context.config.batch_size // 2)} (the batch size is fixed for a "
         "run) or --calibration-groups 0 (no jackknife moments)",
-    )  # fmt: skip
+    )
 
 
 def fold_stop(context: RunContext, rows: slice) -> str:
     return stage_stop_message(
-        "calibration", str(context.device()),
+        "calibration",
+        str(context.device()),
         f"after reading sequences {rows.start}-{rows.stop - 1}, while folding them into the "
         "moments",
         "--resume continues from the last calibration snapshot (the records had changed part "
         "way through this batch, so it was not snapshotted).",
         "--calibration-groups 0 (no jackknife moments) or a shorter --k grid",
-    )  # fmt: skip
+    )
 
 
 class LeadingStates:

@@ -446,10 +446,11 @@ class ProbeSamples:
         if all(t is None or t.device == device for t in self._tensors()):
             return self
         return ProbeSamples(
-            moved(self.held_out), moved(self.held_out_groups),
+            moved(self.held_out),
+            moved(self.held_out_groups),
             [(moved(rows), moved(groups)) for rows, groups in self.trajectory],
             {k: (moved(rows), moved(g)) for k, (rows, g) in self.calibrate_truncate.items()},
-        )  # fmt: skip
+        )
 
     def _tensors(self) -> list[Tensor | None]:
         pairs = [*self.trajectory, *self.calibrate_truncate.values()]
