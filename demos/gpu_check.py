@@ -171,7 +171,7 @@ def main() -> None:
     n_tokens = 2 * args.n * args.seq
     out["run"] = {
         "sequences": [args.n, args.n], "seq": args.seq, "batch_size": args.batch_size,
-        "k_grid": list(protocol.k_grid), "settings": protocol.config.to_dict(),
+        "k_grid": list(protocol.context.k_grid), "settings": protocol.config.to_dict(),
         "seconds": total, "stage_seconds": seconds,
         "seconds_per_million_tokens": total * 1e6 / n_tokens,
         "peak_memory_gib": peak_memory(device) / 2**30,

@@ -80,7 +80,7 @@ def assert_fast_path_matches_hooks(
     metrics = list(METRICS)
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
-    for k in protocol.k_grid:
+    for k in protocol.context.k_grid:
         full = protocol.condition_logits(tokens, "full", protocol.r)
         reference = reference_log_probs(full)
         for name in names:

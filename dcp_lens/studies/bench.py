@@ -583,7 +583,7 @@ def run_bench(
         def naive_sweep() -> None:
             protocol.fit(calibration)
             protocol.condition_logits(evaluation.tokens, "full", protocol.r, via="hooks")
-            for k in protocol.k_grid:
+            for k in protocol.context.k_grid:
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
@@ -647,7 +647,7 @@ def run_bench(
             "d_vocab": cfg.d_vocab, "parameters": n_weights,
         },
         "dtype": dtype, "batch": batch, "batches": batches, "seq": seq,
-        "k_grid": list(protocol.k_grid),
+        "k_grid": list(protocol.context.k_grid),
         "device": str(target), "threads": torch.get_num_threads(),
         "forward_seconds": forward, "plain_seconds": plain, "sweep_seconds": sweep_seconds,
         "naive_seconds": naive_seconds,

@@ -277,7 +277,7 @@ def run_count(
         "preset": preset,
         "counted_on": {"d_model": cfg.d_model, "d_vocab": cfg.d_vocab, "seq": seq},
         "weighed_at": {"d_model": full.d_model, "d_vocab": full.d_vocab, "seq": defaults["seq"]},
-        "n_iterations": protocol.r, "k_grid": list(protocol.k_grid), "batch": batch,
+        "n_iterations": protocol.r, "k_grid": list(protocol.context.k_grid), "batch": batch,
         "batches": batches, "calibration_groups": config.calibration_groups,
         "probe": config.probe, **counted,
     }  # fmt: skip

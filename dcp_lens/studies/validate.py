@@ -455,7 +455,7 @@ def _run_planted(
     protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)
     run = protocol.run(evaluation, calibration).to_results_json()
     expected = {
-        metric: planted.expected_shares(name, model, evaluation, metric, protocol.k_grid)
+        metric: planted.expected_shares(name, model, evaluation, metric, protocol.context.k_grid)
         for metric in config.metrics or ()
     }
     return run, expected
