@@ -26,7 +26,7 @@ else:
     JSONValue = None | bool | int | float | str | list | dict
 JSONObject = dict[str, JSONValue]
 
-Record = TypeVar("Record", bound="JSONRecord")
+_Record = TypeVar("_Record", bound="JSONRecord")
 
 
 class JSONRecord(Mapping[str, JSONValue]):
@@ -51,7 +51,7 @@ class JSONRecord(Mapping[str, JSONValue]):
         return record
 
     @classmethod
-    def from_json(cls: type[Record], record: Mapping[str, object]) -> Record:
+    def from_json(cls: type[_Record], record: Mapping[str, object]) -> _Record:
         """The record from its JSON object (the inverse of `to_json`; NaN as NaN)."""
         decoded = decode_json(plain(dict(record), cls.__name__))
         assert isinstance(decoded, dict)

@@ -69,17 +69,17 @@ from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import jackknife_examples
 from dcp_lens.studies.bench_memory import (
     bench_bytes,
-    device_memory_bytes,
     memory_now,
     peak_memory,
     reset_peak,
+    total_device_bytes,
 )
 from dcp_lens.studies.commands import DTYPES
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.errors import ConfigError, ResourceLimitError
 
 BENCH_PRESETS = ("small", "huginn")
-T = TypeVar("T")
+_T = TypeVar("_T")
 # Per preset: the defaults of the shape and batch arguments left as None.
 # The protocol settings of the benchmark: it times fit, confidence matching and the sweep, so no
 # bootstrap and no probe; its batch is the preset's (or ``batch``).
@@ -401,7 +401,7 @@ def overhead_floor(
     seconds = dict.fromkeys(FLOOR_PARTS, 0.0)
     calls = dict.fromkeys(FLOOR_PARTS, 0)
 
-    def timed(part: str, fn: Callable[[], T]) -> T:
+    def timed(part: str, fn: Callable[[], _T]) -> _T:
         _synchronize(device)
         start = time.perf_counter()
         out = fn()
@@ -550,7 +550,7 @@ def run_bench(
         batch, seq, cfg.n_heads, cfg.d_model, n_blocks, element=element, d_vocab=cfg.d_vocab,
         n_weights=n_weights,
     )  # fmt: skip
-    available = device_memory_bytes(target)
+    available = total_device_bytes(target)
     if available is not None and needed > available:
         raise ResourceLimitError(
             f"batch {batch} x seq {seq} ({preset} preset, d_model {cfg.d_model}, "
