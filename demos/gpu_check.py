@@ -181,7 +181,7 @@ def main() -> None:
         "sequences": [args.n, args.n],
         "seq": args.seq,
         "batch_size": args.batch_size,
-        "k_grid": list(protocol.k_grid),
+        "k_grid": list(protocol.context.k_grid),
         "settings": protocol.config.to_dict(),
         "seconds": total,
         "stage_seconds": seconds,

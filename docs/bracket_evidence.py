@@ -70,7 +70,7 @@ def evidence(name: str, metrics: tuple[str, ...], n: int, n_bootstrap: int, seed
         model, metrics=metrics, n_bootstrap=n_bootstrap, probe="none", progress=False, seed=seed
     )
     results = protocol.run(evaluation, calibration)
-    k_grid, r = protocol.k_grid, protocol.r
+    k_grid, r = protocol.context.k_grid, protocol.r
     with torch.no_grad():
         cal_states, cal_full = capture_states(model, calibration.tokens)
         states, full_logits = capture_states(model, evaluation.tokens)

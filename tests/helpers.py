@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dcp_lens import (
@@ -80,7 +81,7 @@ def assert_fast_path_matches_hooks(
     metrics = list(METRICS)
     targets = torch.full_like(tokens, IGNORE_INDEX)
     targets[:, :-1] = tokens[:, 1:]
-    for k in protocol.k_grid:
+    for k in protocol.context.k_grid:
         full = protocol.condition_logits(tokens, "full", protocol.r)
         reference = reference_log_probs(full)
         for name in names:
@@ -133,7 +134,7 @@ def data_path(*parts: str) -> Path:
     return path
 
 
-# ------------------------------------- fuzz and property helpers (test_hardening, test_properties)
+# ------------------------------------- fuzz and property helpers (test_fuzz, test_hostile_inputs)
 
 # Inputs tried by the fuzz and property tests, and what became of them (printed at the end).
 FUZZ_TALLY: Counter[str] = Counter()
@@ -212,3 +213,23 @@ def write_llama2c(
     values = (dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len)
     path.write_bytes(struct.pack("<7i", *values) + torch.cat(arrays).numpy().tobytes())
     return path
+
+
+# Small sizes for runs in tests (seconds each).
+SMALL = ["--n-eval", "16", "--n-calibration", "16", "--bootstrap", "5", "--probe", "none"]
+
+
+def run_argv(out: Path, *extra: str) -> list[str]:
+    """``dcp-lens run`` of the planted readout_shift model at `SMALL` sizes into ``out``."""
+    return ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out), *extra]
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run the CLI, which must fail with exit code 2 and exactly one line on stderr."""
+    from dcp_lens.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err

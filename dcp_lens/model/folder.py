@@ -68,11 +68,11 @@ class LoadableModel(Protocol):
         self, name: str, tensor: Tensor | None, persistent: bool = True
     ) -> None: ...
 
-    def eval(self: ModelT) -> ModelT: ...
+    def eval(self: _ModelT) -> _ModelT: ...
 
 
 # The model class hands itself in (`from_pretrained`): this module never imports it back.
-ModelT = TypeVar("ModelT", bound=LoadableModel)
+_ModelT = TypeVar("_ModelT", bound=LoadableModel)
 Shape = tuple[int, ...]
 
 
@@ -326,14 +326,14 @@ def split_overrides(
 
 
 def build_model(
-    model_class: type[ModelT],
+    model_class: type[_ModelT],
     cfg: RecurrentConfig,
     state: Mapping[str, Tensor],
     source: str,
     tokenizer: Tokenizer | None = None,
     device: str | torch.device | None = None,
-    model: ModelT | None = None,
-) -> ModelT:
+    model: _ModelT | None = None,
+) -> _ModelT:
     """A model of ``cfg`` holding ``state`` (a `canonical_state_dict`), in eval mode.
 
     The model is built on the meta device (no memory, no random init) and every parameter is then
@@ -392,19 +392,19 @@ def _materialise_rotary_tables(
 
 
 def meta_model(
-    model_class: type[ModelT], cfg: RecurrentConfig, tokenizer: Tokenizer | None = None
-) -> ModelT:
+    model_class: type[_ModelT], cfg: RecurrentConfig, tokenizer: Tokenizer | None = None
+) -> _ModelT:
     """The model of ``cfg`` on the meta device: its parameter shapes, no memory, no init."""
     with torch.device("meta"):
         return model_class(cfg, tokenizer=tokenizer)
 
 
 def load_pretrained_folder(
-    model_class: type[ModelT],
+    model_class: type[_ModelT],
     path: str | Path,
     device: str | torch.device | None = None,
     **overrides: Any,
-) -> ModelT:
+) -> _ModelT:
     """A folder written by ``save_pretrained`` (config.json, model.safetensors, optional
     task.json), checked before anything is allocated.
 

@@ -59,7 +59,7 @@ from dcp_lens.utils.errors import (
 )
 
 ReturnType = Literal["logits", "loss", "both"] | None
-ModelT = TypeVar("ModelT", bound="HookedRecurrentTransformer")
+_ModelT = TypeVar("_ModelT", bound="HookedRecurrentTransformer")
 # The attribute of a `KVCache` holding the initial-state noise's prefix state (`PrefixState`).
 NOISE_PREFIX = "noise_prefix"
 
@@ -648,19 +648,19 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
             raise ValueError(f"{name}={value} is outside 0..{self.cfg.n_layers} (cfg.n_layers).")
         return value
 
-    def to(self: ModelT, *args: Any, **kwargs: Any) -> ModelT:
+    def to(self: _ModelT, *args: Any, **kwargs: Any) -> _ModelT:
         """`torch.nn.Module.to`, with an unavailable device refused in one line."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             check_device(device)
         return super().to(*args, **kwargs)
 
-    def cuda(self: ModelT, device: int | torch.device | None = None) -> ModelT:
+    def cuda(self: _ModelT, device: int | torch.device | None = None) -> _ModelT:
         """`torch.nn.Module.cuda`, with a missing GPU refused in one line."""
         check_device(f"cuda:{device}" if isinstance(device, int) else device or "cuda")
         return super().cuda(device)
 
-    def _apply(self: ModelT, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> ModelT:
+    def _apply(self: _ModelT, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _ModelT:
         """Every move or cast (``.to``, ``.half``, ``.float``, ``.cuda``, ``.cpu``) ends here:
         ``cfg.dtype`` and ``cfg.device`` then follow the weights, as TransformerLens keeps them."""
         result = super()._apply(fn, recurse)

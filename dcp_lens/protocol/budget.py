@@ -77,7 +77,7 @@ def moment_bytes(
     return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
+def free_device_bytes(device: torch.device) -> int | None:
     """What ``device`` can give a run now, in bytes: on CUDA, the driver's free memory plus the
     memory PyTorch has reserved but not allocated (its cache, reused before asking the driver);
     on the CPU, the available memory; None where unknown."""
@@ -92,10 +92,10 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def budget_bytes(memory_budget: float | None, device: torch.device) -> int | None:
     """The run's budget in bytes: ``memory_budget`` GiB when set, else `DEFAULT_BUDGET_SHARE` of
-    `device_memory_bytes` (None where the device does not say)."""
+    `free_device_bytes` (None where the device does not say)."""
     if memory_budget is not None:
         return int(memory_budget * GIB)
-    available = device_memory_bytes(device)
+    available = free_device_bytes(device)
     return None if available is None else int(DEFAULT_BUDGET_SHARE * available)
 
 

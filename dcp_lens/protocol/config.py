@@ -26,7 +26,7 @@ PROBES = ("trajectory", "none")
 # Each command's defaults where they differ from `ProtocolConfig`'s (plain values, so the CLI
 # reads them without importing torch). validate and the intervention run DCP on eleven and ten
 # models, so fewer bootstrap draws; the benchmark times the sweep, so no bootstrap, no probe.
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "run": {"batch_size": 64},
@@ -51,7 +51,7 @@ MAXIMA: dict[str, int] = {
 }
 
 
-def _option(default: T, flag: str, help: str, **extra: object) -> T:
+def _option(default: _T, flag: str, help: str, **extra: object) -> _T:
     return field(default=default, metadata={"flag": flag, "help": help, **extra})
 
 

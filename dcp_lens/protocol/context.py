@@ -27,7 +27,7 @@ from dcp_lens.utils.memory import release_free_memory
 from dcp_lens.utils.progress import progress as progress_display
 from dcp_lens.utils.snapshots import Checkpoint
 
-Item = TypeVar("Item")
+_Item = TypeVar("_Item")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class RunContext:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def each(self, items: Sequence[Item], description: str) -> Iterator[Item]:
+    def each(self, items: Sequence[_Item], description: str) -> Iterator[_Item]:
         """``items`` with a progress bar; the heap's free pages go back to the system after
         each (`dcp_lens.utils.memory.release_free_memory`)."""
         bar = progress_display(items, desc=f"DCP {description}", enabled=self.progress, leave=False)

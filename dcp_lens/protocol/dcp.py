@@ -51,14 +51,19 @@ from dcp_lens.protocol.decomposition import decompose
 from dcp_lens.protocol.evaluation_set import EvaluationSet as EvaluationSet
 from dcp_lens.protocol.evaluation_set import as_evaluation_set
 from dcp_lens.protocol.evaluation_set import task_data as task_data
-from dcp_lens.protocol.fit import FittedMaps, bounded, fit_maps
+from dcp_lens.protocol.fit import FittedMaps, fit_maps
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, METRICS, NEEDS_ANSWERS, VALIDATION
 from dcp_lens.protocol.probe import ResidualOODProbe, probe_run, s_rank_correlation
 from dcp_lens.protocol.records import CalibrationRecord, NullControl, ProbeSummary
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
-from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, identification
+from dcp_lens.protocol.verdicts import (
+    B_IDENTIFICATION_TOLERANCE,
+    RunEvidence,
+    scored_metrics,
+    validity,
+)
 from dcp_lens.utils import distributed
 from dcp_lens.utils.checks import check_targets
 from dcp_lens.utils.errors import ConfigError, InputTypeError
@@ -134,25 +139,6 @@ class DepthControlProtocol:
         self.maps: FittedMaps | None = None
         self.probe: ResidualOODProbe | None = None
         self.sweep: Sweep | None = None
-
-    # ------------------------------------------------------------------ settings, read-only
-
-    k_grid = property(lambda self: self.context.k_grid)
-    metrics = property(lambda self: self.context.metrics)
-    requested_metrics = property(lambda self: self.config.metrics)
-    calibration_mode = property(lambda self: self.config.calibration_mode)
-    batch_size = property(lambda self: self.config.batch_size)
-    n_bootstrap = property(lambda self: self.config.n_bootstrap)
-    seed = property(lambda self: self.config.seed)
-    probe_mode = property(lambda self: self.config.probe)
-    probe_points = property(lambda self: self.config.probe_points)
-    mixture_components = property(lambda self: self.config.mixture_components)
-    calibration_points = property(lambda self: self.config.calibration_points)
-    match_confidence = property(lambda self: self.config.match_confidence)
-    noise_draws = property(lambda self: self.config.noise_draws)
-    skip_first_position = property(lambda self: self.config.skip_first_position)
-    progress = property(lambda self: self.context.progress)
-    checkpoint = property(lambda self: self.context.checkpoint)
 
     @property
     def calibrations(self) -> dict[str, FittedMap | None] | None:
@@ -353,40 +339,39 @@ class DepthControlProtocol:
         evaluation: EvaluationSet,
         calibration: EvaluationSet,
     ) -> ProtocolResults:
-        """The decompose stage: one `decompose` per metric with the validity flags, and the
-        results with their metadata."""
-        assert self.sweep is not None
-        replay_difference = self.sweep.replay_difference
-        flags = identification(
-            ProbeSummary.from_json(probe_summary), self.k_grid, replay_difference
+        """The decompose stage: one `decompose` per metric, their validity decided
+        (`dcp_lens.protocol.verdicts.validity`), and the results with their metadata."""
+        config, context, maps = self.config, self.context, self._require_maps()
+        k_grid, replay_difference = context.k_grid, swept.replay_difference
+        evidence = RunEvidence(
+            k_grid=k_grid,
+            probe=ProbeSummary.from_json(probe_summary),
+            replay_difference=replay_difference,
+            calibration_mode=config.calibration_mode,
+            lower_bound=CALIBRATION_MAPS[config.calibration_mode].lower_bound,
+            validation={metric: VALIDATION[metric] for metric in context.metrics},
         )
-        decompositions = {}
-        for metric in self.metrics:
-            decomposed = decompose(
-                swept.values[metric], self.k_grid, n_iterations=self.r, metric=metric,
-                higher_is_better=HIGHER_IS_BETTER[metric], n_bootstrap=self.n_bootstrap,
-                seed=self.seed, walked=swept.walked, jackknife_rows=swept.jackknife_rows,
+        decomposed = {
+            metric: decompose(
+                swept.values[metric],
+                k_grid,
+                n_iterations=self.r,
+                metric=metric,
+                higher_is_better=HIGHER_IS_BETTER[metric],
+                n_bootstrap=config.n_bootstrap,
+                seed=config.seed,
+                walked=swept.walked,
+                jackknife_rows=swept.jackknife_rows,
                 jackknife=[cells.get(metric, {}) for cells in swept.jackknife],
-                replay_same={
-                    k: v <= B_IDENTIFICATION_TOLERANCE for k, v in replay_difference.items()
-                },
-            )  # fmt: skip
-            # With a bracket, identification is read from it; the probe's scores stay beside it.
-            probed = decomposed.bracket is None
-            decompositions[metric] = bounded(dataclasses.replace(
-                decomposed,
-                s_identified=flags["s_identified"] if probed else decomposed.s_identified,
-                b_identified=flags["b_identified"] if probed else decomposed.b_identified,
-                residual_auroc=flags["residual_auroc"],
-                residual_auroc_threshold=flags["residual_auroc_threshold"],
-                validated=VALIDATION[metric][0], validation_reason=VALIDATION[metric][1],
-            ), self.calibration_mode)  # fmt: skip
-        first = decompositions[self.metrics[0]]
+                replay_same=evidence.replay_same(),
+            )
+            for metric in context.metrics
+        }
+        decompositions = validity(decomposed, evidence)
+        first = decompositions[context.metrics[0]]
         probe_summary["s_rank_correlation"] = s_rank_correlation(
             probe_summary, first.k_grid, first.cells["S"]
         )
-        maps = self._require_maps()
-        config = self.config.replace(k_grid=self.k_grid, metrics=self.metrics)
         return ProtocolResults(
             model=self.spec,
             architecture="dense" if self.model.is_dense else "recurrent",
@@ -394,47 +379,33 @@ class DepthControlProtocol:
             decompositions=decompositions,
             null_control=NullControl.from_json(swept.null_control),
             probe=ProbeSummary.from_json(probe_summary),
-            calibration=self._calibration_record(),
+            calibration=CalibrationRecord.of_run(
+                config.calibration_mode,
+                config.skip_first_position,
+                self.temperatures,
+                CALIBRATION_MAPS[config.calibration_mode].describe(config),
+            ),
             metadata={
-                "k_grid": list(self.k_grid),
-                "calibration_mode": self.calibration_mode,
+                "k_grid": list(k_grid),
+                "calibration_mode": config.calibration_mode,
                 "n_evaluation": len(evaluation),
                 "n_calibration": len(calibration),
-                "seed": self.seed,
-                "skip_first_position": self.config.skip_first_position,
+                "seed": config.seed,
+                "skip_first_position": config.skip_first_position,
                 "calibration_failures": maps.failures(),
-                "noise_draws": self.context.noise_draws(),
+                "noise_draws": context.noise_draws(),
                 "replay_truncate_max_abs_logit_diff": {
-                    str(k): replay_difference.get(k, math.nan) for k in self.k_grid
+                    str(k): replay_difference.get(k, math.nan) for k in k_grid
                 },
                 "b_identification_tolerance": B_IDENTIFICATION_TOLERANCE,
                 "calibration_fallbacks": maps.fallbacks(),
                 "translators_replaced_by_the_mean": maps.mean_translators(),
                 "translator_gate": maps.gate_record(),
                 "calibration_maps_fitted": maps.fitted_record(),
-                "config": config.to_dict(),
+                "config": config.replace(k_grid=k_grid, metrics=context.metrics).to_dict(),
                 **_model_caveats(self.model),
             },
         )
-
-    def _calibration_record(self) -> CalibrationRecord:
-        """The S control's map and its settings, as results record them."""
-        record: dict[str, object] = {
-            "mode": self.calibration_mode,
-            "fitted_on": "the calibration split, without labels (marginals only)",
-            "covariance": "Ledoit-Wolf shrinkage",
-            "skip_first_position": self.config.skip_first_position,
-        }
-        if self.temperatures:
-            record["confidence_matching"] = {
-                "what": "loss metrics scored at the temperature giving full depth's mean entropy",
-                "temperatures": {
-                    name: {str(k): t for (n, k), t in self.temperatures.items() if n == name}
-                    for name in dict.fromkeys(n for n, _ in self.temperatures)
-                },
-            }
-        record.update(CALIBRATION_MAPS[self.calibration_mode].describe(self.config))
-        return CalibrationRecord.from_json(record)
 
     # ------------------------------------------------------------------------ checks
 
@@ -447,17 +418,9 @@ class DepthControlProtocol:
         for name, data in (("evaluation", evaluation), ("calibration", calibration)):
             if not isinstance(data, EvaluationSet):
                 raise TypeError(f"{name} must be an EvaluationSet, got {type(data).__name__}.")
-        if self.config.metrics is None:
-            self.context.metrics = tuple(
-                m for m in METRICS if evaluation.has_answers or m not in NEEDS_ANSWERS
-            )
-        needing = [m for m in self.metrics if m in NEEDS_ANSWERS]
-        if needing and not evaluation.has_answers:
-            raise ValueError(
-                f"metric {needing[0]!r} needs answers, but this evaluation set is plain language "
-                f"modelling (EvaluationSet.from_tokens); drop {needing[0]!r} from metrics or "
-                "build the set from a task with answers."
-            )
+        self.context.metrics = scored_metrics(
+            self.config.metrics, tuple(METRICS), tuple(NEEDS_ANSWERS), evaluation.has_answers
+        )
         shared = evaluation.fingerprints() & calibration.fingerprints()
         if shared:
             raise ValueError(

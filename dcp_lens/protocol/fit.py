@@ -5,15 +5,12 @@ accumulates (`CalibrationRecords`). Hands a `FittedMaps` to the later stages."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -64,9 +61,6 @@ from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample
 from dcp_lens.protocol.translator import AffineTranslator, MeanTranslator
 from dcp_lens.utils import distributed
-
-if TYPE_CHECKING:
-    from dcp_lens.protocol.results import Decomposition
 
 # A paired translator of the S bracket's upper end: the whole split's, or a jackknife refit.
 Translator = AffineTranslator | LeftOutTranslator
@@ -663,23 +657,23 @@ def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineT
 
 def _fit_map(
     entry: CalibrationMap,
-    config: object,
+    config: MapSettings,
     source: StreamingMoments,
     reference: StreamingMoments,
     source_sample: Subsample | None,
     reference_sample: Subsample | None,
 ) -> FittedMap:
     if entry.from_moments is not None:
-        return entry.from_moments(source, reference, config)  # type: ignore[arg-type]
+        return entry.from_moments(source, reference, config)
     assert source_sample is not None and reference_sample is not None
     source_states, reference_states = source_sample.tensor(), reference_sample.tensor()
     assert source_states is not None and reference_states is not None
-    return entry.from_states(source_states, reference_states, config)  # type: ignore[arg-type]
+    return entry.from_states(source_states, reference_states, config)
 
 
 def _fit_null(
     entry: CalibrationMap,
-    config: object,
+    config: MapSettings,
     sample: Subsample,
     halves: list[StreamingMoments] | None,
 ) -> FittedMap | None:
@@ -690,12 +684,12 @@ def _fit_null(
     if min(halves[0].count, halves[1].count) < 8:
         return None
     try:
-        return entry.from_moments(halves[0], halves[1], config)  # type: ignore[arg-type]
+        return entry.from_moments(halves[0], halves[1], config)
     except ValueError:
         return None
 
 
-def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> FittedMap | None:
+def _fit_halves(entry: CalibrationMap, config: MapSettings, sample: Subsample) -> FittedMap | None:
     """The real calibration null: the same kind of map fitted between two disjoint halves
     of the calibration split's full-depth states (even and odd examples). It should leave
     full depth's readout as it is; `calibrate(full)` fitted onto itself is the identity by
@@ -707,7 +701,7 @@ def _fit_halves(entry: CalibrationMap, config: object, sample: Subsample) -> Fit
     if int(even.sum()) < 8 or int((~even).sum()) < 8:
         return None
     try:
-        return entry.from_states(states[even], states[~even], config)  # type: ignore[arg-type]
+        return entry.from_states(states[even], states[~even], config)
     except ValueError:
         return None
 
@@ -755,27 +749,3 @@ class _Wanted:
 
 def _identity(h: Tensor) -> Tensor:
     return h
-
-
-UNBOUNDED_MAP_REASON = (
-    "the calibration map {mode!r} can carry out remaining computation itself (it moves each state"
-    " anywhere on full depth's marginal), so its gain is no lower bound on readout shift and S is"
-    " not identified; run with an affine map (--calibration-mode full) for a verdict."
-)
-
-
-def bounded(decomposition: Decomposition, mode: str) -> Decomposition:
-    """``decomposition`` as it is where calibration map ``mode`` bounds S from below; else with
-    S unidentified at every k and the verdict inconclusive (`CalibrationMap.lower_bound`)."""
-    shares = decomposition.bracket_shares
-    if shares is None or CALIBRATION_MAPS[mode].lower_bound:
-        return decomposition
-    reason = UNBOUNDED_MAP_REASON.format(mode=mode)
-    shares = {
-        **shares,
-        "S_identified": False,
-        "verdict": "inconclusive",
-        "reason": f"{reason} {shares.get('reason', '')}".strip(),
-    }
-    unidentified = np.zeros_like(np.asarray(decomposition.s_identified, dtype=bool))
-    return dataclasses.replace(decomposition, bracket_shares=shares, s_identified=unidentified)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dcp_lens.protocol.budget import (
     ReadoutPlan,
-    device_memory_bytes,
+    free_device_bytes,
     group_buffer_rows,
     moment_bytes,
     stage_stop_message,
@@ -45,7 +45,7 @@ MOMENT_MEMORY_SHARE = 0.5
 # calibration positions (the leading sequences of the calibration split, `translator_rows`).
 TRANSLATOR_POINTS = 2048
 
-Item = TypeVar("Item")
+_Item = TypeVar("_Item")
 
 
 def moments_host(context: RunContext) -> torch.device | None:
@@ -464,7 +464,7 @@ class CalibrationRecords:
             self.halves = [half.to(self.device) for half in self.halves]
 
     @staticmethod
-    def _own(records: dict[str, Item], label: object, field: str) -> Item:
+    def _own(records: dict[str, _Item], label: object, field: str) -> _Item:
         """``records[label]``, else `SnapshotFieldError` (a condition this run does not have)."""
         if not isinstance(label, str) or label not in records:
             raise SnapshotFieldError(f"{field} key", f"one of {sorted(records)}", label)
@@ -617,7 +617,7 @@ def check_moment_memory(
     needed = moment_bytes(n_streams, n_groups, width, resident, batch_positions, full)
     # What the device can give, PyTorch's cached memory included (it is reused before the
     # driver is asked): memory a notebook's earlier work left cached does not count as taken.
-    free = device_memory_bytes(device) or 0
+    free = free_device_bytes(device) or 0
     if free and needed > MOMENT_MEMORY_SHARE * free:
         single = moment_bytes(n_streams, 1, width, 1, batch_positions, full)
         raise ResourceLimitError(

@@ -26,7 +26,7 @@ else:
     JSONValue = None | bool | int | float | str | list | dict
 JSONObject = dict[str, JSONValue]
 
-Record = TypeVar("Record", bound="JSONRecord")
+_Record = TypeVar("_Record", bound="JSONRecord")
 
 
 class JSONRecord(Mapping[str, JSONValue]):
@@ -51,7 +51,7 @@ class JSONRecord(Mapping[str, JSONValue]):
         return record
 
     @classmethod
-    def from_json(cls: type[Record], record: Mapping[str, object]) -> Record:
+    def from_json(cls: type[_Record], record: Mapping[str, object]) -> _Record:
         """The record from its JSON object (the inverse of `to_json`; NaN as NaN)."""
         decoded = decode_json(plain(dict(record), cls.__name__))
         assert isinstance(decoded, dict)
@@ -149,6 +149,34 @@ class CalibrationRecord(JSONRecord):
     confidence_matching: ConfidenceMatching | None = None
     other: Mapping[str, JSONValue] = field(default_factory=dict)
     nested: ClassVar[Mapping[str, type[JSONRecord]]] = {"confidence_matching": ConfidenceMatching}
+
+    @classmethod
+    def of_run(
+        cls,
+        mode: str,
+        skip_first_position: bool,
+        temperatures: Mapping[tuple[str, int], float],
+        described: Mapping[str, JSONValue],
+    ) -> CalibrationRecord:
+        """The record of a run's S control: its map ``mode``, fitted label-free on the
+        calibration split; confidence matching's ``temperatures`` per (condition, k), where it
+        ran; and what the map itself ``described`` (`CalibrationMap.describe`)."""
+        record: dict[str, object] = {
+            "mode": mode,
+            "fitted_on": "the calibration split, without labels (marginals only)",
+            "covariance": "Ledoit-Wolf shrinkage",
+            "skip_first_position": skip_first_position,
+        }
+        if temperatures:
+            record["confidence_matching"] = {
+                "what": "loss metrics scored at the temperature giving full depth's mean entropy",
+                "temperatures": {
+                    name: {str(k): t for (n, k), t in temperatures.items() if n == name}
+                    for name in dict.fromkeys(n for n, _ in temperatures)
+                },
+            }
+        record.update(described)
+        return cls.from_json(record)
 
 
 # ----------------------------------------------------------------------------- JSON

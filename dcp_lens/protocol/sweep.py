@@ -439,14 +439,18 @@ def capture_all(
 
 def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     """`Sweep.evaluate`, averaged per example over the context's noise draws, its values in the
-    order of the examples' own keys (the order the bootstrap resamples in)."""
+    order of the examples' own keys (the order the bootstrap resamples in); replay's difference
+    from truncate is the largest over the draws."""
     draws = sweep.context.noise_draws()
     output = sweep.evaluate(evaluation)
-    values = output.values
+    values, replay = output.values, Maxima[int]()
+    replay.add(output.replay_difference)
     for draw in range(1, draws):
         with _noise_seed(sweep.context.model, draw):
-            more = sweep.evaluate(evaluation, f"evaluation.{draw}").values
-        values = _added(values, more)
+            more = sweep.evaluate(evaluation, f"evaluation.{draw}")
+        values = _added(values, more.values)
+        replay.add(more.replay_difference)
+    output.replay_difference = replay.values
     if draws > 1:
         values = _each_vector(values, lambda v, at: v * (1.0 / draws))
     # The bootstrap resamples positions in this order: make it the examples' own.

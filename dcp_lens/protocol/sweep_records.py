@@ -429,7 +429,7 @@ class SweepRecords:
             jackknife[group].setdefault(metric, {}).setdefault(condition, {})[k] = vector
         return SweepOutput(
             values, self.null.record(n, metrics, maps), self.probe.samples(), walked, jackknife,
-            jackknife_rows,
+            jackknife_rows, self.replay_difference.state(),
         )  # fmt: skip
 
 
@@ -444,6 +444,8 @@ class SweepOutput:
         jackknife: per left-out calibration group, ``{metric: {condition: {k: [m]}}}`` for the
             conditions whose maps the jackknife refits, on the ``m`` evaluation examples of
             ``jackknife_rows`` (indices into ``values``' example order).
+        replay_difference: per k, max |readout(replay(k)) - readout(truncate(k))| over every
+            evaluation of the sweep so far: whether replay reads out as truncate (B identified).
     """
 
     values: Values
@@ -452,3 +454,4 @@ class SweepOutput:
     walked: dict[str, dict[int, Tensor]] = field(default_factory=dict)
     jackknife: list[Values] = field(default_factory=list)
     jackknife_rows: Tensor | None = None
+    replay_difference: dict[int, float] = field(default_factory=dict)

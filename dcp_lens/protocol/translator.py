@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dcp_lens.utils.errors import DCPLensError
 
-Readout = Callable[[Tensor], Tensor]  # [batch, pos, d_model] -> [batch, pos, d_vocab]
+ReadoutCall = Callable[[Tensor], Tensor]  # [batch, pos, d_model] -> [batch, pos, d_vocab]
 
 
 class TranslatorError(DCPLensError):
@@ -87,7 +87,7 @@ class AffineTranslator:
         self,
         states: Float[Tensor, "batch pos d_model"],
         target_logits: Float[Tensor, "batch pos d_vocab"],
-        readout: Readout,
+        readout: ReadoutCall,
         *,
         steps: int = 200,
         lr: float = 1e-2,

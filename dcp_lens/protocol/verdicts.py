@@ -9,34 +9,27 @@ what they allow is decided here, as functions of typed inputs:
 - per metric: the verdict on the shares and its reason (`share_verdict`): a factor is named only
   where the k's at which it is identified carry at least `BracketRule.identified_area` of the
   gap's area, it holds in both orders of S and B, and the gap is clearly above zero;
-- the words: the verdict's sentence (`verdict`), the flags grouped by severity (`flag_groups`,
-  `flag_lines`, `run_flags`, `row_flags`).
+- per run: which metrics are scored (`scored_metrics`) and every validity field of each metric's
+  decomposition (`validity`, from the run's `RunEvidence`).
 
-The console, ``results.json``, the report and the notebooks render what these functions decided.
-What the words claim is the map class: S is readout shift that an affine change of frame undoes;
-what no affine map recovers is "distinct computation, or a non-affine shift", never named as
-computation without a test that tells the two apart (none is run: such a verdict is
-inconclusive, with ``bound = "not_affine"``).
+The console, ``results.json``, the report and the notebooks render what these functions decided
+(`dcp_lens.protocol.wording` holds the words). What the words claim is the map class: S is
+readout shift that an affine change of frame undoes; what no affine map recovers is "distinct
+computation, or a non-affine shift", never named as computation without a test that tells the
+two apart (none is run: such a verdict is inconclusive, with ``bound = "not_affine"``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from dcp_lens.protocol.gate import untested_translators
 from dcp_lens.protocol.records import ProbeSummary
-from dcp_lens.protocol.results import (
-    FACTORS,
-    REPLAY_NOT_REALIZABLE,
-    S_NOT_IDENTIFIED,
-    Decomposition,
-    ProtocolResults,
-)
+from dcp_lens.protocol.results import FACTORS, Decomposition
 from dcp_lens.utils.errors import DCPLensError
 
 # The verdicts on a metric's shares. D (distinct computation) is not among them: no test run
@@ -51,14 +44,13 @@ SMALL_GAP = 1e-3  # a mean gap below this (quality units) leaves shares unstable
 # Confidence matching's temperatures outside this range are reported: the loss metrics of those
 # cells are scored at a temperature that rescales the readout's confidence by more than 20x.
 SANE_TEMPERATURES = (0.05, 20.0)
-# The flag of a row whose S bracket is wide (docs/bracket.md), in the report and on its hover.
-S_BRACKET_WIDE = (
-    "S not identified: marginal matching and a paired affine translator disagree by more than "
-    "0.1 of the gap (affine readout shift lies inside the bracket [S_lower, S_upper])"
-)
-# The flag of a row whose S is not identified, in the report and on its figures' hover.
-B_NOT_IDENTIFIED = "B not identified (the B bracket is wide, or replay walks)"
 NOT_AFFINE = "not_affine"
+# Why a calibration map that is no lower bound on readout shift leaves every verdict inconclusive.
+UNBOUNDED_MAP_REASON = (
+    "the calibration map {mode!r} can carry out remaining computation itself (it moves each state"
+    " anywhere on full depth's marginal), so its gain is no lower bound on readout shift and S is"
+    " not identified; run with an affine map (--calibration-mode full) for a verdict."
+)
 
 
 class BracketInputError(DCPLensError):
@@ -104,8 +96,15 @@ class BracketRule:
     confidence: float = 0.95
 
     def __post_init__(self) -> None:
-        names = ("tolerance", "max_share_interval", "named_share", "walk_tolerance", "gap_floor",
-                 "negligible_gap", "identified_area")  # fmt: skip
+        names = (
+            "tolerance",
+            "max_share_interval",
+            "named_share",
+            "walk_tolerance",
+            "gap_floor",
+            "negligible_gap",
+            "identified_area",
+        )
         for name in names:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0.0 <= value <= 1.0):
@@ -142,9 +141,11 @@ def allowed_width(gap: np.ndarray, rule: BracketRule) -> np.ndarray:
 
 
 def order_disagrees(
-    gap: np.ndarray | Sequence[float], i_bs_lo: np.ndarray | Sequence[float],
-    i_bs_hi: np.ndarray | Sequence[float], rule: BracketRule,
-) -> np.ndarray:  # fmt: skip
+    gap: np.ndarray | Sequence[float],
+    i_bs_lo: np.ndarray | Sequence[float],
+    i_bs_hi: np.ndarray | Sequence[float],
+    rule: BracketRule,
+) -> np.ndarray:
     """``[K]`` bool: S taken first and S taken after replay clearly differ by more than the
     tolerance at k (I_BS(k)'s 95% interval lies beyond `allowed_width` on one side)."""
     allowed = allowed_width(np.asarray(gap, dtype=float), rule)
@@ -276,32 +277,50 @@ def share_verdict(shares: Mapping[str, float], rule: BracketRule) -> ShareVerdic
         )
     if reasons:  # the gap itself: there are no shares to name, nor a factor identified
         return ShareVerdict("inconclusive", " ".join(reasons), stable, False, False)
-    s_words = "" if s_narrow else (
-        f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
-        f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
-        f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
-        " disagree."
-    )  # fmt: skip
+    s_words = (
+        ""
+        if s_narrow
+        else (
+            f"readout shift is not identified: the S bracket [{shares['S_lower']:.2f},"
+            f" {shares['S_upper']:.2f}] is up to {shares['S_width_hi']:.2f} of the gap wide"
+            f" (tolerance {rule.tolerance:g}); marginal matching and a paired affine translator"
+            " disagree."
+        )
+    )
     walk_words = (
         f"{shares.get('walk_gain', math.nan):.2f} of the gap is replay's gain on examples where"
         " its readout walks to answers later iterations read (the repeated update may be"
         " computation)"
     )
-    b_words = "" if b_narrow else (
-        "block applications are not identified: "
-        + (walk_words if walked else f"the B bracket is up to {shares['B_width_hi']:.2f} of the"
-           " gap wide") + "."
-    )  # fmt: skip
-    order = {key: shares.get(key, math.nan) for key in (
-        "S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")}  # fmt: skip
-    order_words = "" if orders_agree else (
-        f"the order decides part of the split of S and B: S is {_two(order['S_first'])} of the"
-        f" gap taken first and {_two(order['S_after_B'])} taken after replay (B"
-        f" {_two(order['B_after_S'])} and {_two(order['B_first'])}); summed over k the orders"
-        f" differ by {_two(order['order_span'])} of the gap (up to"
-        f" {_two(order['order_span_hi'])} with the interval), more than the tolerance"
-        f" {rule.tolerance:g}."
-    )  # fmt: skip
+    b_words = (
+        ""
+        if b_narrow
+        else (
+            "block applications are not identified: "
+            + (
+                walk_words
+                if walked
+                else f"the B bracket is up to {shares['B_width_hi']:.2f} of the gap wide"
+            )
+            + "."
+        )
+    )
+    order = {
+        key: shares.get(key, math.nan)
+        for key in ("S_first", "S_after_B", "B_first", "B_after_S", "order_span", "order_span_hi")
+    }
+    order_words = (
+        ""
+        if orders_agree
+        else (
+            f"the order decides part of the split of S and B: S is {_two(order['S_first'])} of the"
+            f" gap taken first and {_two(order['S_after_B'])} taken after replay (B"
+            f" {_two(order['B_after_S'])} and {_two(order['B_first'])}); summed over k the orders"
+            f" differ by {_two(order['order_span'])} of the gap (up to"
+            f" {_two(order['order_span_hi'])} with the interval), more than the tolerance"
+            f" {rule.tolerance:g}."
+        )
+    )
     # Each factor's least share: its bracket's lower end (interval included) and, where the
     # orders disagree, its share in the worse order at every k.
     lows = {f: _worse_order(shares, f, orders_agree) for f in FACTORS}
@@ -431,375 +450,121 @@ def identification(
         }
 
 
-# The severities of the flags, most important first: what not to read, what a number cannot
-# tell, and notes.
-SEVERITIES = ("read", "caution", "note")
-
-
-def flag_groups(results: ProtocolResults) -> dict[str, list[str]]:
-    """The flags of a run, each a short sentence, grouped by `SEVERITIES`: ``read`` (which
-    metrics to read: the validated ones whose verdict is not inconclusive), ``caution`` (per-k
-    identification and the order of S and B, once per text with the metrics it holds for),
-    ``note`` (temperatures, overshoots and float-error zeros, identical notes of several
-    conditions or metrics merged into one line)."""
-    run = results.to_results_json()
-    validated = [m for m, d in results.decompositions.items() if d.validated]
-    unvalidated = [m for m in results.metrics if m not in validated]
-    groups: dict[str, list[str]] = {severity: [] for severity in SEVERITIES}
-    readable = [
-        m for m in validated if (results.decompositions[m].bracket_shares or {}).get("verdict")
-        != "inconclusive"
-    ]  # fmt: skip
-    inconclusive = [m for m in validated if m not in readable]
-    parts = []
-    if validated:
-        why = (
-            f" (inconclusive: {', '.join(inconclusive)}; the verdict says why)"
-            if inconclusive
-            else ""
-        )
-        parts.append(f"read {', '.join(validated)}{why}")
-    if unvalidated:
-        parts.append(f"do not read {', '.join(unvalidated)} (not validated)")
-    if parts:
-        groups["read"].append("; ".join(parts))
-    if not run["replay_realizable"]:
-        groups["read"].append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
-    null_control = run["null_control"]
-    null = null_control.get("max_abs_logit_diff") if isinstance(null_control, dict) else None
-    if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
-        groups["read"].append(f"null control failed: max |logit diff| {null} at k = r")
-    cautions: dict[str, list[str]] = {}
-    notes: dict[str, list[str]] = {}
-    for metric in validated or list(results.metrics):
-        decomposition = results.decompositions[metric]
-        for text in _per_k_cautions(run, decomposition):
-            cautions.setdefault(text, []).append(metric)
-    for metric in validated:
-        decomposition = results.decompositions[metric]
-        if decomposition.bracket_shares is None and not decomposition.stable:
-            notes.setdefault(
-                "shares unstable: the gap's area interval includes 0, so its shares mean nothing",
-                [],
-            ).append(metric)
-        if overshoots(metric, [decomposition.shares[factor] for factor in FACTORS]):
-            notes.setdefault(OVERSHOOT, []).append(metric)
-    groups["caution"] = [f"{text} ({', '.join(ms)})" for text, ms in cautions.items()]
-    groups["note"] = [f"{', '.join(ms)}: {text}" for text, ms in notes.items()]
-    if any(not results.decompositions[m].higher_is_better for m in validated):  # loss metrics
-        groups["note"].extend(temperature_flags(run))
-    first = next(iter(results.decompositions.values()))
-    same = replay_same(results.metadata, list(first.k_grid))
-    ks = [k for k, flag in zip(first.k_grid, same, strict=True) if flag and k < first.n_iterations]
-    if ks:
-        groups["note"].append(
-            f"B = I_BS = 0 by construction at k = {_ks(ks)}: replay reads out as truncate there"
-            " (float error), so B is not measured"
-        )
-    return groups
-
-
-def _per_k_cautions(run: Mapping[str, Any], decomposition: Decomposition) -> list[str]:
-    """The per-k identification flags of one metric, in words (k < r)."""
-    below = [i for i, k in enumerate(decomposition.k_grid) if k < decomposition.n_iterations]
-    ks = decomposition.k_grid
-    same = replay_same(run.get("metadata", {}), ks)
-    # Arrays after construction (flags not measured are False).
-    s_identified = np.asarray(decomposition.s_identified, bool)
-    b_identified = np.asarray(decomposition.b_identified, bool)
-    s_open = [ks[i] for i in below if not s_identified[i]]
-    b_open = [ks[i] for i in below if not b_identified[i] and not same[i]]
-    parts = []
-    if s_open and decomposition.bracket is not None:
-        parts.append(
-            f"S not identified at k = {_ks(s_open)} (S bracket wider than 0.1 of the gap: affine"
-            " readout shift lies inside it; read S_lower, S_upper)"
-        )
-    elif s_open:
-        parts.append(
-            f"S not identified at k = {_ks(s_open)} (calibrated states still told apart from full"
-            " depth: S is a lower bound, D an upper bound)"
-        )
-    if b_open:
-        parts.append(
-            f"B not identified at k = {_ks(b_open)} (B bracket wider than 0.1 of the gap, or"
-            " replay walks; read B_lower, B_upper)"
-        )
-    rule = BracketRule()
-    cells = decomposition.cells
-    differ = order_disagrees(cells["gap"], cells["I_BS_lo"], cells["I_BS_hi"], rule)
-    order_ks = [ks[i] for i in below if differ[i]]
-    if order_ks:
-        parts.append(
-            f"the order of S and B moves more than 0.1 of the gap at k = {_ks(order_ks)} (read"
-            " I_BS)"
-        )
-    return ["; ".join(parts)] if parts else []
-
-
-def flag_lines(results: ProtocolResults) -> list[str]:
-    """The flags of a run, most important first (`flag_groups` in `SEVERITIES` order)."""
-    groups = flag_groups(results)
-    return [line for severity in SEVERITIES for line in groups[severity]]
-
-
-OVERSHOOT = (
-    "a share below 0 or above 1: on a loss metric one factor can overshoot the gap and another "
-    "make up for it (calibration also changes confidence; the docs' page The protocol, section "
-    "Shares below 0 or above 1)"
-)
-
-
-def overshoots(metric: str, shares: Sequence[float]) -> bool:
-    """A share outside [0, 1] (beyond 0.05) on a loss metric, where `OVERSHOOT` explains it."""
-    return metric != "accuracy" and any(v < -0.05 or v > 1.05 for v in shares if math.isfinite(v))
-
-
-def _ks(ks: list[int]) -> str:
-    return ", ".join(str(k) for k in ks)
-
-
-FACTOR_WORDS = {
-    "S": (
-        "readout shift that an affine change of frame undoes: the truncated states carry what "
-        "full depth reads, in a frame the readout was not trained on"
-    ),
-    "B": (
-        "block applications: replaying one update (applying the block more often, with no new "
-        "distinct iteration) recovers it"
-    ),
-    "D": (
-        "not recovered by an affine change of frame (distinct computation, or a non-affine shift)"
-    ),
-}
-
-
-def below_r(run: Mapping[str, Any], metric: str) -> list[dict[str, Any]]:
-    """The decomposition rows of ``metric`` at k < r: at k = r every factor is 0 by construction,
-    so flags and verdicts speak of the k below r."""
-    return [
-        row
-        for row in run["decomposition"]
-        if row["metric"] == metric and row["k"] < run["n_iterations"]
-    ]
-
-
-def verdict(run: Mapping[str, Any], metric: str) -> tuple[str, list[str]]:
-    """A plain-language verdict on one metric of one run, and its flags (each a short sentence).
-
-    With the S bracket (``run["bracket"][metric]``, docs/bracket.md) the text follows the
-    verdict `share_verdict` decided: "inconclusive" says why (and what it still establishes);
-    S or B names the factor with its bracket; "mixed" gives every factor's bracket. Runs written
-    without a bracket get the point shares' verdict."""
-    flags = run_flags(run, metric)
-    bracketed = run.get("bracket", {}).get(metric)
-    if bracketed is not None and bracketed.get("verdict") is not None:
-        untested = untested_translators(run.get("metadata", {}).get("translator_gate"))
-        text = _bracket_verdict(bracketed)
-        return (
-            text if untested is None else f"{text} {untested[:1].upper()}{untested[1:]}."
-        ), flags
-    shares = {**run["shares"][metric], **run.get("share_intervals", {}).get(metric, {})}
-    values = {factor: shares.get(factor, math.nan) for factor in FACTORS}
-    gaps = [row["gap"] for row in run["decomposition"] if row["metric"] == metric]
-    mean_gap = finite_mean(gaps)
-    if any(math.isnan(v) for v in values.values()) or abs(mean_gap) < SMALL_GAP:
-        return (
-            f"No truncation gap to split (mean gap {format_number(mean_gap)}): the readout is "
-            "about as good at every k tested, so the shares say nothing.",
-            flags,
-        )
-    if shares.get("stable") is False or mean_gap < 0:
-        return (
-            f"Inconclusive: the truncation gap (mean {format_number(mean_gap)}) is negative or "
-            "too noisy to split, so its shares are not formed.",
-            flags,
-        )
-    factor = max(FACTORS, key=lambda name: values[name])
-    if values[factor] >= 0.5:
-        text = f"{_share_of_gap(values[factor])} is {FACTOR_WORDS[factor]}."
-        if factor != "S" and any(row.get("S_identified") is False for row in below_r(run, metric)):
-            # S is then a lower bound: what the map missed sits in B or D, whichever repairs it.
-            text += (
-                f" But S is not identified at some k, so part of this {factor} may be readout "
-                "shift that the calibration missed."
-            )
-    else:
-        parts = ", ".join(f"{name} {format_number(values[name])}" for name in FACTORS)
-        text = f"No single factor carries the gap ({parts})."
-    if factor != "D" and values["D"] < 0.2:
-        text += " Reading the truncation slope as 'the model uses its depth' would overstate it."
-    return text, flags
-
-
-def bracket_span(bracketed: Mapping[str, Any], factor: str) -> str:
-    """A factor's bracket with its 95% interval, e.g. ``"S bracket [0.980, 1.010] (95% interval
-    [0.970, 1.020])"``, as shares of the gap's area: the bracket is ``[lower, upper]``, the 95%
-    interval runs from the lower end's interval low to the upper end's interval high."""
-    low, high = (bracketed.get(f"{factor}_{end}") for end in ("lower", "upper"))
-    outer = (bracketed.get(f"{factor}_lower_lo"), bracketed.get(f"{factor}_upper_hi"))
-    return (
-        f"{factor} bracket [{format_number(low)}, {format_number(high)}]"
-        f" (95% interval [{format_number(outer[0])}, {format_number(outer[1])}])"
-    )
-
-
-def _bracket_verdict(bracketed: Mapping[str, Any]) -> str:
-    """The sentence of the verdict `share_verdict` decided (``bracketed``: the record)."""
-    decided, reason = str(bracketed["verdict"]), str(bracketed.get("reason") or "")
-    spans = "; ".join(bracket_span(bracketed, factor) for factor in FACTORS)
-    if decided == "inconclusive" and bracketed.get("bound") == NOT_AFFINE:
-        least = float(bracketed["D_lower_lo"])
-        return (
-            f"Inconclusive between distinct computation and a non-affine readout shift:"
-            f" {_lower_first(_at_least(least, bracketed.get('D_lower')))} the truncation gap is"
-            f" {FACTOR_WORDS['D']}, and no test run here tells the two apart:"
-            f" {bracket_span(bracketed, 'D')}."
-        )
-    if decided == "inconclusive":
-        return f"Inconclusive: {reason} Brackets (shares of the gap): {spans}."
-    if decided in FACTORS:
-        least = float(bracketed[f"{decided}_lower_lo"])
-        text = (
-            f"{_at_least(least, bracketed.get(f'{decided}_lower'))} the truncation gap is"
-            f" {FACTOR_WORDS[decided]}: {bracket_span(bracketed, decided)}."
-        )
-        d_upper = bracketed.get("D_upper")
-        if isinstance(d_upper, float | int) and d_upper < 0.2:
-            text += " Reading the truncation slope as 'the model uses its depth' would overstate"
-            text += " it."
-        return text
-    return f"No single factor carries the gap: {spans}."
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
-
-
-def _at_least(least: float, point: float | None) -> str:
-    """How much of the gap a named factor is, from the lower end of its bracket's interval
-    ``least``: "at least" only where that bound differs from the point ``point`` (the lower
-    end) by 0.005 or more; a share past the whole gap is an overshoot."""
-    if least >= 1.005:
-        return (
-            f"More than the whole truncation gap (at least {least:.0%}; the other factors sum"
-            " below 0):"
-        )
-    bound = f"{least:.0%}"
-    if point is not None and math.isfinite(point) and abs(point - least) < 0.005:
-        return f"{bound} of"
-    return f"At least {bound} of"
-
-
-def _share_of_gap(share: float) -> str:
-    """How much of the gap a share of at least 0.5 is, in words: "most" only within [0, 1]; a
-    share above 1 overshoots the gap and the other factors' shares sum below 0."""
-    if share >= 1.005:  # shown as more than 100%
-        return (
-            f"More than the whole truncation gap ({share:.0%}; the other factors sum to "
-            f"{1 - share:.0%})"
-        )
-    if share >= 0.995:
-        return f"All of the truncation gap ({share:.0%})"
-    return f"Most of the truncation gap ({share:.0%})"
-
-
-def run_flags(run: Mapping[str, Any], metric: str) -> list[str]:
-    """The flags of one metric of one run (its ``results.json`` record), each a short
-    sentence: what the numbers cannot see, the most important first."""
-    flags = []
-    record = run.get("metrics", {}).get(metric, {})
-    if record.get("validated") is False:
-        flags.append(f"metric not validated: {record.get('reason') or 'no reason given'}")
-    share = run["shares"][metric]
-    if share.get("stable") is False:
-        flags.append("unstable share: the gap is too small or too noisy to split reliably")
-    if not run["replay_realizable"]:
-        flags.append(f"dense model: replay is {REPLAY_NOT_REALIZABLE}")
-    null = run["null_control"].get("max_abs_logit_diff", math.nan)
-    if not (isinstance(null, float | int) and null <= NULL_TOLERANCE):
-        flags.append(f"null control failed: max |logit diff| {null:.2e} at k = r")
-    rows = below_r(run, metric)
-    bracketed = any("S_lower" in row for row in rows)
-    ks = [str(row["k"]) for row in rows if row.get("S_identified") is False]
-    if ks:
-        flags.append(f"{S_BRACKET_WIDE if bracketed else S_NOT_IDENTIFIED} at k = {', '.join(ks)}")
-    same = replay_same(run.get("metadata", {}), [row["k"] for row in rows])
-    ks = [str(row["k"]) for row, by in zip(rows, same, strict=True)
-          if row.get("B_identified") is False and not by]  # fmt: skip
-    if ks:
-        flags.append(f"B not identified at k = {', '.join(ks)}")
-    zero = [str(row["k"]) for row, by in zip(rows, same, strict=True) if by]
-    if zero:
-        flags.append(
-            f"B = 0 by construction (replay reads out as truncate) at k = {', '.join(zero)}"
-        )
-    if overshoots(metric, [share.get(factor, math.nan) for factor in FACTORS]):
-        flags.append(OVERSHOOT)
-    nonfinite = [row for row in run.get("nonfinite", []) if row["metric"] == metric]
-    if nonfinite:
-        flags.append(f"{len(nonfinite)} non-finite cells (NaN in the curves)")
-    failures = run.get("metadata", {}).get("calibration_failures") or []
-    if failures:
-        flags.append(f"calibration could not be fitted from {', '.join(failures)}")
-    untested = untested_translators(run.get("metadata", {}).get("translator_gate"))
-    if untested is not None:
-        flags.append(untested)
-    if record.get("higher_is_better") is False:  # a loss metric
-        flags.extend(temperature_flags(run))
-    return flags
-
-
-def temperature_flags(run: Mapping[str, Any]) -> list[str]:
-    """Confidence matching's temperatures outside `SANE_TEMPERATURES`, in one sentence naming
-    every condition they hold for: the loss metrics of those cells are read at that
-    temperature, and say so."""
-    matching = run.get("calibration", {}).get("confidence_matching", {})
-    low, high = SANE_TEMPERATURES
-    extreme: dict[str, list[str]] = {}
-    for condition, per_k in (matching.get("temperatures") or {}).items():
-        outside = sorted(
-            (
-                int(k)
-                for k, t in per_k.items()
-                if isinstance(t, float | int) and not low <= t <= high
-            )
-        )
-        if outside:
-            extreme[condition] = [str(k) for k in outside]
-    if not extreme:
-        return []
-    ks = sorted({k for values in extreme.values() for k in values}, key=int)
-    return [
-        f"confidence matching fitted a temperature outside [{low:g}, {high:g}] for"
-        f" {', '.join(extreme)} (at k = {', '.join(ks)}): the loss metrics are read at that"
-        " temperature there"
-    ]
-
-
-def row_flags(row: Mapping[str, Any]) -> list[str]:
-    """The validity flags of one decomposition row, in words (absent keys: no flag)."""
-    flags = []
-    if row.get("S_identified") is False:
-        flags.append(S_BRACKET_WIDE if "S_lower" in row else S_NOT_IDENTIFIED)
-    if row.get("B_identified") is False:
-        flags.append(B_NOT_IDENTIFIED)
-    if row.get("nonfinite"):
-        flags.append("non-finite cells")
-    return flags
-
-
-def finite_mean(values: Sequence[float]) -> float:
-    """The mean of the finite ``values`` (None and NaN left out); NaN when none is finite."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
-def format_number(value: float | None) -> str:
-    """A number with three decimals; ``nan`` for None or NaN."""
-    return "nan" if value is None or math.isnan(value) else f"{value:.3f}"
-
-
 def _two(value: float) -> str:
     """``value`` with two decimals, never "-0.00" (a rounding's sign is not a finding)."""
     return f"{round(float(value), 2) + 0.0:.2f}"
+
+
+def scored_metrics(
+    requested: Sequence[str] | None,
+    registered: Sequence[str],
+    needing_answers: Collection[str],
+    has_answers: bool,
+) -> tuple[str, ...]:
+    """The metrics a run scores: ``requested``, else every ``registered`` metric the evaluation
+    set defines (those in ``needing_answers`` only where it ``has_answers``).
+
+    Raises:
+        ValueError: a requested metric reads answers that the evaluation set does not have.
+    """
+    if requested is None:
+        return tuple(m for m in registered if has_answers or m not in needing_answers)
+    needing = [m for m in requested if m in needing_answers]
+    if needing and not has_answers:
+        raise ValueError(
+            f"metric {needing[0]!r} needs answers, but this evaluation set is plain language "
+            f"modelling (EvaluationSet.from_tokens); drop {needing[0]!r} from metrics or "
+            "build the set from a task with answers."
+        )
+    return tuple(requested)
+
+
+@dataclass(frozen=True)
+class RunEvidence:
+    """What a run's validity is decided from, beside each metric's decomposition.
+
+    Attributes:
+        k_grid: the run's k grid, ``K`` entries.
+        probe: the residual-stream probe's summary (empty trajectories without a probe).
+        replay_difference: per k, max |readout(replay(k)) - readout(truncate(k))| over every
+            evaluation (`dcp_lens.protocol.sweep_records.SweepOutput.replay_difference`).
+        calibration_mode: the S control's map (`ProtocolConfig.calibration_mode`).
+        lower_bound: whether that map's gain bounds readout shift from below
+            (`dcp_lens.protocol.calibration.CalibrationMap.lower_bound`).
+        validation: per metric, whether `dcp-lens validate` recovers the planted factors with
+            it and why (`dcp_lens.protocol.metrics.VALIDATION`).
+    """
+
+    k_grid: tuple[int, ...]
+    probe: ProbeSummary
+    replay_difference: Mapping[int, float]
+    calibration_mode: str
+    lower_bound: bool
+    validation: Mapping[str, tuple[bool, str]]
+
+    def replay_same(self) -> dict[int, bool]:
+        """Per k measured: replay(k) reads out as truncate(k) within
+        `B_IDENTIFICATION_TOLERANCE` (B is then 0 by construction; `decompose`'s input)."""
+        return {k: v <= B_IDENTIFICATION_TOLERANCE for k, v in self.replay_difference.items()}
+
+
+def validity(
+    decompositions: Mapping[str, Decomposition], evidence: RunEvidence
+) -> dict[str, Decomposition]:
+    """Every metric's decomposition with its validity decided.
+
+    Per k: S and B identified from the bracket where the decomposition has one, else from the
+    probe and replay (`identification`); the probe's residual AUROC and its threshold beside
+    them. Per metric: validated or not, and why (``evidence.validation``). Where the
+    calibration map is no lower bound on readout shift, S is identified at no k and the
+    bracket's verdict is inconclusive (`UNBOUNDED_MAP_REASON`).
+
+    Args:
+        decompositions: per metric, `decompose`'s output over ``evidence.k_grid`` (``[K]`` per
+            field).
+        evidence: what the run measured beside the decompositions.
+
+    Returns:
+        The decompositions with ``s_identified``, ``b_identified`` (``[K]`` bool),
+        ``residual_auroc``, ``residual_auroc_threshold`` (``[K]`` float), ``validated`` and
+        ``validation_reason`` set, in the order of ``decompositions``.
+    """
+    flags = identification(evidence.probe, evidence.k_grid, evidence.replay_difference)
+    decided = {}
+    for metric, decomposed in decompositions.items():
+        if metric not in evidence.validation:
+            raise KeyError(
+                f"no validation record for metric {metric!r}; expected one of "
+                f"{sorted(evidence.validation)} (register the metric with its validation)."
+            )
+        validated, reason = evidence.validation[metric]
+        # With a bracket, identification is read from it; the probe's scores stay beside it.
+        probed = decomposed.bracket is None
+        judged = dataclasses.replace(
+            decomposed,
+            s_identified=flags["s_identified"] if probed else decomposed.s_identified,
+            b_identified=flags["b_identified"] if probed else decomposed.b_identified,
+            residual_auroc=flags["residual_auroc"],
+            residual_auroc_threshold=flags["residual_auroc_threshold"],
+            validated=validated,
+            validation_reason=reason,
+        )
+        decided[metric] = judged if evidence.lower_bound else _unbounded(judged, evidence)
+    return decided
+
+
+def _unbounded(decomposition: Decomposition, evidence: RunEvidence) -> Decomposition:
+    """``decomposition`` under a calibration map that is no lower bound on readout shift: S
+    unidentified at every k and the bracket's verdict inconclusive (unchanged without one)."""
+    shares = decomposition.bracket_shares
+    if shares is None:
+        return decomposition
+    reason = UNBOUNDED_MAP_REASON.format(mode=evidence.calibration_mode)
+    shares = {
+        **shares,
+        "S_identified": False,
+        "verdict": "inconclusive",
+        "reason": f"{reason} {shares.get('reason', '')}".strip(),
+    }
+    unidentified = np.zeros_like(np.asarray(decomposition.s_identified, dtype=bool))
+    return dataclasses.replace(decomposition, bracket_shares=shares, s_identified=unidentified)

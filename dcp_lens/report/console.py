@@ -4,9 +4,9 @@
 Per model: a title, then per validated metric one line with the quality at full depth and at
 the smallest k (three decimals, each number named), the mean gap, the point shares with their
 95% intervals, and the verdict sentence (the one the report and ``results.json`` carry, from
-`dcp_lens.protocol.verdicts.verdict`). Metrics that are not validated are named on one line, not
+`dcp_lens.protocol.wording.verdict`). Metrics that are not validated are named on one line, not
 given a verdict. The flags come once at the end, grouped by severity as
-`dcp_lens.protocol.verdicts.flag_groups` decided (which metrics to read first), each naming the
+`dcp_lens.protocol.wording.flag_groups` decided (which metrics to read first), each naming the
 models it applies to. Every line fits in `WIDTH` characters. Notation: a bracket is
 ``bracket [lower, upper]``; a 95% interval is ``95% interval [low, high]``, or ``[low, high]``
 after a value on a line that says "with 95% intervals".
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dcp_lens.protocol.results import FACTORS, Decomposition, ProtocolResults, decode_json
-from dcp_lens.protocol.verdicts import SEVERITIES, flag_groups, verdict
+from dcp_lens.protocol.wording import SEVERITIES, flag_groups, verdict
 
 WIDTH = 100
 LEGEND = (

@@ -18,7 +18,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dcp_lens.protocol.verdicts import row_flags
+from dcp_lens.protocol.wording import row_flags
 
 Run = Mapping[str, Any]
 

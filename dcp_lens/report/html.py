@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcp_lens.protocol.results import FACTORS, ProtocolResults, decode_json
-from dcp_lens.protocol.verdicts import (  # the report reads the verdicts the protocol builds
-    NULL_TOLERANCE,
-    verdict,
-)
-from dcp_lens.protocol.verdicts import below_r as _below_r
-from dcp_lens.protocol.verdicts import finite_mean as _mean
-from dcp_lens.protocol.verdicts import format_number as _number
+from dcp_lens.protocol.verdicts import NULL_TOLERANCE
+from dcp_lens.protocol.wording import below_r as _below_r
+from dcp_lens.protocol.wording import finite_mean as _mean
+from dcp_lens.protocol.wording import format_number as _number
+from dcp_lens.protocol.wording import verdict  # the report reads the verdicts the protocol builds
 from dcp_lens.report.assets import (
     PLOTLY_JS,
     asset_folder,

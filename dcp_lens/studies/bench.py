@@ -70,10 +70,10 @@ from dcp_lens.studies.bench_floor import (
 )
 from dcp_lens.studies.bench_memory import (
     bench_bytes,
-    device_memory_bytes,
     memory_now,
     peak_memory,
     reset_peak,
+    total_device_bytes,
 )
 from dcp_lens.utils.checks import WEIGHT_DTYPES
 from dcp_lens.utils.devices import check_device
@@ -308,7 +308,7 @@ def run_bench(
         d_vocab=cfg.d_vocab,
         n_weights=n_weights,
     )
-    available = device_memory_bytes(target)
+    available = total_device_bytes(target)
     if available is not None and needed > available:
         raise ResourceLimitError(
             f"batch {batch} x seq {seq} ({preset} preset, d_model {cfg.d_model}, "
@@ -341,7 +341,7 @@ def run_bench(
         def naive_sweep() -> None:
             protocol.fit(calibration)
             protocol.condition_logits(evaluation.tokens, "full", protocol.r, via="hooks")
-            for k in protocol.k_grid:
+            for k in protocol.context.k_grid:
                 for condition in SWEEP:
                     protocol.condition_logits(evaluation.tokens, condition, k, via="hooks")
 
@@ -413,7 +413,7 @@ def run_bench(
         "batch": batch,
         "batches": batches,
         "seq": seq,
-        "k_grid": list(protocol.k_grid),
+        "k_grid": list(protocol.context.k_grid),
         "device": str(target),
         "threads": torch.get_num_threads(),
         "forward_seconds": forward,

@@ -71,7 +71,7 @@ def bench_bytes(
     return element * (2 * (scores + states) + n_weights) + logits
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
+def total_device_bytes(device: torch.device) -> int | None:
     """Total memory of ``device`` (physical memory for the CPU), or None when unknown."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)

@@ -284,7 +284,7 @@ def run_count(
         "counted_on": {"d_model": cfg.d_model, "d_vocab": cfg.d_vocab, "seq": seq},
         "weighed_at": {"d_model": full.d_model, "d_vocab": full.d_vocab, "seq": defaults["seq"]},
         "n_iterations": protocol.r,
-        "k_grid": list(protocol.k_grid),
+        "k_grid": list(protocol.context.k_grid),
         "batch": batch,
         "batches": batches,
         "calibration_groups": config.calibration_groups,

@@ -50,10 +50,10 @@ from dcp_lens.studies.intervention_outcomes import (
     NEGATIVE_CONTROL,
     PREDICTION,
     aggregate,
+    prediction_checks,
     seed_numbers,
     shared_metric,
     validated_metrics,
-    verdict,
 )
 from dcp_lens.training import PRESETS, REGIMES, TrainConfig, train
 from dcp_lens.training import preset as training_preset
@@ -255,7 +255,7 @@ def _regimes_and_verdict(
     }
     for regime, per_regime in runs.items():
         summary[regime]["n_iterations"] = per_regime[0][1].n_iterations
-    return {"regimes": summary, "verdict": explain_verdict(verdict(summary), summary)}
+    return {"regimes": summary, "verdict": explain_verdict(prediction_checks(summary), summary)}
 
 
 def _check_arguments(

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, NotRequired, TypedDict
 
-from dcp_lens.protocol.verdicts import format_number as _number
+from dcp_lens.protocol.wording import format_number as _number
 from dcp_lens.studies.intervention_outcomes import (
     AGGREGATED,
     BASELINE,

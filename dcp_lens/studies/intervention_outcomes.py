@@ -298,7 +298,7 @@ def slope_verdict(tested: Regime, fixed: Regime) -> Check:
     return check
 
 
-def verdict(regimes: Mapping[str, Regime]) -> dict[str, dict[str, Check]]:
+def prediction_checks(regimes: Mapping[str, Regime]) -> dict[str, dict[str, Check]]:
     """For each of `TESTED_REGIMES`: ``{"S_lower", "D_stays", "slope_follows_S"}``, each a
     ``{"label", "why"}`` (labels in `LABELS`; ``not tested`` when the regime or ``fixed``
     was not run). ``regimes`` maps a regime name to its `aggregate` (None read as NaN)."""

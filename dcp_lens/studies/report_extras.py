@@ -142,13 +142,13 @@ def hop_breakdown(
     if hops is None or hops.ndim != 2 or not bool((scored.sum(-1) == hops.shape[1]).all()):
         return None
     correct: dict[tuple[str, int], list[Tensor]] = {}
-    for rows in evaluation.batches(protocol.batch_size):
+    for rows in evaluation.batches(protocol.config.batch_size):
         states, full_logits = protocol.states(evaluation.tokens[rows])
         mask = scored[rows].to(full_logits.device)
         targets = evaluation.targets[rows].to(full_logits.device)[mask]
         correct.setdefault(("full", 0), []).append(_hits(full_logits, mask, targets))
         for name in DECOMPOSED:
-            for k in protocol.k_grid:
+            for k in protocol.context.k_grid:
                 try:
                     inputs = protocol.readout_inputs(states, name, k)
                 except ValueError:  # a map that could not be fitted: no per-hop cell
@@ -162,14 +162,14 @@ def hop_breakdown(
         pick = answer_hops == h
         values: dict[str, Tensor | dict[int, Tensor]] = {"full": flat[("full", 0)][pick]}
         for name in DECOMPOSED:
-            values[name] = {k: flat[(name, k)][pick] for k in protocol.k_grid}
+            values[name] = {k: flat[(name, k)][pick] for k in protocol.context.k_grid}
         decomposition = decompose(
             values,
-            protocol.k_grid,
+            protocol.context.k_grid,
             n_iterations=protocol.r,
             metric="accuracy",
             n_bootstrap=n_bootstrap,
-            seed=protocol.seed,
+            seed=protocol.config.seed,
         )
         groups.append(
             {
@@ -180,7 +180,7 @@ def hop_breakdown(
                 "shares": dict(decomposition.shares),
             }
         )
-    return {"metric": "accuracy", "k_grid": list(protocol.k_grid), "groups": groups}
+    return {"metric": "accuracy", "k_grid": list(protocol.context.k_grid), "groups": groups}
 
 
 def write_report_data(

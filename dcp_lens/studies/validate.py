@@ -39,10 +39,10 @@ from dcp_lens.studies.validation_rules import (
     Judgement,
     ValidationRow,
     bracket_of,
-    judge,
     judge_bracket,
     judge_run,
     per_k_of,
+    point_rule_passes,
     shares_of,
     suite_passed,
     summarize,
@@ -475,7 +475,7 @@ def _run_planted(
     protocol = DepthControlProtocol(model, config, spec=f"planted:{name}", progress=progress)
     run = protocol.run(evaluation, calibration).to_results_json()
     expected = {
-        metric: planted.expected_shares(name, model, evaluation, metric, protocol.k_grid)
+        metric: planted.expected_shares(name, model, evaluation, metric, protocol.context.k_grid)
         for metric in config.metrics or ()
     }
     return run, expected
@@ -499,7 +499,7 @@ def _row(
         per_k=per_k_of(run, metric),
         judgement=judgement,
         passed=judgement.passed,
-        point_rule_passed=judge(planted.EXPECTED_FACTOR[name], shares, expected),
+        point_rule_passed=point_rule_passes(planted.EXPECTED_FACTOR[name], shares, expected),
         counted=validated is not False,
         flags=_flags(run, metric),
         record=dict(run.get("bracket", {}).get(metric) or {}),

@@ -98,7 +98,9 @@ class ValidationRow:
     record: dict[str, object] = field(default_factory=dict)  # the results' whole bracket record
 
 
-def judge(planted_factor: str, shares: Mapping[str, float], expected: Mapping[str, float]) -> bool:
+def point_rule_passes(
+    planted_factor: str, shares: Mapping[str, float], expected: Mapping[str, float]
+) -> bool:
     """The older point rule (information only): a single factor >= 0.9 of the gap and the others
     within +-0.1; a mixture's shares each within 0.1 of the truth."""
     if planted_factor in FACTORS:

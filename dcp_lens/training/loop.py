@@ -43,7 +43,7 @@ from dcp_lens.training.config import (
     TrainConfig,
 )
 from dcp_lens.training.evaluation import AccuracyTable, evaluate_accuracy
-from dcp_lens.training.regimes import build_model, regime_loss
+from dcp_lens.training.regimes import build_regime_model, regime_loss
 from dcp_lens.training.state import (
     History,
     RunState,
@@ -201,7 +201,7 @@ def _train(
     with deterministic_torch(config.threads, config.device):
         torch.manual_seed(config.seed)
         task = config.build_task()
-        model = build_model(config.model, config.regime).to(config.device)
+        model = build_regime_model(config.model, config.regime).to(config.device)
         model.train()
         optimizer, names = make_optimizer(model, config)
         sampler = torch.Generator().manual_seed(config.seed)

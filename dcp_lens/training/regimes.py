@@ -132,7 +132,7 @@ def dense_config(cfg: RecurrentConfig) -> RecurrentConfig:
     return RecurrentConfig.from_dict(fields)
 
 
-def build_model(cfg: RecurrentConfig, regime: RegimeConfig) -> HookedRecurrentTransformer:
+def build_regime_model(cfg: RecurrentConfig, regime: RegimeConfig) -> HookedRecurrentTransformer:
     """The model a regime trains: ``cfg`` itself, or its matched dense model for ``dense``."""
     return HookedRecurrentTransformer(dense_config(cfg) if regime.name == "dense" else cfg)
 
@@ -226,7 +226,9 @@ def regime_loss(
     number of layers for ``dense``). ``generator`` draws r for ``sampled`` only."""
     if regime.name == "dense":
         if not model.is_dense:
-            raise ValueError("the dense regime trains a dense model; build it with build_model.")
+            raise ValueError(
+                "the dense regime trains a dense model; build it with build_regime_model."
+            )
         return fixed_loss(model, tokens, targets), model.cfg.n_layers
     if model.is_dense:
         raise ValueError(f"the {regime.name!r} regime needs a recurrent model (n_core > 0).")

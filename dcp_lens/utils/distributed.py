@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -35,7 +35,7 @@ def is_main() -> bool:
     return rank_and_world()[0] == 0
 
 
-def assigned(items: Sequence[T]) -> list[tuple[int, T]]:
+def assigned(items: Sequence[_T]) -> list[tuple[int, _T]]:
     """``(index, item)`` of the items this rank takes: index i goes to rank i % world."""
     rank, world = rank_and_world()
     return [(i, item) for i, item in enumerate(items) if i % world == rank]
@@ -51,44 +51,44 @@ def all_gather(value: Any) -> list[Any]:
     return gathered
 
 
-def gather_to_main(value: T) -> list[T] | None:
+def gather_to_main(value: _T) -> list[_T] | None:
     """Every rank's ``value`` (moved to the CPU), in rank order, on rank 0; None elsewhere."""
     rank, world = rank_and_world()
     if world == 1:
         return [value]
-    gathered: list[T | None] | None = [None] * world if rank == 0 else None
+    gathered: list[_T | None] | None = [None] * world if rank == 0 else None
     dist.gather_object(to_cpu(value), gathered, dst=0)
-    return cast(list[T] | None, gathered)  # on rank 0 every rank filled its slot
+    return cast(list[_T] | None, gathered)  # on rank 0 every rank filled its slot
 
 
-def broadcast_from_main(value: T | None) -> T:
+def broadcast_from_main(value: _T | None) -> _T:
     """Rank 0's ``value`` (moved to the CPU) on every rank; the other ranks pass None."""
     if rank_and_world()[1] == 1:
-        return cast(T, value)  # one rank: rank 0's own value
+        return cast(_T, value)  # one rank: rank 0's own value
     box = [to_cpu(value) if is_main() else None]
     dist.broadcast_object_list(box, src=0)
-    return cast(T, value if is_main() else box[0])  # rank 0 passes a T
+    return cast(_T, value if is_main() else box[0])  # rank 0 passes a _T
 
 
-def to_cpu(value: T) -> T:
+def to_cpu(value: _T) -> _T:
     """``value`` with every tensor in its dicts, lists, tuples and objects moved to the CPU."""
     return moved(value, torch.device("cpu"))
 
 
-def moved(value: T, device: torch.device | str) -> T:
+def moved(value: _T, device: torch.device | str) -> _T:
     """A copy of ``value`` with every tensor in its dicts, lists, tuples and plain objects
     (those with a ``__dict__``) on ``device``."""
     # Each branch rebuilds a value of the type it was given.
     if isinstance(value, Tensor):
-        return cast(T, value.detach().to(device))
+        return cast(_T, value.detach().to(device))
     if isinstance(value, dict):
-        return cast(T, {key: moved(item, device) for key, item in value.items()})
+        return cast(_T, {key: moved(item, device) for key, item in value.items()})
     if isinstance(value, list | tuple):
-        return cast(T, type(value)(moved(item, device) for item in value))
+        return cast(_T, type(value)(moved(item, device) for item in value))
     if hasattr(value, "__dict__") and not isinstance(value, type):
         copy = object.__new__(type(value))
         copy.__dict__.update({key: moved(item, device) for key, item in vars(value).items()})
-        return cast(T, copy)
+        return cast(_T, copy)
     return value
 
 

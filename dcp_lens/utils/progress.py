@@ -17,7 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from tqdm.auto import tqdm as auto_tqdm
 
-Item = TypeVar("Item")
+_Item = TypeVar("_Item")
 LOG_INTERVAL = 30.0  # seconds between two lines of a log's progress, at most one line per
 
 
@@ -31,7 +31,7 @@ class TextStream(Protocol):
 
 
 def progress(
-    iterable: Iterable[Item] | None = None,
+    iterable: Iterable[_Item] | None = None,
     *,
     desc: str,
     total: int | None = None,
@@ -52,14 +52,14 @@ def progress(
     )
 
 
-class LogProgress(Generic[Item]):
+class LogProgress(Generic[_Item]):
     """The part of tqdm's interface dcp-lens uses (iterate, `update`, `set_postfix`, `close`, a
     context manager), written as whole lines: at most one per `LOG_INTERVAL` seconds while the
     work goes on and one when it ends (the iterable exhausted, or `close`)."""
 
     def __init__(
         self,
-        iterable: Iterable[Item] | None = None,
+        iterable: Iterable[_Item] | None = None,
         *,
         desc: str,
         total: int | None = None,
@@ -76,7 +76,7 @@ class LogProgress(Generic[Item]):
         self.started = self.last_line = time.monotonic()
         self.closed = False
 
-    def __iter__(self) -> Iterator[Item]:
+    def __iter__(self) -> Iterator[_Item]:
         if self.iterable is None:
             raise TypeError("LogProgress was built without an iterable; call update() instead.")
         for item in self.iterable:
@@ -84,7 +84,7 @@ class LogProgress(Generic[Item]):
             self.update(1)
         self.close()
 
-    def __enter__(self) -> LogProgress[Item]:
+    def __enter__(self) -> LogProgress[_Item]:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,9 +22,9 @@ from dcp_lens.studies.intervention_outcomes import (
     PREDICTION,
     aggregate,
     d_verdict,
+    prediction_checks,
     s_verdict,
     slope_verdict,
-    verdict,
 )
 from dcp_lens.training import REGIMES, preset, train
 
@@ -284,16 +284,16 @@ def test_slope_verdict_labels(tested, label):
 
 def test_verdict_covers_the_tested_regimes_and_marks_missing_ones():
     tested = _row(S_abs=(0.2, 0.1, 0.3), D_abs=(0.25, 0.15, 0.35), slope=(0.62, 0.5, 0.7))
-    result = verdict({"fixed": FIXED, "every-iteration": tested})
+    result = prediction_checks({"fixed": FIXED, "every-iteration": tested})
     assert {name: check["label"] for name, check in result["every-iteration"].items()} == {
         "S_lower": "supported",
         "D_stays": "supported",
         "slope_follows_S": "supported",
     }
     assert {check["label"] for check in result["sampled"].values()} == {"not tested"}
-    assert {check["label"] for check in verdict({"sampled": tested})["sampled"].values()} == {
-        "not tested"
-    }
+    assert {
+        check["label"] for check in prediction_checks({"sampled": tested})["sampled"].values()
+    } == {"not tested"}
 
 
 def test_aggregate_t_interval_single_seed_and_undefined_seeds():

@@ -529,11 +529,11 @@ def training_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]
     """A training checkpoint of the tiny preset (written without training) and its config."""
     from dcp_lens.training import preset
     from dcp_lens.training.loop import make_optimizer
-    from dcp_lens.training.regimes import build_model
+    from dcp_lens.training.regimes import build_regime_model
     from dcp_lens.training.state import RunState, save_checkpoint
 
     config = preset("tiny", steps=4)
-    model = build_model(config.model, config.regime)
+    model = build_regime_model(config.model, config.regime)
     optimizer, names = make_optimizer(model, config)
     out = tmp_path_factory.mktemp("state")
     state = RunState(step=1, max_hops=None, history={"steps": []})
@@ -551,7 +551,7 @@ def training_state(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]
 )
 def test_training_states_restore_or_are_refused(tmp_path, training_state, field, value, drop):
     from dcp_lens.training.loop import make_optimizer
-    from dcp_lens.training.regimes import build_model
+    from dcp_lens.training.regimes import build_regime_model
     from dcp_lens.training.state import load_checkpoint
 
     source, config = training_state
@@ -562,7 +562,7 @@ def test_training_states_restore_or_are_refused(tmp_path, training_state, field,
     else:
         plain[field] = value
     (folder / "trainer_state.json").write_text(json.dumps(plain))
-    model = build_model(config.model, config.regime)
+    model = build_regime_model(config.model, config.regime)
     optimizer, names = make_optimizer(model, config)
     clean(
         lambda: load_checkpoint(folder, model, optimizer, names, torch.Generator()), "train state"

@@ -13,7 +13,7 @@ from dcp_lens.protocol.calibration import AffineCalibration, StreamingMoments
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.studies.validate import coverage, validate
-from dcp_lens.studies.validation_rules import judge, suite_passed
+from dcp_lens.studies.validation_rules import point_rule_passes, suite_passed
 from dcp_lens.zoo import planted
 
 NEW = [
@@ -167,7 +167,7 @@ def test_the_type_dependent_shift_is_all_S_on_cross_entropy():
     )
     results = protocol.run(task.evaluation(N), task.calibration(N))
     shares = results.decompositions["cross_entropy"].shares
-    assert judge("S", shares, {"S": 1.0, "B": 0.0, "D": 0.0}), shares
+    assert point_rule_passes("S", shares, {"S": 1.0, "B": 0.0, "D": 0.0}), shares
 
 
 @pytest.mark.parametrize("metric", ["cross_entropy", "kl_to_full"])
@@ -196,11 +196,11 @@ def test_expected_shares_of_a_mixture_add_up_and_split_the_gap():
 
 def test_judge_applies_the_stated_rules():
     truth = {"S": 0.5, "B": 0.0, "D": 0.5}
-    assert judge("S", {"S": 0.93, "B": 0.05, "D": 0.02}, truth)
-    assert not judge("S", {"S": 1.4, "B": -0.4, "D": 0.0}, truth)  # not a recovery
-    assert not judge("D", {"S": 0.0, "B": 0.17, "D": 0.83}, truth)
-    assert judge("S+D", {"S": 0.45, "B": 0.05, "D": 0.55}, truth)
-    assert not judge("S+D", {"S": 0.3, "B": 0.0, "D": 0.7}, truth)
+    assert point_rule_passes("S", {"S": 0.93, "B": 0.05, "D": 0.02}, truth)
+    assert not point_rule_passes("S", {"S": 1.4, "B": -0.4, "D": 0.0}, truth)  # not a recovery
+    assert not point_rule_passes("D", {"S": 0.0, "B": 0.17, "D": 0.83}, truth)
+    assert point_rule_passes("S+D", {"S": 0.45, "B": 0.05, "D": 0.55}, truth)
+    assert not point_rule_passes("S+D", {"S": 0.3, "B": 0.0, "D": 0.7}, truth)
 
 
 def test_validate_command_writes_its_files(tmp_path, capsys):

@@ -18,7 +18,8 @@ from dcp_lens.protocol.confidence import matching_temperature, mean_entropy
 from dcp_lens.protocol.dcp import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX, per_example_metrics, reference_log_probs
 from dcp_lens.protocol.states import capture_states
-from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE, flag_lines, verdict
+from dcp_lens.protocol.verdicts import B_IDENTIFICATION_TOLERANCE
+from dcp_lens.protocol.wording import flag_lines, verdict
 from dcp_lens.report.html import run_record
 from dcp_lens.zoo.planted import PlantedModel, PlantedTask
 from dcp_lens.zoo.planted.base import base_config, blank_model, set_linear_mlp

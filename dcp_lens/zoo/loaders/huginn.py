@@ -48,7 +48,7 @@ from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
 
 # Architecture switches of RavenConfig and the values this mapping implements (Huginn-0125's).
-SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool, ...]] = {
+HUGINN_SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool, ...]] = {
     "architecture_class_name": ("RecurrentGPT",),
     "block_class_name": ("SandwichBlock",),
     "norm_class_name": ("RMSNorm_llama",),
@@ -59,13 +59,14 @@ SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool, ...]] = {
     "tie_embeddings": (True,),
     "test_time_noise": (0, 0.0),
 }
+# The Huginn layout's parts (their count fields), which the Raven retrofit shares, and ours.
 PARTS = (("prelude", "n_prelude"), ("core_block", "n_core"), ("coda", "n_coda"))
 OUR_PART = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
 # Persistent RoPE table of the reference; recomputed from rope_base instead of read.
 ROPE_BUFFER = "freqs_cis"
 TIED_HEAD = "lm_head.weight"
 # Types of the RavenConfig fields read here (checked before any is used).
-SOURCE_FIELDS: dict[str, type | UnionType] = {
+HUGINN_SOURCE_FIELDS: dict[str, type | UnionType] = {
     "n_embd": int,
     "n_heads": int,
     "num_attention_heads": int,
@@ -84,7 +85,7 @@ SOURCE_FIELDS: dict[str, type | UnionType] = {
     "rope_base": float,
     "qk_bias": bool,
 }
-POSITIVE_FIELDS = (
+HUGINN_POSITIVE_FIELDS = (
     "n_embd", "n_heads", "num_attention_heads", "num_key_value_heads", "head_dim",
     "intermediate_size", "padded_vocab_size", "vocab_size", "block_size", "mean_recurrence",
     "norm_eps", "rope_base",
@@ -130,8 +131,8 @@ def huginn_config(
     ``n_iterations`` defaults to ``mean_recurrence`` and the initial state to Huginn's own
     truncated-normal draw; ``overrides`` replace any field (e.g. ``state_init="zeros"``).
     """
-    check_source_fields(raven, SOURCE_FIELDS, source, POSITIVE_FIELDS)
-    require_values(raven, SUPPORTED_SWITCHES, source)
+    check_source_fields(raven, HUGINN_SOURCE_FIELDS, source, HUGINN_POSITIVE_FIELDS)
+    require_values(raven, HUGINN_SUPPORTED_SWITCHES, source)
     d_model = required_int(raven, "n_embd", source)
     vocab, padded = required_int(raven, "vocab_size", source), raven.get("padded_vocab_size")
     if padded is not None and vocab > padded:

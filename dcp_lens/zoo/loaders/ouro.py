@@ -54,7 +54,7 @@ from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
 
-SUPPORTED_SWITCHES: dict[str, tuple[str | bool | None, ...]] = {
+OURO_SUPPORTED_SWITCHES: dict[str, tuple[str | bool | None, ...]] = {
     "hidden_act": ("silu",),
     "use_sliding_window": (False, None),
     "rope_scaling": (None,),
@@ -70,7 +70,7 @@ LAYER_NORMS = {
 GATE_PREFIX = "model.early_exit_gate"
 HEAD = "lm_head.weight"
 # Types of the OuroConfig fields read here (checked before any is used).
-SOURCE_FIELDS: dict[str, type | UnionType] = {
+OURO_SOURCE_FIELDS: dict[str, type | UnionType] = {
     "hidden_size": int,
     "num_attention_heads": int,
     "num_key_value_heads": int | None,
@@ -86,7 +86,7 @@ SOURCE_FIELDS: dict[str, type | UnionType] = {
     "tie_word_embeddings": bool,
     "initializer_range": float,
 }
-POSITIVE_FIELDS = (
+OURO_POSITIVE_FIELDS = (
     "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "vocab_size", "max_position_embeddings", "total_ut_steps", "rms_norm_eps", "rope_theta",
     "initializer_range",
@@ -204,8 +204,8 @@ def ouro_config(
 ) -> RecurrentConfig:
     """The `RecurrentConfig` of an OuroConfig dict (Ouro's ``config.json``); ``n_iterations``
     defaults to ``total_ut_steps``, and ``overrides`` replace any field."""
-    check_source_fields(ouro, SOURCE_FIELDS, source, POSITIVE_FIELDS)
-    require_values(ouro, SUPPORTED_SWITCHES, source)
+    check_source_fields(ouro, OURO_SOURCE_FIELDS, source, OURO_POSITIVE_FIELDS)
+    require_values(ouro, OURO_SUPPORTED_SWITCHES, source)
     _check_layer_types(ouro, source)
     rope = ouro.get("rope_parameters") or {}
     if "rope_theta" not in ouro:

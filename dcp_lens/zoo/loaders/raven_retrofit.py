@@ -54,11 +54,10 @@ from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransform
 from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
+from dcp_lens.zoo.loaders.huginn import OUR_PART, PARTS
 
 KIND = "raven-retrofit"
 VARIANTS = ("llama", "olmo")
-PARTS = (("prelude", "n_prelude"), ("core_block", "n_core"), ("coda", "n_coda"))
-OUR_PART = {"prelude": "prelude", "core_block": "core", "coda": "coda"}
 HEAD, EMBEDDING = "lm_head.weight", "transformer.wte.weight"
 # Per variant: the original norm keys of a block -> our norm modules.
 BLOCK_NORMS = {
@@ -68,7 +67,7 @@ BLOCK_NORMS = {
 PLACEMENT = {"llama": "pre", "olmo": "post"}
 # How `RavenConfig.initial_state_mode` maps onto ``state_init`` ("skip-adapter" has no equivalent).
 STATE_INIT = {"random": "huginn", "embed-init": "embed"}
-SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool | None, ...]] = {
+RAVEN_SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool | None, ...]] = {
     "model_type": ("huginn_raven",),
     "injection_type": ("linear",),
     "mlp_class_name": ("GatedMLP",),
@@ -77,7 +76,7 @@ SUPPORTED_SWITCHES: dict[str, tuple[str | int | float | bool | None, ...]] = {
     "qk_bias": (False,),
     "test_time_noise": (0, 0.0),
 }
-SOURCE_FIELDS: dict[str, type | UnionType] = {
+RAVEN_SOURCE_FIELDS: dict[str, type | UnionType] = {
     "n_embd": int,
     "n_heads": int,
     "num_key_value_heads": int | None,
@@ -97,7 +96,7 @@ SOURCE_FIELDS: dict[str, type | UnionType] = {
     "tie_embeddings": bool,
     "initial_state_mode": str | None,
 }
-POSITIVE_FIELDS = (
+RAVEN_POSITIVE_FIELDS = (
     "n_embd", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
     "padded_vocab_size", "vocab_size", "max_position_embeddings", "mean_recurrence", "norm_eps",
     "rope_theta",
@@ -149,8 +148,8 @@ def retrofit_config(
     to the checkpoint's (``initial_state_mode``); ``overrides`` replace any field."""
     if variant not in VARIANTS:
         raise ConfigError(f"{source}: variant {variant!r} is not one of {VARIANTS}.")
-    check_source_fields(raven, SOURCE_FIELDS, source, POSITIVE_FIELDS)
-    require_values(raven, SUPPORTED_SWITCHES, source)
+    check_source_fields(raven, RAVEN_SOURCE_FIELDS, source, RAVEN_POSITIVE_FIELDS)
+    require_values(raven, RAVEN_SUPPORTED_SWITCHES, source)
     d_model, n_heads = required_int(raven, "n_embd", source), required_int(raven, "n_heads", source)
     init_values = raven.get("init_values") or {}
     fields: dict[str, Any] = dict(

@@ -96,7 +96,7 @@ def test_non_finite_states_are_reported_per_condition_not_raised():
     results = protocol.run(evaluation, calibration)
     flagged = results.nonfinite()
     assert set(flagged["condition"]) == {"full", *tuple(SWEEP)}
-    assert len(flagged) == 1 + len(tuple(SWEEP)) * len(protocol.k_grid)
+    assert len(flagged) == 1 + len(tuple(SWEEP)) * len(protocol.context.k_grid)
     assert "truncate(1)" in results.metadata["calibration_failures"]
     assert results.table()["gap"].isna().all()
 

@@ -11,7 +11,7 @@ import torch
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX
-from dcp_lens.protocol.verdicts import verdict
+from dcp_lens.protocol.wording import verdict
 from dcp_lens.zoo import planted
 
 N = 256

@@ -16,7 +16,7 @@ from dcp_lens import DepthControlProtocol, EvaluationSet, load
 from dcp_lens.protocol.conditions import SWEEP
 from dcp_lens.protocol.metrics import METRICS
 from dcp_lens.protocol.results import ProtocolResults
-from dcp_lens.protocol.verdicts import S_BRACKET_WIDE
+from dcp_lens.protocol.wording import S_BRACKET_WIDE
 from dcp_lens.report.assets import PLOTLY_JS
 from dcp_lens.report.html import render_report, run_record, verdict
 from dcp_lens.tasks import task_of

@@ -407,7 +407,7 @@ def percentile_bounds(draws):
     ],
 )
 def test_at_least_only_for_a_bound_below_the_point(least, point, start):
-    from dcp_lens.protocol.verdicts import _bracket_verdict
+    from dcp_lens.protocol.wording import _bracket_verdict
 
     record = {
         "verdict": "S",

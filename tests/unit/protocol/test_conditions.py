@@ -78,7 +78,7 @@ def test_a_registered_condition_joins_the_sweep_results_and_equivalence(
     results = protocol.run(evaluation, calibration)
     curves = results.curves()
     halfway = curves[curves["condition"] == "halfway"]
-    assert len(halfway) == len(protocol.k_grid) * len(results.metrics)
+    assert len(halfway) == len(protocol.context.k_grid) * len(results.metrics)
     assert halfway["value"].notna().all()
     # At k = r the midpoint of s_r and s_r is full depth; below r it is not.
     full_ce = curves.query("condition == 'full' and metric == 'cross_entropy'")["value"].item()

@@ -215,7 +215,7 @@ def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None
     huge = moment_bytes(21, 10, 5280, 10, 8192)
     assert huge > 2 * moment_bytes(21, 0, 5280, 1, 8192)  # the groups are most of it
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fit_records, "device_memory_bytes", lambda device: 8 * 2**30)
+        patch.setattr(fit_records, "free_device_bytes", lambda device: 8 * 2**30)
         with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
             fit_records.check_moment_memory(21, 10, 5280, 10, 8192, torch.device("cpu"))
         fit_records.check_moment_memory(21, 10, 256, 10, 8192, torch.device("cpu"))  # small: passes

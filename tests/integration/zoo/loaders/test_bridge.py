@@ -129,7 +129,7 @@ def test_fast_path_equals_hook_path_for_every_condition(folder):
     model = BridgeModel.from_bridge(boot(folder))
     protocol, tokens = fitted_protocol(model)
     with torch.no_grad():
-        for k in protocol.k_grid:
+        for k in protocol.context.k_grid:
             for condition in ("full", *tuple(SWEEP)):
                 if condition == "base_rate":  # no hook_logits on a bridge: no hook form
                     assert not protocol.condition(condition, k).realizable(model)

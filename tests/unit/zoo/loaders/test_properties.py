@@ -25,9 +25,9 @@ from safetensors.torch import save_file
 from dcp_lens import HookedRecurrentTransformer, load
 from dcp_lens.model.config import INJECTIONS, SERIALISED_FIELDS, STATE_INITS, RecurrentConfig
 from dcp_lens.tasks import get_task
-from dcp_lens.zoo.loaders.huginn import SOURCE_FIELDS as HUGINN_FIELDS
+from dcp_lens.zoo.loaders.huginn import HUGINN_SOURCE_FIELDS as HUGINN_FIELDS
 from dcp_lens.zoo.loaders.huginn import huginn_config
-from dcp_lens.zoo.loaders.ouro import SOURCE_FIELDS as OURO_FIELDS
+from dcp_lens.zoo.loaders.ouro import OURO_SOURCE_FIELDS as OURO_FIELDS
 from dcp_lens.zoo.loaders.ouro import ouro_config
 from dcp_lens.zoo.loaders.tokenizer import Llama2cTokenizer
 
