@@ -129,6 +129,7 @@ def test_a_users_replacing_folder_and_old_folder_are_never_touched(tmp_path, mon
     monkeypatch.setattr(files, "_exchange", lambda first, second: False)  # no renameat2
     with OutputFolder(out, "run", overwrite=True) as _:
         pass
+    write_run(out, overwrite=True)  # a finished run with files again: the staged replace's
     folder = OutputFolder(out, "run", overwrite=True)
     work = folder.open(staged=True)
     folder.prepare()
