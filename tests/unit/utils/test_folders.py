@@ -48,9 +48,20 @@ def interrupted(out: Path, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(files.os, "replace", replace)
     close = OutputFolder.close  # a kill cleans nothing up: the lock is only released
     monkeypatch.setattr(OutputFolder, "close", lambda self, abandon=False: close(self))
+    opened: list[OutputFolder] = []
+    open_folder = OutputFolder.open
+
+    def open_noted(self: OutputFolder, **options: bool) -> Path:
+        opened.append(self)
+        return open_folder(self, **options)
+
+    monkeypatch.setattr(OutputFolder, "open", open_noted)
     with pytest.raises(Killed):
         write_run(out)
     monkeypatch.undo()
+    for folder in opened:  # the locks go with a killed process, wherever it stopped
+        for lock in folder._locks:
+            lock.release()
 
 
 @pytest.mark.parametrize("at", range(1, 9))
