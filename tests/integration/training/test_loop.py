@@ -360,3 +360,29 @@ def test_a_kill_right_after_the_model_is_written_leaves_it_the_runs_own(
     assert_bit_identical(
         weights(HookedRecurrentTransformer.from_pretrained(out / "model")), weights(replaced.model)
     )
+
+
+def test_files_a_user_puts_in_or_beside_the_checkpoint_are_kept(tmp_path: Path, uninterrupted):
+    """A checkpoint is replaced by the files the run recorded only: a user's file in
+    ``checkpoint/`` and the user's folders of the names the trainer uses while it writes one
+    are kept through a resume and a restart, and the resume is still bit-identical."""
+    from dcp_lens.training.config import CHECKPOINT_DIR
+
+    config = resumable_config()
+    out = tmp_path / "run"
+    train(config, out, stop_at_step=15, progress=False)
+    users = {
+        out / CHECKPOINT_DIR / "user_notes.txt": b"in the checkpoint",
+        out / f"{CHECKPOINT_DIR}.tmp" / "user_notes.txt": b"a folder of mine",
+        out / f"{CHECKPOINT_DIR}.old" / "user_notes.txt": b"another folder of mine",
+    }
+    for path, data in users.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+
+    resumed = train(config, out, progress=False)
+    assert {path: path.read_bytes() for path in users} == users
+    assert_bit_identical(weights(resumed.model), weights(uninterrupted.model))
+    replaced = train(config, out, resume=False, progress=False)
+    assert {path: path.read_bytes() for path in users} == users
+    assert_bit_identical(weights(replaced.model), weights(uninterrupted.model))
