@@ -449,12 +449,13 @@ def remove_own_files(root: Path, path: Path, *, others_to: Path | None = None) -
         return
     record = _record_of(root)
     prefix = Path(os.path.realpath(path)).relative_to(os.path.realpath(root)).as_posix()
-    own, others = [], []
+    own: list[str] = []
+    others: list[str] = []
     for name in files_in(path):
         (own if record.owns(root, f"{prefix}/{name}") else others).append(name)
-    for name in others if others_to is not None else []:
-        target = others_to / name
-        if not name.endswith("/") and not os.path.lexists(target):
+    for name in others:
+        target = others_to / name if others_to is not None else None
+        if target is not None and not name.endswith("/") and not os.path.lexists(target):
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(path / name, target)
     remove_files(path, own)
