@@ -30,6 +30,7 @@ from dcp_lens.utils.checks import (
     read_json_object,
 )
 from dcp_lens.utils.errors import ConfigError, ConfigTypeError
+from dcp_lens.utils.files import write_text_atomically
 
 INJECTIONS = ("none", "add", "concat_adapter")
 STATE_INITS = ("zeros", "embed", "normal", "huginn")
@@ -237,7 +238,8 @@ class RecurrentConfig(TransformerLensConfig):
         return cls(**as_declared_floats(cls, values))
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write `to_dict` as JSON to ``path``, whole or not at all (`write_text_atomically`)."""
+        write_text_atomically(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> RecurrentConfig:

@@ -57,6 +57,7 @@ from dcp_lens.utils.errors import (
     DCPLensError,
     InputError,
 )
+from dcp_lens.utils.files import written_atomically
 
 ReturnType = Literal["logits", "loss", "both"] | None
 _ModelT = TypeVar("_ModelT", bound="HookedRecurrentTransformer")
@@ -689,14 +690,17 @@ class HookedRecurrentTransformer(TextMethods, Generation, WeightViews, TLSurface
         canonical.load_into(self, state, source)
 
     def save_pretrained(self, path: str | Path) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (each shared tensor once) to a folder."""
+        """Write ``config.json`` and ``model.safetensors`` (each shared tensor once) to a folder,
+        each whole or not at all and, inside a folder a command is writing, recorded as the
+        command's own before it lands (`dcp_lens.utils.files.written_atomically`)."""
         from safetensors.torch import save_file
 
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         self.cfg.to_json(folder / CONFIG_FILE)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.canonical_state_dict().items()}
-        save_file(tensors, str(folder / SINGLE_FILE), metadata={"format": "dcp-lens"})
+        with written_atomically(folder / SINGLE_FILE) as partial:
+            save_file(tensors, str(partial), metadata={"format": "dcp-lens"})
         return folder
 
     @classmethod

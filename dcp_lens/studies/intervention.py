@@ -185,8 +185,10 @@ def run_training_intervention(
         ]
         if jobs > 1 and len(pending) > 1:
             _train_in_parallel(pending, jobs, progress)
-            for folder, _ in pending:  # written by worker processes: recorded as the folder's
-                target.adopt(folder)
+        # Runs written by worker processes (this command's, or those of one killed before it
+        # recorded them) are recorded as the folder's own, as far as their manifests prove.
+        for regime, seed in plan:
+            target.adopt(out / RUNS_DIR / f"{regime}-seed{seed}")
         for regime, seed in progress_display(plan, desc="intervention", enabled=progress):
             folder = out / RUNS_DIR / f"{regime}-seed{seed}"
             config = configs[(regime, seed)]

@@ -54,7 +54,6 @@ from dcp_lens.training.state import (
     save_checkpoint,
     write_json,
 )
-from dcp_lens.utils import ownership
 from dcp_lens.utils.devices import check_device
 from dcp_lens.utils.files import check_output_folder, naming_full_disk
 from dcp_lens.utils.folders import OutputFolder
@@ -245,7 +244,6 @@ def _train(
         if state.step == config.steps:
             with naming_full_disk(out / MODEL_DIR):
                 model.save_pretrained(out / MODEL_DIR)
-            ownership.record_existing(out / MODEL_DIR)  # the run's own: its output folder's
             write_json(out / MODEL_DIR / TASK_FILE, config.task)  # `dcp-lens run` reads it
             extra = 0 if model.is_dense else config.table_extra_iterations
             table = evaluate_accuracy(

@@ -4,7 +4,6 @@ checkpoint (model, optimizer, RNG) with the trainer's plain state, and atomic JS
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
@@ -17,7 +16,8 @@ from dcp_lens.training.config import CHECKPOINT_DIR, RUN_FIELDS, TRAIN_CONFIG_FI
 from dcp_lens.training.evaluation import AccuracyRecord
 from dcp_lens.utils.checks import read_json_object, read_safetensors_file
 from dcp_lens.utils.errors import DamagedFileError, DCPLensError
-from dcp_lens.utils.files import rename_folder, write_text_atomically, written_atomically
+from dcp_lens.utils.files import temporary_folder, write_text_atomically, written_atomically
+from dcp_lens.utils.folders import remove_own_files, rename_folder
 
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_STATE = "trainer_state.json"
@@ -76,11 +76,10 @@ def config_differences(saved_path: Path, config: TrainConfig) -> list[str]:
 
 
 def prepare_run_folder(config: TrainConfig, out: Path, resume: bool) -> None:
-    """Check a previous run in ``out`` matches (resume) or clear it (no resume)."""
+    """Check that a previous run in ``out`` is a run of ``config`` (resume); without resume
+    there is nothing to do (`dcp_lens.utils.folders.OutputFolder` removed the run's files)."""
     saved_path = out / TRAIN_CONFIG_FILE
-    if not resume:
-        for name in (CHECKPOINT_DIR, CHECKPOINT_DIR + ".old", CHECKPOINT_DIR + ".tmp"):
-            shutil.rmtree(out / name, ignore_errors=True)
+    if not resume:  # the folder's own checkpoints went with its other files (`OutputFolder`)
         return
     if latest_checkpoint(out) is None or not saved_path.is_file():
         return
@@ -132,17 +131,19 @@ def save_checkpoint(
         "param_groups": optimizer_state["param_groups"],
         "config": config.to_dict(),
     }
-    tmp, final, old = (out / (CHECKPOINT_DIR + s) for s in (".tmp", "", ".old"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    final, old = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".old")
+    tmp = temporary_folder(final)
     with written_atomically(tmp / CHECKPOINT_TENSORS) as partial:
         save_file(tensors, str(partial), metadata={"format": CHECKPOINT_FORMAT})
     write_json(tmp / CHECKPOINT_STATE, plain)
-    shutil.rmtree(old, ignore_errors=True)
+    # The previous checkpoint stays whole under ``old`` until the new one is in place; of
+    # either folder only the files the run recorded go, a user's are kept (moved along).
+    remove_own_files(out, old)
+    parked = old if not old.exists() else temporary_folder(old)  # ``old``: a user's folder
     if final.exists():
-        rename_folder(final, old)
-    rename_folder(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+        rename_folder(out, final, parked)
+    rename_folder(out, tmp, final)
+    remove_own_files(out, parked, others_to=final)
 
 
 def load_checkpoint(

@@ -128,17 +128,6 @@ def _park(folder: Path) -> Path:
         return parked
 
 
-def rename_folder(source: str | Path, target: str | Path) -> None:
-    """Rename the folder ``source`` to ``target`` (which must not hold anything), recording its
-    files under their new names first (`dcp_lens.utils.ownership`): they stay the command's own."""
-    source, target = Path(source), Path(target)
-    for root, _, names in os.walk(source):
-        for name in names:
-            moved = target / Path(root, name).relative_to(source)
-            ownership.record_write(moved, Path(root, name))
-    os.rename(source, target)
-
-
 def _exchange(first: Path, second: Path) -> bool:
     """Atomically exchange the names ``first`` and ``second`` (Linux renameat2 with
     RENAME_EXCHANGE); False where the system or file system cannot."""
@@ -198,6 +187,15 @@ def written_atomically(path: str | Path) -> Iterator[Path]:
             raise disk_full(path, error) from error
         raise
     fsync_folder(path.parent)
+
+
+def temporary_folder(path: str | Path) -> Path:
+    """A new empty folder beside ``path``, of a unique name that marks it as the temporary
+    form of ``path`` of the command writing its folder (`dcp_lens.utils.ownership.TEMPORARY`),
+    created here (so no other folder is written)."""
+    path = Path(path)
+    prefix = ownership.temporary_prefix(path)
+    return Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent))
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -333,9 +331,9 @@ __all__ = [
     "naming_full_disk",
     "mark_complete",
     "mark_incomplete",
-    "rename_folder",
     "safe_name",
     "swap_folders",
+    "temporary_folder",
     "write_bytes_atomically",
     "write_text_atomically",
     "written_atomically",

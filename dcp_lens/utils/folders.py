@@ -230,7 +230,9 @@ class OutputFolder:
         if self.work != self.real:
             self._write_manifest(self.work, finished=False, record=Record())
             return self.work
-        temporary = [f for f in contents.own if ownership.TEMPORARY.match(f.rsplit("/", 1)[-1])]
+        temporary = [  # temporary files, and the files in temporary folders
+            f for f in contents.own if any(ownership.TEMPORARY.match(p) for p in f.split("/"))
+        ]
         for claim in self.claims:  # a claimed file's temporary files, beside the folder
             for path in claim.parent.glob(f".{glob.escape(claim.name[:60])}.*.tmp"):
                 name = Path(os.path.relpath(path.absolute(), self.work)).as_posix()
@@ -426,6 +428,42 @@ def remove_files(folder: Path, relative: Iterable[str]) -> None:
         if parent.is_dir() and not parent.is_symlink() and not os.listdir(parent):
             parent.rmdir()
     fsync_folder(folder)
+
+
+def rename_folder(root: Path, source: Path, target: Path) -> None:
+    """Rename the folder ``source`` to ``target`` (a new name, or an empty folder), both inside
+    ``root``, the folder a command is writing: the files in it that ``root``'s manifest and
+    journal prove the command's own are recorded under their new names first, so they stay its
+    own; the others stay the user's."""
+    record = _record_of(root)
+    prefix = Path(os.path.realpath(source)).relative_to(os.path.realpath(root)).as_posix()
+    for name in files_in(source):
+        if record.owns(root, f"{prefix}/{name}"):
+            ownership.record_write(target / name, source / name)
+    os.rename(source, target)
+
+
+def remove_own_files(root: Path, path: Path, *, others_to: Path | None = None) -> None:
+    """Remove the files below the folder ``path`` that the manifest and journal of ``root``
+    (the folder a command is writing, ``path`` inside it) prove the command's own, then the
+    folders left empty, ``path`` included. The other files (a user's) stay; with
+    ``others_to`` they move to the same place below that folder, where no file has the name."""
+    if path.is_symlink() or not path.is_dir():
+        return
+    record = _record_of(root)
+    prefix = Path(os.path.realpath(path)).relative_to(os.path.realpath(root)).as_posix()
+    own: list[str] = []
+    others: list[str] = []
+    for name in files_in(path):
+        (own if record.owns(root, f"{prefix}/{name}") else others).append(name)
+    for name in others:
+        target = others_to / name if others_to is not None else None
+        if target is not None and not name.endswith("/") and not os.path.lexists(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path / name, target)
+    remove_files(path, own)
+    if not os.listdir(path):
+        path.rmdir()
 
 
 def _discard(folder: Path) -> None:
@@ -663,5 +701,7 @@ __all__ = [
     "REPORT_FILE_KIND",
     "files_in",
     "remove_files",
+    "remove_own_files",
+    "rename_folder",
     "report_target",
 ]

@@ -175,14 +175,6 @@ def record_write(path: Path, written: Path, *, whole: bool = True) -> None:
         journal.append({"file": journal.name_of(path), "id": recorded})
 
 
-def record_existing(folder: Path) -> None:
-    """Record every file below ``folder`` as just written by the command (for a writer that
-    cannot write through `dcp_lens.utils.files.written_atomically`, right after it wrote)."""
-    for root, _, names in os.walk(folder):
-        for name in names:
-            record_write(Path(root, name), Path(root, name))
-
-
 @dataclass
 class Record:
     """What a folder's journal (or manifest) holds: the kinds of command that wrote it, their
@@ -289,7 +281,6 @@ __all__ = [
     "is_identity",
     "matches",
     "read_journal",
-    "record_existing",
     "record_write",
     "temporary_prefix",
 ]

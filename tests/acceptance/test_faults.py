@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from dcp_lens.cli import main
+from dcp_lens.utils.folders import OutputFolder
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--n-eval", "16", "--n-calibration", "16", "--bootstrap", "5", "--probe", "none"]
@@ -167,3 +170,75 @@ def test_every_write_of_every_command_can_be_killed(tmp_path, capsys, source, na
     for target in range(1, total + 1):
         for when in ("before", "after"):
             check_kill(name, target, when, tmp_path / f"{target}-{when}", source)
+
+
+# The parallel experiment's child: with "before recording", it SIGKILLs itself (and its
+# process group) where it would first record a worker's folder as its own.
+PARALLEL_CHILD = """
+import os, signal, sys
+from dcp_lens.utils.folders import OutputFolder
+if sys.argv[1] == "before recording":
+    OutputFolder.adopt = lambda self, folder: os.killpg(0, signal.SIGKILL)
+from dcp_lens.cli import main
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+def killed_experiment(argv: list[str], runs: list[Path], kill: str, cwd: Path) -> None:
+    """Run ``argv`` in a child of its own process group, SIGKILLed with its workers ``kill``:
+    "while training" (once every run of ``runs`` has a checkpoint) or "before recording"."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", PARALLEL_CHILD, kill, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while kill == "while training" and not all((r / "checkpoint").exists() for r in runs):
+            assert process.poll() is None, "the experiment ended before the kill"
+            assert time.monotonic() < deadline, "the trainings wrote no checkpoint in 600 s"
+            time.sleep(0.2)
+    finally:
+        if kill == "while training":
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=600)
+    assert process.returncode == -signal.SIGKILL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", ["while training", "before recording"])
+def test_a_parallel_experiment_killed_is_adopted_by_a_rerun(tmp_path, kill):
+    """``experiment --jobs 2`` SIGKILLed with its worker processes, while both trainings are
+    under way or once they finished but before it recorded their folders as its own: the rerun
+    finishes it, every file but the user's is the experiment's own by proof, the user's files
+    (in the folder, in ``runs/``, in a run's folder) are kept, nothing is written beside it."""
+    box = tmp_path / "box"
+    box.mkdir()
+    out = box / "out"
+    argv = [*command("experiment", out, None)[:-2], "--seeds", "0,1", "--jobs", "2", *SMALL]
+    argv += ["--quiet", "--out", str(out)]
+    (box / "user_beside.txt").write_text("mine, beside --out")
+    runs = [out / "runs" / f"fixed-seed{seed}" for seed in (0, 1)]
+    killed_experiment(argv, runs, kill, box)
+    trained = [(run / "model" / "model.safetensors").is_file() for run in runs]
+    assert trained == ([False, False] if kill == "while training" else [True, True])
+    users = {
+        out / "user_top.txt": b"added after the kill",
+        out / "runs" / "user_runs.txt": b"beside the training runs",
+        runs[0] / "user_in_run.txt": b"inside a training run",
+    }
+    for path, data in users.items():
+        path.write_bytes(data)
+
+    assert main(argv) == 0
+    assert {path: path.read_bytes() for path in users} == users
+    assert sorted(p.name for p in box.iterdir()) == ["out", "user_beside.txt"]
+    contents = OutputFolder(out, "experiment").inspect()
+    assert contents is not None and contents.finished
+    assert sorted(contents.foreign) == sorted(str(p.relative_to(out)) for p in users)
+    for run in runs:
+        assert f"{run.relative_to(out)}/model/model.safetensors" in contents.own

@@ -314,3 +314,75 @@ def test_config_files_with_unknown_keys_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"unknown TrainConfig keys \['bogus'\]"):
         TrainConfig.from_dict({**data, "bogus": 1})
     assert TrainConfig.from_dict(data) == preset("tiny")
+
+
+class Killed(BaseException):
+    """Stands in for a SIGKILL: nothing in dcp-lens catches it."""
+
+
+def test_a_kill_right_after_the_model_is_written_leaves_it_the_runs_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The model's files are recorded before they land: a run stopped right after writing
+    ``model/`` holds them as its own (a rerun replaces them, and only them), while files a
+    user puts in the folder, ``model/`` included, stay the user's through a resume and a
+    restart."""
+    from dcp_lens.utils.folders import MANIFEST, OutputFolder
+
+    config = preset("tiny", steps=3, eval_interval=3, checkpoint_interval=3)
+    out = tmp_path / "run"
+    save = HookedRecurrentTransformer.save_pretrained
+
+    def save_then_die(self: HookedRecurrentTransformer, path: str | Path) -> Path:
+        save(self, path)
+        raise Killed
+
+    monkeypatch.setattr(HookedRecurrentTransformer, "save_pretrained", save_then_die)
+    with pytest.raises(Killed):
+        train(config, out, progress=False)
+    monkeypatch.undo()
+    users = {out / "user_notes.txt": b"mine", out / "model" / "user_notes.txt": b"mine too"}
+    for path, data in users.items():
+        path.write_bytes(data)
+
+    contents = OutputFolder(out, "train").inspect()
+    assert contents is not None and not contents.finished
+    assert {"model/config.json", "model/model.safetensors"} <= set(contents.own)
+    assert sorted(contents.foreign) == ["model/user_notes.txt", "user_notes.txt"]
+
+    resumed = train(config, out, progress=False)
+    replaced = train(config, out, resume=False, progress=False)
+    assert resumed.completed and replaced.completed
+    assert {path: path.read_bytes() for path in users} == users
+    recorded = json.loads((out / MANIFEST).read_text())["files"]
+    assert {"model/config.json", "model/model.safetensors"} <= set(recorded)
+    assert not {"user_notes.txt", "model/user_notes.txt"} & set(recorded)
+    assert_bit_identical(
+        weights(HookedRecurrentTransformer.from_pretrained(out / "model")), weights(replaced.model)
+    )
+
+
+def test_files_a_user_puts_in_or_beside_the_checkpoint_are_kept(tmp_path: Path, uninterrupted):
+    """A checkpoint is replaced by the files the run recorded only: a user's file in
+    ``checkpoint/`` and the user's folders of the names the trainer uses while it writes one
+    are kept through a resume and a restart, and the resume is still bit-identical."""
+    from dcp_lens.training.config import CHECKPOINT_DIR
+
+    config = resumable_config()
+    out = tmp_path / "run"
+    train(config, out, stop_at_step=15, progress=False)
+    users = {
+        out / CHECKPOINT_DIR / "user_notes.txt": b"in the checkpoint",
+        out / f"{CHECKPOINT_DIR}.tmp" / "user_notes.txt": b"a folder of mine",
+        out / f"{CHECKPOINT_DIR}.old" / "user_notes.txt": b"another folder of mine",
+    }
+    for path, data in users.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(data)
+
+    resumed = train(config, out, progress=False)
+    assert {path: path.read_bytes() for path in users} == users
+    assert_bit_identical(weights(resumed.model), weights(uninterrupted.model))
+    replaced = train(config, out, resume=False, progress=False)
+    assert {path: path.read_bytes() for path in users} == users
+    assert_bit_identical(weights(replaced.model), weights(uninterrupted.model))

@@ -48,9 +48,20 @@ def interrupted(out: Path, at: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(files.os, "replace", replace)
     close = OutputFolder.close  # a kill cleans nothing up: the lock is only released
     monkeypatch.setattr(OutputFolder, "close", lambda self, abandon=False: close(self))
+    opened: list[OutputFolder] = []
+    open_folder = OutputFolder.open
+
+    def open_noted(self: OutputFolder, **options: bool) -> Path:
+        opened.append(self)
+        return open_folder(self, **options)
+
+    monkeypatch.setattr(OutputFolder, "open", open_noted)
     with pytest.raises(Killed):
         write_run(out)
     monkeypatch.undo()
+    for folder in opened:  # the locks go with a killed process, wherever it stopped
+        for lock in folder._locks:
+            lock.release()
 
 
 @pytest.mark.parametrize("at", range(1, 9))
@@ -129,6 +140,7 @@ def test_a_users_replacing_folder_and_old_folder_are_never_touched(tmp_path, mon
     monkeypatch.setattr(files, "_exchange", lambda first, second: False)  # no renameat2
     with OutputFolder(out, "run", overwrite=True) as _:
         pass
+    write_run(out, overwrite=True)  # a finished run with files again: the staged replace's
     folder = OutputFolder(out, "run", overwrite=True)
     work = folder.open(staged=True)
     folder.prepare()
