@@ -2,7 +2,7 @@
 give their `state` for a ``--resume`` snapshot, `restore` one, and are merged over the processes
 of a data-parallel run: each source's moments per calibration group (`GroupMoments`), full
 depth's predicted distributions (`BaseRateSums`), and all of them with the subsamples a map, the
-probe and the calibration null are fitted from (`CalibrationRecords`). The translators' leading
+probe and the calibration null are fitted from (`CalibrationAccumulator`). The translators' leading
 states (`LeadingStates`) are kept beside them, never snapshotted."""
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ class CalibrationState(TypedDict):
     halves: list[MomentsState] | None
 
 
-class CalibrationRecords:
+class CalibrationAccumulator:
     """Everything the calibration pass accumulates: per source condition (by label) its moments
     per group (`GroupMoments`) and, for a map fitted to states, its subsample; the probe's
     reference subsample of full depth's states; the moments of even and odd examples' full-depth
@@ -474,7 +474,7 @@ class CalibrationRecords:
         """Every rank's moments (per group), subsamples and base-rate sums merged in rank order
         on every rank (so every rank fits the same maps), on ``device``. A source whose states
         turned non-finite on any rank is dropped."""
-        parts: list[CalibrationRecords] = distributed.all_gather(self)
+        parts: list[CalibrationAccumulator] = distributed.all_gather(self)
         for label in self.streams:
             merged = GroupMoments.merged([part.streams[label] for part in parts])
             self.streams[label] = distributed.moved(merged, device)
@@ -511,11 +511,11 @@ def read_batch(
     context: RunContext,
     calibration: EvaluationSet,
     rows: slice,
-    records: CalibrationRecords,
+    records: CalibrationAccumulator,
     chunks: PassChunks,
 ) -> tuple[Float[Tensor, "r_plus_1 batch pos d_model"], BaseRateSums | None]:
     """One calibration batch's states, its forward run ``chunks.sequences`` sequences at a time,
-    and its base-rate sums (`CalibrationRecords.base_part`): nothing of the records changes."""
+    and its base-rate sums (`CalibrationAccumulator.base_part`): nothing of the records changes."""
     tokens, device = calibration.tokens[rows], context.device()
     states: Tensor | None = None
     for start in range(0, len(tokens), chunks.sequences):
