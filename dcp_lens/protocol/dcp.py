@@ -54,7 +54,7 @@ from dcp_lens.protocol.evaluation_set import task_data as task_data
 from dcp_lens.protocol.fit import FittedMaps, fit_maps
 from dcp_lens.protocol.metrics import HIGHER_IS_BETTER, METRICS, NEEDS_ANSWERS, VALIDATION
 from dcp_lens.protocol.probe import ResidualOODProbe, probe_run, s_rank_correlation
-from dcp_lens.protocol.records import CalibrationRecord, NullControl, ProbeSummary
+from dcp_lens.protocol.records import CalibrationRecord, NullControlRecord, ProbeSummaryRecord
 from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep import Sweep, SweepOutput, evaluate_with_noise
@@ -335,7 +335,7 @@ class DepthControlProtocol:
         k_grid, replay_difference = context.k_grid, swept.replay_difference
         evidence = RunEvidence(
             k_grid=k_grid,
-            probe=ProbeSummary.from_json(probe_summary),
+            probe=ProbeSummaryRecord.from_json(probe_summary),
             replay_difference=replay_difference,
             calibration_mode=config.calibration_mode,
             lower_bound=CALIBRATION_MAPS[config.calibration_mode].lower_bound,
@@ -367,8 +367,8 @@ class DepthControlProtocol:
             architecture="dense" if self.model.is_dense else "recurrent",
             n_iterations=self.r,
             decompositions=decompositions,
-            null_control=NullControl.from_json(swept.null_control),
-            probe=ProbeSummary.from_json(probe_summary),
+            null_control=NullControlRecord.from_json(swept.null_control),
+            probe=ProbeSummaryRecord.from_json(probe_summary),
             calibration=CalibrationRecord.of_run(
                 config.calibration_mode,
                 config.skip_first_position,

@@ -1,7 +1,7 @@
 """The fit stage: every calibration map the sweep's conditions ask for, fitted label-free on the
 calibration split (streaming moments, or subsamples of states for a map fitted to states), the
 calibration null, and the probe's reference states, from what one pass over the split
-accumulates (`CalibrationRecords`). Hands a `FittedMaps` to the later stages."""
+accumulates (`CalibrationAccumulator`). Hands a `FittedMaps` to the later stages."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from dcp_lens.protocol.confidence import ConfidenceMatching
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.fit_records import (
-    CalibrationRecords,
+    CalibrationAccumulator,
     LeadingStates,
     group_major,
     leading_states,
@@ -189,7 +189,7 @@ def fit_maps(
         front = max(translator_rows(calibration), _confidence_rows(calibration, confidence))
         groups = config.calibration_groups
         calibration = group_major(calibration, config.batch_size, groups, front)
-    records = CalibrationRecords(
+    records = CalibrationAccumulator(
         context, calibration, wanted.maps, entry, wanted.wants_base_rate, host
     )
     done = context.restore("calibration", records.restore)
@@ -228,7 +228,7 @@ def _fitted(
     context: RunContext,
     calibration: EvaluationSet,
     entry: CalibrationMap,
-    records: CalibrationRecords,
+    records: CalibrationAccumulator,
     leading: LeadingStates,
 ) -> FittedMaps:
     """The maps, the calibration null and the translators fitted from the calibration pass's
@@ -260,7 +260,7 @@ def _fitted(
 def _fit_whole(
     entry: CalibrationMap,
     config: MapSettings,
-    records: CalibrationRecords,
+    records: CalibrationAccumulator,
     totals: dict[str, StreamingMoments | None],
 ) -> dict[str, FittedMap | None]:
     """Every map fitted on the whole calibration split (None where its states were
@@ -278,7 +278,7 @@ def _fit_whole(
 def _refit_left_out(
     context: RunContext,
     entry: CalibrationMap,
-    records: CalibrationRecords,
+    records: CalibrationAccumulator,
     totals: dict[str, StreamingMoments | None],
     whole: dict[str, FittedMap | None],
 ) -> list[dict[str, FittedMap | None]]:

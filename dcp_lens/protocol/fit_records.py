@@ -2,7 +2,7 @@
 give their `state` for a ``--resume`` snapshot, `restore` one, and are merged over the processes
 of a data-parallel run: each source's moments per calibration group (`GroupMoments`), full
 depth's predicted distributions (`BaseRateSums`), and all of them with the subsamples a map, the
-probe and the calibration null are fitted from (`CalibrationRecords`). The translators' leading
+probe and the calibration null are fitted from (`CalibrationAccumulator`). The translators' leading
 states (`LeadingStates`) are kept beside them, never snapshotted."""
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ class CalibrationState(TypedDict):
     halves: list[MomentsState] | None
 
 
-class CalibrationRecords:
+class CalibrationAccumulator:
     """Everything the calibration pass accumulates: per source condition (by label) its moments
     per group (`GroupMoments`) and, for a map fitted to states, its subsample; the probe's
     reference subsample of full depth's states; the moments of even and odd examples' full-depth
@@ -428,7 +428,7 @@ class CalibrationRecords:
         """Every rank's moments (per group), subsamples and base-rate sums merged in rank order
         on every rank (so every rank fits the same maps), on ``device``. A source whose states
         turned non-finite on any rank is dropped."""
-        parts: list[CalibrationRecords] = distributed.all_gather(self)
+        parts: list[CalibrationAccumulator] = distributed.all_gather(self)
         for label in self.streams:
             merged = GroupMoments.merged([part.streams[label] for part in parts])
             self.streams[label] = distributed.moved(merged, device)

@@ -33,7 +33,7 @@ class JSONRecord(Mapping[str, JSONValue]):
     """A dataclass record that reads as the JSON object it writes (`to_json`).
 
     Subclasses are dataclasses whose fields are the object's keys in order; ``other`` holds the
-    keys no field names, written after the fields (or, for `NullControl`, where `to_json` puts
+    keys no field names, written after the fields (or, for `NullControlRecord`, where `to_json` puts
     them)."""
 
     other: Mapping[str, JSONValue]
@@ -86,7 +86,7 @@ class JSONRecord(Mapping[str, JSONValue]):
 
 
 @dataclass(frozen=True, eq=False)
-class NullControl(JSONRecord):
+class NullControlRecord(JSONRecord):
     """What must be zero up to float error (docs/design.md §7): at k = r every condition against
     full depth (``max_abs_logit_diff``: truncate and replay; the calibrated ones; ``shift``; each
     translator's, in ``other`` as ``<name>_at_r_max_abs_logit_diff``), how far the full-depth
@@ -112,7 +112,7 @@ class NullControl(JSONRecord):
 
 
 @dataclass(frozen=True, eq=False)
-class ProbeSummary(JSONRecord):
+class ProbeSummaryRecord(JSONRecord):
     """The residual OOD probe's scores (`dcp_lens.protocol.probe.probe_run`): at full depth
     (``reference_*``), per iteration (``trajectory`` rows: ``iteration``, ``mahalanobis``,
     ``auroc``, ...), per k for the calibrated truncated states (``calibrate_truncate`` rows, by
@@ -128,7 +128,7 @@ class ProbeSummary(JSONRecord):
 
 
 @dataclass(frozen=True, eq=False)
-class ConfidenceMatching(JSONRecord):
+class ConfidenceMatchingRecord(JSONRecord):
     """Loss metrics scored at the temperature that gives full depth's mean entropy: per condition,
     per k (as a string), the temperature."""
 
@@ -146,9 +146,11 @@ class CalibrationRecord(JSONRecord):
     fitted_on: str | None = None
     covariance: str | None = None
     skip_first_position: bool | None = None
-    confidence_matching: ConfidenceMatching | None = None
+    confidence_matching: ConfidenceMatchingRecord | None = None
     other: Mapping[str, JSONValue] = field(default_factory=dict)
-    nested: ClassVar[Mapping[str, type[JSONRecord]]] = {"confidence_matching": ConfidenceMatching}
+    nested: ClassVar[Mapping[str, type[JSONRecord]]] = {
+        "confidence_matching": ConfidenceMatchingRecord
+    }
 
     @classmethod
     def of_run(

@@ -21,8 +21,8 @@ from dcp_lens.protocol.records import (
     CalibrationRecord,
     JSONObject,
     JSONValue,
-    NullControl,
-    ProbeSummary,
+    NullControlRecord,
+    ProbeSummaryRecord,
     decode_float,
     decode_json,
     encode_json,
@@ -403,7 +403,7 @@ class ProtocolResults:
 
     ``replay_realizable`` defaults to ``architecture == "recurrent"``: on a dense model replay is
     computable but is not the same model in another configuration (`REPLAY_NOT_REALIZABLE`).
-    ``null_control``, ``probe`` and ``calibration`` are records (`NullControl`, `ProbeSummary`,
+    ``null_control``, ``probe`` and ``calibration`` are records (`NullControlRecord`, `ProbeSummaryRecord`,
     `CalibrationRecord` of `dcp_lens.protocol.records`; ``Record.from_json(dict)`` builds one),
     each also readable as the JSON object it writes
     (``results.null_control["max_abs_logit_diff"]``).
@@ -417,8 +417,8 @@ class ProtocolResults:
     n_iterations: int
     decompositions: Mapping[str, Decomposition]
     replay_realizable: bool | None = None
-    null_control: NullControl = field(default_factory=lambda: NullControl(math.nan))
-    probe: ProbeSummary = field(default_factory=ProbeSummary)
+    null_control: NullControlRecord = field(default_factory=lambda: NullControlRecord(math.nan))
+    probe: ProbeSummaryRecord = field(default_factory=ProbeSummaryRecord)
     metadata: Mapping[str, object] = field(default_factory=dict)
     calibration: CalibrationRecord = field(default_factory=CalibrationRecord)
 
@@ -555,8 +555,8 @@ class ProtocolResults:
             n_iterations=n_iterations,
             decompositions=decompositions,
             replay_realizable=bool(run["replay_realizable"]),
-            null_control=NullControl.from_json(_object(run["null_control"], "null_control")),
-            probe=ProbeSummary.from_json(_object(run["probe"], "probe")),
+            null_control=NullControlRecord.from_json(_object(run["null_control"], "null_control")),
+            probe=ProbeSummaryRecord.from_json(_object(run["probe"], "probe")),
             metadata=_object(decode_json(run["metadata"]), "metadata"),
             calibration=CalibrationRecord.from_json(
                 _object(run.get("calibration", {}), "calibration")

@@ -1,6 +1,6 @@
 """The sweep stage: every sweep condition at every k of the grid on the evaluation set, from one
 full-depth pass per batch (`readouts`), scored per example, with the null control and the
-probe's subsamples, accumulated batch by batch into `SweepRecords` (which snapshot for
+probe's subsamples, accumulated batch by batch into `SweepAccumulator` (which snapshot for
 ``--resume`` and merge over processes). Hands a `SweepOutput` to the probe and decomposition
 stages."""
 
@@ -32,11 +32,11 @@ from dcp_lens.protocol.readout import readouts
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.sweep_records import (
     BatchScores,
-    Maxima,
-    NullControl,
-    ProbeSampler,
+    MaximaAccumulator,
+    NullControlAccumulator,
+    ProbeSampleAccumulator,
+    SweepAccumulator,
     SweepOutput,
-    SweepRecords,
     Values,
     nan_max,
 )
@@ -131,7 +131,7 @@ class Sweep:
         self.jackknife_tokens = jackknife_tokens
         self.maps = maps
         self.temperatures = temperatures
-        self._replay: Maxima[int] = Maxima()
+        self._replay: MaximaAccumulator[int] = MaximaAccumulator()
 
     @property
     def replay_difference(self) -> dict[int, float]:
@@ -167,7 +167,7 @@ class Sweep:
             gathered = distributed.gather_to_main(records)
             if gathered is None:  # not rank 0: rank 0 decomposes
                 return SweepOutput({}, {}, ProbeSamples())
-            records = SweepRecords.merged(gathered, context.device())
+            records = SweepAccumulator.merged(gathered, context.device())
         self._replay = records.replay_difference
         jackknife_rows = torch.nonzero(run.jackknifed).squeeze(1) if run.left_out else None
         return records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
@@ -180,7 +180,7 @@ class Sweep:
         chosen = jackknife_examples(keys, int(evaluation.tokens.shape[1]), self.jackknife_tokens)
         return _Evaluation(evaluation, keys, chosen, built, left_out)
 
-    def _records(self, run: _Evaluation) -> SweepRecords:
+    def _records(self, run: _Evaluation) -> SweepAccumulator:
         """Empty records of ``run`` (replay's differences go on from earlier evaluations)."""
         context, config = self.context, self.context.config
         # The null control: every condition that must reproduce full depth at k = r.
@@ -189,8 +189,8 @@ class Sweep:
             for name, condition in run.built[context.r].items()
             if condition is None or condition.reproduces_full_at_r
         ]
-        probe = ProbeSampler(config.probe_points, config.seed, context.r, context.k_grid)
-        return SweepRecords(NullControl(null), self._replay, probe)
+        probe = ProbeSampleAccumulator(config.probe_points, config.seed, context.r, context.k_grid)
+        return SweepAccumulator(NullControlAccumulator(null), self._replay, probe)
 
     def _scored_batch(
         self, run: _Evaluation, rows: slice, plan: ReadoutPlan
@@ -346,7 +346,7 @@ def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     from truncate is the largest over the draws."""
     draws = sweep.context.noise_draws()
     output = sweep.evaluate(evaluation)
-    values, replay = output.values, Maxima[int]()
+    values, replay = output.values, MaximaAccumulator[int]()
     replay.add(output.replay_difference)
     for draw in range(1, draws):
         with _noise_seed(sweep.context.model, draw):

@@ -1,8 +1,8 @@
 """What the sweep stage accumulates over its evaluation batches, as accumulators that `add` a
 batch, give their `state` for a ``--resume`` snapshot, `restore` one, and are `merged` over the
-processes of a data-parallel run: per-example cells (`ExampleCells`), running maxima (`Maxima`),
-the null control (`NullControl`), the probe's subsamples (`ProbeSampler`), and all of them
-together (`SweepRecords`)."""
+processes of a data-parallel run: per-example cells (`ExampleCellsAccumulator`), running maxima (`MaximaAccumulator`),
+the null control (`NullControlAccumulator`), the probe's subsamples (`ProbeSampleAccumulator`), and all of them
+together (`SweepAccumulator`)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def nan_max_all(values: Iterable[float]) -> float:
     return result
 
 
-class ExampleCells(Generic[Key]):
+class ExampleCellsAccumulator(Generic[Key]):
     """Per-example values by key, one chunk per evaluation batch (its index in the evaluation):
     `vectors` joins each key's chunks in batch order, whichever process read which batch."""
 
@@ -95,9 +95,11 @@ class ExampleCells(Generic[Key]):
             }
 
     @classmethod
-    def merged(cls, parts: Sequence[ExampleCells[Key]], device: torch.device) -> ExampleCells[Key]:
+    def merged(
+        cls, parts: Sequence[ExampleCellsAccumulator[Key]], device: torch.device
+    ) -> ExampleCellsAccumulator[Key]:
         """Every part's chunks (each batch read by one part), on ``device``."""
-        merged: ExampleCells[Key] = cls()
+        merged: ExampleCellsAccumulator[Key] = cls()
         for part in parts:
             for key, chunks in part.chunks.items():
                 for batch, chunk in chunks.items():
@@ -112,7 +114,7 @@ class ExampleCells(Generic[Key]):
         }
 
 
-class Maxima(Generic[Key]):
+class MaximaAccumulator(Generic[Key]):
     """The largest value seen per key (from 0), NaN once any is NaN (`nan_max`)."""
 
     def __init__(self, keys: Iterable[Key] = ()) -> None:
@@ -131,8 +133,8 @@ class Maxima(Generic[Key]):
         self.values = snapshot_numbers(state, field, key)
 
     @classmethod
-    def merged(cls, parts: Sequence[Maxima[Key]]) -> Maxima[Key]:
-        merged: Maxima[Key] = cls()
+    def merged(cls, parts: Sequence[MaximaAccumulator[Key]]) -> MaximaAccumulator[Key]:
+        merged: MaximaAccumulator[Key] = cls()
         for key in {key: None for part in parts for key in part.values}:
             merged.values[key] = nan_max_all(p.values[key] for p in parts if key in p.values)
         return merged
@@ -156,20 +158,20 @@ NullRecord = dict[str, float | dict[str, float]]
 
 @dataclass
 class BatchNull:
-    """One evaluation batch's side of the null control (`NullControl`)."""
+    """One evaluation batch's side of the null control (`NullControlAccumulator`)."""
 
     differences: dict[str, float]
     halves_difference: float
     halves_change: dict[str, float]
 
 
-class NullControl:
+class NullControlAccumulator:
     """The null control over the batches: per condition that must reproduce full depth at
     k = r, its largest |logit difference| from full depth's; the same for full depth's states
     under the calibration null's map, and each metric's change under it summed over examples."""
 
     def __init__(self, names: Iterable[str]) -> None:
-        self.differences = Maxima(names)
+        self.differences = MaximaAccumulator(names)
         self.halves_difference = 0.0
         self.halves_change: dict[str, float] = {}
 
@@ -197,9 +199,9 @@ class NullControl:
         self.halves_change = snapshot_numbers(change, f"{field}.halves_change", "str")
 
     @classmethod
-    def merged(cls, parts: Sequence[NullControl]) -> NullControl:
+    def merged(cls, parts: Sequence[NullControlAccumulator]) -> NullControlAccumulator:
         merged = cls(())
-        merged.differences = Maxima.merged([part.differences for part in parts])
+        merged.differences = MaximaAccumulator.merged([part.differences for part in parts])
         merged.halves_difference = nan_max_all(part.halves_difference for part in parts)
         for part in parts:
             merged._sum(part.halves_change)
@@ -228,7 +230,7 @@ class NullControl:
         }
 
 
-class ProbeSampler:
+class ProbeSampleAccumulator:
     """The probe's subsamples of the evaluation's states (`ProbeSamples`): full depth's states
     of even examples (the held-out reference), and of odd examples every s_t and
     calibrate(truncate(k)) at every k of the grid. A two-sample test needs independent samples,
@@ -282,7 +284,7 @@ class ProbeSampler:
             self.calibrated[k].restore(saved, f"{field}.calibrated[{k}]")
 
     @classmethod
-    def merged(cls, parts: Sequence[ProbeSampler]) -> ProbeSampler:
+    def merged(cls, parts: Sequence[ProbeSampleAccumulator]) -> ProbeSampleAccumulator:
         merged = object.__new__(cls)
         merged.held_out = Subsample.merged([part.held_out for part in parts])
         merged.trajectory = [
@@ -305,7 +307,7 @@ class ProbeSampler:
 
 @dataclass
 class BatchScores:
-    """What one evaluation batch adds to `SweepRecords`: per-example cells by key (chunks of
+    """What one evaluation batch adds to `SweepAccumulator`: per-example cells by key (chunks of
     examples while the batch is read), replay's largest difference from truncate per k, and the
     batch's side of the null control."""
 
@@ -332,17 +334,19 @@ class SweepState(TypedDict):
 
 
 @dataclass
-class SweepRecords:
+class SweepAccumulator:
     """Every accumulator of one evaluation: the metrics' per-example cells, where replay walks
     (`walk_fractions`' records), the jackknife's cells, the null control, replay's largest
     difference from truncate per k, and the probe's subsamples."""
 
-    null: NullControl
-    replay_difference: Maxima[int]
-    probe: ProbeSampler
-    values: ExampleCells[CellKey] = field(default_factory=ExampleCells)
-    walked: ExampleCells[WalkKey] = field(default_factory=ExampleCells)
-    jackknife: ExampleCells[JackknifeKey] = field(default_factory=ExampleCells)
+    null: NullControlAccumulator
+    replay_difference: MaximaAccumulator[int]
+    probe: ProbeSampleAccumulator
+    values: ExampleCellsAccumulator[CellKey] = field(default_factory=ExampleCellsAccumulator)
+    walked: ExampleCellsAccumulator[WalkKey] = field(default_factory=ExampleCellsAccumulator)
+    jackknife: ExampleCellsAccumulator[JackknifeKey] = field(
+        default_factory=ExampleCellsAccumulator
+    )
 
     def add(self, batch: int, scores: BatchScores) -> None:
         self.values.add(batch, scores.values)
@@ -376,16 +380,16 @@ class SweepRecords:
         self.probe.restore(snapshot_field(state, "probe", "state", "dict"), "state.probe")
 
     @classmethod
-    def merged(cls, parts: Sequence[SweepRecords], device: torch.device) -> SweepRecords:
+    def merged(cls, parts: Sequence[SweepAccumulator], device: torch.device) -> SweepAccumulator:
         """Every process's records combined, as one process reading every batch would have them:
         cells in batch order, maxima and sums over the processes, subsamples merged."""
         return cls(
-            NullControl.merged([part.null for part in parts]),
-            Maxima.merged([part.replay_difference for part in parts]),
-            ProbeSampler.merged([part.probe for part in parts]),
-            ExampleCells.merged([part.values for part in parts], device),
-            ExampleCells.merged([part.walked for part in parts], device),
-            ExampleCells.merged([part.jackknife for part in parts], device),
+            NullControlAccumulator.merged([part.null for part in parts]),
+            MaximaAccumulator.merged([part.replay_difference for part in parts]),
+            ProbeSampleAccumulator.merged([part.probe for part in parts]),
+            ExampleCellsAccumulator.merged([part.values for part in parts], device),
+            ExampleCellsAccumulator.merged([part.walked for part in parts], device),
+            ExampleCellsAccumulator.merged([part.jackknife for part in parts], device),
         )
 
     def output(

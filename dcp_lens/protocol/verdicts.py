@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcp_lens.protocol.records import ProbeSummary
+from dcp_lens.protocol.records import ProbeSummaryRecord
 from dcp_lens.protocol.results import FACTORS, Decomposition
 from dcp_lens.utils.errors import DCPLensError
 
@@ -390,7 +390,7 @@ def replay_same(metadata: Mapping[str, object], k_grid: Sequence[int]) -> np.nda
 
 
 def identification(
-    probe: ProbeSummary, k_grid: Sequence[int], replay_difference: Mapping[int, float]
+    probe: ProbeSummaryRecord, k_grid: Sequence[int], replay_difference: Mapping[int, float]
 ) -> dict[str, np.ndarray]:
     """Per k of ``k_grid``: is S identified (the calibrated truncated states pass the probe's
     null, or the truncated states were never told apart) and is B identified (replay(k) reads out
@@ -469,7 +469,7 @@ class RunEvidence:
     """
 
     k_grid: tuple[int, ...]
-    probe: ProbeSummary
+    probe: ProbeSummaryRecord
     replay_difference: Mapping[int, float]
     calibration_mode: str
     lower_bound: bool

@@ -11,9 +11,9 @@ import pytest
 
 from dcp_lens.protocol.records import (
     CalibrationRecord,
-    ConfidenceMatching,
-    NullControl,
-    ProbeSummary,
+    ConfidenceMatchingRecord,
+    NullControlRecord,
+    ProbeSummaryRecord,
     decode_float,
     decode_json,
     encode_json,
@@ -29,7 +29,7 @@ def test_the_null_control_writes_the_translators_checks_after_the_maps_identity_
         "translate_truncate_at_r_max_abs_logit_diff": 3e-7,
         "calibrate_full_halves_max_abs_logit_diff": 0.25,
     }
-    null = NullControl.from_json(record)
+    null = NullControlRecord.from_json(record)
     assert null.other == {"translate_truncate_at_r_max_abs_logit_diff": 3e-7}
     assert list(null.to_json()) == list(record)  # the order written is the order read
     assert null.to_json() == record
@@ -38,13 +38,13 @@ def test_the_null_control_writes_the_translators_checks_after_the_maps_identity_
 
 def test_a_record_without_a_required_key_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"needs \['max_abs_logit_diff'\]"):
-        NullControl.from_json({"calibrate_full_max_abs_logit_diff": 0.0})
+        NullControlRecord.from_json({"calibrate_full_max_abs_logit_diff": 0.0})
     with pytest.raises(ValueError, match=r"needs \['what'\]"):
-        ConfidenceMatching.from_json({"temperatures": {}})
+        ConfidenceMatchingRecord.from_json({"temperatures": {}})
 
 
 def test_the_probe_summary_keeps_nan_and_infinity_through_strict_json():
-    summary = ProbeSummary.from_json(
+    summary = ProbeSummaryRecord.from_json(
         {
             "reference_auroc": 0.5,
             "trajectory": [{"iteration": 0, "auroc": math.nan}],
@@ -52,7 +52,7 @@ def test_the_probe_summary_keeps_nan_and_infinity_through_strict_json():
         }
     )
     text = json.dumps(encode_json(summary.to_json()), allow_nan=False)
-    back = ProbeSummary.from_json(json.loads(text))
+    back = ProbeSummaryRecord.from_json(json.loads(text))
     assert math.isnan(back.trajectory[0]["auroc"])
     assert back.other["replay_mahalanobis"] == [math.inf, -math.inf, 2.5]
     assert back.to_json().keys() == summary.to_json().keys()
@@ -62,7 +62,7 @@ def test_the_calibration_record_of_a_run_nests_its_temperatures_by_condition_and
     temperatures = {("truncate", 1): 0.5, ("replay", 1): 2.0, ("truncate", 2): 1.5}
     record = CalibrationRecord.of_run("full", True, temperatures, {"ridge": 0.1})
     assert record.mode == "full" and record.skip_first_position is True
-    assert isinstance(record.confidence_matching, ConfidenceMatching)
+    assert isinstance(record.confidence_matching, ConfidenceMatchingRecord)
     assert record.confidence_matching.temperatures == {
         "truncate": {"1": 0.5, "2": 1.5},
         "replay": {"1": 2.0},

@@ -13,7 +13,7 @@ import torch
 
 from dcp_lens.protocol.conditions import DECOMPOSED as CONDITIONS
 from dcp_lens.protocol.decomposition import decompose
-from dcp_lens.protocol.records import NullControl, ProbeSummary
+from dcp_lens.protocol.records import NullControlRecord, ProbeSummaryRecord
 from dcp_lens.protocol.results import (
     Decomposition,
     ProtocolResults,
@@ -54,8 +54,8 @@ def make_run(architecture: str = "dense") -> ProtocolResults:
         architecture=architecture,
         n_iterations=R,
         decompositions={"accuracy": accuracy, "cross_entropy": loss},
-        null_control=NullControl(max_abs_logit_diff=1.1920928955078125e-07),
-        probe=ProbeSummary.from_json(
+        null_control=NullControlRecord(max_abs_logit_diff=1.1920928955078125e-07),
+        probe=ProbeSummaryRecord.from_json(
             {
                 "reference_auroc": 0.5123456789012345,
                 "trajectory": [
@@ -177,7 +177,7 @@ def test_protocol_results_validate_their_metadata() -> None:
     with pytest.raises(ValueError, match="n_iterations=4"):
         ProtocolResults("m", "recurrent", 4, {"accuracy": accuracy})
     with pytest.raises(ValueError, match="max_abs_logit_diff"):
-        NullControl.from_json({"diff": 0.0})
+        NullControlRecord.from_json({"diff": 0.0})
     with pytest.raises(ValueError, match="decompositions is empty"):
         ProtocolResults("m", "recurrent", R, {})
     with pytest.raises(ValueError, match="holds metric 'accuracy'"):

@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_lens.protocol.sweep_records import CELL_KEY, ExampleCells, Maxima, NullControl
+from dcp_lens.protocol.sweep_records import (
+    CELL_KEY,
+    ExampleCellsAccumulator,
+    MaximaAccumulator,
+    NullControlAccumulator,
+)
 from dcp_lens.utils.snapshots import SnapshotFieldError
 
 
@@ -25,58 +30,61 @@ def _through_snapshot(state: object) -> object:
 def test_example_cells_merge_in_batch_order_whoever_read_them() -> None:
     generator = torch.Generator().manual_seed(0)
     chunks = {b: [torch.randn(3, generator=generator) for _ in range(2)] for b in range(5)}
-    one: ExampleCells[tuple[str, str, int]] = ExampleCells()
-    ranks: list[ExampleCells[tuple[str, str, int]]] = [ExampleCells(), ExampleCells()]
+    one: ExampleCellsAccumulator[tuple[str, str, int]] = ExampleCellsAccumulator()
+    ranks: list[ExampleCellsAccumulator[tuple[str, str, int]]] = [
+        ExampleCellsAccumulator(),
+        ExampleCellsAccumulator(),
+    ]
     for batch, pieces in chunks.items():
         one.add(batch, {("loss", "truncate", 1): pieces})
         ranks[batch % 2].add(batch, {("loss", "truncate", 1): pieces})
-    merged = ExampleCells.merged(ranks, torch.device("cpu"))
+    merged = ExampleCellsAccumulator.merged(ranks, torch.device("cpu"))
     expected = torch.cat([torch.cat(pieces) for pieces in chunks.values()]).double()
     assert torch.equal(merged.vectors()[("loss", "truncate", 1)], expected)
     assert torch.equal(one.vectors()[("loss", "truncate", 1)], expected)
-    restored: ExampleCells[tuple[str, str, int]] = ExampleCells()
+    restored: ExampleCellsAccumulator[tuple[str, str, int]] = ExampleCellsAccumulator()
     restored.restore(_through_snapshot(one.state()))
     assert torch.equal(restored.vectors()[("loss", "truncate", 1)], expected)
 
 
 def test_maxima_and_the_null_control_keep_a_nan_over_a_merge() -> None:
-    left, right = NullControl(["truncate"]), NullControl(["truncate"])
+    left, right = NullControlAccumulator(["truncate"]), NullControlAccumulator(["truncate"])
     left.differences.add({"truncate": 0.5})
     right.differences.add({"truncate": math.nan})
-    merged = NullControl.merged([left, right])
+    merged = NullControlAccumulator.merged([left, right])
     assert math.isnan(merged.differences.values["truncate"])
-    maxima: Maxima[int] = Maxima()
+    maxima: MaximaAccumulator[int] = MaximaAccumulator()
     maxima.add({3: 0.25})
     maxima.add({3: 0.125, 4: 1.0})
     assert maxima.values == {3: 0.25, 4: 1.0}
-    restored: Maxima[int] = Maxima()
+    restored: MaximaAccumulator[int] = MaximaAccumulator()
     restored.restore(_through_snapshot(maxima.state()), "maxima", "count")
     assert restored.values == maxima.values
 
 
 @pytest.mark.parametrize("value", ["0.5", True])
 def test_the_null_control_refuses_a_maximum_that_is_no_number(value):
-    null = NullControl(["truncate"])
+    null = NullControlAccumulator(["truncate"])
     null.differences.add({"truncate": 0.25})
     state: Any = _through_snapshot(null.state())
-    restored = NullControl(["truncate"])
+    restored = NullControlAccumulator(["truncate"])
     restored.restore(state)
     assert restored.state() == null.state()
     state["halves_difference"] = value
     with pytest.raises(SnapshotFieldError, match=r"field null\.halves_difference must be a number"):
-        NullControl(["truncate"]).restore(state)
+        NullControlAccumulator(["truncate"]).restore(state)
     state["halves_difference"] = 0.0
     state["differences"]["truncate"] = value
     with pytest.raises(SnapshotFieldError, match=r"field null\.differences\['truncate'\] must be"):
-        NullControl(["truncate"]).restore(state)
+        NullControlAccumulator(["truncate"]).restore(state)
 
 
 @pytest.mark.parametrize("k", ["1", True, 1.0])
 def test_cells_refuse_a_k_that_is_no_whole_number(k):
-    cells: ExampleCells[tuple[str, str, int]] = ExampleCells()
+    cells: ExampleCellsAccumulator[tuple[str, str, int]] = ExampleCellsAccumulator()
     cells.add(0, {("loss", "truncate", 1): [torch.ones(2)]})
     state: Any = _through_snapshot(cells.state())
-    restored: ExampleCells[tuple[str, str, int]] = ExampleCells()
+    restored: ExampleCellsAccumulator[tuple[str, str, int]] = ExampleCellsAccumulator()
     restored.restore(state, "values", CELL_KEY)
     assert torch.equal(
         restored.vectors()[("loss", "truncate", 1)], cells.vectors()[("loss", "truncate", 1)]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dcp_lens.protocol.decomposition import decompose
-from dcp_lens.protocol.records import ProbeSummary
+from dcp_lens.protocol.records import ProbeSummaryRecord
 from dcp_lens.protocol.results import BRACKET_ROW_KEYS, FACTORS, Decomposition
 from dcp_lens.protocol.verdicts import (
     B_IDENTIFICATION_TOLERANCE,
@@ -185,7 +185,7 @@ def decomposition(bracketed: bool = False) -> Decomposition:
 def evidence(lower_bound: bool = True, **changes: object) -> RunEvidence:
     """The probe repairs the calibrated states at k = 1 and 3 only; replay reads out as
     truncate at k = 1 (below the tolerance) and differs at k = 2, 3."""
-    probe = ProbeSummary(
+    probe = ProbeSummaryRecord(
         calibrate_truncate=[
             {"k": 1, "auroc": 0.5, "auroc_threshold": 0.6},
             {"k": 2, "auroc": 0.9, "auroc_threshold": 0.6},
