@@ -403,9 +403,9 @@ class ProtocolResults:
 
     ``replay_realizable`` defaults to ``architecture == "recurrent"``: on a dense model replay is
     computable but is not the same model in another configuration (`REPLAY_NOT_REALIZABLE`).
-    ``null_control``, ``probe`` and ``calibration`` are records (`NullControlRecord`, `ProbeSummaryRecord`,
-    `CalibrationRecord` of `dcp_lens.protocol.records`; ``Record.from_json(dict)`` builds one),
-    each also readable as the JSON object it writes
+    ``null_control``, ``probe`` and ``calibration`` are records (`NullControlRecord`,
+    `ProbeSummaryRecord`, `CalibrationRecord` of `dcp_lens.protocol.records`;
+    ``Record.from_json(dict)`` builds one), each also readable as the JSON object it writes
     (``results.null_control["max_abs_logit_diff"]``).
     ``metadata`` must be JSON-like (dicts with str keys, lists, str, bool, int, float; numpy
     scalars and arrays are converted); None in it is stored as NaN, since JSON null stands for NaN

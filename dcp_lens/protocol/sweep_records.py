@@ -1,8 +1,8 @@
 """What the sweep stage accumulates over its evaluation batches, as accumulators that `add` a
 batch, give their `state` for a ``--resume`` snapshot, `restore` one, and are `merged` over the
-processes of a data-parallel run: per-example cells (`ExampleCellsAccumulator`), running maxima (`MaximaAccumulator`),
-the null control (`NullControlAccumulator`), the probe's subsamples (`ProbeSampleAccumulator`), and all of them
-together (`SweepAccumulator`)."""
+processes of a data-parallel run: per-example cells (`ExampleCellsAccumulator`), running
+maxima (`MaximaAccumulator`), the null control (`NullControlAccumulator`), the probe's
+subsamples (`ProbeSampleAccumulator`), and all of them together (`SweepAccumulator`)."""
 
 from __future__ import annotations
 
