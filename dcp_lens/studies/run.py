@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
+from dcp_lens.studies.commands import DEFAULT_DENSE, DEFAULT_MODEL
 from dcp_lens.utils import ownership
 from dcp_lens.utils.errors import ConfigError, DamagedFileError, DCPLensError
 from dcp_lens.utils.files import (
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from dcp_lens.protocol.evaluation_set import EvaluationSet
     from dcp_lens.protocol.results import ProtocolResults
 
-DEFAULT_MODEL, DEFAULT_DENSE = "default", "default-dense"
 TEXT_FLAGS = {"seq_len": "--seq-len", "max_tokens": "--max-tokens", "token_dtype": "--token-dtype"}
 
 

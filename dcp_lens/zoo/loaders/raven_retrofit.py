@@ -54,11 +54,11 @@ from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransform
 from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
-from dcp_lens.zoo.loaders.huginn import OUR_PART, PARTS
+from dcp_lens.zoo.loaders.huginn import OUR_PART, PARTS, TIED_HEAD
 
 KIND = "raven-retrofit"
 VARIANTS = ("llama", "olmo")
-HEAD, EMBEDDING = "lm_head.weight", "transformer.wte.weight"
+EMBEDDING = "transformer.wte.weight"
 # Per variant: the original norm keys of a block -> our norm modules.
 BLOCK_NORMS = {
     "llama": {"norm_1": "ln1", "norm_2": "ln2"},
@@ -251,9 +251,9 @@ def retrofit_tensor_shapes(
     expected["transformer.ln_f.weight"] = (d,)
     optional: dict[str, Shape | None] = {}
     if cfg.tie_unembed:
-        optional[HEAD] = (cfg.d_vocab, d)
+        optional[TIED_HEAD] = (cfg.d_vocab, d)
     else:
-        expected[HEAD] = (cfg.d_vocab, d)
+        expected[TIED_HEAD] = (cfg.d_vocab, d)
     return expected, optional
 
 
@@ -269,7 +269,7 @@ def retrofit_state_dict(
         "ln_final.w": tensors.pop("transformer.ln_f.weight"),
     }
     if not cfg.tie_unembed:
-        state["unembed.W_U"] = tensors.pop(HEAD).T.contiguous()
+        state["unembed.W_U"] = tensors.pop(TIED_HEAD).T.contiguous()
     for part, count_field in PARTS:
         for i in range(getattr(cfg, count_field)):
             source, target = f"transformer.{part}.{i}", f"{OUR_PART[part]}.{i}"
@@ -350,7 +350,7 @@ def load_raven_retrofit(path: str | Path, **overrides: Any) -> HookedRecurrentTr
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
     tensors = LazyTensors(checkpoint, dtype)  # read one at a time as they are converted
     if cfg.tie_unembed:
-        drop_tied_head(tensors, HEAD, EMBEDDING, checkpoint.source)
+        drop_tied_head(tensors, TIED_HEAD, EMBEDDING, checkpoint.source)
     state = retrofit_state_dict(tensors, cfg, variant)
     return build_model(
         HookedRecurrentTransformer, cfg, state, checkpoint.source, tokenizer, device=device
