@@ -161,7 +161,7 @@ def _import_builtin_kinds() -> None:
     _builtins_imported = True
     from dcp_lens.zoo.bundled import BUNDLED, bundled_loader
     from dcp_lens.zoo.loaders.bridge import load_bridge
-    from dcp_lens.zoo.loaders.hrm_text import KIND as HRM_TEXT
+    from dcp_lens.zoo.loaders.hrm_text import HRM_KIND as HRM_TEXT
     from dcp_lens.zoo.loaders.hrm_text import load_hrm_text
     from dcp_lens.zoo.loaders.huginn import load_huginn
     from dcp_lens.zoo.loaders.llama2c import load_llama2c

@@ -265,11 +265,33 @@ def test_overwrite_keeps_the_users_files_and_follows_a_link(tmp_path, capsys, fi
     (run / "analysis" / "fig.png").write_bytes(b"\x89PNG")
     link = tmp_path / "link"
     link.symlink_to(run)
-    err = one_line_error(capsys, ["run", "--model", "planted:readout_shift", *SMALL, "--quiet",
-                                  "--seed", "3", "--out", str(link)])  # fmt: skip
+    err = one_line_error(
+        capsys,
+        [
+            "run",
+            "--model",
+            "planted:readout_shift",
+            *SMALL,
+            "--quiet",
+            "--seed",
+            "3",
+            "--out",
+            str(link),
+        ],
+    )
     assert "finished" in err and "--overwrite" in err
-    argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--seed", "3",
-            "--overwrite", "--out", str(link)]  # fmt: skip
+    argv = [
+        "run",
+        "--model",
+        "planted:readout_shift",
+        *SMALL,
+        "--quiet",
+        "--seed",
+        "3",
+        "--overwrite",
+        "--out",
+        str(link),
+    ]
     assert main(argv) == 0
     assert link.is_symlink() and (run / "my_notes.txt").read_text() == "mine"
     assert (run / "analysis" / "fig.png").read_bytes() == b"\x89PNG"
@@ -289,12 +311,32 @@ def test_every_writer_refuses_a_folder_of_the_users_files(tmp_path, capsys, fini
     argv = {
         "run": ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--out", str(out)],
         "train": ["train", "--preset", "tiny", "--steps", "1", "--out", str(out)],
-        "validate": ["validate", "--models", "readout_shift", "--n-eval", "16", "--n-calibration",
-                     "16", "--bootstrap", "5", "--quiet", "--out", str(out)],
-        "experiment": ["experiment", "training-intervention", "--preset", "tiny", "--seeds", "0",
-                       "--out", str(out)],
+        "validate": [
+            "validate",
+            "--models",
+            "readout_shift",
+            "--n-eval",
+            "16",
+            "--n-calibration",
+            "16",
+            "--bootstrap",
+            "5",
+            "--quiet",
+            "--out",
+            str(out),
+        ],
+        "experiment": [
+            "experiment",
+            "training-intervention",
+            "--preset",
+            "tiny",
+            "--seeds",
+            "0",
+            "--out",
+            str(out),
+        ],
         "report": ["report", str(finished_run), "--out", str(out)],
-    }  # fmt: skip
+    }
     if command == "save":
         results = ProtocolResults.load(finished_run / "planted_readout_shift")
         with pytest.raises(ConfigError, match="did not write"):
@@ -311,8 +353,13 @@ def test_report_to_a_file_touches_nothing_beside_it(tmp_path, capsys, finished_r
     for name, text in (("plotly.min.js", "mine"), (".lock", "my lock"), ("notes.txt", "x")):
         (folder / name).write_text(text)
     assert main(["report", str(finished_run), "--out", str(folder / "r.html")]) == 0
-    assert sorted(p.name for p in folder.iterdir()) == [".lock", "notes.txt", "plotly.min.js",
-                                                       "r.html", "r_files"]  # fmt: skip
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".lock",
+        "notes.txt",
+        "plotly.min.js",
+        "r.html",
+        "r_files",
+    ]
     assert (folder / "plotly.min.js").read_text() == "mine"
     assert (folder / ".lock").read_text() == "my lock"
     page = (folder / "r.html").read_text()
@@ -347,12 +394,23 @@ def test_two_runs_into_one_folder_exactly_one_finishes(tmp_path, offset):
     for out in (tmp_path / "out",):
         processes = []
         for seed in (1, 2):
-            argv = ["run", "--model", "planted:readout_shift", *SMALL, "--quiet", "--seed",
-                    str(seed), "--out", str(out)]  # fmt: skip
+            argv = [
+                "run",
+                "--model",
+                "planted:readout_shift",
+                *SMALL,
+                "--quiet",
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+            ]
             process = subprocess.Popen(
-                [sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                [sys.executable, "-c", code, *argv],
+                env=env,
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-            )  # fmt: skip
+            )
             processes.append(process)
             time.sleep(offset)
         codes = [p.wait(timeout=300) for p in processes]
@@ -389,8 +447,11 @@ def test_workers_die_with_their_parent(tmp_path):
         "    time.sleep(120)\n"
     )
     root = Path(__file__).resolve().parents[2]
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    parent = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     assert parent.stdout is not None
     workers = [int(pid) for pid in parent.stdout.readline().split()]
     assert workers

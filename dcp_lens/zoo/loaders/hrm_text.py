@@ -65,9 +65,13 @@ from dcp_lens.utils.checks import check_source_fields, naming_file
 from dcp_lens.utils.errors import ConfigError, UnsupportedToolError
 from dcp_lens.zoo.loaders.hf_tokenizer import load_checkpoint_tokenizer
 
-KIND = "hrm-text"
+HRM_KIND = "hrm-text"
 MODEL_TYPE = "hrm_text"
-EMBEDDING, HEAD, INNER_INIT = "model.embed_tokens.weight", "lm_head.weight", "model.z_L_init"
+HRM_EMBEDDING, HRM_HEAD, INNER_INIT = (
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.z_L_init",
+)
 STACKS = ("L_module", "H_module")
 SUPPORTED_SWITCHES: dict[str, tuple[str | bool | None, ...]] = {
     "model_type": (MODEL_TYPE,),
@@ -392,7 +396,7 @@ def hrm_tensor_shapes(
     """(required, optional) original key -> shape for an HRM-Text checkpoint of ``cfg``."""
     d, width, d_mlp = cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_mlp
     assert d_mlp is not None
-    expected: dict[str, Shape] = {EMBEDDING: (cfg.d_vocab, d), INNER_INIT: (d,)}
+    expected: dict[str, Shape] = {HRM_EMBEDDING: (cfg.d_vocab, d), INNER_INIT: (d,)}
     for stack in STACKS:
         for layer in range(n):
             prefix = f"model.{stack}.layers.{layer}"
@@ -402,9 +406,9 @@ def hrm_tensor_shapes(
             expected[f"{prefix}.mlp.down_proj.weight"] = (d, d_mlp)
     optional: dict[str, Shape | None] = {}
     if cfg.tie_unembed:
-        optional[HEAD] = (cfg.d_vocab, d)
+        optional[HRM_HEAD] = (cfg.d_vocab, d)
     else:
-        expected[HEAD] = (cfg.d_vocab, d)
+        expected[HRM_HEAD] = (cfg.d_vocab, d)
     return expected, optional
 
 
@@ -413,9 +417,9 @@ def hrm_state_dict(
 ) -> dict[str, Tensor]:
     """Original HRM-Text tensors -> `HrmRecurrentTransformer.canonical_state_dict` names: the
     L stack's layer l is ``core.{l}``, the H stack's ``core.{inner * n + l}``."""
-    state = {"embed.W_E": tensors.pop(EMBEDDING), "inner_init": tensors.pop(INNER_INIT)}
+    state = {"embed.W_E": tensors.pop(HRM_EMBEDDING), "inner_init": tensors.pop(INNER_INIT)}
     if not cfg.tie_unembed:
-        state["unembed.W_U"] = tensors.pop(HEAD).T.contiguous()
+        state["unembed.W_U"] = tensors.pop(HRM_HEAD).T.contiguous()
     for stack, first in zip(STACKS, (0, inner * n), strict=True):
         for layer in range(n):
             source, target = f"model.{stack}.layers.{layer}", f"core.{first + layer}"
@@ -509,7 +513,7 @@ def load_hrm_text(path: str | Path, **overrides: Any) -> HrmRecurrentTransformer
     check_tensor_shapes(checkpoint.shapes, expected, checkpoint.source, optional)
     tensors = LazyTensors(checkpoint, dtype)
     if cfg.tie_unembed:
-        drop_tied_head(tensors, HEAD, EMBEDDING, checkpoint.source)
+        drop_tied_head(tensors, HRM_HEAD, HRM_EMBEDDING, checkpoint.source)
     state = hrm_state_dict(tensors, cfg, n, inner)
     with torch.device("meta"):
         meta = HrmRecurrentTransformer(cfg, tokenizer, stack_depth=n, inner_cycles=inner)
