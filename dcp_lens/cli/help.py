@@ -73,6 +73,8 @@ model specs (--model, --dense):
   raven-retrofit:PATH
                     a local retrofitted-recurrence checkpoint (Llama or OLMo variant); its
                     dense parent (bridge:PATH) is its negative control
+  hrm-text:PATH     a local HRM-Text folder of transformers' HrmTextForCausalLM; k counts
+                    outer cycles
   llama2c:PATH      a llama2.c checkpoint (.bin, or a folder with it and its tokenizer); dense
   bridge:PATH       a local Hugging Face folder through a TransformerLens TransformerBridge; dense
   PATH              a folder written by save_pretrained (dcp-lens train writes RUN/model)"""

@@ -144,15 +144,16 @@ def test_bench_json_reports_the_design_keys(capsys):
     assert all(seconds > 0 for seconds in parts.values()), parts
     assert sum(parts.values()) <= result["irreducible_seconds_median"] * 1.01
     # k grid 1, 2, 3 of r = 3: five conditions and two translators need a readout below r (not
-    # the base rate, which is full depth's logits rearranged), calibrate(full) and shift(3) at r.
+    # the base rate, which is full depth's logits rearranged); at r every condition is full depth
+    # (calibrate(full) and shift(r) map full depth onto itself: the identity, read once).
     readouts = result["irreducible_readouts"]
-    assert readouts["evaluation"] == {"1": 7, "2": 7, "3": 2}
+    assert readouts["evaluation"] == {"1": 7, "2": 7, "3": 0}
     assert readouts["matching"] == {"1": 5, "2": 5, "3": 2}
-    # The floor: the maps before those readouts (five mapped conditions at k < r, calibrate(full)
-    # and shift(r) at r, the calibration null's map, the jackknife's) and every readout scored
-    # (full depth's, the sixteen above, the null's and the jackknife's).
+    # The floor: the maps before those readouts (five mapped conditions at k < r, the calibration
+    # null's map, the jackknife's) and every readout scored (full depth's, the fourteen above, the
+    # null's and the jackknife's).
     others = readouts["null"] + sum(readouts["jackknife"].values())
-    assert result["floor_calls"] == {"maps": 5 + 5 + 2 + others, "metrics": 1 + 16 + others}
+    assert result["floor_calls"] == {"maps": 5 + 5 + others, "metrics": 1 + 14 + others}
     assert set(result["floor_parts_seconds"]) == {"maps", "metrics"}
     assert all(seconds > 0 for seconds in result["floor_parts_seconds"].values())
     assert result["sweep_floor_over_irreducible"] == pytest.approx(
@@ -169,8 +170,8 @@ def test_the_bench_floor_times_every_map_and_score_the_sweep_does_with_the_jackk
     assert readouts["null"] == 1 and jackknife > 0  # the null and the jackknife are on here
     # Every jackknife readout is a left-out group's map or translator, then its score.
     assert result["floor_calls"] == {
-        "maps": 5 + 5 + 2 + 1 + jackknife,
-        "metrics": 1 + 16 + 1 + jackknife,
+        "maps": 5 + 5 + 1 + jackknife,
+        "metrics": 1 + 14 + 1 + jackknife,
     }
     assert result["sweep_floor_over_irreducible"] > 1.0
 
@@ -203,8 +204,8 @@ def test_the_bench_floor_times_every_batch_and_the_jackknife_where_its_examples_
     jackknife = sum(irreducible_readouts(protocol)["jackknife"].values())
     assert jackknife > 0
     assert calls == {
-        "maps": len(batches) * (5 + 5 + 2 + 1) + with_jackknife * jackknife,
-        "metrics": len(batches) * (1 + 16 + 1) + with_jackknife * jackknife,
+        "maps": len(batches) * (5 + 5 + 1) + with_jackknife * jackknife,
+        "metrics": len(batches) * (1 + 14 + 1) + with_jackknife * jackknife,
     }
     assert all(value > 0 for value in seconds.values())
 

@@ -507,7 +507,7 @@ def test_cuda_without_cuda_and_unknown_keywords_are_one_clear_error():
 
 
 def test_a_forward_larger_than_free_memory_is_refused_before_allocating(monkeypatch):
-    import dcp_lens.model.hooked_recurrent_transformer as module
+    import dcp_lens.model.text as module
 
     model = HookedRecurrentTransformer(tiny_config(n_ctx=40_000))
     monkeypatch.setattr(module, "available_memory_bytes", lambda: 1 << 30)

@@ -72,7 +72,9 @@ class SilentAttention(nn.Module):
     """Attention that adds nothing, computed as nothing: every planted model's attention is
     zero, and at real width its projections would cost width^2 per position."""
 
-    def forward(self, x: Tensor, rotary: object = None, kv_cache: object = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rotary: object = None, kv_cache: object = None, key_mask: object = None
+    ) -> Tensor:
         """``x`` [batch, pos, d_model] -> zeros of the same shape."""
         return torch.zeros_like(x)
 

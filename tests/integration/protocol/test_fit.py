@@ -11,7 +11,7 @@ import pytest
 
 from dcp_lens import DepthControlProtocol
 from dcp_lens.protocol.gate import DEFAULT_RIDGE, UNTESTABLE, GateRecord
-from dcp_lens.protocol.verdicts import verdict
+from dcp_lens.protocol.wording import verdict
 from dcp_lens.zoo import planted
 
 N = 128

@@ -16,7 +16,7 @@ from dcp_lens.training import (
     REGIMES,
     RegimeConfig,
     TrainConfig,
-    build_model,
+    build_regime_model,
     dense_config,
     evaluate_accuracy,
     every_iteration_loss,
@@ -241,7 +241,7 @@ def test_dense_model_has_the_recurrent_depth_in_distinct_blocks():
     config = preset("tiny", regime="dense")
     cfg = config.model
     depth = cfg.n_prelude + cfg.n_iterations * cfg.n_core + cfg.n_coda
-    dense = build_model(cfg, config.regime)
+    dense = build_regime_model(cfg, config.regime)
     assert dense.is_dense and dense.cfg == dense_config(cfg)
     assert dense.cfg.n_layers == len(dense.blocks) == depth == config.full_depth
     assert dense.cfg.d_model == cfg.d_model and dense.cfg.d_mlp == cfg.d_mlp
@@ -267,7 +267,7 @@ def test_sample_iterations_follows_the_requested_distribution():
 def test_evaluate_accuracy_matches_direct_truncated_readouts():
     config = preset("tiny")
     task = config.build_task()
-    for model in (float64_model(config), build_model(config.model, RegimeConfig("dense"))):
+    for model in (float64_model(config), build_regime_model(config.model, RegimeConfig("dense"))):
         ks = [1, 2, model.n_iterations] if model.is_dense else [1, 3, 5]
         table = evaluate_accuracy(model, task, 40, ks, batch_size=16)
         batch = task.evaluation(40)

@@ -150,7 +150,7 @@ def test_the_config_and_the_keyword_arguments_are_one_object():
     by_config = DepthControlProtocol(model, config)
     by_keywords = DepthControlProtocol(model, k_grid=[3, 1], n_bootstrap=50, seed=4)
     assert by_config.config == by_keywords.config
-    assert by_keywords.k_grid == (1, 3) and by_keywords.n_bootstrap == 50
+    assert by_keywords.context.k_grid == (1, 3) and by_keywords.config.n_bootstrap == 50
     assert DepthControlProtocol(model, config, seed=5).config.seed == 5
     with pytest.raises(ConfigError, match=r"k=5 is outside \[1, r=4\]"):
         DepthControlProtocol(model, k_grid=[1, 5])
