@@ -128,9 +128,13 @@ class DepthControlProtocol:
         self.model = model
         self.r = int(model.n_iterations)
         self.context = RunContext(
-            model, config, config.grid(self.r), tuple(config.metrics or METRICS),
-            progress, checkpoint,
-        )  # fmt: skip
+            model,
+            config,
+            config.grid(self.r),
+            tuple(config.metrics or METRICS),
+            progress,
+            checkpoint,
+        )
         self.spec = spec if spec is not None else str(getattr(model, "spec", None) or "model")
         self.confidence = ConfidenceMatching(self.context)
         # Per (sweep condition, k): the temperature that gives its readout full depth's mean
@@ -208,10 +212,12 @@ class DepthControlProtocol:
             else "No batch size fits: pass"
         )
         check_estimate(
-            estimate, budget, str(self.context.device()),
+            estimate,
+            budget,
+            str(self.context.device()),
             f"{advice} calibration_groups=0 (--calibration-groups 0: no jackknife) or a larger "
             "memory_budget (--memory-budget GIB).",
-        )  # fmt: skip
+        )
 
     def use_batch_size(self, batch_size: int) -> None:
         """Run with ``batch_size`` sequences per forward from now on (a batch chosen from the
@@ -313,21 +319,28 @@ class DepthControlProtocol:
         def attempt(on: torch.device) -> tuple[dict[str, Any], ResidualOODProbe | None]:
             return probe_run(
                 None if reference is None else reference.to(on),
-                swept.probe_samples.to(on), n_iterations=self.r,
-                points=self.config.probe_points, seed=self.config.seed,
+                swept.probe_samples.to(on),
+                n_iterations=self.r,
+                points=self.config.probe_points,
+                seed=self.config.seed,
                 progress=self.context.each,
-            )  # fmt: skip
+            )
 
         # Out of memory on an accelerator, the probe is fitted on the host (its samples are few).
         (summary, probe), _ = in_smaller_chunks(
-            attempt, device, lambda on: None if on.type == "cpu" else torch.device("cpu"),
-            device, lambda _: stage_stop_message(
-                "probe", str(device), "on the host",
+            attempt,
+            device,
+            lambda on: None if on.type == "cpu" else torch.device("cpu"),
+            device,
+            lambda _: stage_stop_message(
+                "probe",
+                str(device),
+                "on the host",
                 "--resume does not evaluate again: it probes the evaluation's last snapshot "
                 "(with a --resume snapshot folder).",
                 "--probe-points N (fewer samples) or --probe none",
             ),
-        )  # fmt: skip
+        )
         if probe is not None:
             self.probe = probe
         return summary

@@ -432,9 +432,14 @@ class SweepAccumulator:
         for (group, metric, condition, k), vector in self.jackknife.vectors().items():
             jackknife[group].setdefault(metric, {}).setdefault(condition, {})[k] = vector
         return SweepOutput(
-            values, self.null.record(n, metrics, maps), self.probe.samples(), walked, jackknife,
-            jackknife_rows, self.replay_difference.state(),
-        )  # fmt: skip
+            values,
+            self.null.record(n, metrics, maps),
+            self.probe.samples(),
+            walked,
+            jackknife,
+            jackknife_rows,
+            self.replay_difference.state(),
+        )
 
 
 @dataclass

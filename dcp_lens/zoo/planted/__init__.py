@@ -38,6 +38,8 @@ import inspect
 import math
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -75,109 +77,60 @@ from dcp_lens.zoo.planted.factors import (
 )
 from dcp_lens.zoo.planted.nuisance import nuisance_distinct, nuisance_shift
 
-BUILDERS: dict[str, Callable[..., PlantedModel]] = {
-    "readout_shift": readout_shift,
-    "distinct_computation": distinct_computation,
-    "block_count": block_count,
-    "readout_shift_by_token_type": readout_shift_by_token_type,
-    "readout_shift_by_position": readout_shift_by_position,
-    "mixture_shift_distinct": mixture_shift_distinct,
-    "mixture_shift_blocks": mixture_shift_blocks,
-    "readout_shift_soft": readout_shift_soft,
-    "distinct_computation_soft": distinct_computation_soft,
-    "block_count_soft": block_count_soft,
-    "distinct_computation_context": distinct_computation_context,
-    "block_count_context": block_count_context,
-    "frame_flip": frame_flip,
-    "distinct_computation_skewed": distinct_computation_skewed,
-    "mixture_three_way": mixture_three_way,
-    "distinct_computation_smooth": distinct_computation_smooth,
-    "readout_shift_step": readout_shift_step,
-    "frame_flip_gated": frame_flip_gated,
-    "frame_warp": frame_warp,
-    "readout_shift_walk": readout_shift_walk,
-    "nuisance_shift": nuisance_shift,
-    "nuisance_distinct": nuisance_distinct,
-}
-# The factor behind the whole gap of each single-factor model; mixtures name both.
-EXPECTED_FACTOR = {
-    "readout_shift": "S",
-    "distinct_computation": "D",
-    "block_count": "B",
-    "readout_shift_by_token_type": "S",
-    "readout_shift_by_position": "S",
-    "mixture_shift_distinct": "S+D",
-    "mixture_shift_blocks": "S+B",
-    "readout_shift_soft": "S",
-    "distinct_computation_soft": "D",
-    "block_count_soft": "B",
-    "distinct_computation_context": "D",
-    "block_count_context": "B",
-    "frame_flip": "S",
-    "distinct_computation_skewed": "D",
-    "mixture_three_way": "S+B+D",
-    "distinct_computation_smooth": "D",
-    "readout_shift_step": "S",
-    "frame_flip_gated": "S",
-    "frame_warp": "S",
-    "readout_shift_walk": "S",
-    "nuisance_shift": "S",
-    "nuisance_distinct": "D",
-}
-# Whether the S and B brackets can identify the truth on the evaluation data (docs/bracket.md):
-# False where a paired map can do the remaining computation (a permutation or flip of the state),
-# where the base rate is a large part of the gap, or where replay's readout walks between answers;
-# the bracket must then be flagged "not identified" at every k with a gap.
-IDENTIFIABLE = {
-    "readout_shift": True,
-    "distinct_computation": False,
-    "block_count": True,
-    "readout_shift_by_token_type": True,
-    "readout_shift_by_position": True,
-    "mixture_shift_distinct": False,
-    "mixture_shift_blocks": True,
-    "readout_shift_soft": True,
-    "distinct_computation_soft": False,
-    "block_count_soft": True,
-    "distinct_computation_context": True,
-    "block_count_context": True,
-    "frame_flip": False,
-    "distinct_computation_skewed": False,
-    "mixture_three_way": False,
-    "distinct_computation_smooth": False,
-    "readout_shift_step": True,
-    "frame_flip_gated": False,
-    "frame_warp": False,
-    "readout_shift_walk": False,
-    "nuisance_shift": True,
-    "nuisance_distinct": True,
-}
 
+@dataclass(frozen=True)
+class PlantedKind:
+    """One planted model kind: its builder, the factor behind its whole gap (mixtures name each of
+    theirs, "S+B"), whether the S and B brackets can identify its truth on the evaluation data
+    (docs/bracket.md: False where a paired map can do the remaining computation, a permutation
+    or flip of the state, where the base rate is a large part of the gap, or where replay's
+    readout walks between answers; the bracket must then be flagged "not identified" at every k
+    with a gap), and its suite: ``"point"`` (validated since the point decomposition),
+    ``"bracket"`` (added with the bracket), ``"nuisance"`` (the translators' gate,
+    tests/integration/zoo/test_nuisance.py; not in the validation suite, whose committed tables
+    they would change)."""
+
+    build: Callable[..., PlantedModel]
+    factor: str
+    identifiable: bool
+    suite: Literal["point", "bracket", "nuisance"]
+
+
+# The one registry of planted kinds; the tables below are its views.
+KINDS: dict[str, PlantedKind] = {
+    "readout_shift": PlantedKind(readout_shift, "S", True, "point"),
+    "distinct_computation": PlantedKind(distinct_computation, "D", False, "point"),
+    "block_count": PlantedKind(block_count, "B", True, "point"),
+    "readout_shift_by_token_type": PlantedKind(readout_shift_by_token_type, "S", True, "point"),
+    "readout_shift_by_position": PlantedKind(readout_shift_by_position, "S", True, "point"),
+    "mixture_shift_distinct": PlantedKind(mixture_shift_distinct, "S+D", False, "point"),
+    "mixture_shift_blocks": PlantedKind(mixture_shift_blocks, "S+B", True, "point"),
+    "readout_shift_soft": PlantedKind(readout_shift_soft, "S", True, "point"),
+    "distinct_computation_soft": PlantedKind(distinct_computation_soft, "D", False, "point"),
+    "block_count_soft": PlantedKind(block_count_soft, "B", True, "point"),
+    "distinct_computation_context": PlantedKind(distinct_computation_context, "D", True, "bracket"),
+    "block_count_context": PlantedKind(block_count_context, "B", True, "bracket"),
+    "frame_flip": PlantedKind(frame_flip, "S", False, "bracket"),
+    "distinct_computation_skewed": PlantedKind(distinct_computation_skewed, "D", False, "bracket"),
+    "mixture_three_way": PlantedKind(mixture_three_way, "S+B+D", False, "bracket"),
+    "distinct_computation_smooth": PlantedKind(distinct_computation_smooth, "D", False, "bracket"),
+    "readout_shift_step": PlantedKind(readout_shift_step, "S", True, "bracket"),
+    "frame_flip_gated": PlantedKind(frame_flip_gated, "S", False, "bracket"),
+    "frame_warp": PlantedKind(frame_warp, "S", False, "bracket"),
+    "readout_shift_walk": PlantedKind(readout_shift_walk, "S", False, "bracket"),
+    "nuisance_shift": PlantedKind(nuisance_shift, "S", True, "nuisance"),
+    "nuisance_distinct": PlantedKind(nuisance_distinct, "D", True, "nuisance"),
+}
+BUILDERS: dict[str, Callable[..., PlantedModel]] = {
+    name: kind.build for name, kind in KINDS.items()
+}
+EXPECTED_FACTOR = {name: kind.factor for name, kind in KINDS.items()}
+IDENTIFIABLE = {name: kind.identifiable for name, kind in KINDS.items()}
 # The suite the point decomposition was validated on before the bracket; `dcp-lens validate`
 # judges every model of BRACKET_PLANTED by the bracket rule (docs/validation.md).
-PLANTED = tuple(
-    name
-    for name in BUILDERS
-    if name
-    not in (
-        "distinct_computation_context",
-        "block_count_context",
-        "frame_flip",
-        "distinct_computation_skewed",
-        "mixture_three_way",
-        "distinct_computation_smooth",
-        "readout_shift_step",
-        "frame_flip_gated",
-        "frame_warp",
-        "readout_shift_walk",
-        "nuisance_shift",
-        "nuisance_distinct",
-    )
-)
-# The nuisance models test the translators' gate (tests/integration/zoo/test_nuisance.py); they
-# are not in the validation suite, whose committed tables they would change.
-NUISANCE_PLANTED = ("nuisance_shift", "nuisance_distinct")
-BRACKET_PLANTED = tuple(name for name in BUILDERS if name not in NUISANCE_PLANTED)
+PLANTED = tuple(name for name, kind in KINDS.items() if kind.suite == "point")
+NUISANCE_PLANTED = tuple(name for name, kind in KINDS.items() if kind.suite == "nuisance")
+BRACKET_PLANTED = tuple(name for name, kind in KINDS.items() if kind.suite != "nuisance")
 
 
 def expected_shares(
@@ -259,8 +212,10 @@ __all__ = [
     "BUILDERS",
     "EXPECTED_FACTOR",
     "IDENTIFIABLE",
+    "KINDS",
     "NUISANCE_PLANTED",
     "PLANTED",
+    "PlantedKind",
     "PlantedModel",
     "PlantedTask",
     "SEQUENCE_LENGTH",
