@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 from collections import Counter
 from collections.abc import Callable
@@ -233,3 +235,31 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert len(err.splitlines()) == 1, err
     assert "Traceback" not in err
     return err
+
+
+def result_numbers(results) -> list[float]:
+    """Every number of a run's results (`ProtocolResults`), in a fixed order, NaN kept as NaN:
+    what a resumed or retried run must reproduce."""
+    flat: list[float] = []
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            for key in sorted(value):
+                if key not in ("metadata", "config"):
+                    walk(value[key])
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat.append(float(value))
+
+    walk(json.loads(json.dumps(results.to_results_json(), default=str)))
+    return flat
+
+
+def numbers_close(a: list[float], b: list[float], tol: float) -> bool:
+    """Equal length and every pair within ``tol`` relative (absolute below 1), NaN equal to NaN."""
+    return len(a) == len(b) and all(
+        (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tol * max(1.0, abs(x))
+        for x, y in zip(a, b, strict=True)
+    )

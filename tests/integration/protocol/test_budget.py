@@ -4,12 +4,9 @@ up-front refusal of a run whose estimate exceeds its budget."""
 
 from __future__ import annotations
 
-import json
-import math
-
 import pytest
 import torch
-from helpers import lm_sets, make_model
+from helpers import lm_sets, make_model, numbers_close, result_numbers
 
 import dcp_lens.protocol.sweep as sweep_module
 from dcp_lens import DepthControlProtocol
@@ -20,30 +17,8 @@ from dcp_lens.utils.snapshots import Checkpoint
 SETTINGS = dict(n_bootstrap=20, probe="none", progress=False, batch_size=8, calibration_groups=4)
 
 
-def _numbers(results) -> list[float]:
-    """Every number of a run's results, in a fixed order (NaN kept as NaN)."""
-    flat: list[float] = []
-
-    def walk(value) -> None:
-        if isinstance(value, dict):
-            for key in sorted(value):
-                if key not in ("metadata", "config"):
-                    walk(value[key])
-        elif isinstance(value, list):
-            for item in value:
-                walk(item)
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            flat.append(float(value))
-
-    walk(json.loads(json.dumps(results.to_results_json(), default=str)))
-    return flat
-
-
 def _same(a: list[float], b: list[float], tol: float = 1e-9) -> bool:
-    return len(a) == len(b) and all(
-        (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tol * max(1.0, abs(x))
-        for x, y in zip(a, b, strict=True)
-    )
+    return numbers_close(a, b, tol)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +26,7 @@ def setup():
     model = make_model(dtype=torch.float32)
     evaluation, calibration = lm_sets(model, n=40, pos=10)
     reference = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
-    return model, evaluation, calibration, _numbers(reference)
+    return model, evaluation, calibration, result_numbers(reference)
 
 
 def test_the_plan_cuts_batches_into_whole_examples_within_the_rows() -> None:
@@ -85,7 +60,7 @@ def test_a_tight_budget_gives_the_same_numbers_in_smaller_chunks(setup) -> None:
         )
         results = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
     assert max(seen) <= 2  # no readout call held more than two examples
-    assert _same(_numbers(results), reference, tol=1e-6)
+    assert _same(result_numbers(results), reference, tol=1e-6)
 
 
 def test_running_out_of_memory_redoes_the_batch_in_smaller_chunks(setup) -> None:
@@ -103,7 +78,7 @@ def test_running_out_of_memory_redoes_the_batch_in_smaller_chunks(setup) -> None
         patch.setattr(sweep_module, "readouts", scarce)
         results = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
     assert failed, "the simulated shortage never happened"
-    assert _same(_numbers(results), reference, tol=1e-6)
+    assert _same(result_numbers(results), reference, tol=1e-6)
 
 
 def test_a_batch_that_never_fits_stops_and_resume_finishes_it(setup, tmp_path) -> None:
@@ -133,7 +108,7 @@ def test_a_batch_that_never_fits_stops_and_resume_finishes_it(setup, tmp_path) -
     resumed = DepthControlProtocol(model, checkpoint=checkpoint, **SETTINGS).run(
         evaluation, calibration
     )
-    assert _same(_numbers(resumed), reference, tol=1e-9)
+    assert _same(result_numbers(resumed), reference, tol=1e-9)
 
 
 def test_a_run_over_its_budget_is_refused_before_any_batch_naming_what_fits(setup) -> None:

@@ -7,15 +7,13 @@ the uninterrupted numbers."""
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import lm_sets, make_model
+from helpers import lm_sets, make_model, numbers_close, result_numbers
 
 import dcp_lens.protocol.confidence as confidence_module
 import dcp_lens.protocol.dcp as dcp_module
@@ -32,30 +30,8 @@ SETTINGS = dict(n_bootstrap=20, probe="none", progress=False, batch_size=8, cali
 SHORT_PROBE = (4000, 16, 30, 64, 1e-3)
 
 
-def _numbers(results) -> list[float]:
-    """Every number of a run's results, in a fixed order (NaN kept as NaN)."""
-    flat: list[float] = []
-
-    def walk(value) -> None:
-        if isinstance(value, dict):
-            for key in sorted(value):
-                if key not in ("metadata", "config"):
-                    walk(value[key])
-        elif isinstance(value, list):
-            for item in value:
-                walk(item)
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            flat.append(float(value))
-
-    walk(json.loads(json.dumps(results.to_results_json(), default=str)))
-    return flat
-
-
 def _close(a: list[float], b: list[float], tol: float = 1e-6) -> bool:
-    return len(a) == len(b) and all(
-        (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tol * max(1.0, abs(x))
-        for x, y in zip(a, b, strict=True)
-    )
+    return numbers_close(a, b, tol)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +39,7 @@ def setup():
     model = make_model(dtype=torch.float32)
     evaluation, calibration = lm_sets(model, n=40, pos=10)
     reference = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
-    return model, evaluation, calibration, _numbers(reference)
+    return model, evaluation, calibration, result_numbers(reference)
 
 
 def _scarce(original: Callable, fails: Callable[..., bool], failed: list[int]) -> Callable:
@@ -111,7 +87,7 @@ def _stopped_then_resumed(
     resumed = DepthControlProtocol(model, checkpoint=checkpoint, **settings).run(
         evaluation, calibration
     )
-    return str(stop.value), _numbers(resumed)
+    return str(stop.value), result_numbers(resumed)
 
 
 # ---------------------------------------------------------------- the calibration pass
@@ -132,7 +108,7 @@ def test_the_calibration_pass_reads_a_batch_that_does_not_fit_in_smaller_forward
         patch.setattr(fit_records_module, "capture_states", scarce)
         results = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
     assert max(seen) > 2 and 2 in seen  # it failed, then read two sequences a forward
-    assert _close(_numbers(results), reference)
+    assert _close(result_numbers(results), reference)
 
 
 def _calibration_stop_and_resume(model, evaluation, calibration, folder: Path) -> list[float]:
@@ -141,7 +117,7 @@ def _calibration_stop_and_resume(model, evaluation, calibration, folder: Path) -
     # A snapshot folds the groups' waiting rows into their float32 moments, which rounds them:
     # the uninterrupted run snapshots where the stopped one does (after two batches).
     uninterrupted = Checkpoint(folder / "uninterrupted", every=2)
-    reference = _numbers(
+    reference = result_numbers(
         DepthControlProtocol(model, checkpoint=uninterrupted, **SETTINGS).run(
             evaluation, calibration
         )
@@ -164,7 +140,7 @@ def _calibration_stop_and_resume(model, evaluation, calibration, folder: Path) -
     resumed = DepthControlProtocol(model, checkpoint=checkpoint, **SETTINGS).run(
         evaluation, calibration
     )
-    assert _close(_numbers(resumed), reference)
+    assert _close(result_numbers(resumed), reference)
     return reference
 
 
@@ -211,7 +187,7 @@ def test_a_fit_after_the_pass_is_tried_again_then_stops_and_resumes(
     model, evaluation, calibration, reference = setup
     with _short_of_memory(module, name, _first([])):
         again = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
-    assert _close(_numbers(again), reference)
+    assert _close(result_numbers(again), reference)
     message, resumed = _stopped_then_resumed(model, evaluation, calibration, tmp_path, module, name)
     assert f"{stage} stage" in message and "--calibration-groups 0" in message
     assert _close(resumed, reference)
@@ -227,7 +203,7 @@ def test_confidence_matching_reads_out_in_smaller_calls_then_stops_and_resumes(
 
     with _short_of_memory(confidence_module, "readouts", too_many_rows):
         smaller = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
-    assert _close(_numbers(smaller), reference)
+    assert _close(result_numbers(smaller), reference)
     message, resumed = _stopped_then_resumed(
         model, evaluation, calibration, tmp_path, confidence_module, "readouts"
     )
@@ -241,7 +217,8 @@ def test_the_probe_stops_and_resume_probes_the_finished_evaluation(tmp_path) -> 
     settings = {**SETTINGS, "probe": "trajectory", "probe_points": 64}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ResidualOODProbe.__init__, "__defaults__", SHORT_PROBE)
-        reference = _numbers(DepthControlProtocol(model, **settings).run(evaluation, calibration))
+        run = DepthControlProtocol(model, **settings).run(evaluation, calibration)
+        reference = result_numbers(run)
         message, resumed = _stopped_then_resumed(
             model, evaluation, calibration, tmp_path, dcp_module, "probe_run", settings
         )
