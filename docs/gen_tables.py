@@ -376,15 +376,22 @@ def run_default_table() -> str:
 COVERAGE_QUANTITIES = ("S", "B", "D", "S_bracket", "B_bracket", "D_bracket")
 
 
-def coverage_table() -> str:
-    """`dcp-lens validate --coverage N`'s table, from ``validation_coverage.json``: per mixture
-    and quantity, for every metric, how often the 95% interval covered the replicate's truth and
+def coverage_table(width: int | None = None) -> str:
+    """`dcp-lens validate --coverage N`'s table, from ``validation_coverage.json`` (at ``width``:
+    ``validation_coverage_w{width}.json``, which must record that width): per mixture and
+    quantity, for every metric, how often the 95% interval covered the replicate's truth and
     (for point quantities) the spread ratio; starred quantities are the ones the command counts
     (`coverage_counted`), on validated metrics only."""
     from dcp_lens.studies.validate import coverage_counted
 
-    document = _read(DATA / "validation_coverage.json")
+    stem = "validation_coverage" + ("" if width is None else f"_w{width}")
+    document = _read(DATA / f"{stem}.json")
+    if document["settings"].get("width") != width:
+        raise SystemExit(
+            f"{stem}.json ran at width {document['settings'].get('width')}, not {width}."
+        )
     table = document["coverage"]
+    at_width = "" if width is None else f" --width {width}"
     metrics = list(next(iter(table["models"].values())))
     validated = set(table["validated_metrics"])
     head = ["mixture", "quantity"] + [
@@ -405,8 +412,9 @@ def coverage_table() -> str:
             rows.append([f"`{name}`", label, *cells])
     settings = document["settings"]
     note = (
-        f"\n*Generated from `docs/data/validation_coverage.json` (`dcp-lens validate --coverage "
-        f"{table['replicates']} --probe none`: seeds {table['seeds'][0]}-{table['seeds'][-1]}, "
+        f"\n*Generated from `docs/data/{stem}.json` (`dcp-lens validate --coverage "
+        f"{table['replicates']} --probe none{at_width}`: "
+        f"seeds {table['seeds'][0]}-{table['seeds'][-1]}, "
         f"{settings['n_eval']} + {settings['n_calibration']} sequences, "
         f"{settings['n_bootstrap']} draws, {settings['config']['calibration_groups']} calibration "
         "groups). Each cell: the fraction of replicates whose 95% interval holds that "
@@ -499,9 +507,10 @@ def render(text: str) -> str:
 
     def replace(match: re.Match[str]) -> str:
         name = match["name"]
-        at_width = re.fullmatch(r"validation-w(\d+)", name)
-        if at_width:  # the suite embedded at a width: one block per committed width
-            return match.group(1) + validation_table(int(at_width[1])) + match.group(4)
+        at_width = re.fullmatch(r"(validation|coverage)-w(\d+)", name)
+        if at_width:  # embedded at a width: one block per committed width
+            table = validation_table if at_width[1] == "validation" else coverage_table
+            return match.group(1) + table(int(at_width[2])) + match.group(4)
         if name not in GENERATORS:
             raise SystemExit(f"unknown generated block {name!r}; known: {sorted(GENERATORS)}")
         return match.group(1) + GENERATORS[name]() + match.group(4)
