@@ -4,7 +4,7 @@ metrics, progress bars and run snapshots), handed to each stage by `DepthControl
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -50,6 +50,8 @@ class RunContext:
     metrics: tuple[str, ...]
     progress: bool = True
     checkpoint: Checkpoint | None = None
+    # The budget in bytes once read (`budget`): [] until then.
+    _budget: list[int | None] = field(default_factory=list, init=False, repr=False)
 
     @property
     def r(self) -> int:
@@ -83,9 +85,15 @@ class RunContext:
             self.checkpoint.save(stage, done, total, state)
 
     def budget(self) -> int | None:
-        """Bytes this run may use on its device (`dcp_lens.protocol.budget.budget_bytes`)."""
-        budget = self.config.memory_budget  # a float once the config is checked
-        return budget_bytes(None if budget is None else float(budget), self.device())
+        """Bytes this run may use on its device (`dcp_lens.protocol.budget.budget_bytes`), read
+        once, at the first stage that asks: every stage plans against the budget the run
+        started with, whatever other processes take or free meanwhile."""
+        if not self._budget:
+            budget = self.config.memory_budget  # a float once the config is checked
+            self._budget.append(
+                budget_bytes(None if budget is None else float(budget), self.device())
+            )
+        return self._budget[0]
 
     def n_streams(self) -> int:
         """Conditions a calibration map is fitted from: full depth, truncate(k) and replay(k)

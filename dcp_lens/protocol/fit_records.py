@@ -18,7 +18,6 @@ from torch import Tensor
 
 from dcp_lens.protocol.budget import (
     ReadoutPlan,
-    free_device_bytes,
     group_buffer_rows,
     moment_bytes,
     stage_stop_message,
@@ -39,8 +38,6 @@ from dcp_lens.utils import distributed
 from dcp_lens.utils.errors import ResourceLimitError
 from dcp_lens.utils.snapshots import SnapshotFieldError, snapshot_field, snapshot_value
 
-# The fit refuses to start when its moments would take more than this share of the free memory.
-MOMENT_MEMORY_SHARE = 0.5
 # The paired translators of the S bracket's upper end are fitted on at most this many
 # calibration positions (the leading sequences of the calibration split, `translator_rows`).
 TRANSLATOR_POINTS = 2048
@@ -379,6 +376,7 @@ class CalibrationAccumulator:
                 width,
                 on_device,
                 positions,
+                context.budget(),
                 context.device(),
                 full,
             )
@@ -607,24 +605,24 @@ def check_moment_memory(
     width: int,
     resident: int,
     batch_positions: int,
+    budget: int | None,
     device: torch.device,
     full: bool = True,
 ) -> None:
     """Refuse, before the calibration pass, a fit whose moments
-    (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on the
-    device, batches of ``batch_positions`` positions) would take more than
-    `MOMENT_MEMORY_SHARE` of ``device``'s free memory, with what to change."""
+    (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on
+    ``device``, batches of ``batch_positions`` positions) would alone take more than the run's
+    ``budget`` (bytes, `RunContext.budget`: read once when the run starts; None where the
+    device does not say), with what to change. The whole estimate is checked against the
+    same budget before any batch (`DepthControlProtocol`); this names the moments' share."""
     needed = moment_bytes(n_streams, n_groups, width, resident, batch_positions, full)
-    # What the device can give, PyTorch's cached memory included (it is reused before the
-    # driver is asked): memory a notebook's earlier work left cached does not count as taken.
-    free = free_device_bytes(device) or 0
-    if free and needed > MOMENT_MEMORY_SHARE * free:
+    if budget and needed > budget:
         single = moment_bytes(n_streams, 1, width, 1, batch_positions, full)
         raise ResourceLimitError(
             f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
             f"conditions x {resident} of {n_groups} calibration groups on the device, "
             f"{width} wide, float32 with the groups, float64 alone), more "
-            f"than {MOMENT_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device}. "
+            f"than the run's budget of {budget / 2**30:.1f} GiB on {device}. "
             f"Pass fewer calibration groups (--calibration-groups 0 turns the jackknife off: "
             f"{single / 2**30:.1f} GiB) or a shorter --k grid."
         )

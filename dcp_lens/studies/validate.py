@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dcp_lens.protocol.bracket import BracketRule
+from dcp_lens.protocol.budget import GIB, budget_bytes
 from dcp_lens.protocol.config import COMMAND_DEFAULTS, ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.metrics import METRICS
@@ -93,7 +94,7 @@ def validate(
     """
     names = _models(models)
     check_width([planted.BUILDERS[name] for name in names], width)
-    config = _config(config, metrics, settings)
+    config = _suite_budget(_config(config, metrics, settings))
     rows = []
     for name in names:
         run, expected = _run_planted(name, config, n_eval, n_calibration, progress, width)
@@ -140,7 +141,7 @@ def coverage(
         )
     names = _models(models or MIXTURES)
     check_width([planted.BUILDERS[name] for name in names], width)
-    config = _config(config, metrics, settings)
+    config = _suite_budget(_config(config, metrics, settings))
     seeds = [config.seed + i for i in range(replicates)]
     found: dict[str, dict[str, list[dict[str, float]]]] = {}
     validated: dict[str, bool] = {}
@@ -435,6 +436,16 @@ def coverage_markdown(table: Mapping[str, Any]) -> list[str]:
     lines.append("")
     lines.append(f"coverage: {'pass' if table['passed'] else 'FAIL'}.")
     return lines
+
+
+def _suite_budget(config: ProtocolConfig) -> ProtocolConfig:
+    """``config`` with its memory budget read once for the whole suite (where not given): every
+    planted model is planned against what the machine could give when the suite started, so a
+    model late in the suite is not refused because another process took memory meanwhile."""
+    if config.memory_budget is not None:
+        return config
+    budget = budget_bytes(None, torch.device("cpu"))  # planted models run on the CPU
+    return config if budget is None else config.replace(memory_budget=budget / GIB)
 
 
 def _models(models: Sequence[str] | None) -> tuple[str, ...]:

@@ -158,3 +158,21 @@ def test_a_default_run_lets_no_numpy_or_torch_warning_through(tmp_path) -> None:
     assert outcome.results
     foreign = [w for w in caught if "/numpy/" in w.filename or "/torch/" in w.filename]
     assert not foreign, [str(w.message) for w in foreign]
+
+
+def test_a_run_reads_its_budget_once_and_plans_every_stage_against_it(setup, monkeypatch):
+    """What the machine can give is read when the run starts; a later stage does not re-read
+    it, so memory another process takes during the run cannot change the plan."""
+    import dcp_lens.protocol.budget as budget_module
+
+    model, evaluation, calibration, expected = setup
+    readings: list[int] = []
+
+    def available() -> int:
+        readings.append(64 * GIB if not readings else 1 << 20)
+        return readings[-1]
+
+    monkeypatch.setattr(budget_module, "available_memory_bytes", available)
+    result = DepthControlProtocol(model, **SETTINGS).run(evaluation, calibration)
+    assert len(readings) == 1
+    assert _same(result_numbers(result), expected)

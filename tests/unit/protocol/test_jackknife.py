@@ -214,11 +214,10 @@ def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None
 
     huge = moment_bytes(21, 10, 5280, 10, 8192)
     assert huge > 2 * moment_bytes(21, 0, 5280, 1, 8192)  # the groups are most of it
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fit_records, "free_device_bytes", lambda device: 8 * 2**30)
-        with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
-            fit_records.check_moment_memory(21, 10, 5280, 10, 8192, torch.device("cpu"))
-        fit_records.check_moment_memory(21, 10, 256, 10, 8192, torch.device("cpu"))  # small: passes
+    budget, cpu = 8 * 2**30, torch.device("cpu")
+    with pytest.raises(ResourceLimitError, match="--calibration-groups 0"):
+        fit_records.check_moment_memory(21, 10, 5280, 10, 8192, budget, cpu)
+    fit_records.check_moment_memory(21, 10, 256, 10, 8192, budget, cpu)  # small: passes
 
 
 def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> None:
