@@ -70,6 +70,8 @@ class StreamingMoments:
         self._eigen: Eigen | None = None
         self._powers: dict[float, Tensor] = {}
         self._span: Tensor | None = None
+        # Its value on the identity (a mu), its eigenvalue floor and float32 rounding of it.
+        self._levels: tuple[float, float, float] | None = None
         self._eigh_dtype = torch.float64  # float32 for a jackknife refit: `for_refit`
         # For a jackknife refit (`for_refit`): its whole split and that split's eigenvalue floor.
         self._within: StreamingMoments | None = None
@@ -188,7 +190,7 @@ class StreamingMoments:
     def _merge(
         self, count: int, mean: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
     ) -> None:
-        self._eigen, self._powers, self._span = None, {}, None
+        self._eigen, self._powers, self._span, self._levels = None, {}, None, None
         if self._count == 0:
             self._count, self._mean, self._scatter = count, mean, scatter.to(self._storage)
             self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
@@ -308,12 +310,13 @@ class StreamingMoments:
         (`for_refit`) and the states stay in it, else in full."""
         shrunk = ledoit_wolf_shrinkage(self)
         floor = self.eigenvalue_floor(shrunk.covariance)
+        # A refit's sums hold float32-stored group scatters: what the subspace drops below their
+        # rounding, the whole decomposition could not resolve either.
+        tolerance = storage_rounding(shrunk.covariance, torch.float32)
+        self._levels = (shrunk.intensity * shrunk.scale, floor, tolerance)
         basis = None if self._within is None else self._within.span(name)
         width = shrunk.covariance.shape[0]
         if basis is not None and basis.shape[1] <= SUBSPACE_SHARE * width:
-            # A refit's sums hold float32-stored group scatters: what the subspace drops below
-            # their rounding, the whole decomposition could not resolve either.
-            tolerance = storage_rounding(shrunk.covariance, torch.float32)
             eigen = subspace_eigh(
                 shrunk, self.covariance, basis.to(shrunk.covariance.device), floor, tolerance, name
             )
@@ -331,10 +334,9 @@ class StreamingMoments:
             if self._eigen is None:
                 self._eigen = self._decomposed(name)
             values, vectors, _ = self._eigen
-            shrunk = ledoit_wolf_shrinkage(self)
-            base = max(shrunk.intensity * shrunk.scale, self.eigenvalue_floor(shrunk.covariance))
-            noise = storage_rounding(shrunk.covariance, torch.float32)
-            self._span = vectors[:, values > base + noise]
+            assert self._levels is not None
+            identity_part, floor, noise = self._levels
+            self._span = vectors[:, values > max(identity_part, floor) + noise]
         return self._span
 
     def for_refit(self, within: StreamingMoments | None = None) -> StreamingMoments:
@@ -353,7 +355,7 @@ class StreamingMoments:
         self._eigh_dtype = torch.float32
         self._within = within
         self._floor = None if within is None else within.eigenvalue_floor()
-        self._eigen, self._powers, self._span = None, {}, None
+        self._eigen, self._powers, self._span, self._levels = None, {}, None, None
         return self
 
     def eigenvalue_floor(self, shrunk: Tensor | None = None) -> float:
@@ -362,6 +364,8 @@ class StreamingMoments:
         (``shrunk``, float64 ``[d, d]``, where the caller has it)."""
         if self._floor is not None:
             return self._floor
+        if self._levels is not None:  # computed with the eigendecomposition
+            return self._levels[1]
         if shrunk is None:
             shrunk = ledoit_wolf_shrinkage(self).covariance
         return rounding_floor(shrunk)
