@@ -202,13 +202,13 @@ class GroupMoments:
         return total if total.count else None
 
     def left_out(self, total: StreamingMoments | None, group: int) -> StreamingMoments | None:
-        """``total`` (every group merged) less ``group``'s moments, to be decomposed in float32
-        with ``total``'s eigenvalue floor (`StreamingMoments.for_refit`): the jackknife's refit
-        of this source."""
+        """``total`` (every group merged) less ``group``'s moments, prepared as the jackknife's
+        refit of this source within ``total`` (`StreamingMoments.for_refit`: ``total``'s
+        eigenvalue floor, and its span or a float32 decomposition)."""
         if total is None or self.groups is None:
             return total
         rest = total.without(self.groups[group])
-        return None if rest is None else rest.for_refit(total.eigenvalue_floor())
+        return None if rest is None else rest.for_refit(total)
 
     def release(self) -> None:
         self.groups = None

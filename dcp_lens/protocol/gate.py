@@ -140,21 +140,23 @@ def judge(
     folds = [(group == g).nonzero().squeeze(1) for g in range(n_groups) if bool((group == g).any())]
     if len(folds) < 2 or any(len(rows) >= n for rows in folds):
         return untestable(n, "fewer than two held-out folds hold positions")
-    path = _RidgePath(source, target)
-    scale = ridge_scale(source)
-    y = target.double()
     if not isinstance(readout, ReadoutGeometry):
-        readout = ReadoutGeometry(readout, y.mean(0).to(target.dtype))
+        readout = ReadoutGeometry(readout, target.double().mean(0).to(target.dtype))
     geometry = readout
+    # Every prediction is linear in the targets: the errors of what the readout reads are
+    # those of predicting what it reads (`ReadoutGeometry.read`), which may be fewer columns.
+    y = geometry.read(target.double())  # [n, c]
+    path = _RidgePath(source, y)
+    scale = ridge_scale(source)
     order = torch.cat(folds)  # every position once, fold by fold
     sizes = [len(rows) for rows in folds]
     others = torch.stack([(y.sum(0) - y[rows].sum(0)) / (n - len(rows)) for rows in folds])
     mean_predictions = torch.repeat_interleave(others, torch.tensor(sizes, device=y.device), 0)
-    mean_errors = _per_fold(geometry(mean_predictions - y[order]), sizes)
+    mean_errors = _per_fold(geometry.read_error(mean_predictions - y[order]), sizes)
     errors = []  # per ridge, per fold
     for ridge in RIDGES:  # one ridge's fitted values at a time
         predicted = torch.cat([path.held_out(rows, ridge * scale) for rows in folds])
-        errors.append(_per_fold(geometry(predicted - y[order]), sizes))
+        errors.append(_per_fold(geometry.read_error(predicted - y[order]), sizes))
     return _decided(errors, mean_errors, n)
 
 
@@ -201,11 +203,14 @@ class ReadoutGeometry:
     included) moves the logits along the logits themselves, a change of confidence, not of what
     is read.
 
-    M = J^T (P C)^T (P C) J [d_model, d_model] is formed once, a block of rows at a time: a
-    forward-mode derivative along a block of unit vectors, projected, then pulled back through
-    the readout (a reverse-mode derivative), so that no [d_vocab, d_model] matrix is held; each
-    block holds at most `READOUT_ELEMENTS` logits. One geometry serves every translator of a run
-    (they share the full-depth states)."""
+    P C is a symmetric projection (P and C commute), so M = J^T P C J = B B^T with
+    B = (P C J)^T [d_model, d_vocab]. B is formed a block of rows at a time: a forward-mode
+    derivative along a block of unit vectors, projected; each block holds at most
+    `READOUT_ELEMENTS` logits. Where the vocabulary is narrower than the stream, B is kept
+    (``factor``) and an error is read in d_vocab coordinates (`read`), so that the gate works
+    in them. Otherwise M [d_model, d_model] is formed (``metric``) and no [d_model, d_vocab]
+    matrix is held: each block is pulled back through the readout (a reverse-mode derivative).
+    One geometry serves every translator of a run (they share the full-depth states)."""
 
     def __init__(self, readout: StateReadout, at: Float[Tensor, " d_model"]) -> None:
         with torch.no_grad():
@@ -213,6 +218,7 @@ class ReadoutGeometry:
         direction = logits - logits.mean()
         direction = direction / direction.norm().clamp(min=1e-300)
         d_model = at.shape[-1]
+        narrow = logits.shape[-1] < d_model
         rows = max(1, READOUT_ELEMENTS // max(1, logits.shape[-1]))
         eye = torch.eye(d_model, dtype=at.dtype, device=at.device)
         blocks = []
@@ -222,14 +228,31 @@ class ReadoutGeometry:
             change = change - change.mean(-1, keepdim=True)
             change = change - (change @ direction)[:, None] * direction
             change = change - change.mean(-1, keepdim=True)  # C P C: P C stays centred
+            if narrow:  # rows of B
+                blocks.append(change)
+                continue
             pull_back = torch.func.vjp(readout, primal)[1]
             blocks.append(pull_back(change.to(at.dtype))[0].detach())
-        metric = torch.cat(blocks).double()
-        self.metric = (metric + metric.T) / 2
+        stacked = torch.cat(blocks).double()
+        self.factor: Tensor | None = stacked if narrow else None  # [d_model, d_vocab]
+        self.metric = stacked @ stacked.T if narrow else (stacked + stacked.T) / 2
+
+    def read(self, states: Float[Tensor, "n d_model"]) -> Float[Tensor, "n c"]:
+        """What the readout reads of ``states`` (float64): ``states @ B`` [n, d_vocab] where
+        the factor is kept, else ``states`` themselves. Linear, so the read error of a
+        prediction is `read_error` of the difference of the read states."""
+        x = states.double().to(self.metric.device)
+        return x if self.factor is None else x @ self.factor
+
+    def read_error(self, read: Float[Tensor, "n c"]) -> Float[Tensor, " n"]:
+        """The readout's error per position of read errors (`read`): their squared norm where
+        the factor is kept, else the quadratic form of the metric."""
+        if self.factor is not None:
+            return read.pow(2).sum(-1)
+        return ((read @ self.metric) * read).sum(-1)
 
     def __call__(self, error: Float[Tensor, "n d_model"]) -> Float[Tensor, " n"]:
-        e = error.double().to(self.metric.device)
-        return ((e @ self.metric) * e).sum(-1)
+        return self.read_error(self.read(error))
 
 
 def _pushed_forward(readout: StateReadout, primal: Tensor, tangent: Tensor) -> Tensor:

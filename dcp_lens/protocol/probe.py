@@ -49,6 +49,8 @@ def auroc(scores: Float[Tensor, " n"], labels: Bool[Tensor, " n"]) -> float:
 # Permutations of the test labels for the C2ST's null, and the quantile that is its threshold.
 N_PERMUTATIONS = 200
 NULL_QUANTILE = 0.95
+# States whitened at once by `ResidualOODProbe.mahalanobis` (float64 rows of the stream's width).
+WHITENED_ROWS = 4096
 
 
 def _permutation_null(
@@ -111,6 +113,32 @@ def _train_mask(groups: Tensor | None, n: int, generator: torch.Generator) -> Te
     return torch.isin(groups.cpu(), chosen.cpu())
 
 
+def _features(whitened: Float[Tensor, "n d"]) -> Float[Tensor, "n d+1"]:
+    """`ResidualOODProbe.classifier_features` of whitened states (float64 ``[n, d]``)."""
+    width = whitened.shape[-1]
+    # With a few thousand states an MLP in d >= 256 memorises before it learns a norm (a
+    # scale mixture scored AUROC 0.53 without this feature, 0.99 with it), and the radius's
+    # distribution, not its mean, is what moment matching leaves different.
+    radius = (whitened.pow(2).sum(dim=-1, keepdim=True) - width) / (2 * width) ** 0.5
+    return torch.cat([whitened, radius], dim=-1).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One side of a two-sample test: its states ``[n, d]`` (``whitened`` by the probe's
+    Gaussian already, or not) and each state's group (example), if known."""
+
+    states: Tensor
+    groups: Tensor | None = None
+    whitened: bool = False
+
+    def subsampled(self, size: int, generator: torch.Generator) -> _Side:
+        """``size`` of the states (and their groups) in a seeded random order."""
+        order = torch.randperm(self.states.shape[0], generator=generator)[:size]
+        groups = None if self.groups is None else self.groups[order]
+        return _Side(self.states[order.to(self.states.device)], groups, self.whitened)
+
+
 class ResidualOODProbe:
     """Mahalanobis and classifier two-sample scores of states against reference states.
 
@@ -148,6 +176,7 @@ class ResidualOODProbe:
         self.noise_floor: float | None = None
         self._whitening: Tensor | None = None  # [d, d] float64, covariance^{-1/2}
         self._held_out: Tensor | None = None  # held-out reference states, the C2ST's negatives
+        self._held_out_whitened: Tensor | None = None  # the same, whitened once (`whiten`)
         self._held_out_groups: Tensor | None = None  # their group (example) ids, if given
         # The permutation null of the last two-sample test: the AUROC's NULL_QUANTILE and p-value.
         self.last_null: dict[str, float] = {}
@@ -205,6 +234,7 @@ class ResidualOODProbe:
         self._held_out, self._held_out_groups = _subsample(
             held_out, self.max_points, generator, held_out_groups
         )
+        self._held_out_whitened = self.whiten(self._held_out)
         return self
 
     def _require_gaussian(self) -> tuple[Tensor, Tensor]:
@@ -225,7 +255,7 @@ class ResidualOODProbe:
     def mahalanobis(self, x: Float[Tensor, "n d"]) -> Float[Tensor, " n"]:
         """Mahalanobis distance of each state to the reference Gaussian, float64 ``[n]``."""
         # In chunks, so many wide states never sit whitened in float64 all at once.
-        return torch.cat([self.whiten(chunk).norm(dim=-1) for chunk in x.split(4096)])
+        return torch.cat([self.whiten(chunk).norm(dim=-1) for chunk in x.split(WHITENED_ROWS)])
 
     def relative_mahalanobis(self, x: Float[Tensor, "n d"]) -> float:
         """Mean Mahalanobis distance of ``x`` over the noise floor (held-out reference: ~1.0)."""
@@ -240,13 +270,7 @@ class ResidualOODProbe:
         Returns float32 ``[n, d + 1]``: ``whiten(x)`` and ``(|z|^2 - d) / sqrt(2 d)`` (zero mean,
         unit variance for reference states that are Gaussian).
         """
-        whitened = self.whiten(x)
-        width = whitened.shape[-1]
-        # With a few thousand states an MLP in d >= 256 memorises before it learns a norm (a
-        # scale mixture scored AUROC 0.53 without this feature, 0.99 with it), and the radius's
-        # distribution, not its mean, is what moment matching leaves different.
-        radius = (whitened.pow(2).sum(dim=-1, keepdim=True) - width) / (2 * width) ** 0.5
-        return torch.cat([whitened, radius], dim=-1).to(torch.float32)
+        return _features(self.whiten(x))
 
     def c2st_auroc(
         self, x: Float[Tensor, "n d"], seed: int = 0, groups: Int[Tensor, " n"] | None = None
@@ -258,8 +282,9 @@ class ResidualOODProbe:
         ``groups`` (and ``held_out_groups`` given to `fit`), each side is split by group instead
         (see `_train_mask`).
         """
-        held_out = self._require_held_out().to(x.device)
-        return self._two_sample_auroc(x, held_out, seed, groups, self._held_out_groups)
+        held_out = self._require_held_out_whitened().to(x.device)
+        sides = (_Side(x, groups), _Side(held_out, self._held_out_groups, whitened=True))
+        return self._two_sample_auroc(*sides, seed)
 
     def _require_held_out(self) -> Tensor:
         if self._held_out is None:
@@ -269,29 +294,23 @@ class ResidualOODProbe:
             )
         return self._held_out
 
-    def _two_sample_auroc(
-        self,
-        positives: Tensor,
-        negatives: Tensor,
-        seed: int,
-        positive_groups: Tensor | None = None,
-        negative_groups: Tensor | None = None,
-    ) -> float:
-        per_side = min(positives.shape[0], negatives.shape[0], self.max_points)
+    def _require_held_out_whitened(self) -> Tensor:
+        self._require_held_out()
+        assert self._held_out_whitened is not None
+        return self._held_out_whitened
+
+    def _two_sample_auroc(self, positive: _Side, negative: _Side, seed: int) -> float:
+        per_side = min(positive.states.shape[0], negative.states.shape[0], self.max_points)
         if per_side < 4:
             raise ValueError(
-                f"the two-sample test needs at least 4 states per side, got {positives.shape[0]} "
-                f"states and {negatives.shape[0]} reference states."
+                f"the two-sample test needs at least 4 states per side, got "
+                f"{positive.states.shape[0]} states and {negative.states.shape[0]} reference "
+                "states."
             )
         generator = torch.Generator().manual_seed(seed)
-        sides = []
-        for states, groups in ((positives, positive_groups), (negatives, negative_groups)):
-            order = torch.randperm(states.shape[0], generator=generator)[:per_side]
-            sides.append(
-                (states[order.to(states.device)], None if groups is None else groups[order])
-            )
-        train_masks = [_train_mask(groups, per_side, generator) for _, groups in sides]
-        positives, negatives = (self.classifier_features(states) for states, _ in sides)
+        sides = [side.subsampled(per_side, generator) for side in (positive, negative)]
+        train_masks = [_train_mask(side.groups, per_side, generator) for side in sides]
+        positives, negatives = (self._side_features(side) for side in sides)
 
         def labelled(first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
             labels = torch.cat([torch.ones(len(first)), torch.zeros(len(second))])
@@ -304,7 +323,7 @@ class ResidualOODProbe:
         with torch.no_grad():
             test_scores = classifier(test_x).squeeze(-1)
         observed = auroc(test_scores, test_y.bool())
-        (_, positive_groups), (_, negative_groups) = sides
+        positive_groups, negative_groups = (side.groups for side in sides)
         null = _permutation_null(
             test_scores,
             test_y.bool(),
@@ -317,6 +336,9 @@ class ResidualOODProbe:
             "auroc_p_value": float((1 + (null >= observed).sum()) / (1 + len(null))),
         }
         return observed
+
+    def _side_features(self, side: _Side) -> Tensor:
+        return _features(side.states) if side.whitened else self.classifier_features(side.states)
 
     def _train_classifier(self, inputs: Tensor, labels: Tensor, seed: int) -> nn.Module:
         # Built under a forked CPU RNG so the seed fixes the initial weights without touching
@@ -360,23 +382,44 @@ class ResidualOODProbe:
     def reference_score(self, seed: int = 0) -> dict[str, float]:
         """The noise floor's own `score`: the held-out reference states kept by `fit`, their C2ST
         run between two halves of them (at most ``max_points // 2`` per side; ~0.5)."""
-        held_out = self._require_held_out()
+        held_out = self._require_held_out_whitened()
         half = held_out.shape[0] // 2
         groups = self._held_out_groups
         halves = (None, None) if groups is None else (groups[:half], groups[half:])
+        sides = (
+            _Side(held_out[:half], halves[0], whitened=True),
+            _Side(held_out[half:], halves[1], whitened=True),
+        )
         return {
-            "mahalanobis": self.relative_mahalanobis(held_out),
-            "auroc": self._two_sample_auroc(held_out[:half], held_out[half:], seed, *halves),
+            "mahalanobis": self.relative_mahalanobis(self._require_held_out()),
+            "auroc": self._two_sample_auroc(*sides, seed),
         }
 
     def score(
         self, x: Float[Tensor, "n d"], seed: int = 0, groups: Int[Tensor, " n"] | None = None
     ) -> dict[str, float]:
         """``{"mahalanobis": relative Mahalanobis, "auroc": C2ST AUROC}`` of the states ``x``
-        (``groups``: each state's example, as in `c2st_auroc`)."""
+        (``groups``: each state's example, as in `c2st_auroc`). Where ``x`` is whitened in one
+        piece for its Mahalanobis distances (at most `WHITENED_ROWS` states), the C2ST takes
+        its states from that piece rather than whitening them again."""
+        if x.shape[0] > WHITENED_ROWS:
+            return {
+                "mahalanobis": self.relative_mahalanobis(x),
+                "auroc": self.c2st_auroc(x, seed, groups),
+                **self.last_null,
+            }
+        held_out = self._require_held_out_whitened().to(x.device)
+        whitened = self.whiten(x)
+        distance = float(whitened.norm(dim=-1).mean())
+        if self.noise_floor is None:
+            raise RuntimeError("the probe has no noise floor: call fit(reference_states) first.")
+        sides = (
+            _Side(whitened, groups, whitened=True),
+            _Side(held_out, self._held_out_groups, whitened=True),
+        )
         return {
-            "mahalanobis": self.relative_mahalanobis(x),
-            "auroc": self.c2st_auroc(x, seed, groups),
+            "mahalanobis": distance / self.noise_floor,
+            "auroc": self._two_sample_auroc(*sides, seed),
             **self.last_null,
         }
 

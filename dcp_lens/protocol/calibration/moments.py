@@ -11,12 +11,19 @@ from jaxtyping import Float
 from torch import Tensor
 
 from dcp_lens.protocol.calibration.linalg import (
-    _power_of,
+    Eigen,
     ledoit_wolf_shrinkage,
+    power_of,
     rounding_floor,
+    storage_rounding,
+    subspace_eigh,
     symmetric_eigh,
 )
 from dcp_lens.utils.snapshots import snapshot_field
+
+# The largest share of the width the states' span may have for `for_refit`'s subspace
+# decomposition: above it, one full eigendecomposition costs about as much.
+SUBSPACE_SHARE = 0.5
 
 
 def all_finite(x: Tensor) -> bool:
@@ -58,11 +65,17 @@ class StreamingMoments:
         self._scatter: Tensor | None = None  # [d, d], sum of y y^T
         self._norm_weighted_sum: Tensor | None = None  # [d], sum of |y|^2 y
         self._fourth_sum: Tensor | None = None  # [], sum of |y|^4
-        # Of the shrunk covariance, until an update: its eigendecomposition and its powers.
-        self._eigen: tuple[Tensor, Tensor] | None = None
+        # Of the shrunk covariance, until an update: its eigendecomposition, its powers and the
+        # span of its eigenvectors above rounding (`span`).
+        self._eigen: Eigen | None = None
         self._powers: dict[float, Tensor] = {}
+        self._span: Tensor | None = None
+        # Its value on the identity (a mu), its eigenvalue floor and float32 rounding of it.
+        self._levels: tuple[float, float, float] | None = None
         self._eigh_dtype = torch.float64  # float32 for a jackknife refit: `for_refit`
-        self._floor: float | None = None  # the whole split's, for a refit: `for_refit`
+        # For a jackknife refit (`for_refit`): its whole split and that split's eigenvalue floor.
+        self._within: StreamingMoments | None = None
+        self._floor: float | None = None
 
     @classmethod
     def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
@@ -177,7 +190,7 @@ class StreamingMoments:
     def _merge(
         self, count: int, mean: Tensor, scatter: Tensor, norm_weighted: Tensor, fourth: Tensor
     ) -> None:
-        self._eigen, self._powers = None, {}
+        self._eigen, self._powers, self._span, self._levels = None, {}, None, None
         if self._count == 0:
             self._count, self._mean, self._scatter = count, mean, scatter.to(self._storage)
             self._norm_weighted_sum, self._fourth_sum = norm_weighted, fourth
@@ -254,7 +267,7 @@ class StreamingMoments:
         assert self._norm_weighted_sum is not None and self._fourth_sum is not None
         moved = StreamingMoments(self._storage)
         moved._count, moved._eigh_dtype = self._count, self._eigh_dtype
-        moved._floor = self._floor
+        moved._within, moved._floor = self._within, self._floor
         moved._mean, moved._scatter = self._mean.to(device), self._scatter.to(device)
         moved._norm_weighted_sum = self._norm_weighted_sum.to(device)
         moved._fourth_sum = self._fourth_sum.to(device)
@@ -287,30 +300,75 @@ class StreamingMoments:
         from one eigendecomposition."""
         if exponent not in self._powers:
             if self._eigen is None:
-                shrunk = ledoit_wolf_shrinkage(self).covariance
-                floor = rounding_floor(shrunk) if self._floor is None else self._floor
-                self._eigen = symmetric_eigh(shrunk, name, self._eigh_dtype, floor)
-            self._powers[exponent] = _power_of(*self._eigen, exponent)
+                self._eigen = self._decomposed(name)
+            self._powers[exponent] = power_of(self._eigen, exponent)
         return self._powers[exponent]
 
-    def for_refit(self, floor: float | None = None) -> StreamingMoments:
-        """These moments with `shrunk_power`'s eigendecomposition taken in float32 (returns self):
-        for the jackknife's refits (`dcp_lens.protocol.fit.fit_maps`), whose maps differ from the
-        whole split's by about 1e-2 relative, at a fraction of a float64 decomposition's cost (the
-        refits' largest). Only where the shrunk covariance is well conditioned (`symmetric_eigh`):
-        there the float32 powers are within about 1e-5 of the float64 ones; elsewhere float64.
-        Their powers stay float64. ``floor``: the whole split's `eigenvalue_floor`, which the
-        refit then shares (see `rounding_floor`); None for its own."""
-        self._eigh_dtype, self._floor = torch.float32, floor
-        self._eigen, self._powers = None, {}
+    def _decomposed(self, name: str) -> Eigen:
+        """The shrunk covariance's eigendecomposition, its eigenvalues lifted to
+        `eigenvalue_floor`: on the whole split's `span` where these are a refit's moments
+        (`for_refit`) and the states stay in it, else in full."""
+        shrunk = ledoit_wolf_shrinkage(self)
+        floor = self.eigenvalue_floor(shrunk.covariance)
+        # A refit's sums hold float32-stored group scatters: what the subspace drops below their
+        # rounding, the whole decomposition could not resolve either.
+        tolerance = storage_rounding(shrunk.covariance, torch.float32)
+        self._levels = (shrunk.intensity * shrunk.scale, floor, tolerance)
+        basis = None if self._within is None else self._within.span(name)
+        width = shrunk.covariance.shape[0]
+        if basis is not None and basis.shape[1] <= SUBSPACE_SHARE * width:
+            eigen = subspace_eigh(
+                shrunk, self.covariance, basis.to(shrunk.covariance.device), floor, tolerance, name
+            )
+            if eigen is not None:
+                return eigen
+        values, vectors = symmetric_eigh(shrunk.covariance, name, self._eigh_dtype, floor)
+        return values, vectors, None
+
+    def span(self, name: str = "covariance") -> Float[Tensor, "d m"]:
+        """Orthonormal eigenvectors ``[d, m]`` of the shrunk covariance whose eigenvalues stand
+        above its value on the identity (``a mu``, or `eigenvalue_floor` where that is higher)
+        by more than float32 rounding of the scatter can make (`storage_rounding`): the
+        directions the states vary in. Computed once until the next update."""
+        if self._span is None:
+            if self._eigen is None:
+                self._eigen = self._decomposed(name)
+            values, vectors, _ = self._eigen
+            assert self._levels is not None
+            identity_part, floor, noise = self._levels
+            self._span = vectors[:, values > max(identity_part, floor) + noise]
+        return self._span
+
+    def for_refit(self, within: StreamingMoments | None = None) -> StreamingMoments:
+        """These moments (returns self) prepared for a jackknife refit
+        (`dcp_lens.protocol.fit.fit_maps`) of ``within`` (the whole split's moments, of which
+        these are a part; None: the refit stands alone).
+
+        The refit shares ``within``'s `eigenvalue_floor` (see `rounding_floor`), and borrows its
+        `span`: the states of a part of the split vary only in directions the whole split's
+        vary in, so where that span has at most `SUBSPACE_SHARE` of the width the
+        eigendecomposition is taken on it (`subspace_eigh`, exact where the states stay in it,
+        checked against float32 rounding of the sums). Otherwise the full one is taken, in
+        float32 where the shrunk covariance is well conditioned (`symmetric_eigh`): the refits'
+        maps differ from the whole split's by about 1e-2 relative, the float32 powers from the
+        float64 ones by about 1e-5; elsewhere in float64. The powers stay float64."""
+        self._eigh_dtype = torch.float32
+        self._within = within
+        self._floor = None if within is None else within.eigenvalue_floor()
+        self._eigen, self._powers, self._span, self._levels = None, {}, None, None
         return self
 
-    def eigenvalue_floor(self) -> float:
-        """The floor `shrunk_power` lifts the shrunk covariance's eigenvalues to
-        (`rounding_floor`, or the one `for_refit` was given)."""
+    def eigenvalue_floor(self, shrunk: Tensor | None = None) -> float:
+        """The floor `shrunk_power` lifts the shrunk covariance's eigenvalues to: the whole
+        split's where `for_refit` gave one, else `rounding_floor` of the shrunk covariance
+        (``shrunk``, float64 ``[d, d]``, where the caller has it)."""
         if self._floor is not None:
             return self._floor
-        return rounding_floor(ledoit_wolf_shrinkage(self).covariance)
+        if self._levels is not None:  # computed with the eigendecomposition
+            return self._levels[1]
+        if shrunk is None:
+            shrunk = ledoit_wolf_shrinkage(self).covariance
+        return rounding_floor(shrunk)
 
     @property
     def fourth_moment_sum(self) -> float:

@@ -159,3 +159,34 @@ def test_a_readout_without_forward_mode_gets_the_same_geometry(monkeypatch) -> N
     monkeypatch.setattr(torch.func, "jvp", unsupported)
     stepped = ReadoutGeometry(readout, at).metric
     assert torch.allclose(stepped, exact, rtol=1e-2, atol=1e-3 * float(exact.abs().max()))
+
+
+def test_a_narrow_readout_is_judged_in_the_coordinates_it_reads() -> None:
+    """A vocabulary narrower than the stream (8 logits of 64 coordinates): the geometry keeps
+    B = (P C J)^T [64, 8], whose B B^T is J^T P C J from the readout's explicit Jacobian, and
+    the gate judges in those 8 coordinates with the numbers of the 64-wide quadratic form."""
+    generator = torch.Generator().manual_seed(6)
+    n, d, read, vocab = 400, 64, 6, 8
+    readout = _reading(d, read, vocab)
+    source = torch.randn(n, d, generator=generator)
+    target = torch.randn(n, d, generator=generator)
+    target[:, :read] = source[:, :read] @ torch.randn(read, read, generator=generator) + 1.0
+    at = target.double().mean(0).float()
+    geometry = ReadoutGeometry(readout, at)
+    assert geometry.factor is not None and geometry.factor.shape == (d, vocab)
+    jacobian = torch.autograd.functional.jacobian(lambda x: readout(x[None])[0], at).double()
+    logits = readout(at[None])[0].double()
+    direction = (logits - logits.mean()) / (logits - logits.mean()).norm()
+    identity = torch.eye(vocab, dtype=torch.float64)
+    projection = (identity - torch.outer(direction, direction)) @ (identity - 1.0 / vocab)
+    want = jacobian.T @ projection @ jacobian
+    assert torch.allclose(geometry.metric, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    wide = ReadoutGeometry.__new__(ReadoutGeometry)
+    wide.factor, wide.metric = None, geometry.metric
+    group = torch.arange(n) % FOLDS
+    narrow_record = judge(source, target, group, FOLDS, geometry)
+    wide_record = judge(source, target, group, FOLDS, wide)
+    assert (narrow_record.judged, narrow_record.ridge) == (wide_record.judged, wide_record.ridge)
+    for key in ("translator_error", "mean_error"):
+        got, expected = getattr(narrow_record, key), getattr(wide_record, key)
+        assert abs(got - expected) <= 1e-9 * abs(expected), (key, got, expected)

@@ -172,3 +172,24 @@ def test_c2st_splits_by_example_so_positions_of_one_sequence_do_not_leak() -> No
     # one group id per held-out state (ValueError; under the tests' jaxtyping hook, TypeError)
     with pytest.raises((ValueError, TypeError)):
         ResidualOODProbe().fit(reference, held_out, held_out_groups=held_out_groups[:5])
+
+
+def test_a_score_whitens_each_state_once_with_the_same_numbers() -> None:
+    """`score` whitens the states once for both scores and the held-out reference once at
+    `fit`; its numbers equal those of whitening every side of the two-sample test anew (the
+    states re-drawn and whitened, as `c2st_auroc` of raw states does), within 1e-6."""
+    from dcp_lens.protocol.probe import _Side
+
+    probe = ResidualOODProbe(max_points=300, steps=60).fit(gaussian(1200, seed=1), seed=0)
+    states = scale_mixture(500, seed=11)
+    groups = torch.arange(500) // 5
+    got = probe.score(states, seed=2, groups=groups)
+    assert probe._held_out is not None
+    anew = probe._two_sample_auroc(
+        _Side(states, groups), _Side(probe._held_out, probe._held_out_groups), seed=2
+    )
+    want = {"mahalanobis": probe.relative_mahalanobis(states), "auroc": anew, **probe.last_null}
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+    assert 0.5 < got["auroc"] < 1.0  # a test that can tell: the mixture is seen
