@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -263,3 +264,148 @@ def numbers_close(a: list[float], b: list[float], tol: float) -> bool:
         (math.isnan(x) and math.isnan(y)) or abs(x - y) <= tol * max(1.0, abs(x))
         for x, y in zip(a, b, strict=True)
     )
+
+
+# ------------------------------------------------------------------------- full-size loads
+
+SAFETENSORS_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def seeded_weight(key: str, shape: tuple[int, ...], block: int = 1 << 16) -> torch.Tensor:
+    """A random bfloat16 tensor seeded by ``key`` (the same on every call): ``block`` draws of
+    N(0, 0.02^2) repeated to fill ``shape``, so that billions of values cost a copy each."""
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    numel = math.prod(shape)
+    draws = torch.empty(min(numel, block), dtype=torch.bfloat16).normal_(
+        0.0, 0.02, generator=generator
+    )
+    return draws.repeat(-(-numel // draws.numel()))[:numel].reshape(shape)
+
+
+def write_hub_checkpoint(
+    folder: Path,
+    config: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    draw: Callable[[str, tuple[int, ...]], torch.Tensor],
+    shard_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """A checkpoint folder in the hub's layout: ``config.json``, safetensors shards of at most
+    ``shard_bytes`` each (a larger tensor gets a shard of its own) and
+    ``model.safetensors.index.json``. Each tensor is ``draw(key, shape)`` cast to ``dtype`` and
+    written before the next is drawn, so the writer holds one tensor at a time, never a shard.
+    Returns the bytes of all tensors (the index's ``total_size``)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    sizes = [0]
+    for key, shape in shapes.items():
+        size = element * math.prod(shape)
+        if sizes[-1] and sizes[-1] + size > shard_bytes:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].append(key)
+        sizes[-1] += size
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    weight_map: dict[str, str] = {}
+    for i, keys in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors_streamed(folder / name, {k: shapes[k] for k in keys}, draw, dtype)
+        weight_map |= dict.fromkeys(keys, name)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return sum(sizes)
+
+
+def _write_safetensors_streamed(
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    draw: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    """One safetensors file (an 8-byte little-endian header length, a JSON header padded with
+    spaces to 8 bytes, then the tensors' bytes back to back), its header written from the shapes
+    alone and each tensor drawn as it is written."""
+    element = torch.empty((), dtype=dtype).element_size()
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, shape in shapes.items():
+        end = offset + element * math.prod(shape)
+        entry = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": list(shape)}
+        header[key] = entry | {"data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with path.open("wb") as file:
+        file.write(struct.pack("<Q", len(text)) + text)
+        for key, shape in shapes.items():
+            tensor = draw(key, shape).to(dtype).contiguous()
+            assert tuple(tensor.shape) == tuple(shape), (key, tensor.shape, shape)
+            file.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
+# Run in a fresh process: the load's time and peak host memory from /proc/self/status (VmHWM is
+# this process's own peak; ru_maxrss would carry the forking test process's peak across exec),
+# then, with ``forward`` > 0, one short forward at that many iterations counting the hooks.
+MEASURE_LOAD = """
+import json, sys, time
+import torch
+from dcp_lens.zoo.registry import load
+
+spec, module, forward = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with open("/proc/self/oom_score_adj", "w") as adj:  # out of memory: end this, not a neighbour
+    adj.write("1000")
+__import__(module)
+
+def status(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+before = status("VmRSS")
+start, cpu_start = time.perf_counter(), time.process_time()
+model = load(spec)
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+for parameter in model.parameters():  # every page read in, whether copied or mapped from disk
+    parameter.detach().sum()
+figures = {
+    "seconds": seconds, "cpu_seconds": cpu_seconds,
+    "before": before, "peak": status("VmHWM"), "after": status("VmRSS"),
+    "parameters": sum(p.numel() for p in model.parameters()),
+    "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+}
+if forward:
+    names = ["hook_embed", *(model.state_hook_name(t) for t in range(forward + 1)),
+             model.readout_hook_name, "ln_final.hook_normalized"]
+    fired = dict.fromkeys(names, 0)
+    def count(value, hook):
+        fired[hook.name] += 1
+    tokens = torch.arange(1, 6).unsqueeze(0) * (model.cfg.d_vocab // 6)
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model.run_with_hooks(tokens, n_iterations=forward,
+                                      fwd_hooks=[(name, count) for name in names])
+    figures["forward"] = {"seconds": time.perf_counter() - start, "shape": list(logits.shape),
+                          "finite": bool(logits.isfinite().all()), "fired": fired,
+                          "dtype": str(logits.dtype)}
+print(json.dumps(figures))
+"""
+
+
+def measure_load(spec: str, module: str, forward: int = 0, timeout: int = 1800) -> dict[str, Any]:
+    """`MEASURE_LOAD` of the `load` spec ``spec`` in a fresh process (``module``, the loader's,
+    imported before the count starts); the figures it prints."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE_LOAD, spec, module, str(forward)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,16 +8,12 @@ the original key names; their READMEs state the conventions and the tolerance (a
 from __future__ import annotations
 
 import json
-import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import data_path
+from helpers import data_path, measure_load, seeded_weight, write_hub_checkpoint
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -199,78 +195,22 @@ LLAMA_1B_RETROFIT = {
     "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2,
 }  # fmt: skip
 SHARD_BYTES = 1 << 30
-# Host memory from /proc/self/status: VmHWM is this process's own peak (ru_maxrss would carry
-# the forking test process's peak across exec).
-MEASURE = """
-import json, sys, time
-from dcp_lens.zoo.registry import load
-import dcp_lens.zoo.loaders.raven_retrofit
-
-def status(field):
-    line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
-
-before = status("VmRSS")
-start = time.perf_counter()
-model = load("raven-retrofit:" + sys.argv[1])
-seconds = time.perf_counter() - start
-for parameter in model.parameters():  # every page read in, whether copied or mapped from disk
-    parameter.detach().sum()
-n = sum(p.numel() for p in model.parameters())
-dtypes = sorted({str(p.dtype) for p in model.parameters()})
-print(json.dumps({"seconds": seconds, "before": before, "peak": status("VmHWM"),
-                  "after": status("VmRSS"), "parameters": n, "dtypes": dtypes}))
-"""
-
-
-def _write_hub_layout(folder: Path, fields: dict[str, int]) -> int:
-    """A random-weight bf16 retrofit checkpoint at ``fields``' shape in the hub's layout
-    (shards of about `SHARD_BYTES` and ``model.safetensors.index.json``); returns its bytes."""
-    from dcp_lens.zoo.loaders.raven_retrofit import retrofit_config, retrofit_tensor_shapes
-
-    config = json.loads((fixture("llama") / "config.json").read_text()) | fields
-    expected, _ = retrofit_tensor_shapes(retrofit_config(config, "llama"), "llama")
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    generator = torch.Generator().manual_seed(0)
-    shards: list[list[str]] = [[]]
-    sizes = [0]
-    for key, shape in expected.items():
-        size = 2 * math.prod(shape)
-        if sizes[-1] and sizes[-1] + size > SHARD_BYTES:
-            shards.append([])
-            sizes.append(0)
-        shards[-1].append(key)
-        sizes[-1] += size
-    weight_map = {}
-    for i, keys in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {
-            key: (0.02 * torch.randn(expected[key], generator=generator)).to(torch.bfloat16)
-            for key in keys
-        }
-        save_file(tensors, folder / name)
-        weight_map |= dict.fromkeys(keys, name)
-        del tensors
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return sum(sizes)
 
 
 @pytest.mark.slow
 def test_a_1b_retrofit_in_the_hub_layout_loads_within_1_2x_its_weights(tmp_path: Path) -> None:
     """Load time and peak host memory of a full-size load on the CPU (in a fresh process; the
     peak counted from after the imports). docs/models.md reports the figures."""
-    weights = _write_hub_layout(tmp_path / "retrofit-1b", LLAMA_1B_RETROFIT)
-    done = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(tmp_path / "retrofit-1b")],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    from dcp_lens.zoo.loaders.raven_retrofit import retrofit_config, retrofit_tensor_shapes
+
+    config = json.loads((fixture("llama") / "config.json").read_text()) | LLAMA_1B_RETROFIT
+    expected, _ = retrofit_tensor_shapes(retrofit_config(config, "llama"), "llama")
+    folder = tmp_path / "retrofit-1b"
+    try:
+        weights = write_hub_checkpoint(folder, config, expected, seeded_weight, SHARD_BYTES)
+        figures = measure_load(f"raven-retrofit:{folder}", "dcp_lens.zoo.loaders.raven_retrofit")
+    finally:  # gigabytes: not left among the temporary folders pytest keeps
+        shutil.rmtree(folder, ignore_errors=True)
     print(f"\nweights {weights / 1e9:.2f} GB, {figures}")
-    assert figures["parameters"] * 2 == weights and figures["dtypes"] == ["torch.bfloat16"]
+    assert figures["parameter_bytes"] == weights and figures["dtypes"] == ["torch.bfloat16"]
     assert figures["peak"] - figures["before"] <= 1.2 * weights
