@@ -27,7 +27,7 @@ from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.probe import probe_run
-from dcp_lens.protocol.sweep import Sweep, jackknife_examples
+from dcp_lens.protocol.sweep import Sweep
 
 # The stages of a run whose work is counted, in the order they run.
 WORK_STAGES = ("calibration pass", "refits", "confidence matching", "evaluation", "probe")
@@ -177,11 +177,13 @@ def count_run(
     evaluation: EvaluationSet,
     costs: UnitCosts,
     jackknife_tokens: int | None = None,
+    control_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Run ``protocol``'s stages (fit, confidence matching, one evaluation, the probe) on the
     two sets with the work counted; forwards and readouts per token by stage at ``costs``' shape.
-    ``jackknife_tokens``: the jackknife's cap (`dcp_lens.protocol.sweep.jackknife_examples`),
-    to read the share of examples a run of longer sequences reads."""
+    ``jackknife_tokens`` and ``control_tokens``: the caps of the jackknife's examples and of
+    the subsampled controls' (`dcp_lens.protocol.sweep.Sweep`), to read the share of examples
+    a run of longer sequences reads."""
     model, context = protocol.model, protocol.context
     count = WorkCount()
     calibration_tokens, evaluation_tokens = calibration.tokens.numel(), evaluation.tokens.numel()
@@ -213,7 +215,7 @@ def count_run(
             if context.matches_confidence():
                 temperatures = protocol.fit_temperatures(calibration)
             count.stage = "evaluation"
-            sweep = Sweep(context, maps, temperatures, jackknife_tokens)
+            sweep = Sweep(context, maps, temperatures, jackknife_tokens, control_tokens)
             swept = sweep.evaluate(evaluation)
             count.stage = "probe"
             if protocol.config.probe != "none":
@@ -227,15 +229,15 @@ def count_run(
         forward = forward_macs_per_token(model, evaluation.tokens[:1], costs)
     finally:
         del context.each
-    jackknifed = jackknife_examples(
-        evaluation.example_keys(), int(evaluation.tokens.shape[1]), jackknife_tokens
-    )
+    # Every subsampled control is read on the same examples.
+    controls = int(next(iter(swept.read.values())).sum()) if swept.read else len(evaluation)
     return {
         "forwards_per_token": count.forwards_per_token(costs, forward),
         "readouts_per_token": count.readouts_per_token(),
         "rows": {stage: dict(rows) for stage, rows in count.rows.items()},
         "tokens": count.tokens,
-        "jackknife_examples": int(jackknifed.sum()) if maps.jackknife else 0,
+        "jackknife_examples": 0 if swept.jackknife_rows is None else len(swept.jackknife_rows),
+        "control_examples": controls,
         "forward_macs_per_token": forward,
     }
 
