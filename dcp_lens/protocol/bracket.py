@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from jaxtyping import Bool, Float
 
-from dcp_lens.protocol.equations import factors, order_difference, share_of_gap
 from dcp_lens.protocol.conditions import SUBSAMPLED_CONTROLS
+from dcp_lens.protocol.equations import factors, order_difference, share_of_gap
 from dcp_lens.protocol.statistics import (
     paired_bootstrap_means,
     partnered_estimates,

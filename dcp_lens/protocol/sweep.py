@@ -264,7 +264,9 @@ class Sweep:
         # Under each left-out group's maps, only the conditions those maps change.
         left_out = [_changed(built, maps, self.context.k_grid) for maps in self.maps.jackknife]
         keys, seq_len = evaluation.example_keys(), int(evaluation.tokens.shape[1])
-        jackknife_tokens = JACKKNIFE_TOKENS if self.jackknife_tokens is None else self.jackknife_tokens
+        jackknife_tokens = (
+            JACKKNIFE_TOKENS if self.jackknife_tokens is None else self.jackknife_tokens
+        )
         if self.control_tokens:  # the jackknife reads inside the controls' subsample
             jackknife_tokens = min(jackknife_tokens, self.control_tokens)
         chosen = jackknife_examples(keys, seq_len, jackknife_tokens)
@@ -437,7 +439,9 @@ class _BatchAccumulator:
                 del tempered  # a view keeps the whole call's logits alive
             vectors = {}
             for metric in self.context.metrics:
-                vector = torch.full((examples,), math.nan, dtype=torch.float64, device=picked.device)
+                vector = torch.full(
+                    (examples,), math.nan, dtype=torch.float64, device=picked.device
+                )
                 if metric in scored:
                     vector[picked] = scored[metric].to(torch.float64)
                 vectors[metric] = vector

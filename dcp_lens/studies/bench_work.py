@@ -258,10 +258,11 @@ def run_count(
     """Forwards per token by stage of a run of ``batches`` calibration and evaluation batches
     on a random model of ``preset``'s layout (its r, blocks and k grid; the width, vocabulary
     and sequence length given scale it down), weighed at the preset's own width and vocabulary.
-    The jackknife reads the share of examples that sequences of the preset's length would
-    give it (`jackknife_examples`' cap scaled by ``seq`` over the preset's length)."""
+    The jackknife and the subsampled controls read the share of examples that sequences of
+    the preset's length would give them (`jackknife_examples`' and `control_examples`' caps
+    scaled by ``seq`` over the preset's length)."""
     from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-    from dcp_lens.protocol.sweep import JACKKNIFE_TOKENS
+    from dcp_lens.protocol.sweep import CONTROL_TOKENS, JACKKNIFE_TOKENS
     from dcp_lens.studies.bench import BENCH_CONFIG, PRESET_DEFAULTS, bench_config
 
     defaults = PRESET_DEFAULTS[preset]
@@ -278,8 +279,15 @@ def run_count(
     calibration = EvaluationSet.from_tokens(tokens[batches * batch :])
     config = (config or BENCH_CONFIG).replace(batch_size=batch)
     protocol = DepthControlProtocol(model, config, progress=False)
+    # The caps scaled to the preset's sequence length (a cap given in the config stays as is).
+    controls = config.control_tokens
     counted = count_run(
-        protocol, calibration, evaluation, costs, JACKKNIFE_TOKENS * seq // defaults["seq"]
+        protocol,
+        calibration,
+        evaluation,
+        costs,
+        JACKKNIFE_TOKENS * seq // defaults["seq"],
+        CONTROL_TOKENS * seq // defaults["seq"] if controls is None else controls,
     )
     return {
         "preset": preset,
@@ -307,7 +315,8 @@ def print_count(result: dict[str, Any], as_json: bool) -> None:
         f"{result['batches']} batches of {result['batch']} x {on['seq']} tokens each side, "
         f"counted at d_model {on['d_model']}, vocabulary {on['d_vocab']}, weighed at d_model "
         f"{at['d_model']}, vocabulary {at['d_vocab']}; jackknife on "
-        f"{result['jackknife_examples']} evaluation examples"
+        f"{result['jackknife_examples']} evaluation examples, shift and the translators on "
+        f"{result['control_examples']}"
     )
     print(f"  {'stage':<22} {'forwards/token':>14} {'readouts/token':>15}")
     for stage, forwards in result["forwards_per_token"].items():
