@@ -107,21 +107,21 @@ def partnered_estimates(
         ``([cells], [n_bootstrap, cells])`` float64 means and draws.
     """
     read = np.asarray(read, bool)
-    everywhere = read.all(axis=0)
+    everywhere = np.asarray(read.all(axis=0))
     differences = np.array(values, dtype=np.float64)
     chosen: list[tuple[int, int]] = []
-    for column in np.flatnonzero(~everywhere):
+    for column in (int(c) for c in np.flatnonzero(~everywhere)):
         rows = read[:, column]
         for partner in partners[column]:
             if everywhere[partner] and np.isfinite(values[rows, partner]).all():
                 differences[:, column] = values[:, column] - values[:, partner]
-                chosen.append((int(column), int(partner)))
+                chosen.append((column, partner))
                 break
     means = read_means(differences, read)
     draws = paired_bootstrap_means(differences, n_bootstrap, seed, read)
-    for column, partner in chosen:
-        means[column] += means[partner]
-        draws[:, column] += draws[:, partner]
+    for cell, partner in chosen:
+        means[cell] += means[partner]
+        draws[:, cell] += draws[:, partner]
     return means, draws
 
 

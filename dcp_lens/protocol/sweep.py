@@ -211,8 +211,9 @@ class Sweep:
     ) -> None:
         self.context = context
         self.jackknife_tokens = jackknife_tokens
-        if control_tokens is None:
-            control_tokens = context.config.control_tokens
+        configured = context.config.control_tokens  # an int or None once the config is checked
+        if control_tokens is None and configured is not None:
+            control_tokens = int(configured)
         self.control_tokens = CONTROL_TOKENS if control_tokens is None else control_tokens
         self.maps = maps
         self.temperatures = temperatures

@@ -287,7 +287,7 @@ def run_count(
         evaluation,
         costs,
         JACKKNIFE_TOKENS * seq // defaults["seq"],
-        CONTROL_TOKENS * seq // defaults["seq"] if controls is None else controls,
+        CONTROL_TOKENS * seq // defaults["seq"] if controls is None else int(controls),
     )
     return {
         "preset": preset,
