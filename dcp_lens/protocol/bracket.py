@@ -38,10 +38,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 
+from dcp_lens.protocol.conditions import SUBSAMPLED_CONTROLS
 from dcp_lens.protocol.equations import factors, order_difference, share_of_gap
-from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
+from dcp_lens.protocol.statistics import (
+    paired_bootstrap_means,
+    partnered_estimates,
+    percentile_interval,
+    read_means,
+)
 from dcp_lens.protocol.verdicts import (
     BracketInputError,
     BracketRule,
@@ -247,6 +253,7 @@ def bracket_from_values(
     rule: BracketRule | None = None,
     walk_gain: Sequence[float] | np.ndarray | None = None,
     replay_same: Sequence[bool] | np.ndarray | None = None,
+    read: Mapping[str, np.ndarray] | None = None,
 ) -> Bracket:
     """`bracket` from per-example values, paired over the same n evaluation examples.
 
@@ -258,6 +265,8 @@ def bracket_from_values(
             then each condition of `BRACKET_CONDITIONS` with its k in grid order.
         walk_gain: passed on to `bracket` (in the values' own units; negated here for losses).
         replay_same: passed on to `bracket`.
+        read: per condition read on a subsample of the examples, ``[n]`` bool: where it was
+            read (as `dcp_lens.protocol.decomposition.decompose` takes it).
     """
     grid = tuple(int(k) for k in k_grid)
     if n_bootstrap < 1:
@@ -278,10 +287,13 @@ def bracket_from_values(
                 )
             columns.append(column)
     matrix = np.stack(columns, axis=1) * (1.0 if higher_is_better else -1.0)
-    finite = np.isfinite(matrix).all(axis=0)
-    means = np.where(finite, matrix, 0.0).mean(axis=0)
-    means[~finite] = np.nan
-    draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    where = read_matrix(read, BRACKET_CONDITIONS, grid, n)
+    if where is None:
+        means = read_means(matrix)
+        draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    else:
+        partners = partner_columns(BRACKET_CONDITIONS, grid)
+        means, draws = partnered_estimates(matrix, where, partners, n_bootstrap, seed)
     n_k = len(grid)
 
     def split(array: np.ndarray) -> dict[str, np.ndarray]:
@@ -295,6 +307,47 @@ def bracket_from_values(
     return bracket(
         split(means), split(draws), grid, rule=rule, walk_gain=walk_gain, replay_same=replay_same
     )
+
+
+def read_matrix(
+    read: Mapping[str, object] | None, conditions: Sequence[str], grid: Sequence[int], n: int
+) -> Bool[np.ndarray, "n columns"] | None:
+    """``[n, 1 + len(conditions) * len(grid)]``: where each column (full, then each condition's
+    k in grid order) was read, from ``read``'s ``[n]`` bool per condition read on a subsample
+    (every k alike); None where every column was read on every example."""
+    if not read:
+        return None
+    unknown = sorted(set(read) - set(conditions))
+    if unknown:
+        raise BracketInputError(
+            f"read names {unknown}, not among the conditions {list(conditions)} (full depth is"
+            " read on every example); name a condition read on a subsample."
+        )
+    where = np.ones((n, 1 + len(conditions) * len(grid)), bool)
+    for i, name in enumerate(conditions):
+        if name not in read:
+            continue
+        mask = np.asarray(_vector(read[name], f"read[{name!r}]")) != 0
+        if mask.shape[0] != n:
+            raise BracketInputError(
+                f"read[{name!r}] has {mask.shape[0]} examples, full has {n}: one bool per example."
+            )
+        where[:, 1 + i * len(grid) : 1 + (i + 1) * len(grid)] = mask[:, None]
+    return None if where.all() else where
+
+
+def partner_columns(conditions: Sequence[str], grid: Sequence[int]) -> list[list[int]]:
+    """Per column of the layout `read_matrix` describes, the columns a cell read on a
+    subsample is compared with, in order of preference (`partnered_estimates`): its partner
+    of `SUBSAMPLED_CONTROLS` at the same k where that was swept, then full depth (column 0)."""
+    n_k = len(grid)
+    partners: list[list[int]] = [[]]
+    for name in conditions:
+        partner = SUBSAMPLED_CONTROLS.get(name, "full")
+        for j in range(n_k):
+            named = [1 + conditions.index(partner) * n_k + j] if partner in conditions else []
+            partners.append([*named, 0])
+    return partners
 
 
 # ----------------------------------------------------------------------------- internals

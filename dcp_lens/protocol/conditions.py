@@ -569,6 +569,15 @@ def _base_rate(k: int, fitted: MapLookup) -> Condition | None:
 
 # The five conditions of the decomposition, in the column order used by results and tables.
 DECOMPOSED = ("truncate", "calibrate_truncate", "replay", "calibrate_replay", "shift")
+# The controls the sweep reads on a fixed subsample of the evaluation examples
+# (`dcp_lens.protocol.sweep.control_examples`), each with the condition read on every example
+# that its cells are compared with on that subsample (docs/bracket.md, "Controls read on a
+# subsample").
+SUBSAMPLED_CONTROLS = {
+    "shift": "full",
+    "translate_truncate": "calibrate_truncate",
+    "translate_replay": "calibrate_replay",
+}
 
 SWEEP: dict[str, SweepCondition] = {}
 

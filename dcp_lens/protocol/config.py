@@ -77,6 +77,10 @@ class ProtocolConfig:
             the evaluation examples (at most `dcp_lens.protocol.sweep.JACKKNIFE_TOKENS` tokens
             of them), and the intervals widen by the spread (0: off, intervals
             then ignore the calibration split; 1 is refused).
+        control_tokens: tokens of the evaluation the controls shift and the translators are
+            read on, a fixed subsample chosen by example key (0 or ``"all"``: every example;
+            None: the cap `dcp_lens.protocol.sweep.CONTROL_TOKENS`). Where it binds, each such
+            cell is compared with its partner on the subsample (docs/bracket.md).
         match_confidence: score the loss metrics on readouts whose temperature is matched,
             label-free on the calibration split, to full depth's mean entropy.
         noise_draws: with a noisy initial state, evaluations averaged per example.
@@ -113,6 +117,12 @@ class ProtocolConfig:
         "--calibration-groups",
         "calibration groups of the jackknife that puts the "
         "calibration split's variability into the intervals (0: off)",
+    )
+    control_tokens: int | str | None = _option(
+        None,
+        "--control-tokens",
+        "tokens of the evaluation that shift and the translators are read on, a fixed "
+        "subsample (0 or all: every example; default: the cap CONTROL_TOKENS, docs/bench.md)",
     )
     match_confidence: bool = _option(
         True, "--match-confidence", "score loss metrics at full depth's mean entropy"
@@ -209,6 +219,7 @@ def _checked(values: dict[str, object]) -> dict[str, Any]:
                 "smaller value."
             )
     values["memory_budget"] = _gib(values["memory_budget"])
+    values["control_tokens"] = _control_tokens(values["control_tokens"])
     if values["calibration_groups"] == 1:
         raise ConfigError(
             "calibration_groups=1 leaves no group to refit without; pass 0 (no jackknife) or"
@@ -255,6 +266,23 @@ def _gib(value: object) -> float | None:
             "None for a share of what the device can give."
         )
     return number
+
+
+def _control_tokens(value: object) -> int | None:
+    """The controls' cap: None (the default cap), 0 (every example; also given as ``"all"``)
+    or a positive number of tokens (an int, or its digits as text)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return 0
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(
+            f"control_tokens={value!r} must be a number of tokens >= 0 (0 or 'all': read the "
+            "controls on every example), or None for the default cap."
+        )
+    return int(value)
 
 
 def check_k(k: int, n_iterations: int) -> None:

@@ -377,6 +377,7 @@ class DepthControlProtocol:
                 jackknife_rows=swept.jackknife_rows,
                 jackknife=[cells.get(metric, {}) for cells in swept.jackknife],
                 replay_same=evidence.replay_same(),
+                read=swept.read,
             )
             for metric in context.metrics
         }
@@ -402,6 +403,7 @@ class DepthControlProtocol:
                 "k_grid": list(k_grid),
                 "calibration_mode": config.calibration_mode,
                 "n_evaluation": len(evaluation),
+                "examples_read": examples_read(swept, len(evaluation)),
                 "n_calibration": len(calibration),
                 "seed": config.seed,
                 "skip_first_position": config.skip_first_position,
@@ -459,3 +461,14 @@ def _model_caveats(model: object) -> dict[str, object]:
     (its ``protocol_caveats``, set by its loader), else nothing."""
     caveats = getattr(model, "protocol_caveats", None)
     return {"model_caveats": dict(caveats)} if caveats else {}
+
+
+def examples_read(swept: SweepOutput, n: int) -> dict[str, int]:
+    """Per condition of the sweep, the evaluation examples it was read on: ``n`` but for the
+    controls read on a subsample (`SweepOutput.read`)."""
+    conditions = next(iter(swept.values.values()), {})
+    return {
+        name: int(swept.read[name].sum()) if name in swept.read else n
+        for name in conditions
+        if name != "full"
+    }

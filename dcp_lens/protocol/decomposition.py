@@ -45,12 +45,25 @@ import numpy as np
 import torch
 from jaxtyping import Shaped
 
-from dcp_lens.protocol.bracket import BRACKET_CONDITIONS, Bracket, BracketRule, bracket
+from dcp_lens.protocol.bracket import (
+    BRACKET_CONDITIONS,
+    Bracket,
+    BracketRule,
+    bracket,
+    partner_columns,
+    read_matrix,
+)
 from dcp_lens.protocol.conditions import DECOMPOSED
 from dcp_lens.protocol.equations import factors, share_of_gap
 from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.protocol.results import BRACKET_ROW_KEYS, FACTORS, QUANTITIES, Decomposition
-from dcp_lens.protocol.statistics import paired_bootstrap_means, percentile_interval
+from dcp_lens.protocol.statistics import (
+    finite_where_read,
+    paired_bootstrap_means,
+    partnered_estimates,
+    percentile_interval,
+    read_means,
+)
 
 QualityVector = Shaped[np.ndarray, "_n_examples"] | Shaped[torch.Tensor, "_n_examples"]
 
@@ -72,6 +85,7 @@ def decompose(
     jackknife: Sequence[Mapping[str, Mapping[int, QualityVector]]] = (),
     jackknife_rows: QualityVector | None = None,
     replay_same: Mapping[int, bool] | None = None,
+    read: Mapping[str, QualityVector] | None = None,
 ) -> Decomposition:
     """Decompose the truncation gap of one metric into S, B and D, with paired bootstrap intervals.
 
@@ -107,6 +121,13 @@ def decompose(
             sweep's ``replay_difference`` within
             `dcp_lens.protocol.verdicts.B_IDENTIFICATION_TOLERANCE`): B is then 0 by
             construction and not identified there (None: not known).
+        read: per condition read on a subsample of the examples, ``[n]`` bool: where it was
+            read (its other entries, NaN as the sweep leaves them, are ignored); a condition
+            not named was read on every example. Such a cell's mean is its partner's
+            (`dcp_lens.protocol.conditions.SUBSAMPLED_CONTROLS`: full depth for shift, the
+            calibrated cell for a translator) plus its paired difference from the partner on
+            its own examples, in the point and in every bootstrap draw
+            (`dcp_lens.protocol.statistics.partnered_estimates`; docs/bracket.md).
 
     Returns:
         A `Decomposition`.
@@ -115,13 +136,19 @@ def decompose(
     _check_settings(metric, n_bootstrap, confidence)
     conditions = (*DECOMPOSED, *(c for c in values if c not in ("full", *DECOMPOSED)))
     matrix = _value_matrix(values, grid, conditions)
+    where = read_matrix(read, conditions, grid, matrix.shape[0])
+    if where is not None:
+        matrix = np.where(where, matrix, np.nan)
     _check_sign(matrix, metric, higher_is_better)
 
     n_k = len(grid)
-    finite = np.isfinite(matrix).all(axis=0)
-    means = np.where(finite, matrix, 0.0).mean(axis=0)
-    means[~finite] = np.nan
-    draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    finite = finite_where_read(matrix, where)
+    if where is None:
+        means = read_means(matrix)
+        draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
+    else:
+        partners = partner_columns(conditions, grid)
+        means, draws = partnered_estimates(matrix, where, partners, n_bootstrap, seed)
     if jackknife and n_bootstrap:
         deviations = _jackknife_deviations(matrix, conditions, grid, jackknife, jackknife_rows)
         draws = draws + deviations[np.arange(n_bootstrap) % len(deviations)]

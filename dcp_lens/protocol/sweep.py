@@ -7,6 +7,7 @@ stages."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
@@ -21,7 +22,14 @@ from dcp_lens.protocol.budget import (
     out_of_memory_message,
     release_device_memory,
 )
-from dcp_lens.protocol.conditions import SWEEP, Calibrate, Condition, Full, Shift
+from dcp_lens.protocol.conditions import (
+    SUBSAMPLED_CONTROLS,
+    SWEEP,
+    Calibrate,
+    Condition,
+    Full,
+    Shift,
+)
 from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.context import RunContext
 from dcp_lens.protocol.evaluation_set import EvaluationSet
@@ -49,6 +57,11 @@ JACKKNIFE_EVALUATION_STRIDE = 10
 # run of any size, and a few thousand positions read each refit's cell means far more finely
 # than the refits differ.
 JACKKNIFE_TOKENS = 8192
+# The controls of `SUBSAMPLED_CONTROLS` (shift and the translators) are read on at most this
+# many tokens of the evaluation (`control_examples`), 64 sequences of 1024 tokens: a fixed cost
+# in a run of any size, below a fifth of a forward per token at Huginn-0125's layout over the
+# default 512 sequences (docs/bench.md).
+CONTROL_TOKENS = 65536
 
 
 def jackknife_examples(
@@ -69,6 +82,31 @@ def jackknife_examples(
     order = torch.argsort(keys[candidates], stable=True)
     chosen = torch.zeros(len(keys), dtype=torch.bool)
     chosen[candidates[order[:limit]]] = True
+    return chosen
+
+
+def control_examples(
+    keys: Int[Tensor, " n"], seq_len: int, jackknifed: Bool[Tensor, " n"], tokens: int
+) -> Bool[Tensor, " n"]:
+    """Which evaluation examples the controls of `SUBSAMPLED_CONTROLS` are read on: at most
+    ``tokens`` // ``seq_len`` examples (at least one; every example where ``tokens`` is 0 or
+    they all fit), the jackknife's (``jackknifed``, `jackknife_examples`, capped at no more
+    than this) first, so that its cells stay paired with the controls', then the smallest
+    keys. Keys hash the examples' tokens, so the choice depends on neither the batch size nor
+    the order of the examples.
+
+    Args:
+        keys: ``[n]`` the evaluation set's example keys (`EvaluationSet.example_keys`).
+        seq_len: tokens per example.
+        jackknifed: ``[n]`` the examples the jackknife reads.
+    """
+    limit = max(1, tokens // max(1, seq_len))
+    if tokens == 0 or limit >= len(keys):
+        return torch.ones(len(keys), dtype=torch.bool)
+    order = torch.argsort(keys, stable=True)
+    order = order[torch.argsort((~jackknifed[order]).to(torch.int8), stable=True)]
+    chosen = torch.zeros(len(keys), dtype=torch.bool)
+    chosen[order[:limit]] = True
     return chosen
 
 
@@ -98,14 +136,18 @@ class _Reference:
 class _Evaluation:
     """What every batch of one evaluation reads: the data, its examples' keys and those the
     jackknife reads (`jackknife_examples`), the sweep conditions at every k of the grid and at
-    r (`sweep_conditions`), and per left-out calibration group the conditions its maps change
-    (only those are read again for the jackknife)."""
+    r (`sweep_conditions`), per left-out calibration group the conditions its maps change
+    (only those are read again for the jackknife), and the controls read on a subsample
+    (``subsampled``: none where it holds every example) with its examples
+    (``controlled``, `control_examples`)."""
 
     data: EvaluationSet
     keys: Int[Tensor, " n"]
     jackknifed: Bool[Tensor, " n"]
     built: dict[int, dict[str, Condition | None]]
     left_out: list[dict[int, dict[str, Condition | None]]]
+    controlled: Bool[Tensor, " n"]
+    subsampled: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -137,13 +179,27 @@ class _Chunk:
     reference: _Reference
     examples: slice
 
+    def subset(self, picked: Bool[Tensor, " chunk"]) -> _Chunk:
+        """The chunk's ``picked`` examples (a mask on the device), full depth's side with them."""
+        reference = self.reference
+        chosen = _Reference(
+            reference.log_probs[picked],
+            reference.probs[picked],
+            reference.top1[picked],
+            reference.targets[picked],
+        )
+        return _Chunk(self.states[:, picked], self.logits[picked], chosen, self.examples)
+
 
 class Sweep:
     """The sweep of one run over fitted maps and temperatures.
 
     ``replay_difference`` holds, per k, max |readout(replay(k)) - readout(truncate(k))| over
     every evaluation so far (all noise draws): whether B is identified. ``jackknife_tokens``
-    caps the jackknife's examples (`jackknife_examples`; None: `JACKKNIFE_TOKENS`)."""
+    caps the jackknife's examples (`jackknife_examples`; None: `JACKKNIFE_TOKENS`),
+    ``control_tokens`` those the controls of `SUBSAMPLED_CONTROLS` are read on
+    (`control_examples`; 0: every example; None: the config's ``control_tokens``, else
+    `CONTROL_TOKENS`)."""
 
     def __init__(
         self,
@@ -151,9 +207,14 @@ class Sweep:
         maps: FittedMaps,
         temperatures: Temperatures,
         jackknife_tokens: int | None = None,
+        control_tokens: int | None = None,
     ) -> None:
         self.context = context
         self.jackknife_tokens = jackknife_tokens
+        configured = context.config.control_tokens  # an int or None once the config is checked
+        if control_tokens is None and configured is not None:
+            control_tokens = int(configured)
+        self.control_tokens = CONTROL_TOKENS if control_tokens is None else control_tokens
         self.maps = maps
         self.temperatures = temperatures
         self._replay: MaximaAccumulator[int] = MaximaAccumulator()
@@ -195,15 +256,25 @@ class Sweep:
             records = SweepAccumulator.merged(gathered, context.device())
         self._replay = records.replay_difference
         jackknife_rows = torch.nonzero(run.jackknifed).squeeze(1) if run.left_out else None
-        return records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
+        output = records.output(len(evaluation), context.metrics, self.maps, jackknife_rows)
+        output.read = {name: run.controlled.clone() for name in run.subsampled}
+        return output
 
     def _evaluation(self, evaluation: EvaluationSet) -> _Evaluation:
         built = {k: self.conditions_at(k) for k in {*self.context.k_grid, self.context.r}}
         # Under each left-out group's maps, only the conditions those maps change.
         left_out = [_changed(built, maps, self.context.k_grid) for maps in self.maps.jackknife]
-        keys = evaluation.example_keys()
-        chosen = jackknife_examples(keys, int(evaluation.tokens.shape[1]), self.jackknife_tokens)
-        return _Evaluation(evaluation, keys, chosen, built, left_out)
+        keys, seq_len = evaluation.example_keys(), int(evaluation.tokens.shape[1])
+        jackknife_tokens = (
+            JACKKNIFE_TOKENS if self.jackknife_tokens is None else self.jackknife_tokens
+        )
+        if self.control_tokens:  # the jackknife reads inside the controls' subsample
+            jackknife_tokens = min(jackknife_tokens, self.control_tokens)
+        chosen = jackknife_examples(keys, seq_len, jackknife_tokens)
+        controlled = control_examples(keys, seq_len, chosen, self.control_tokens)
+        names = [name for name in SUBSAMPLED_CONTROLS if name in built[self.context.r]]
+        subsampled = () if bool(controlled.all()) else tuple(names)
+        return _Evaluation(evaluation, keys, chosen, built, left_out, controlled, subsampled)
 
     def _records(self, run: _Evaluation) -> SweepAccumulator:
         """Empty records of ``run`` (replay's differences go on from earlier evaluations)."""
@@ -326,16 +397,56 @@ class _BatchAccumulator:
 
     def _add_depth(self, chunk: _Chunk, k: int) -> dict[str, Tensor]:
         """Every condition at k on ``chunk``: scored, replay's difference from truncate, the
-        top-1 where replay walks reads; the readouts come back (the null control's at r)."""
-        read = self._read(chunk, self.batch.run.built[k])
+        top-1 where replay walks reads; the readouts come back (the null control's at r). The
+        subsampled controls are read on the chunk's examples of the subsample (`_add_controls`)
+        below r; at r, where they are full depth and cost no readout, on every example, their
+        scores kept only on the subsample's."""
+        run, r = self.batch.run, self.context.r
+        subsampled = run.subsampled if k != r else ()
+        built = {name: c for name, c in run.built[k].items() if name not in subsampled}
+        read = self._read(chunk, built)
         scores = self.batch_scores
+        picked = self._controlled(chunk) if run.subsampled else None
         for name, logits in read.items():
-            scores.add(name, k, self._scored(chunk, self.sweep.tempered(logits, name, k)))
+            scored = self._scored(chunk, self.sweep.tempered(logits, name, k))
+            if picked is not None and name in run.subsampled:
+                scored = {metric: v.masked_fill(~picked, math.nan) for metric, v in scored.items()}
+            scores.add(name, k, scored)
+        if picked is not None and subsampled:
+            self._add_controls(chunk, k, picked)
         difference = _max_diff(read["replay"], read["truncate"])
         scores.replay_difference[k] = nan_max(scores.replay_difference.get(k, 0.0), difference)
         for name, per_k in self.top1.items():
             per_k.setdefault(k, []).append(read[name].argmax(-1))
         return read
+
+    def _controlled(self, chunk: _Chunk) -> Bool[Tensor, " chunk"]:
+        """Which of the chunk's examples the subsampled controls are read on, on the device."""
+        batch = self.batch
+        return batch.run.controlled[batch.rows][chunk.examples].to(self.context.device())
+
+    def _add_controls(self, chunk: _Chunk, k: int, picked: Bool[Tensor, " chunk"]) -> None:
+        """The subsampled controls at k, read on the chunk's ``picked`` examples only: each
+        metric's ``[chunk]`` vector holds NaN (not read) on the others."""
+        run, examples = self.batch.run, int(chunk.logits.shape[0])
+        conditions = {name: run.built[k][name] for name in run.subsampled}
+        chosen = chunk.subset(picked) if bool(picked.any()) else None
+        read = self._read(chosen, conditions) if chosen is not None else {}
+        for name in run.subsampled:
+            scored: dict[str, Tensor] = {}
+            if chosen is not None:
+                tempered = self.sweep.tempered(read.pop(name), name, k)
+                scored = self._scored(chosen, tempered)
+                del tempered  # a view keeps the whole call's logits alive
+            vectors = {}
+            for metric in self.context.metrics:
+                vector = torch.full(
+                    (examples,), math.nan, dtype=torch.float64, device=picked.device
+                )
+                if metric in scored:
+                    vector[picked] = scored[metric].to(torch.float64)
+                vectors[metric] = vector
+            self.batch_scores.add(name, k, vectors)
 
     def _add_null(self, chunk: _Chunk, at_r: dict[str, Tensor]) -> None:
         """The null control: at k = r every condition that must reproduce full depth does."""
@@ -459,6 +570,7 @@ def evaluate_with_noise(sweep: Sweep, evaluation: EvaluationSet) -> SweepOutput:
     output.walked = {
         kind: {k: v[order] for k, v in per_k.items()} for kind, per_k in output.walked.items()
     }
+    output.read = {name: mask[order] for name, mask in output.read.items()}
     if output.jackknife_rows is not None:
         position = torch.empty_like(order)
         position[order] = torch.arange(len(order))

@@ -337,6 +337,7 @@ class BatchScores:
     walked: dict[WalkKey, list[Tensor]] = field(default_factory=dict)
     jackknife: dict[JackknifeKey, list[Tensor]] = field(default_factory=dict)
     replay_difference: dict[int, float] = field(default_factory=dict)
+    read: dict[str, Tensor] = field(default_factory=dict)
     null: BatchNull = field(default_factory=lambda: BatchNull({}, 0.0, {}))
 
     def add(self, condition: str, k: int, scores: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
@@ -455,6 +456,10 @@ class SweepOutput:
             ``jackknife_rows`` (indices into ``values``' example order).
         replay_difference: per k, max |readout(replay(k)) - readout(truncate(k))| over every
             evaluation of the sweep so far: whether replay reads out as truncate (B identified).
+        read: per condition read on a subsample of the examples (the controls of
+            `dcp_lens.protocol.conditions.SUBSAMPLED_CONTROLS` where their cap binds), ``[n]``
+            bool: where it was read (its values are NaN elsewhere); a condition not named was
+            read on every example.
     """
 
     values: Values
@@ -464,3 +469,4 @@ class SweepOutput:
     jackknife: list[Values] = field(default_factory=list)
     jackknife_rows: Tensor | None = None
     replay_difference: dict[int, float] = field(default_factory=dict)
+    read: dict[str, Tensor] = field(default_factory=dict)

@@ -27,7 +27,7 @@ from dcp_lens.protocol.confidence import Temperatures
 from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.probe import probe_run
-from dcp_lens.protocol.sweep import Sweep, jackknife_examples
+from dcp_lens.protocol.sweep import Sweep
 
 # The stages of a run whose work is counted, in the order they run.
 WORK_STAGES = ("calibration pass", "refits", "confidence matching", "evaluation", "probe")
@@ -177,11 +177,13 @@ def count_run(
     evaluation: EvaluationSet,
     costs: UnitCosts,
     jackknife_tokens: int | None = None,
+    control_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Run ``protocol``'s stages (fit, confidence matching, one evaluation, the probe) on the
     two sets with the work counted; forwards and readouts per token by stage at ``costs``' shape.
-    ``jackknife_tokens``: the jackknife's cap (`dcp_lens.protocol.sweep.jackknife_examples`),
-    to read the share of examples a run of longer sequences reads."""
+    ``jackknife_tokens`` and ``control_tokens``: the caps of the jackknife's examples and of
+    the subsampled controls' (`dcp_lens.protocol.sweep.Sweep`), to read the share of examples
+    a run of longer sequences reads."""
     model, context = protocol.model, protocol.context
     count = WorkCount()
     calibration_tokens, evaluation_tokens = calibration.tokens.numel(), evaluation.tokens.numel()
@@ -213,7 +215,7 @@ def count_run(
             if context.matches_confidence():
                 temperatures = protocol.fit_temperatures(calibration)
             count.stage = "evaluation"
-            sweep = Sweep(context, maps, temperatures, jackknife_tokens)
+            sweep = Sweep(context, maps, temperatures, jackknife_tokens, control_tokens)
             swept = sweep.evaluate(evaluation)
             count.stage = "probe"
             if protocol.config.probe != "none":
@@ -227,15 +229,15 @@ def count_run(
         forward = forward_macs_per_token(model, evaluation.tokens[:1], costs)
     finally:
         del context.each
-    jackknifed = jackknife_examples(
-        evaluation.example_keys(), int(evaluation.tokens.shape[1]), jackknife_tokens
-    )
+    # Every subsampled control is read on the same examples.
+    controls = int(next(iter(swept.read.values())).sum()) if swept.read else len(evaluation)
     return {
         "forwards_per_token": count.forwards_per_token(costs, forward),
         "readouts_per_token": count.readouts_per_token(),
         "rows": {stage: dict(rows) for stage, rows in count.rows.items()},
         "tokens": count.tokens,
-        "jackknife_examples": int(jackknifed.sum()) if maps.jackknife else 0,
+        "jackknife_examples": 0 if swept.jackknife_rows is None else len(swept.jackknife_rows),
+        "control_examples": controls,
         "forward_macs_per_token": forward,
     }
 
@@ -256,10 +258,11 @@ def run_count(
     """Forwards per token by stage of a run of ``batches`` calibration and evaluation batches
     on a random model of ``preset``'s layout (its r, blocks and k grid; the width, vocabulary
     and sequence length given scale it down), weighed at the preset's own width and vocabulary.
-    The jackknife reads the share of examples that sequences of the preset's length would
-    give it (`jackknife_examples`' cap scaled by ``seq`` over the preset's length)."""
+    The jackknife and the subsampled controls read the share of examples that sequences of
+    the preset's length would give them (`jackknife_examples`' and `control_examples`' caps
+    scaled by ``seq`` over the preset's length)."""
     from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
-    from dcp_lens.protocol.sweep import JACKKNIFE_TOKENS
+    from dcp_lens.protocol.sweep import CONTROL_TOKENS, JACKKNIFE_TOKENS
     from dcp_lens.studies.bench import BENCH_CONFIG, PRESET_DEFAULTS, bench_config
 
     defaults = PRESET_DEFAULTS[preset]
@@ -276,8 +279,15 @@ def run_count(
     calibration = EvaluationSet.from_tokens(tokens[batches * batch :])
     config = (config or BENCH_CONFIG).replace(batch_size=batch)
     protocol = DepthControlProtocol(model, config, progress=False)
+    # The caps scaled to the preset's sequence length (a cap given in the config stays as is).
+    controls = config.control_tokens
     counted = count_run(
-        protocol, calibration, evaluation, costs, JACKKNIFE_TOKENS * seq // defaults["seq"]
+        protocol,
+        calibration,
+        evaluation,
+        costs,
+        JACKKNIFE_TOKENS * seq // defaults["seq"],
+        CONTROL_TOKENS * seq // defaults["seq"] if controls is None else int(controls),
     )
     return {
         "preset": preset,
@@ -305,7 +315,8 @@ def print_count(result: dict[str, Any], as_json: bool) -> None:
         f"{result['batches']} batches of {result['batch']} x {on['seq']} tokens each side, "
         f"counted at d_model {on['d_model']}, vocabulary {on['d_vocab']}, weighed at d_model "
         f"{at['d_model']}, vocabulary {at['d_vocab']}; jackknife on "
-        f"{result['jackknife_examples']} evaluation examples"
+        f"{result['jackknife_examples']} evaluation examples, shift and the translators on "
+        f"{result['control_examples']}"
     )
     print(f"  {'stage':<22} {'forwards/token':>14} {'readouts/token':>15}")
     for stage, forwards in result["forwards_per_token"].items():

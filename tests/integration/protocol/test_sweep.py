@@ -4,14 +4,23 @@ models reports brackets, identification read from them, and verdicts, in results
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+from helpers import lm_sets, make_model, numbers_close, result_numbers
 
+import dcp_lens.protocol.sweep as sweep_module
+from dcp_lens.protocol.budget import OutOfMemoryStop
+from dcp_lens.protocol.conditions import SUBSAMPLED_CONTROLS
+from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol
 from dcp_lens.protocol.evaluation_set import EvaluationSet
 from dcp_lens.protocol.metrics import IGNORE_INDEX
+from dcp_lens.protocol.results import ProtocolResults
 from dcp_lens.protocol.wording import verdict
+from dcp_lens.utils.errors import ConfigError
+from dcp_lens.utils.snapshots import Checkpoint
 from dcp_lens.zoo import planted
 
 N = 256
@@ -131,3 +140,93 @@ def test_a_map_that_can_compute_never_identifies_s():
     assert shares["verdict"] == "inconclusive" and shares["S_identified"] is False
     assert "no lower bound" in shares["reason"]
     assert not any(row["S_identified"] for row in run["decomposition"] if row["k"] < 8)
+
+
+# ------------------------------------------------------------ controls read on a subsample
+
+CAPPED = dict(
+    n_bootstrap=20,
+    probe="none",
+    progress=False,
+    batch_size=8,
+    calibration_groups=4,
+    control_tokens=100,  # 10 of the 40 sequences of 10 tokens
+)
+
+
+@pytest.fixture(scope="module")
+def capped():
+    model = make_model(dtype=torch.float32)
+    evaluation, calibration = lm_sets(model, n=40, pos=10)
+    return model, evaluation, calibration
+
+
+def test_controls_past_the_cap_are_read_on_its_examples_only(capped) -> None:
+    model, evaluation, calibration = capped
+    calls: list[tuple[frozenset[str], int]] = []
+    original = sweep_module.readouts
+
+    def counting(model_, r, states, conditions, full_logits, plan=None):
+        calls.append((frozenset(conditions), int(states.shape[1])))
+        return original(model_, r, states, conditions, full_logits, plan)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep_module, "readouts", counting)
+        protocol = DepthControlProtocol(model, **CAPPED)
+        results = protocol.run(evaluation, calibration)
+    r, grid = protocol.r, protocol.context.k_grid
+    below_r = [k for k in grid if k < r]
+    controls = frozenset(SUBSAMPLED_CONTROLS)
+    # Below r the controls are read apart, on the subsample's examples of each chunk only.
+    apart = [examples for names, examples in calls if names == controls]
+    assert sum(apart) == 10 * len(below_r)
+    document = json.loads(json.dumps(results.to_results_json()))
+    run = document["runs"][0] if "runs" in document else document
+    counts = run["metadata"]["examples_read"]
+    assert {name: counts[name] for name in controls} == dict.fromkeys(controls, 10)
+    assert counts["truncate"] == counts["calibrate_truncate"] == 40
+    assert ProtocolResults.from_results_json(run).metadata["examples_read"] == counts
+    assert run["bracket"]  # every metric the task scores
+    for metric, bracket in run["bracket"].items():
+        for key in ("S_lower_lo", "S_upper_hi", "S_point_lo", "S_point_hi", "D_point_lo"):
+            assert math.isfinite(bracket[key]), (metric, key)
+    rows = [row for row in run["decomposition"] if row["k"] < r]
+    assert all(math.isfinite(row["shift_gap_lo"]) for row in rows)
+    assert not any(row["nonfinite"] for row in run["curves"])
+    assert all(math.isfinite(row["value_lo"]) for row in run["curves"] if row["k"] < r)
+
+
+def test_resume_mid_evaluation_with_the_cap_gives_the_uninterrupted_numbers(
+    capped, tmp_path
+) -> None:
+    model, evaluation, calibration = capped
+    reference = result_numbers(DepthControlProtocol(model, **CAPPED).run(evaluation, calibration))
+    original = sweep_module.capture_all
+    calls: list[int] = []
+
+    def fails_at_the_third_batch(context, tokens):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return original(context, tokens)
+
+    checkpoint = Checkpoint(tmp_path / "snapshots", every=16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep_module, "capture_all", fails_at_the_third_batch)
+        with pytest.raises(OutOfMemoryStop):
+            DepthControlProtocol(model, checkpoint=checkpoint, **CAPPED).run(
+                evaluation, calibration
+            )
+    assert checkpoint.restore("evaluation.0", torch.device("cpu"))[0] == 2
+    resumed = DepthControlProtocol(model, checkpoint=checkpoint, **CAPPED).run(
+        evaluation, calibration
+    )
+    assert numbers_close(result_numbers(resumed), reference, 1e-6)
+
+
+def test_every_example_is_read_with_the_cap_off_and_all_means_off() -> None:
+    assert ProtocolConfig(control_tokens="all").control_tokens == 0
+    assert ProtocolConfig(control_tokens="4096").control_tokens == 4096
+    for bad in (-1, "some", True):
+        with pytest.raises(ConfigError, match="control_tokens"):
+            ProtocolConfig(control_tokens=bad)

@@ -291,6 +291,33 @@ def test_non_finite_cells_are_flagged_and_left_out_of_the_shares() -> None:
     ]
 
 
+def test_shift_read_on_a_subsample_is_paired_with_full_depth_where_read() -> None:
+    """A control read on a quarter of the examples (NaN elsewhere, as the sweep leaves it):
+    its cells are finite and not flagged, shift_gap is full minus shift on that quarter, and
+    with every example read the result is the unmasked one exactly."""
+    values = noisy_values("S", n=800, seed=3, noise=0.05, spread=2.0)
+    read = np.zeros(800, bool)
+    read[::4] = True
+    masked = {**values, "shift": {k: np.where(read, v, np.nan) for k, v in values["shift"].items()}}  # type: ignore[union-attr]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = decompose(masked, GRID, n_iterations=R, n_bootstrap=300, read={"shift": read})
+    assert not result.nonfinite["shift"].any()
+    full = np.asarray(values["full"])
+    for i, k in enumerate(GRID):
+        shift = np.asarray(values["shift"][k])  # type: ignore[index]
+        assert result.cells["shift_gap"][i] == pytest.approx((full - shift)[read].mean())
+    low, high = result.cells["shift_gap_lo"], result.cells["shift_gap_hi"]
+    assert np.isfinite(low).all() and (high - low < 0.05).all()  # paired: no shared level
+    assert np.isfinite([result.shares[f"{f}_{e}"] for f in "SBD" for e in ("lo", "hi")]).all()
+    everywhere = decompose(
+        values, GRID, n_iterations=R, n_bootstrap=300, read={"shift": read | True}
+    )
+    plain = decompose(values, GRID, n_iterations=R, n_bootstrap=300)
+    for name, cell in plain.cells.items():
+        np.testing.assert_array_equal(everywhere.cells[name], cell)
+
+
 def test_non_finite_full_makes_everything_nan_without_crashing() -> None:
     values = noisy_values("S", n=100)
     values["full"][0] = np.nan  # type: ignore[index]

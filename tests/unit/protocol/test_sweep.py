@@ -12,8 +12,10 @@ from dcp_lens.protocol.fit import FittedMaps
 from dcp_lens.protocol.maps import FittedMap
 from dcp_lens.protocol.readout import needed_readouts
 from dcp_lens.protocol.sweep import (
+    CONTROL_TOKENS,
     JACKKNIFE_EVALUATION_STRIDE,
     JACKKNIFE_TOKENS,
+    control_examples,
     jackknife_examples,
     sweep_conditions,
 )
@@ -53,6 +55,24 @@ def test_at_least_one_example_and_the_cap_is_read_at_call_time(monkeypatch):
     monkeypatch.setattr(sweep, "JACKKNIFE_TOKENS", 30)
     assert jackknife_examples(keys, 10).nonzero().squeeze(1).tolist() == [0, 1, 2]
     assert not jackknife_examples(keys + 1, 10).any()  # no key of the stride: none read
+
+
+def test_the_controls_subsample_holds_the_jackknifes_examples_then_the_smallest_keys():
+    keys = _keys(512, seed=4)
+    seq_len = 1024  # Huginn-0125's run: 64 of its 512 sequences
+    jackknifed = jackknife_examples(keys, seq_len)
+    chosen = control_examples(keys, seq_len, jackknifed, CONTROL_TOKENS)
+    assert int(chosen.sum()) == CONTROL_TOKENS // seq_len == 64
+    assert bool((jackknifed <= chosen).all())  # the jackknife reads inside it, paired
+    rest = chosen & ~jackknifed
+    assert float(keys[rest].max()) < float(keys[~chosen].min())
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(
+        control_examples(keys[order], seq_len, jackknifed[order], 65536), chosen[order]
+    )
+    # Every example where the cap is off (0) or holds them all: a planted model's 512 x 8.
+    assert bool(control_examples(keys, seq_len, jackknifed, 0).all())
+    assert bool(control_examples(keys, 8, jackknife_examples(keys, 8), CONTROL_TOKENS).all())
 
 
 def _fitted_maps(r: int, grid: tuple[int, ...], seed: int) -> FittedMaps:

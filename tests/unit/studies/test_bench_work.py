@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dcp_lens.model.hooked_recurrent_transformer import HookedRecurrentTransformer
+from dcp_lens.protocol.conditions import SUBSAMPLED_CONTROLS
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.sweep import jackknife_examples
 from dcp_lens.studies.bench import BENCH_CONFIG, bench_config
@@ -102,3 +103,27 @@ def test_the_estimate_at_huginns_shape_chooses_a_batch_that_fits_80_and_141_gb_c
         assert chosen["host_total_gib"] > 10.0  # the parked groups, printed beside it
     given = run_estimate("huginn", batch=64, dtype="bfloat16", config=config, budget_gib=63.3)
     assert given["batch"] == 64 and not given["batch_from_budget"]  # a given batch stays
+
+
+def test_controls_past_their_cap_are_counted_on_the_subsamples_examples_only(model) -> None:
+    """Shift and the translators below r cost one readout each per example they are read on:
+    with the cap at two sequences, the count drops by theirs on every other example."""
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 32, (48, 8), generator=generator)
+    calibration = EvaluationSet.from_tokens(tokens[:16])
+    evaluation = EvaluationSet.from_tokens(tokens[16:])
+    config = BENCH_CONFIG.replace(
+        batch_size=16, match_confidence=False, k_grid=(1, 2, 4), calibration_groups=0
+    )
+    protocol = DepthControlProtocol(model, config, progress=False)
+    costs = UnitCosts.of(model)
+    everything = count_run(protocol, calibration, evaluation, costs, control_tokens=0)
+    capped = count_run(protocol, calibration, evaluation, costs, control_tokens=16)
+    n = len(evaluation)
+    assert everything["control_examples"] == n and capped["control_examples"] == 2
+    below_r = [k for k in protocol.context.k_grid if k < protocol.r]
+    per_example = len(SUBSAMPLED_CONTROLS) * len(below_r)
+    dropped = (
+        everything["readouts_per_token"]["evaluation"] - capped["readouts_per_token"]["evaluation"]
+    )
+    assert dropped == pytest.approx((n - 2) * per_example / n)
