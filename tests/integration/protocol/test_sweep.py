@@ -131,3 +131,35 @@ def test_a_map_that_can_compute_never_identifies_s():
     assert shares["verdict"] == "inconclusive" and shares["S_identified"] is False
     assert "no lower bound" in shares["reason"]
     assert not any(row["S_identified"] for row in run["decomposition"] if row["k"] < 8)
+
+
+def _evaluation_syncs(protocol: DepthControlProtocol, evaluation: EvaluationSet) -> int:
+    """Synchronisations (the CPU shim's count) of one evaluation of ``evaluation``."""
+    from dcp_lens.protocol.sweep import Sweep
+    from dcp_lens.utils.syncs import counting_syncs
+
+    assert protocol.maps is not None
+    sweep = Sweep(protocol.context, protocol.maps, {})
+    with counting_syncs() as count:
+        sweep.evaluate(evaluation)
+    return count.total
+
+
+def test_an_evaluation_batch_makes_a_handful_of_synchronisations():
+    """Each further evaluation batch (the jackknife's examples and the probe's samples among
+    them) adds a few reads of a tensor by the host, not one per k, condition or chunk: one more
+    per k in a loop would add nine."""
+    from helpers import make_model
+
+    model = make_model(torch.float32, n_iterations=32, d_vocab=64, n_ctx=16)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (80, 12), generator=generator)
+    calibration = EvaluationSet.from_tokens(tokens[48:])
+    protocol = DepthControlProtocol(
+        model, batch_size=8, n_bootstrap=10, probe="trajectory", progress=False, seed=0
+    )
+    protocol.fit(calibration)
+    one = _evaluation_syncs(protocol, EvaluationSet.from_tokens(tokens[:8]))
+    four = _evaluation_syncs(protocol, EvaluationSet.from_tokens(tokens[:32]))
+    per_batch = (four - one) / 3
+    assert per_batch <= 8, per_batch
