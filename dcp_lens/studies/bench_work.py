@@ -8,6 +8,10 @@ stage's work is those rows weighed by each module's multiply-adds per row at a t
 on the width, the weights do), over the stage's tokens and one forward's multiply-adds per
 token. Counting needs no timer and no accelerator: it reads the same on any device, the meta
 device's shapes included.
+
+`StageMeter` meters a run by stage: the work counted, wall seconds and the host-device
+synchronisations each stage makes (`dcp_lens.utils.syncs`), per batch for the stages that read
+batches; `dcp-lens bench --count` and demos/gpu_check.py report them.
 """
 
 from __future__ import annotations

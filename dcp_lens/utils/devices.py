@@ -3,6 +3,8 @@ unavailable device is one line naming it and what this machine has, not a torch 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dcp_lens.utils.checks import WEIGHT_DTYPES
@@ -108,3 +110,20 @@ def host_copy_done(device: torch.device) -> torch.cuda.Event | None:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
+
+
+def on_host_together(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """``tensors`` (each 1-d) on the host, copied in one transfer per device they are on, not
+    one per tensor (each transfer from an accelerator waits for it)."""
+    moved: dict[Any, torch.Tensor] = {}
+    by_device: dict[torch.device, list[Any]] = {}
+    for key, tensor in tensors.items():
+        by_device.setdefault(tensor.device, []).append(key)
+    for device, keys in by_device.items():
+        if device.type == "cpu":
+            moved.update((key, tensors[key]) for key in keys)
+            continue
+        parts = torch.cat([tensors[key] for key in keys]).cpu()
+        sizes = [tensors[key].numel() for key in keys]
+        moved.update(zip(keys, parts.split(sizes), strict=True))
+    return {key: moved[key] for key in tensors}
