@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -324,14 +324,15 @@ class _BatchAccumulator:
         for key in self._jackknife_keys():
             scores.jackknife.setdefault(key, [empty])
         maxima, sums = self.deferred.read()  # the batch's one read of its scalars
-        for (kind, name), value in maxima.items():
+        for scalar, number in maxima.items():
+            kind, name = cast(tuple[str, Any], scalar)
             if kind == "replay":
-                scores.replay_difference[name] = value
+                scores.replay_difference[name] = number
             elif kind == "null":
-                scores.null.differences[name] = value
+                scores.null.differences[name] = number
             else:
-                scores.null.halves_difference = value
-        scores.null.halves_change = {str(metric): value for metric, value in sums.items()}
+                scores.null.halves_difference = number
+        scores.null.halves_change = {str(metric): number for metric, number in sums.items()}
         return scores
 
     def _add_depth(self, chunk: _Chunk, k: int) -> dict[str, Tensor]:

@@ -127,7 +127,7 @@ def _shim_counted(count: SyncCount) -> Iterator[None]:
     try:
         for name, original in originals.items():
             setattr(torch.Tensor, name, counted(original))
-        torch.Tensor.to = moved  # type: ignore[method-assign]
+        torch.Tensor.to = moved  # type: ignore[method-assign,assignment]
         torch.cuda.synchronize = counted(synchronize)  # type: ignore[method-assign]
         yield
     finally:

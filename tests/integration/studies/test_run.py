@@ -99,7 +99,7 @@ def test_a_control_whose_weights_do_not_match_falls_back_to_the_convention() -> 
 
 
 def test_a_dry_run_at_huginns_shape_without_a_batch_size_fits_an_80_gb_card(
-    monkeypatch, capsys
+    monkeypatch, capsys, tmp_path
 ) -> None:
     """`dcp-lens run --dry-run` at Huginn-0125's shape (its layout and width in bfloat16 on the
     meta device: no weights), 512 + 512 sequences of 1024 tokens, on an empty 80 GB card and no
@@ -129,7 +129,7 @@ def test_a_dry_run_at_huginns_shape_without_a_batch_size_fits_an_80_gb_card(
     monkeypatch.setattr(run_module, "_load_model", huginn)
     monkeypatch.setattr(evaluation_set, "task_data", tokens)
     monkeypatch.setattr(budget, "free_device_bytes", lambda device: card)
-    assert main(["run", "--model", "huginn-shaped", "--dry-run"]) == 0
+    assert main(["run", "--model", "huginn-shaped", "--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     chosen = re.search(r"batch size (\d+): the largest up to (\d+)", printed)
     assert chosen is not None, printed
