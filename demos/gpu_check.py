@@ -1,13 +1,18 @@
 """The real-scale acceptance run behind demos/gpu_check.sh: on one device, the chip's matrix
 rate, the Huginn-shaped forward's tokens per second and its share of that rate, and a default
 DCP run (`DepthControlProtocol` with its defaults: probe, 1000 draws, 10 calibration groups) of
-N + N sequences with per-stage times, peak memory beside the estimate, and seconds per million
-tokens. Writes one JSON object to OUT/gpu_check.json.
+N + N sequences metered by stage (calibration pass, refits, confidence matching, evaluation,
+probe, decomposition and bootstrap): forwards per token as `dcp-lens bench --count` counts them,
+wall seconds, synchronisations per batch, peak device and host memory beside the estimate, and
+seconds per million tokens. Writes OUT/gpu_check.json after every step and every stage, so that
+a run cut short keeps what it measured.
 
-    python demos/gpu_check.py OUT [--device cuda] [--n 512] [--seq 1024] [--batch-size 8]
+    python demos/gpu_check.py OUT [--device cuda] [--n 128] [--seq 1024] [--batch-size 8] [--tf32]
 
-Toy sizes (``--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --matmul 128``) run the
-same steps on a CPU (tests/acceptance/test_demos.py does).
+The default N is sized to finish within 8 minutes on one H100 or H200 (docs/bench.md). TF32 is
+off unless ``--tf32`` is given, as `dcp-lens run` leaves it. Toy sizes (``--d-model 96
+--iterations 2 --vocab 128 --seq 8 --n 8 --matmul 128``) run the same steps on a CPU
+(tests/acceptance/test_demos.py does).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,13 @@ import torch
 import dcp_lens.protocol.dcp as dcp
 from dcp_lens import DepthControlProtocol, EvaluationSet, HookedRecurrentTransformer
 from dcp_lens.studies.bench import bench_config
+from dcp_lens.studies.bench_work import (
+    WORK_STAGES,
+    StageMeter,
+    UnitCosts,
+    WorkCount,
+    forward_macs_per_token,
+)
 
 
 def synchronise(device: torch.device) -> None:
@@ -66,29 +79,59 @@ def peak_memory(device: torch.device) -> float:
     return float("nan")
 
 
-def timed_stages() -> dict[str, float]:
-    """Wrap the protocol's stages so that each records its seconds (device-synchronised)."""
-    seconds: dict[str, float] = {}
+def metered_run(
+    protocol: DepthControlProtocol,
+    evaluation: EvaluationSet,
+    calibration: EvaluationSet,
+    on_stage: Callable[[dict[str, Any]], None],
+) -> tuple[Any, dict[str, Any]]:
+    """``protocol.run`` with each stage metered (`StageMeter`: the work counted as
+    ``dcp-lens bench --count`` counts it, wall time, synchronisations); ``on_stage`` gets what
+    is measured so far after every stage. The results and the last measurement come back."""
+    model = protocol.model
+    count = WorkCount()
+    count.tokens = {
+        stage: (evaluation if stage in ("evaluation", "probe") else calibration).tokens.numel()
+        for stage in WORK_STAGES
+    }
+    costs = UnitCosts.of(model)
+    forward = forward_macs_per_token(
+        model, evaluation.tokens[:1].to(protocol.context.device()), costs
+    )
 
-    def wrap(owner: Any, name: str, label: str) -> None:
-        original = getattr(owner, name)
+    def measured(summary: dict[str, Any]) -> None:
+        on_stage({**summary, "forwards_per_token": count.forwards_per_token(costs, forward)})
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = original(*args, **kwargs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
-            return out
+    meter = StageMeter(protocol, count, measured)
 
-        setattr(owner, name, timed)
+    def entering(stage: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def entered(*args: Any, **kwargs: Any) -> Any:
+            meter.enter(stage)
+            return call(*args, **kwargs)
 
-    wrap(dcp, "fit_maps", "calibration (maps, translators, jackknife refits)")
-    wrap(dcp.DepthControlProtocol, "fit_temperatures", "confidence matching")
-    wrap(dcp, "evaluate_with_noise", "evaluation (every condition at every k)")
-    wrap(dcp.DepthControlProtocol, "_probe", "probe")
-    wrap(dcp.DepthControlProtocol, "_decompose", "decomposition and bootstrap")
-    return seconds
+        return entered
+
+    evaluate = dcp.evaluate_with_noise
+    protocol._fit = entering("calibration pass", protocol._fit)  # type: ignore[method-assign]
+    protocol.fit_temperatures = entering(  # type: ignore[method-assign]
+        "confidence matching", protocol.fit_temperatures
+    )
+    protocol._probe = entering("probe", protocol._probe)  # type: ignore[method-assign]
+    protocol._decompose = entering(  # type: ignore[method-assign]
+        "decomposition and bootstrap", protocol._decompose
+    )
+    dcp.evaluate_with_noise = entering("evaluation", evaluate)  # type: ignore[assignment]
+    try:
+        with meter.metering():
+            results = protocol.run(evaluation, calibration)
+    finally:
+        dcp.evaluate_with_noise = evaluate  # type: ignore[assignment]
+        for name in ("_fit", "fit_temperatures", "_probe", "_decompose"):
+            delattr(protocol, name)
+    return results, {
+        **meter.summary(),
+        "forwards_per_token": count.forwards_per_token(costs, forward),
+    }
 
 
 def main() -> None:
@@ -96,7 +139,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--n", type=int, default=512, help="evaluation and calibration sequences")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=128,
+        help="evaluation and calibration sequences (default sized to finish in 8 minutes on one "
+        "H100 or H200: docs/bench.md)",
+    )
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--d-model", type=int)
@@ -106,9 +155,17 @@ def main() -> None:
     parser.add_argument("--forward-repeats", type=int, default=3)
     parser.add_argument("--n-bootstrap", type=int, help="bootstrap draws (default: the protocol's)")
     parser.add_argument("--probe", help="the probe (default: the protocol's, trajectory)")
+    parser.add_argument(
+        "--tf32",
+        action="store_true",
+        help="allow TF32 in float32 matrix products (default off, as `dcp-lens run` leaves it)",
+    )
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    # TF32 as `dcp-lens run` has it (PyTorch's default, off): the run measured is the one used.
+    # TF32 off unless asked for, as `dcp-lens run` has it (PyTorch's default): the run measured
+    # is the one used.
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
     out: dict[str, Any] = {
         "device": str(device),
         "dtype": args.dtype,
@@ -172,10 +229,6 @@ def main() -> None:
     save()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed_stages()
-    start = time.perf_counter()
-    results = protocol.run(evaluation, calibration)
-    total = time.perf_counter() - start
     n_tokens = 2 * args.n * args.seq
     out["run"] = {
         "sequences": [args.n, args.n],
@@ -183,19 +236,37 @@ def main() -> None:
         "batch_size": args.batch_size,
         "k_grid": list(protocol.context.k_grid),
         "settings": protocol.config.to_dict(),
-        "seconds": total,
-        "stage_seconds": seconds,
-        "seconds_per_million_tokens": total * 1e6 / n_tokens,
-        "peak_memory_gib": peak_memory(device) / 2**30,
         "estimated_peak_gib": estimate.peak_bytes / 2**30,
         "estimated_peak_stage": estimate.peak_stage,
-        "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "estimated_host_gib": estimate.host_bytes / 2**30,
         "estimate": estimate.to_dict(),
-        "verdicts": {
+    }
+    start = time.perf_counter()
+
+    def stage_done(measured: dict[str, Any]) -> None:  # the JSON after every stage
+        out["run"].update(
+            stages_done=list(measured["seconds"]),
+            stage_seconds=measured["seconds"],
+            forwards_per_token=measured["forwards_per_token"],
+            syncs_per_batch=measured["syncs_per_batch"],
+            sync_counter=measured["sync_counter"],
+            seconds_so_far=time.perf_counter() - start,
+            peak_memory_gib=peak_memory(device) / 2**30,
+            peak_host_memory_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        )
+        save()
+
+    results, measured = metered_run(protocol, evaluation, calibration, stage_done)
+    total = time.perf_counter() - start
+    seconds = measured["seconds"]
+    stage_done(measured)
+    out["run"].update(
+        seconds=total,
+        seconds_per_million_tokens=total * 1e6 / n_tokens,
+        verdicts={
             m: (d.bracket_shares or {}).get("verdict") for m, d in results.decompositions.items()
         },
-    }
+    )
     save()
     run = out["run"]
     print(f"matrix rate ({args.dtype}, {args.matmul}^3): {rate / 1e12:.1f} TFLOP/s")
@@ -211,7 +282,9 @@ def main() -> None:
         f"{run['estimated_host_gib']:.2f} GiB)"
     )
     for stage, value in seconds.items():
-        print(f"  {stage}: {value:.1f} s")
+        forwards = run["forwards_per_token"].get(stage)
+        per_token = "" if forwards is None else f", {forwards:.3f} forwards per token"
+        print(f"  {stage}: {value:.1f} s{per_token}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 # What DCP costs at real scale on one GPU, in under 8 minutes, on a Huginn-0125-shaped model
 # (random weights, d_model 5280, 2 + 4 x 32 + 2 blocks, vocabulary 65536) in bfloat16: the chip's
 # bf16 matrix rate (an 8192^3 product), the forward's tokens/s and its share of that rate, a
-# default DCP run of 512 + 512 sequences x 1024 tokens with per-stage times, peak memory beside
-# the estimate and the time per 1M tokens (gpu_check.json, demos/gpu_check.py), then one batch of
-# the sweep against one forward (bench_huginn_bf16.json). Run from the checkout's root:
+# default DCP run of 128 + 128 sequences x 1024 tokens metered by stage (forwards per token as
+# `dcp-lens bench --count` counts them, seconds, synchronisations per batch), peak memory beside
+# the estimate and the time per 1M tokens (gpu_check.json, demos/gpu_check.py, rewritten after
+# every stage). With BENCH=1, then one batch of the sweep against one forward
+# (bench_huginn_bf16.json; not in the 8 minutes). TF32 stays off; TF32=1 passes --tf32.
+# Run from the checkout's root:
 #     bash demos/gpu_check.sh [OUT_DIR]    # default: $OUT if set, else runs/gpu_check
 # On a GPU machine without dcp-lens's dependencies, prepare .whl/ first with demos/gpu_wheels.sh
 # (on a machine with pip access) and carry it along: it is installed into /tmp/site here.
-# DEVICE=cpu BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch-size 1 --seq 8"
+# DEVICE=cpu BENCH=1 BENCH_ARGS="--d-model 96 --iterations 2 --vocab 256 --batch-size 1 --seq 8"
 # GPU_CHECK_ARGS="--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --matmul 128" runs the
 # same steps on a toy size without a GPU (tests/acceptance/test_demos.py does).
 set -euo pipefail
@@ -33,7 +36,12 @@ if [ "$device" != cpu ]; then
 fi
 # The acceptance run: matrix rate, forward, a default DCP run (GPU_CHECK_ARGS: toy sizes on a CPU).
 # shellcheck disable=SC2086  # GPU_CHECK_ARGS is a list of flags
-"$python" demos/gpu_check.py "$out" --device "$device" ${GPU_CHECK_ARGS:-}
+tf32=()
+if [ "${TF32:-0}" = 1 ]; then tf32=(--tf32); fi
+"$python" demos/gpu_check.py "$out" --device "$device" ${tf32[@]+"${tf32[@]}"} ${GPU_CHECK_ARGS:-}
+if [ "${BENCH:-0}" != 1 ]; then
+    exit 0
+fi
 # r = 32 in bfloat16, 4 x 1024 tokens per batch; the naive sweep (40 extra forwards) is left out.
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 "$python" -m dcp_lens bench --preset huginn --iterations 32 --dtype bfloat16 --device "$device" \

@@ -445,6 +445,33 @@ def memory_table() -> str:
     return _table(["term", "GiB"], rows) + note
 
 
+def memory_proxy_table() -> str:
+    """Each stage's measured peak above the baseline against its estimate on the CPU proxy of
+    Huginn-0125's shape with the probe on, from ``docs/data/memory_proxy_probe.json``."""
+    data = _read(DATA / "memory_proxy_probe.json")
+    rows = []
+    for n, run in data["runs"].items():
+        own = run["weights"]  # the baseline holds the weights: the estimate less them
+        for stage, measured in run["stages_above_baseline"].items():
+            estimated = run["stage_estimates"].get(stage)
+            if estimated is None:
+                rows.append([n, stage, _num(measured / 2**20, 1), "", ""])
+                continue
+            ratio = (estimated - own) / measured if measured else float("nan")
+            mb = (_num(measured / 2**20, 1), _num((estimated - own) / 2**20, 1))
+            rows.append([n, stage, *mb, _num(ratio, 2)])
+    model = data["model"]
+    note = (
+        f"\n*Generated from `docs/data/memory_proxy_probe.json` ({data['command']}): d_model "
+        f"{model['d_model']}, r = {model['n_iterations']}, vocabulary {model['d_vocab']}, "
+        f"sequences of {model['seq']} tokens, batches of {data['settings']['batch_size']}, the "
+        f"{data['settings']['probe']} probe. Measured: the peak resident size above the "
+        "baseline while the stage ran; estimated: the stage's estimate less the weights.*\n"
+    )
+    head = ["evaluation sequences", "stage", "measured, MB", "estimated, MB", "estimate / measured"]
+    return _table(head, rows) + note
+
+
 def work_table() -> str:
     """Forwards and readouts per token by stage of a default run at Huginn-0125's layout, counted
     by ``dcp-lens bench --preset huginn --count --json``."""
@@ -474,6 +501,7 @@ def work_table() -> str:
 
 GENERATORS: dict[str, Callable[[], str]] = {
     "memory-huginn": memory_table,
+    "memory-proxy": memory_proxy_table,
     "work-huginn": work_table,
     "run-default": run_default_table,
     "intervention-default": lambda: _intervention("default"),

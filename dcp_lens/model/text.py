@@ -213,8 +213,9 @@ class TextMethods:
                 f"sequence length {input.shape[1] + offset} exceeds n_ctx={self.cfg.n_ctx}; "
                 "shorten the input or build the model with a larger n_ctx."
             )
-        if input.min() < 0 or input.max() >= self.cfg.d_vocab:
-            bad = input[(input < 0) | (input >= self.cfg.d_vocab)][0].item()
+        outside = (input < 0) | (input >= self.cfg.d_vocab)
+        if bool(outside.any()):  # one read of the device, not two
+            bad = input[outside][0].item()
             raise InputError(
                 f"token id {bad} is outside the vocabulary 0..{self.cfg.d_vocab - 1} (d_vocab)."
             )

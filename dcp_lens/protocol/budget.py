@@ -77,6 +77,12 @@ def moment_bytes(
     return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
 
 
+def pinned_bytes(size: int) -> int:
+    """Bytes PyTorch's pinned host allocator takes for a ``size``-byte tensor: the next power
+    of two."""
+    return 1 << max(0, size - 1).bit_length() if size > 0 else 0
+
+
 def free_device_bytes(device: torch.device) -> int | None:
     """What ``device`` can give a run now, in bytes: on CUDA, the driver's free memory plus the
     memory PyTorch has reserved but not allocated (its cache, reused before asking the driver);
@@ -397,9 +403,12 @@ def estimate_run_memory(
             "probe_samples",
             "probe_fit",
         )
-    # On an accelerator the groups not being filled wait on the host in their float32 storage.
+    # On an accelerator the groups not being filled wait on the host in their float32 storage,
+    # in pinned memory (`dcp_lens.utils.devices.copy_without_wait`), whose allocator hands out
+    # blocks rounded up to a power of two.
     parked = groups - on_device if device_type != "cpu" else 0
-    host = {"parked_groups": n_streams * parked * 4 * (square + 3 * d)} if parked > 0 else {}
+    group = pinned_bytes(4 * square) + 3 * pinned_bytes(4 * d)
+    host = {"parked_groups": n_streams * parked * group} if parked > 0 else {}
     estimate = MemoryEstimate(terms, stages, plan, host=host)
     estimate.snapshot = calibration_snapshot_bytes(
         n_streams, calibration_groups, d, full, seq_len, vocab, probe_points * row

@@ -141,11 +141,11 @@ class EvaluationSet:
 
     def _digests(self) -> list[str]:
         rows = []
+        tokens = self.tokens.cpu().numpy()  # read once, not once per example
+        mask = None if self.attention_mask is None else self.attention_mask.cpu().numpy()
         for i in range(len(self)):
-            row = self.tokens[i]
-            if self.attention_mask is not None:
-                row = row[self.attention_mask[i]]
-            rows.append(hashlib.sha1(row.cpu().numpy().tobytes()).hexdigest())
+            row = tokens[i] if mask is None else tokens[i][mask[i]]
+            rows.append(hashlib.sha1(row.tobytes()).hexdigest())
         return rows
 
     def fingerprints(self) -> set[str]:

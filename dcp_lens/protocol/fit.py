@@ -572,7 +572,7 @@ def _gated_fit(
     where ``n_groups`` >= 2): at the chosen ridge, or `MeanTranslator` in every one where the
     gate replaced it (not refitted per group, as the base rate's table is not)."""
     if gate.judged == REPLACED:
-        constant = MeanTranslator(target.double().mean(0).float().cpu())
+        constant = MeanTranslator(target.double().mean(0).float())
         return constant, [constant] * (n_groups if n_groups >= 2 else 0)
     ridge = gate.ridge * ridge_scale(state)
     if n_groups >= 2:
@@ -652,7 +652,7 @@ def _solved(gram: Tensor, moment: Tensor, d_model: int, ridge: float) -> AffineT
     weight = (linear - torch.eye(d_model, dtype=linear.dtype, device=linear.device)).T
     if not bool(weight.isfinite().all() and bias.isfinite().all()):
         return None
-    return AffineTranslator(d_model, weight.float().cpu(), bias.float().cpu())
+    return AffineTranslator(d_model, weight.float(), bias.float())  # kept where it was solved
 
 
 def _fit_map(

@@ -35,6 +35,7 @@ from dcp_lens.protocol.metrics import IGNORE_INDEX
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
 from dcp_lens.utils import distributed
+from dcp_lens.utils.devices import copy_without_wait
 from dcp_lens.utils.errors import ResourceLimitError
 from dcp_lens.utils.snapshots import SnapshotFieldError, snapshot_field, snapshot_value
 
@@ -115,7 +116,7 @@ class GroupMoments:
                 self._make_resident(most)
         for g, rows_of_group in present:
             if self.host is not None and g != self.resident:
-                self.parked[g].append(state[rows_of_group].to(self.host))
+                self.parked[g].append(copy_without_wait(state[rows_of_group], self.host))
                 continue
             self.pending[g].append(state[rows_of_group])
             if sum(len(x) for x in self.pending[g]) >= rows:
@@ -133,8 +134,14 @@ class GroupMoments:
         self.groups[group] = self.groups[group].to(self.compute)
         self.resident = group
         if self.parked[group]:
-            self.groups[group].update(torch.cat(self.parked[group]).to(self.compute))
+            self.groups[group].update(self._parked_rows(group))
             self.parked[group] = []
+
+    def _parked_rows(self, group: int) -> Tensor:
+        """``group``'s parked rows on the compute device (each piece copied back without the host
+        waiting: the stream runs it after the copy that parked it)."""
+        assert self.compute is not None
+        return torch.cat([copy_without_wait(rows, self.compute) for rows in self.parked[group]])
 
     def _fold_pending(self, group: int) -> None:
         if self.pending[group] and self.groups is not None:
@@ -149,7 +156,7 @@ class GroupMoments:
             if self.parked[g] and self.groups is not None and self.compute is not None:
                 assert self.host is not None
                 part = StreamingMoments(self.storage)
-                part.update(torch.cat(self.parked[g]).to(self.compute))
+                part.update(self._parked_rows(g))
                 moments = self.groups[g]
                 moments.merge(part.to(self.host))
                 self.groups[g] = moments.to(self.host)

@@ -10,7 +10,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -47,9 +47,9 @@ from dcp_lens.protocol.sweep_records import (
     SweepAccumulator,
     SweepOutput,
     Values,
-    nan_max,
 )
 from dcp_lens.utils import distributed
+from dcp_lens.utils.syncs import DeferredScalars
 
 # The jackknife reads the mapped conditions on the evaluation examples whose key is 0 mod this,
 JACKKNIFE_EVALUATION_STRIDE = 10
@@ -356,6 +356,7 @@ class _BatchAccumulator:
         self.sweep, self.batch, self.context = sweep, batch, sweep.context
         self.states, self.full_logits, self.targets = states, full_logits, targets
         self.batch_scores = BatchScores()
+        self.deferred = DeferredScalars()  # the batch's maxima and sums, read once in `scores`
         self.top1: dict[str, dict[int, list[Tensor]]] = {"truncate": {}, "replay": {}}
 
     def add(self, examples: slice) -> None:
@@ -393,6 +394,16 @@ class _BatchAccumulator:
         empty = torch.zeros(0, dtype=torch.float64, device=self.context.device())
         for key in self._jackknife_keys():
             scores.jackknife.setdefault(key, [empty])
+        maxima, sums = self.deferred.read()  # the batch's one read of its scalars
+        for scalar, number in maxima.items():
+            kind, name = cast(tuple[str, Any], scalar)
+            if kind == "replay":
+                scores.replay_difference[name] = number
+            elif kind == "null":
+                scores.null.differences[name] = number
+            else:
+                scores.null.halves_difference = number
+        scores.null.halves_change = {str(metric): number for metric, number in sums.items()}
         return scores
 
     def _add_depth(self, chunk: _Chunk, k: int) -> dict[str, Tensor]:
@@ -414,8 +425,7 @@ class _BatchAccumulator:
             scores.add(name, k, scored)
         if picked is not None and subsampled:
             self._add_controls(chunk, k, picked)
-        difference = _max_diff(read["replay"], read["truncate"])
-        scores.replay_difference[k] = nan_max(scores.replay_difference.get(k, 0.0), difference)
+        self.deferred.maximum(("replay", k), _max_diff(read["replay"], read["truncate"]))
         for name, per_k in self.top1.items():
             per_k.setdefault(k, []).append(read[name].argmax(-1))
         return read
@@ -450,25 +460,23 @@ class _BatchAccumulator:
 
     def _add_null(self, chunk: _Chunk, at_r: dict[str, Tensor]) -> None:
         """The null control: at k = r every condition that must reproduce full depth does."""
-        null, built = self.batch_scores.null, self.batch.run.built[self.context.r]
+        built = self.batch.run.built[self.context.r]
         for name, logits in at_r.items():
             condition = built[name]
             if condition is None or condition.reproduces_full_at_r:
-                difference = _max_diff(logits, chunk.logits)
-                null.differences[name] = nan_max(null.differences.get(name, 0.0), difference)
+                self.deferred.maximum(("null", name), _max_diff(logits, chunk.logits))
 
     def _add_halves(self, chunk: _Chunk, full: Mapping[str, Tensor]) -> None:
         """The calibration null: full depth's states under the map fitted between two halves of
         the calibration split should read out as full depth does."""
-        null_map, null = self.sweep.maps.null, self.batch_scores.null
+        null_map = self.sweep.maps.null
         if null_map is None:
             return
         halves = self.context.model.readout(null_map(chunk.states[self.context.r]))
-        null.halves_difference = nan_max(null.halves_difference, _max_diff(halves, chunk.logits))
+        self.deferred.maximum(("halves", None), _max_diff(halves, chunk.logits))
         moved = self._scored(chunk, halves)
         for metric in self.context.metrics:
-            change = float((moved[metric] - full[metric]).double().sum())
-            null.halves_change[metric] = null.halves_change.get(metric, 0.0) + change
+            self.deferred.add(metric, (moved[metric] - full[metric]).double().sum())
 
     def _add_jackknife(self, chunk: _Chunk) -> None:
         """The jackknife's cells of the chunk's chosen examples: the mapped conditions under
@@ -620,7 +628,7 @@ def walk_fractions(
     walking = walks & scored
 
     def per_example(values: Tensor) -> Tensor:
-        return ((values * walking).sum(-1).double() / count).cpu()
+        return (values * walking).sum(-1).double() / count
 
     out: dict[str, dict[int, Tensor]] = {"fraction": {}, "accuracy": {}, "top1_agreement": {}}
     for k in sorted(top1["replay"]):
@@ -632,8 +640,9 @@ def walk_fractions(
     return out
 
 
-def _max_diff(a: Tensor, b: Tensor) -> float:
-    return float((a - b).abs().max())
+def _max_diff(a: Tensor, b: Tensor) -> Tensor:
+    """The largest |a - b| as a 0-d tensor on their device (NaN where any difference is)."""
+    return (a - b).abs().max()
 
 
 @runtime_checkable

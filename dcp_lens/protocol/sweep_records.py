@@ -20,6 +20,7 @@ from dcp_lens.protocol.conditions import Full, Truncate
 from dcp_lens.protocol.fit import FittedMaps, apply_map
 from dcp_lens.protocol.probe import ProbeSamples
 from dcp_lens.protocol.subsample import Subsample, SubsampleState, row_ids
+from dcp_lens.utils.devices import on_host_together
 from dcp_lens.utils.snapshots import (
     FieldKind,
     SnapshotFieldError,
@@ -109,10 +110,11 @@ class ExampleCellsAccumulator(Generic[Key]):
 
     def vectors(self) -> dict[Key, Float[Tensor, " n"]]:
         """Per key, its chunks joined in batch order: float64 on the CPU."""
-        return {
-            key: torch.cat([chunks[b] for b in sorted(chunks)]).double().cpu()
+        joined = {
+            key: torch.cat([chunks[b] for b in sorted(chunks)]).double()
             for key, chunks in self.chunks.items()
         }
+        return on_host_together(joined)  # one transfer, not one per key
 
 
 class MaximaAccumulator(Generic[Key]):

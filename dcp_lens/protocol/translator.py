@@ -47,6 +47,9 @@ class AffineTranslator:
         self._cast: dict[
             tuple[torch.device, torch.dtype, int, int, int, int], tuple[Tensor, Tensor]
         ] = {}
+        # Whether W and b are zero, keyed the same way without the device and dtype: asked on
+        # every call, read from the tensors (a synchronisation on an accelerator) once.
+        self._identity: tuple[tuple[int, int, int, int], bool] | None = None
         if self.weight.shape != (d_model, d_model) or self.bias.shape != (d_model,):
             raise TranslatorError(
                 f"weight {tuple(self.weight.shape)} / bias {tuple(self.bias.shape)} do not fit "
@@ -55,7 +58,10 @@ class AffineTranslator:
 
     @property
     def is_identity(self) -> bool:
-        return not bool(self.weight.any() or self.bias.any())
+        key = (id(self.weight), self.weight._version, id(self.bias), self.bias._version)
+        if self._identity is None or self._identity[0] != key:
+            self._identity = (key, not bool(self.weight.any() or self.bias.any()))
+        return self._identity[1]
 
     def __call__(self, state: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
         if state.shape[-1] != self.d_model:
@@ -127,11 +133,15 @@ class AffineTranslator:
                 value.backward()
                 optimizer.step()
             history.append(float(loss().detach()))
-        self.weight, self.bias = weight.detach().cpu(), bias.detach().cpu()
+        self.weight, self.bias = weight.detach(), bias.detach()  # on the states' device
         return history
 
     def state_dict(self, prefix: str = "") -> dict[str, Tensor]:
-        return {f"{prefix}weight": self.weight.contiguous(), f"{prefix}bias": self.bias}
+        """``weight`` and ``bias`` on the host (what a file holds)."""
+        return {
+            f"{prefix}weight": self.weight.contiguous().cpu(),
+            f"{prefix}bias": self.bias.contiguous().cpu(),
+        }
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, Tensor], prefix: str = "") -> AffineTranslator:
@@ -171,4 +181,5 @@ class MeanTranslator(AffineTranslator):
 
     def __init__(self, mean: Float[Tensor, " d_model"]) -> None:
         d_model = int(mean.shape[-1])
-        super().__init__(d_model, -torch.eye(d_model, dtype=mean.dtype), mean)
+        eye = torch.eye(d_model, dtype=mean.dtype, device=mean.device)
+        super().__init__(d_model, -eye, mean)

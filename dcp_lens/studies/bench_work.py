@@ -8,6 +8,10 @@ stage's work is those rows weighed by each module's multiply-adds per row at a t
 on the width, the weights do), over the stage's tokens and one forward's multiply-adds per
 token. Counting needs no timer and no accelerator: it reads the same on any device, the meta
 device's shapes included.
+
+`StageMeter` meters a run by stage: the work counted, wall seconds and the host-device
+synchronisations each stage makes (`dcp_lens.utils.syncs`), per batch for the stages that read
+batches; `dcp-lens bench --count` and demos/gpu_check.py report them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ from dcp_lens.protocol.config import ProtocolConfig
 from dcp_lens.protocol.dcp import DepthControlProtocol, EvaluationSet
 from dcp_lens.protocol.probe import probe_run
 from dcp_lens.protocol.sweep import Sweep
+from dcp_lens.utils.syncs import SyncCount, counting_syncs
 
 # The stages of a run whose work is counted, in the order they run.
 WORK_STAGES = ("calibration pass", "refits", "confidence matching", "evaluation", "probe")
@@ -171,6 +177,100 @@ def _matrix_macs(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.ndim >= 2)
 
 
+# The progress loops that read a stage's batches, by the description `RunContext.each` gets.
+BATCH_LOOPS = ("calibration", "evaluation")
+
+
+class StageMeter:
+    """Work, wall seconds, synchronisations and batches by stage of ``protocol``'s run.
+
+    Args:
+        protocol: the protocol whose model and context are metered.
+        count: where the work is counted (its ``stage`` follows `enter`).
+        on_stage: called with `summary` each time a stage ends.
+    """
+
+    def __init__(
+        self,
+        protocol: DepthControlProtocol,
+        count: WorkCount,
+        on_stage: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.protocol, self.count, self.on_stage = protocol, count, on_stage
+        self.device = protocol.context.device()
+        self.seconds: dict[str, float] = {}
+        self.syncs: dict[str, int] = {}
+        self.batches: dict[str, int] = {}
+        self.current: str | None = None
+        self._syncs: SyncCount | None = None
+        self._started = 0.0
+        self._synced_at = 0
+        self._own = 0  # the meter's own synchronisations, not the stage's
+
+    @contextlib.contextmanager
+    def metering(self) -> Iterator[StageMeter]:
+        """Count work and synchronisations while open; the last stage ends when it closes."""
+        context = self.protocol.context
+        each = context.each
+
+        def metered(items: Sequence[Any], description: str) -> Iterator[Any]:
+            for item in each(items, description):
+                if description in BATCH_LOOPS and self.current is not None:
+                    self.batches[self.current] = self.batches.get(self.current, 0) + 1
+                yield item
+            if description == "calibration":  # the pass is done: the refits follow
+                self.enter("refits")
+
+        context.each = metered  # type: ignore[method-assign]
+        try:
+            with counting(self.protocol.model, self.count), counting_syncs(self.device) as syncs:
+                self._syncs = syncs
+                yield self
+                self.enter(None)
+        finally:
+            del context.each
+
+    def enter(self, stage: str | None) -> None:
+        """End the stage running (its time up to the device's finishing it) and start ``stage``
+        (None: none)."""
+        assert self._syncs is not None, "enter() is called inside metering()"
+        if self.current is not None:
+            before = self._syncs.total
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._own += self._syncs.total - before
+            name = self.current
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - self._started
+            made = self._syncs.total - self._own - self._synced_at
+            self.syncs[name] = self.syncs.get(name, 0) + made
+            if self.on_stage is not None:
+                self.on_stage(self.summary())
+        self.current = stage
+        self._synced_at = self._syncs.total - self._own
+        if stage is not None:
+            self.count.stage = stage
+            self._started = time.perf_counter()
+
+    def summary(self) -> dict[str, Any]:
+        """What is measured so far: seconds, synchronisations and batches by stage, and the
+        synchronisations per batch of the stages that read batches."""
+        return {
+            "seconds": dict(self.seconds),
+            "syncs": dict(self.syncs),
+            "batches": dict(self.batches),
+            "syncs_per_batch": {
+                stage: self.syncs.get(stage, 0) / batches
+                for stage, batches in self.batches.items()
+                if batches
+            },
+            "sync_counter": "cuda sync debug mode" if self.device.type == "cuda" else "shim",
+        }
+
+    def hottest_sites(self, n: int = 5) -> list[tuple[str, int]]:
+        """The code lines that made the most synchronisations."""
+        return [] if self._syncs is None else self._syncs.sites.most_common(n)
+
+
 def count_run(
     protocol: DepthControlProtocol,
     calibration: EvaluationSet,
@@ -178,12 +278,14 @@ def count_run(
     costs: UnitCosts,
     jackknife_tokens: int | None = None,
     control_tokens: int | None = None,
+    on_stage: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``protocol``'s stages (fit, confidence matching, one evaluation, the probe) on the
-    two sets with the work counted; forwards and readouts per token by stage at ``costs``' shape.
-    ``jackknife_tokens`` and ``control_tokens``: the caps of the jackknife's examples and of
-    the subsampled controls' (`dcp_lens.protocol.sweep.Sweep`), to read the share of examples
-    a run of longer sequences reads."""
+    two sets with the work counted; forwards and readouts per token by stage at ``costs``' shape,
+    with each stage's wall seconds and synchronisations (`StageMeter`). ``jackknife_tokens`` and
+    ``control_tokens``: the caps of the jackknife's examples and of the subsampled controls'
+    (`dcp_lens.protocol.sweep.Sweep`), to read the share of examples a run of longer sequences
+    reads. ``on_stage`` gets what is measured so far (the result's keys) after every stage."""
     model, context = protocol.model, protocol.context
     count = WorkCount()
     calibration_tokens, evaluation_tokens = calibration.tokens.numel(), evaluation.tokens.numel()
@@ -194,52 +296,58 @@ def count_run(
         "evaluation": evaluation_tokens,
         "probe": evaluation_tokens,
     }
-    each = context.each
+    forward = forward_macs_per_token(model, evaluation.tokens[:1].to(context.device()), costs)
 
-    def staged(items: Sequence[Any], description: str) -> Iterator[Any]:
-        yield from each(items, description)
-        # The pass is done: the solves and refits follow, the translators' gate with them (its
-        # readout geometry at the mean full-depth state: readouts of single states, no forward).
-        if description == "calibration":
-            count.stage = "refits"
+    def measured(meter: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "forwards_per_token": count.forwards_per_token(costs, forward),
+            "readouts_per_token": count.readouts_per_token(),
+            "stage_seconds": meter["seconds"],
+            "syncs": meter["syncs"],
+            "syncs_per_batch": meter["syncs_per_batch"],
+            "sync_counter": meter["sync_counter"],
+        }
 
-    context.each = staged  # type: ignore[method-assign]
-    try:
-        with torch.no_grad(), counting(model, count):
-            protocol.fit(calibration)
-            maps = protocol.maps
-            if maps is None:
-                raise RuntimeError("the fit stage left no maps")
-            count.stage = "confidence matching"
-            temperatures: Temperatures = {}
-            if context.matches_confidence():
-                temperatures = protocol.fit_temperatures(calibration)
-            count.stage = "evaluation"
-            sweep = Sweep(context, maps, temperatures, jackknife_tokens, control_tokens)
-            swept = sweep.evaluate(evaluation)
-            count.stage = "probe"
-            if protocol.config.probe != "none":
-                probe_run(
-                    maps.probe_reference,
-                    swept.probe_samples,
-                    n_iterations=protocol.r,
-                    points=protocol.config.probe_points,
-                    seed=protocol.config.seed,
-                )
-        forward = forward_macs_per_token(model, evaluation.tokens[:1], costs)
-    finally:
-        del context.each
+    meter = StageMeter(protocol, count, None if on_stage is None else _then(measured, on_stage))
+    with torch.no_grad(), meter.metering():
+        meter.enter("calibration pass")
+        protocol.fit(calibration)
+        maps = protocol.maps
+        if maps is None:
+            raise RuntimeError("the fit stage left no maps")
+        meter.enter("confidence matching")
+        temperatures: Temperatures = {}
+        if context.matches_confidence():
+            temperatures = protocol.fit_temperatures(calibration)
+        meter.enter("evaluation")
+        sweep = Sweep(context, maps, temperatures, jackknife_tokens, control_tokens)
+        swept = sweep.evaluate(evaluation)
+        meter.enter("probe")
+        if protocol.config.probe != "none":
+            probe_run(
+                maps.probe_reference,
+                swept.probe_samples,
+                n_iterations=protocol.r,
+                points=protocol.config.probe_points,
+                seed=protocol.config.seed,
+            )
     # Every subsampled control is read on the same examples.
     controls = int(next(iter(swept.read.values())).sum()) if swept.read else len(evaluation)
     return {
-        "forwards_per_token": count.forwards_per_token(costs, forward),
-        "readouts_per_token": count.readouts_per_token(),
+        **measured(meter.summary()),
+        "sync_sites": dict(meter.hottest_sites()),
         "rows": {stage: dict(rows) for stage, rows in count.rows.items()},
         "tokens": count.tokens,
         "jackknife_examples": 0 if swept.jackknife_rows is None else len(swept.jackknife_rows),
         "control_examples": controls,
         "forward_macs_per_token": forward,
     }
+
+
+def _then(
+    first: Callable[[dict[str, Any]], dict[str, Any]], then: Callable[[dict[str, Any]], None]
+) -> Callable[[dict[str, Any]], None]:
+    return lambda value: then(first(value))
 
 
 def run_count(
@@ -318,10 +426,22 @@ def print_count(result: dict[str, Any], as_json: bool) -> None:
         f"{result['jackknife_examples']} evaluation examples, shift and the translators on "
         f"{result['control_examples']}"
     )
-    print(f"  {'stage':<22} {'forwards/token':>14} {'readouts/token':>15}")
+    print(
+        f"  {'stage':<22} {'forwards/token':>14} {'readouts/token':>15} {'seconds':>8} "
+        f"{'syncs':>6} {'syncs/batch':>11}"
+    )
     for stage, forwards in result["forwards_per_token"].items():
         readouts = result["readouts_per_token"][stage]
-        print(f"  {stage:<22} {forwards:14.3f} {readouts:15.2f}")
+        per_batch = result["syncs_per_batch"].get(stage)
+        print(
+            f"  {stage:<22} {forwards:14.3f} {readouts:15.2f} "
+            f"{result['stage_seconds'].get(stage, 0.0):8.2f} {result['syncs'].get(stage, 0):6d} "
+            f"{'' if per_batch is None else f'{per_batch:.1f}':>11}"
+        )
+    print(
+        f"  synchronisations counted by the {result['sync_counter']} (on the CPU an upper bound: "
+        "every tensor read by the host counts)"
+    )
 
 
 def run_estimate(

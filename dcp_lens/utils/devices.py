@@ -3,6 +3,8 @@ unavailable device is one line naming it and what this machine has, not a torch 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dcp_lens.utils.checks import WEIGHT_DTYPES
@@ -78,3 +80,50 @@ def _listing() -> str:
 
 
 __all__ = ["available_devices", "check_device", "check_dtype"]
+
+
+def copy_without_wait(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, the host not waiting for the copy where it need not.
+
+    From a CUDA device to the host, into newly pinned (page-locked) host memory with
+    ``non_blocking=True``: the copy is queued on the device's current stream, and the returned
+    tensor holds its values only once the stream has reached it. A host-side read must wait for
+    that first (`host_copy_done`); a copy back to the device from it needs no wait, the stream
+    runs the two copies in order. From pinned host memory to the device, also without waiting
+    (PyTorch's pinned-memory allocator does not hand the buffer out again before the copy is
+    done). Anything else is an ordinary ``.to(device)``."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cpu" and tensor.device.type == "cuda":
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return pinned.copy_(tensor, non_blocking=True)
+    if tensor.device.type == "cpu" and device.type == "cuda" and tensor.is_pinned():
+        return tensor.to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def host_copy_done(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on ``device``'s current stream after the copies `copy_without_wait`
+    queued there (None off CUDA): ``event.synchronize()`` before the host reads them."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def on_host_together(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """``tensors`` (each 1-d) on the host, copied in one transfer per device they are on, not
+    one per tensor (each transfer from an accelerator waits for it)."""
+    moved: dict[Any, torch.Tensor] = {}
+    by_device: dict[torch.device, list[Any]] = {}
+    for key, tensor in tensors.items():
+        by_device.setdefault(tensor.device, []).append(key)
+    for device, keys in by_device.items():
+        if device.type == "cpu":
+            moved.update((key, tensors[key]) for key in keys)
+            continue
+        parts = torch.cat([tensors[key] for key in keys]).cpu()
+        sizes = [tensors[key].numel() for key in keys]
+        moved.update(zip(keys, parts.split(sizes), strict=True))
+    return {key: moved[key] for key in tensors}

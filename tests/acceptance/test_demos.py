@@ -205,16 +205,20 @@ def test_the_retrofit_demo_distils_and_runs_dcp_at_a_toy_size(tmp_path: Path) ->
 
 
 def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
-    """demos/gpu_check.sh (the GPU measurement) end to end on the CPU at a toy Huginn size: the
-    bench JSON it writes holds the figures it prints, per million tokens and peak memory."""
+    """demos/gpu_check.sh (the GPU measurement) end to end on the CPU at a toy Huginn size: every
+    figure it reports is in its JSON (forwards per token, seconds and synchronisations by stage,
+    memory beside the estimate), and the bench JSON holds the figures it prints."""
+    from dcp_lens.studies.bench_work import WORK_STAGES
+
     environment = {
         **os.environ,
         "DEVICE": "cpu",
+        "BENCH": "1",
         "PYTHON": sys.executable,
         "OMP_NUM_THREADS": "1",
         "BENCH_ARGS": "--d-model 96 --iterations 2 --vocab 128 --batch-size 1 --seq 8 --repeats 1",
         "GPU_CHECK_ARGS": "--d-model 96 --iterations 2 --vocab 128 --seq 8 --n 8 --batch-size 2 "
-        "--matmul 64 --forward-repeats 1 --n-bootstrap 50 --probe none",
+        "--matmul 64 --forward-repeats 1 --n-bootstrap 50",
     }
     completed = subprocess.run(
         ["bash", str(REPO / "demos" / "gpu_check.sh"), str(tmp_path)],
@@ -244,11 +248,14 @@ def test_gpu_check_script_runs_its_steps_on_a_toy_size(tmp_path: Path) -> None:
         run["seconds"] * 1e6 / (2 * 8 * 8)
     )
     stages = run["stage_seconds"]
-    assert {
-        "calibration (maps, translators, jackknife refits)",
-        "evaluation (every condition at every k)",
-    } <= set(stages)
+    assert set(stages) == {*WORK_STAGES, "decomposition and bootstrap"}
+    assert run["stages_done"] == list(stages)
     assert sum(stages.values()) <= run["seconds"] * 1.01
+    forwards = run["forwards_per_token"]
+    assert set(forwards) == set(WORK_STAGES)
+    # The pass reads each calibration token once through s_r; the evaluation reads more.
+    assert 0.9 <= forwards["calibration pass"] <= 1.2 < forwards["evaluation"]
+    assert set(run["syncs_per_batch"]) == {"calibration pass", "evaluation"}
     assert run["peak_memory_gib"] > 0 and run["estimated_peak_gib"] > 0
     # Host memory beside the device's, and TF32 as `dcp-lens run` leaves it (off).
     assert run["peak_host_memory_gib"] > 0 and run["estimated_host_gib"] >= 0

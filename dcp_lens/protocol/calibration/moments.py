@@ -19,6 +19,7 @@ from dcp_lens.protocol.calibration.linalg import (
     subspace_eigh,
     symmetric_eigh,
 )
+from dcp_lens.utils.devices import copy_without_wait, host_copy_done
 from dcp_lens.utils.snapshots import snapshot_field
 
 # The largest share of the width the states' span may have for `for_refit`'s subspace
@@ -76,6 +77,9 @@ class StreamingMoments:
         # For a jackknife refit (`for_refit`): its whole split and that split's eigenvalue floor.
         self._within: StreamingMoments | None = None
         self._floor: float | None = None
+        # Set while a copy off the device into these (pinned host) sums may be unfinished:
+        # `to` queues it without waiting; `_ready` waits before the host reads them.
+        self._copied: torch.cuda.Event | None = None
 
     @classmethod
     def from_samples(cls, samples: Tensor | Iterable[Tensor]) -> StreamingMoments:
@@ -107,6 +111,7 @@ class StreamingMoments:
                 f"samples are on {x.device} but the moments live on {self._mean.device}; "
                 "move the samples there."
             )
+        self._ready()
         samples = x.reshape(-1, x.shape[-1])
         if samples.shape[0] == 0:
             return
@@ -133,6 +138,9 @@ class StreamingMoments:
         """Fold the samples of ``other`` into these moments (as if they had been updated here)."""
         if other._count == 0:
             return
+        self._ready()
+        if self.device is None or self.device.type == "cpu":  # read on the host
+            other._ready()
         assert other._mean is not None and other._scatter is not None
         assert other._norm_weighted_sum is not None and other._fourth_sum is not None
         if self._mean is not None and other._mean.shape != self._mean.shape:
@@ -161,16 +169,18 @@ class StreamingMoments:
         assert part._norm_weighted_sum is not None and part._fourth_sum is not None
         device = self._mean.device
         count = self._count - part._count
-        part_mean = part._mean.to(device)
+        if device.type == "cpu":  # read on the host
+            part._ready()
+        part_mean = copy_without_wait(part._mean, device)
         mean = (self._mean * self._count - part_mean * part._count) / count
         # The part's sums about the whole's mean, taken off the whole's; what is left are the
         # rest's sums about the whole's mean, recentred onto the rest's own mean.
         moved = _recentre(
             part._count,
             part_mean - self._mean,
-            part._scatter.to(device=device, dtype=torch.float64),
-            part._norm_weighted_sum.to(device),
-            part._fourth_sum.to(device),
+            copy_without_wait(part._scatter, device).to(torch.float64),
+            copy_without_wait(part._norm_weighted_sum, device),
+            copy_without_wait(part._fourth_sum, device),
         )
         about_whole = (
             whole - piece
@@ -198,8 +208,10 @@ class StreamingMoments:
         assert self._mean is not None and self._scatter is not None
         assert self._norm_weighted_sum is not None and self._fourth_sum is not None
         device = self._mean.device
-        mean, scatter = mean.to(device), scatter.to(device=device, dtype=torch.float64)
-        norm_weighted, fourth = norm_weighted.to(device), fourth.to(device)
+        mean = copy_without_wait(mean, device)
+        scatter = copy_without_wait(scatter, device).to(torch.float64)
+        norm_weighted = copy_without_wait(norm_weighted, device)
+        fourth = copy_without_wait(fourth, device)
         total = self._count + count
         merged_mean = self._mean + (mean - self._mean) * (count / total)
         own = _recentre(
@@ -219,6 +231,7 @@ class StreamingMoments:
 
     def state(self) -> MomentsState:
         """The count and the float64 sums, all `from_state` needs (tensors and an int)."""
+        self._ready()
         return {
             "count": self._count,
             "mean": self._mean,
@@ -244,7 +257,14 @@ class StreamingMoments:
         moments._fourth_sum = snapshot_field(state, "fourth_sum", field, "optional tensor")
         return moments
 
+    def _ready(self) -> None:
+        """Wait for the copy that brought these sums to the host, if one may be unfinished."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
     def _require_samples(self) -> None:
+        self._ready()
         if self._count == 0:
             raise ValueError("no samples: call update(x) with at least one sample first.")
 
@@ -268,9 +288,14 @@ class StreamingMoments:
         moved = StreamingMoments(self._storage)
         moved._count, moved._eigh_dtype = self._count, self._eigh_dtype
         moved._within, moved._floor = self._within, self._floor
-        moved._mean, moved._scatter = self._mean.to(device), self._scatter.to(device)
-        moved._norm_weighted_sum = self._norm_weighted_sum.to(device)
-        moved._fourth_sum = self._fourth_sum.to(device)
+        # Off a GPU into pinned host memory and back without the host waiting (the stream
+        # orders the copies; `_ready` waits where the host reads them).
+        moved._mean = copy_without_wait(self._mean, device)
+        moved._scatter = copy_without_wait(self._scatter, device)
+        moved._norm_weighted_sum = copy_without_wait(self._norm_weighted_sum, device)
+        moved._fourth_sum = copy_without_wait(self._fourth_sum, device)
+        source = self._mean.device
+        moved._copied = host_copy_done(source) if device.type == "cpu" else None
         return moved
 
     @property

@@ -230,3 +230,35 @@ def test_every_example_is_read_with_the_cap_off_and_all_means_off() -> None:
     for bad in (-1, "some", True):
         with pytest.raises(ConfigError, match="control_tokens"):
             ProtocolConfig(control_tokens=bad)
+
+
+def _evaluation_syncs(protocol: DepthControlProtocol, evaluation: EvaluationSet) -> int:
+    """Synchronisations (the CPU shim's count) of one evaluation of ``evaluation``."""
+    from dcp_lens.protocol.sweep import Sweep
+    from dcp_lens.utils.syncs import counting_syncs
+
+    assert protocol.maps is not None
+    sweep = Sweep(protocol.context, protocol.maps, {})
+    with counting_syncs() as count:
+        sweep.evaluate(evaluation)
+    return count.total
+
+
+def test_an_evaluation_batch_makes_a_handful_of_synchronisations():
+    """Each further evaluation batch (the jackknife's examples among them) adds a few reads of a
+    tensor by the host (three on the CPU shim), not one per k, condition or chunk: one more per
+    k in a loop would add nine. The probe is off: its subsamples read their keys on the host."""
+    from helpers import make_model
+
+    model = make_model(torch.float32, n_iterations=32, d_vocab=64, n_ctx=16)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (80, 12), generator=generator)
+    calibration = EvaluationSet.from_tokens(tokens[48:])
+    protocol = DepthControlProtocol(
+        model, batch_size=8, n_bootstrap=10, probe="none", progress=False, seed=0
+    )
+    protocol.fit(calibration)
+    one = _evaluation_syncs(protocol, EvaluationSet.from_tokens(tokens[:8]))
+    four = _evaluation_syncs(protocol, EvaluationSet.from_tokens(tokens[:32]))
+    per_batch = (four - one) / 3
+    assert per_batch <= 8, per_batch

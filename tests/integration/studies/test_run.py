@@ -96,3 +96,46 @@ def test_a_control_whose_weights_do_not_match_falls_back_to_the_convention() -> 
     assert pairing["min_similarity"] < 0.5
     assert (pairing["prelude"], pairing["core"], pairing["coda"]) == ([0, 1], [2, 3], [4, 5])
     assert layer_pairing("default", "default-dense") is None
+
+
+def test_a_dry_run_at_huginns_shape_without_a_batch_size_fits_an_80_gb_card(
+    monkeypatch, capsys, tmp_path
+) -> None:
+    """`dcp-lens run --dry-run` at Huginn-0125's shape (its layout and width in bfloat16 on the
+    meta device: no weights), 512 + 512 sequences of 1024 tokens, on an empty 80 GB card and no
+    --batch-size: the batch is chosen from the budget and printed, the estimated peak fits the
+    budget, and host memory is printed beside the device's."""
+    import re
+
+    import torch
+
+    import dcp_lens.protocol.budget as budget
+    import dcp_lens.protocol.evaluation_set as evaluation_set
+    import dcp_lens.studies.run as run_module
+    from dcp_lens import EvaluationSet, HookedRecurrentTransformer
+    from dcp_lens.studies.bench import bench_config
+
+    card = 80 * 10**9
+
+    def huginn(spec: str, options: RunOptions) -> HookedRecurrentTransformer:
+        with torch.device("meta"):
+            return HookedRecurrentTransformer(bench_config("huginn")).to(torch.bfloat16).eval()
+
+    def tokens(model, task, n_eval, n_calibration, seed, **text):
+        rows = torch.zeros(1024, 1024, dtype=torch.long)
+        rows[:, 0] = torch.arange(1024)  # distinct examples
+        return EvaluationSet.from_tokens(rows[:512]), EvaluationSet.from_tokens(rows[512:])
+
+    monkeypatch.setattr(run_module, "_load_model", huginn)
+    monkeypatch.setattr(evaluation_set, "task_data", tokens)
+    monkeypatch.setattr(budget, "free_device_bytes", lambda device: card)
+    assert main(["run", "--model", "huginn-shaped", "--dry-run", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    chosen = re.search(r"batch size (\d+): the largest up to (\d+)", printed)
+    assert chosen is not None, printed
+    peak = re.search(r"peak \([a-z ]+\): ([\d.]+) GiB", printed)
+    host = re.search(r"host memory beside it: ([\d.]+) GiB", printed)
+    assert peak is not None and host is not None, printed
+    assert float(peak.group(1)) * 2**30 <= budget.DEFAULT_BUDGET_SHARE * card
+    assert float(host.group(1)) > 0  # the calibration groups parked off the device
+    assert "512 + 512 sequences of 1024 tokens" in printed

@@ -19,6 +19,7 @@ import json, sys, torch
 torch.set_num_threads(1)
 from dcp_lens.utils.memory import limit_heap_fragmentation
 limit_heap_fragmentation()
+import dcp_lens.protocol.dcp as dcp
 from dcp_lens import DepthControlProtocol, EvaluationSet, HookedRecurrentTransformer
 from dcp_lens.studies.bench import bench_config
 
@@ -40,19 +41,51 @@ rows = others[:n_eval] if n_eval == 4 else torch.cat([others[: n_eval - 4], chos
 evaluation = EvaluationSet.from_tokens(pool.tokens[rows])
 calibration = EvaluationSet.from_tokens(pool.tokens[others[-16:]])
 protocol = DepthControlProtocol(
-    model, batch_size=4, n_bootstrap=10, probe="none", progress=False
+    model, batch_size=4, n_bootstrap=10, probe="trajectory", progress=False
 )
 estimate = protocol.estimate(evaluation, calibration)
 protocol.run(evaluation, calibration)  # every module the run imports, loaded before measuring
+
+# The peak above the baseline of each stage: VmHWM reset as a stage starts, read as it ends.
+peaks, current = {}, [None]
+
+def enter(stage):
+    if current[0] is not None:
+        peaks[current[0]] = max(peaks.get(current[0], 0), resident("VmHWM") - baseline)
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")
+    current[0] = stage
+
+def entering(stage, call):
+    def entered(*args, **kwargs):
+        enter(stage)
+        return call(*args, **kwargs)
+    return entered
+
+each = protocol.context.each
+def staged(items, description):
+    yield from each(items, description)
+    if description == "calibration":
+        enter("jackknife fits")
+protocol.context.each = staged
+protocol._fit = entering("calibration", protocol._fit)
+protocol.fit_temperatures = entering("confidence matching", protocol.fit_temperatures)
+dcp.evaluate_with_noise = entering("evaluation", dcp.evaluate_with_noise)
+protocol._probe = entering("probe", protocol._probe)
+protocol._decompose = entering("decomposition", protocol._decompose)
 with open("/proc/self/clear_refs", "w") as file:
     file.write("5")  # the peak (VmHWM) from here
 baseline = resident("VmRSS")
 protocol.run(evaluation, calibration)
+enter(None)
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
 print(json.dumps({
-    "above_baseline": resident("VmHWM") - baseline,
-    "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "above_baseline": max(peaks.values()),
+    "stages_above_baseline": peaks,
+    "weights": weights,
     "estimate": estimate.peak_bytes,
     "stage": estimate.peak_stage,
+    "stage_estimates": {stage: estimate.stage_bytes(stage) for stage in estimate.stages},
 }))
 """
 

@@ -14,6 +14,7 @@ from dcp_lens.protocol.sweep import jackknife_examples
 from dcp_lens.studies.bench import BENCH_CONFIG, bench_config
 from dcp_lens.studies.bench_floor import irreducible_readouts
 from dcp_lens.studies.bench_work import (
+    WORK_STAGES,
     UnitCosts,
     WorkCount,
     count_run,
@@ -79,6 +80,11 @@ def test_a_runs_readouts_per_token_are_the_sweeps_planned_readouts(model) -> Non
     assert refits["unembed"] <= refits["readout"]
     assert 0.0 < counted["forwards_per_token"]["refits"] < 0.1
     assert counted["forwards_per_token"]["evaluation"] > 1.0
+    # Each stage metered: its seconds, and synchronisations per batch of the two batch loops
+    # (two calibration batches, five evaluation batches).
+    assert set(counted["stage_seconds"]) == set(WORK_STAGES)
+    assert set(counted["syncs_per_batch"]) == {"calibration pass", "evaluation"}
+    assert counted["syncs_per_batch"]["evaluation"] == counted["syncs"]["evaluation"] / 5
 
 
 def test_the_estimate_at_huginns_shape_chooses_a_batch_that_fits_80_and_141_gb_cards() -> None:
