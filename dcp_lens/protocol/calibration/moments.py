@@ -341,7 +341,7 @@ class StreamingMoments:
         self._levels = (shrunk.intensity * shrunk.scale, floor, tolerance)
         basis = None if self._within is None else self._within.span(name)
         width = shrunk.covariance.shape[0]
-        if basis is not None and basis.shape[1] <= SUBSPACE_SHARE * width:
+        if basis is not None and 0 < basis.shape[1] <= SUBSPACE_SHARE * width:
             eigen = subspace_eigh(
                 shrunk, self.covariance, basis.to(shrunk.covariance.device), floor, tolerance, name
             )

@@ -511,3 +511,16 @@ def test_a_refit_is_decomposed_on_the_whole_splits_span_where_it_stays_in_it(
             ), (difference, leave_out)
         else:
             assert torch.equal(on_span.linear, plain.linear)
+
+
+def test_a_refit_whose_whole_split_spans_no_direction_is_decomposed_in_full() -> None:
+    """Ledoit-Wolf shrinks isotropic states all the way to a multiple of the identity, so the
+    whole split's span is empty; its refits take the full decomposition, not an empty block."""
+    samples = torch.randn(24, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    within = StreamingMoments.from_samples(samples)
+    assert within.span().shape == (16, 0)  # the case under test
+    refit = StreamingMoments.from_samples(samples[:20]).for_refit(within)
+    alone = StreamingMoments.from_samples(samples[:20])
+    power = refit.shrunk_power(-0.5)
+    assert torch.isfinite(power).all()
+    assert torch.allclose(power, alone.shrunk_power(-0.5), rtol=1e-4, atol=1e-6)
