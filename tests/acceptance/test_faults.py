@@ -171,7 +171,7 @@ def forker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Pope
         )
     yield process
     process.kill()  # between requests: no child of its is left
-    process.wait()
+    process.communicate()
 
 
 def child(
