@@ -288,12 +288,7 @@ def bracket_from_values(
             columns.append(column)
     matrix = np.stack(columns, axis=1) * (1.0 if higher_is_better else -1.0)
     where = read_matrix(read, BRACKET_CONDITIONS, grid, n)
-    if where is None:
-        means = read_means(matrix)
-        draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
-    else:
-        partners = partner_columns(BRACKET_CONDITIONS, grid)
-        means, draws = partnered_estimates(matrix, where, partners, n_bootstrap, seed)
+    means, draws = cell_estimates(matrix, where, BRACKET_CONDITIONS, grid, n_bootstrap, seed)
     n_k = len(grid)
 
     def split(array: np.ndarray) -> dict[str, np.ndarray]:
@@ -348,6 +343,23 @@ def partner_columns(conditions: Sequence[str], grid: Sequence[int]) -> list[list
             named = [1 + conditions.index(partner) * n_k + j] if partner in conditions else []
             partners.append([*named, 0])
     return partners
+
+
+def cell_estimates(
+    matrix: Float[np.ndarray, "n_examples n_cells"],
+    where: Bool[np.ndarray, "n_examples n_cells"] | None,
+    conditions: Sequence[str],
+    grid: Sequence[int],
+    n_bootstrap: int,
+    seed: int,
+) -> tuple[Float[np.ndarray, " n_cells"], Float[np.ndarray, "n_bootstrap n_cells"]]:
+    """Every cell's mean and paired bootstrap draws: plain means where every cell was read on
+    every example (``where`` None, `read_matrix`), else each cell against its partners
+    (`partner_columns`, `partnered_estimates`)."""
+    if where is None:
+        return read_means(matrix), paired_bootstrap_means(matrix, n_bootstrap, seed)
+    partners = partner_columns(conditions, grid)
+    return partnered_estimates(matrix, where, partners, n_bootstrap, seed)
 
 
 # ----------------------------------------------------------------------------- internals

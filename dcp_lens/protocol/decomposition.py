@@ -50,7 +50,7 @@ from dcp_lens.protocol.bracket import (
     Bracket,
     BracketRule,
     bracket,
-    partner_columns,
+    cell_estimates,
     read_matrix,
 )
 from dcp_lens.protocol.conditions import DECOMPOSED
@@ -59,10 +59,7 @@ from dcp_lens.protocol.metrics import LOSS_METRICS
 from dcp_lens.protocol.results import BRACKET_ROW_KEYS, FACTORS, QUANTITIES, Decomposition
 from dcp_lens.protocol.statistics import (
     finite_where_read,
-    paired_bootstrap_means,
-    partnered_estimates,
     percentile_interval,
-    read_means,
 )
 
 QualityVector = Shaped[np.ndarray, "_n_examples"] | Shaped[torch.Tensor, "_n_examples"]
@@ -143,12 +140,7 @@ def decompose(
 
     n_k = len(grid)
     finite = finite_where_read(matrix, where)
-    if where is None:
-        means = read_means(matrix)
-        draws = paired_bootstrap_means(matrix, n_bootstrap, seed)
-    else:
-        partners = partner_columns(conditions, grid)
-        means, draws = partnered_estimates(matrix, where, partners, n_bootstrap, seed)
+    means, draws = cell_estimates(matrix, where, conditions, grid, n_bootstrap, seed)
     if jackknife and n_bootstrap:
         deviations = _jackknife_deviations(matrix, conditions, grid, jackknife, jackknife_rows)
         draws = draws + deviations[np.arange(n_bootstrap) % len(deviations)]
