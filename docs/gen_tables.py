@@ -446,30 +446,35 @@ def memory_table() -> str:
 
 
 def memory_proxy_table() -> str:
-    """Each stage's measured peak above the baseline against its estimate on the CPU proxy of
-    Huginn-0125's shape with the probe on, from ``docs/data/memory_proxy_probe.json``."""
+    """Each stage's tensors alive at its peak against its estimate, on the two CPU proxies of
+    Huginn-0125's shape with the probe on, at one and four evaluation batches, from
+    ``docs/data/memory_proxy_probe.json``."""
     data = _read(DATA / "memory_proxy_probe.json")
     rows = []
-    for n, run in data["runs"].items():
-        own = run["weights"]  # the baseline holds the weights: the estimate less them
-        for stage, measured in run["stages_above_baseline"].items():
-            estimated = run["stage_estimates"].get(stage)
-            if estimated is None:
-                rows.append([n, stage, _num(measured / 2**20, 1), "", ""])
-                continue
-            ratio = (estimated - own) / measured if measured else float("nan")
-            mb = (_num(measured / 2**20, 1), _num((estimated - own) / 2**20, 1))
-            rows.append([n, stage, *mb, _num(ratio, 2)])
-    model = data["model"]
+    for proxy, sizes in data["runs"].items():
+        shape = data["proxies"][proxy]
+        name = f"{proxy} (d {shape['d_model']}, vocabulary {shape['d_vocab']})"
+        for n, run in sizes.items():
+            for stage in data["stages"]:
+                measured = run["measured"][stage]
+                estimated = run["estimates"][stage] - run["weights"]
+                mb = (_num(measured / 2**20, 1), _num(estimated / 2**20, 1))
+                rows.append([name, n, stage, *mb, _num(estimated / measured, 2)])
+    settings = data["settings"]
     note = (
-        f"\n*Generated from `docs/data/memory_proxy_probe.json` ({data['command']}): d_model "
-        f"{model['d_model']}, r = {model['n_iterations']}, vocabulary {model['d_vocab']}, "
-        f"sequences of {model['seq']} tokens, batches of {data['settings']['batch_size']}, the "
-        f"{data['settings']['probe']} probe. Measured: the peak resident size above the "
-        "baseline while the stage ran; estimated: the stage's estimate less the weights.*\n"
+        f"\n*Generated from `docs/data/memory_proxy_probe.json` ({data['command']}): r = "
+        f"{settings['n_iterations']}, sequences of {settings['seq']} tokens, batches of "
+        f"{settings['batch_size']}, the {settings['probe']} probe with {settings['probe_points']} "
+        "points a subsample, the last evaluation batch made of the jackknife's examples. "
+        f"Measured: {data['measure']}; estimated: the stage's estimate less the weights.*\n"
     )
-    head = ["evaluation sequences", "stage", "measured, MB", "estimated, MB", "estimate / measured"]
-    return _table(head, rows) + note
+    return (
+        _table(
+            ["proxy", "evaluation sequences", "stage", "measured, MiB", "estimated, MiB", "ratio"],
+            rows,
+        )
+        + note
+    )
 
 
 def work_table() -> str:

@@ -14,7 +14,6 @@ would reuse; on the CPU, the memory the system reports available.
 
 from __future__ import annotations
 
-import math
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from dcp_lens.protocol.conditions import EXACT_POSITIONS
+from dcp_lens.protocol.conditions import position_bucket
+from dcp_lens.protocol.gate import READOUT_ELEMENTS
 from dcp_lens.utils.errors import ResourceLimitError
 from dcp_lens.utils.memory import available_memory_bytes, fixed_threshold, release_keep
 
@@ -48,6 +48,8 @@ MAX_ACCELERATOR_ROWS = 4096
 # for wide states (about 1 MB of float32 rows a buffer), at least 64 (an update's own d x d work
 # is then small beside its product).
 GROUP_BUFFER_ROWS = 4096
+# The paired translators are fitted on at most this many leading calibration positions.
+TRANSLATOR_POINTS = 2048
 GROUP_BUFFER_ELEMENTS = 2**18
 
 
@@ -63,18 +65,39 @@ def moment_bytes(
     resident: int,
     batch_positions: int,
     full: bool = True,
+    element_bytes: int = 4,
+    totals: bool = True,
 ) -> int:
-    """Bytes the fit stage's moments hold on the device, per stream: each of the ``resident``
+    """Bytes the fit stage's moments hold on the device: per stream, each of the ``resident``
     groups' scatter and vectors at the dtype it is stored in (float32 where the jackknife's
-    ``n_groups`` >= 2 split the moments, float64 for one group), its waiting float32 rows (the
-    buffer, `group_buffer_rows`, or one batch's ``batch_positions`` where fewer), and the whole
-    split's float64 moments they merge into. ``full``: d x d scatters (else d-vectors). The one
-    model of the moments: the check before the pass and `estimate_run_memory` both use it."""
+    ``n_groups`` >= 2 split the moments, float64 for one group) and its waiting rows at the
+    states' ``element_bytes`` (a group folds its buffer in once it holds `group_buffer_rows`,
+    so fewer than that wait between batches); with ``totals``, the whole split's float64
+    moments the groups merge into after the pass. One update's transient (a batch's rows of one
+    group in float64, centred) comes on top: `moment_update_bytes`. ``full``: d x d scatters
+    (else d-vectors). The one model of the moments: the check before the pass and
+    `estimate_run_memory` both use it (``batch_positions`` is kept for the check's callers)."""
+    del batch_positions  # the waiting rows are bounded by the buffer, whatever the batch
     square = width * width if full else width
     stored = 4 if n_groups >= 2 else 8
-    waiting = min(group_buffer_rows(width), max(1, batch_positions))
-    group = stored * (square + 3 * width) + 4 * waiting * width
-    return n_streams * (max(1, resident) * group + 8 * (square + 3 * width))
+    waiting = group_buffer_rows(width)
+    group = stored * (square + 3 * width) + element_bytes * waiting * width
+    whole = 8 * (square + 3 * width) if totals else 0
+    return n_streams * (max(1, resident) * group + whole)
+
+
+def moment_update_bytes(batch_positions: int, width: int, element_bytes: int) -> int:
+    """One moments update's transient: a group's rows of a batch (at most the batch's, plus
+    the buffer) joined, in float64 and centred."""
+    rows = batch_positions + group_buffer_rows(width)
+    return rows * width * (element_bytes + 16)
+
+
+def base_rate_bytes(seq_len: int, d_vocab: int) -> int:
+    """The base rate's float64 table of summed distributions, one row per position bucket
+    (`dcp_lens.protocol.conditions.position_bucket`)."""
+    buckets = int(position_bucket(torch.arange(max(1, seq_len))).max()) + 1
+    return buckets * d_vocab * 8
 
 
 def pinned_bytes(size: int) -> int:
@@ -290,6 +313,13 @@ def estimate_run_memory(
     full = calibration_mode == "full"
     square = d * d if full else d
     n_inverses, n_translators = (n_streams - 1) // 2, n_streams - 1
+    n_k = (n_streams - 1) // 2 + 1
+    # The translators' positions: whole leading calibration sequences, at most
+    # `TRANSLATOR_POINTS` positions (one sequence where a sequence is longer).
+    fitted_positions = max(seq_len, TRANSLATOR_POINTS // max(1, seq_len) * seq_len)
+    # Confidence matching's positions (a few hundred, fewer for wide vocabularies:
+    # `dcp_lens.protocol.confidence.ConfidenceMatching.budget`).
+    matched_positions = max(64, min(256, (1 << 18) // max(1, vocab)))
     terms = {
         "weights": shape.n_parameters * es,
         "batch_states": (shape.n_iterations + 1) * positions * d * es,
@@ -297,26 +327,66 @@ def estimate_run_memory(
         "forward_activations": positions * (3 * shape.d_mlp + 8 * d) * es,
         "full_logits": positions * vocab * es,
         # Per stream: a float32 scatter per group on the device (one, on an accelerator: the
-        # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`), the float64
-        # whole they merge into, and the groups' waiting rows.
-        "moments": moment_bytes(n_streams, groups, d, on_device, positions, full),
-        # The jackknife's refits: full depth's left-out moments, eigenvectors and root per group.
-        "jackknife_refits": groups * 3 * square * 8,
-        "base_rate_sums": 16 * vocab * 8,
-        # The whole split's maps in float64 with their float32 copies (the shift's inverses
-        # included) and the translators' float32 copies on the device.
-        "maps": (n_streams + n_inverses) * square * 12 + n_translators * d * d * 4,
-        # Each refit held as a float16 difference (`dcp_lens.protocol.jackknife`).
-        "jackknife_maps": groups * ((n_streams + n_inverses) * square + n_translators * d * d) * 2,
+        # others wait on the host, `dcp_lens.protocol.fit_records.moments_host`) with its
+        # waiting rows; one update's float64 rows on top.
+        "moments": moment_bytes(n_streams, groups, d, on_device, positions, full, es, False),
+        # Every stream's waiting rows: fewer than a buffer per resident group between them,
+        # and one batch's on top in the stream being folded.
+        "moment_buffers": (n_streams * max(1, on_device) * group_buffer_rows(d) + positions)
+        * d
+        * es,
+        "moment_update": moment_update_bytes(positions, d, es),
+        # The whole split's float64 moments per stream, merged from the groups after the pass,
+        # and the calibration null's two halves (even and odd examples) held through it.
+        "moment_totals": n_streams * 8 * (square + 3 * d),
+        "null_halves": 2 * 8 * (square + 3 * d),
+        # The jackknife's refits: full depth's left-out moments per group with their
+        # eigendecomposition and two powers kept (every stream's refit of the group reads them),
+        # and one refit's own moments, decomposition and map being formed.
+        "jackknife_refits": (groups * 5 + 4) * square * 8 if groups else 0,
+        # The base rate's table, and one batch's part of it with full depth's logits of one
+        # chunk, their probabilities and the per-position sums (float32, then float64).
+        "base_rate_sums": base_rate_bytes(seq_len, vocab),
+        # The whole split's maps in float64 with their float32 copies (the shift's inverses and
+        # the calibration null included), the translators' float32 weights with the copy each
+        # keeps to read with, and the base rate's table.
+        "maps": (n_streams + n_inverses + 1) * square * 12
+        + n_translators * d * d * 8
+        + base_rate_bytes(seq_len, vocab),
+        # Each refit held as a float16 difference (`dcp_lens.protocol.jackknife`): the maps'
+        # and the translators' (fitted first, so held through the maps' refits).
+        "jackknife_maps": groups * (n_streams + n_inverses) * square * 2,
+        "jackknife_translators": groups * n_translators * d * d * 2,
+        # What the pass keeps for later stages: the translators' leading positions (every
+        # state s_0..s_r) and confidence matching's (their states and full depth's logits).
+        "translator_states": (shape.n_iterations + 1) * fitted_positions * d * es,
+        "confidence_stash": matched_positions * ((shape.n_iterations + 1) * d + vocab) * es,
     }
+    # The waiting rows are folded in as the pass ends: only the scatters stay.
+    terms["moments"] -= terms["moment_buffers"] - positions * d * es
     # The refits go one stream at a time, each stream's group moments released once its refits
     # are held: moments and refits never peak together.
-    held = max(terms["moments"], terms["jackknife_maps"])
-    terms["jackknife_fits_held"] = held + (terms["moments"] + terms["jackknife_maps"]) // n_streams
+    pass_moments = terms["moments"] + terms["moment_totals"]
+    held = max(pass_moments, terms["jackknife_maps"])
+    terms["jackknife_fits_held"] = (
+        held
+        + (pass_moments + terms["jackknife_maps"]) // n_streams
+        + terms["jackknife_translators"]
+    )
+    terms["translator_fit"] = translator_fit_bytes(
+        d, vocab, es, fitted_positions, groups, n_translators
+    )
     if readout_rows is None:
         fixed = sum(
             terms[name]
-            for name in ("weights", "batch_states", "full_logits", "maps", "jackknife_maps")
+            for name in (
+                "weights",
+                "batch_states",
+                "full_logits",
+                "maps",
+                "jackknife_maps",
+                "jackknife_translators",
+            )
         )
         per_row = vocab * (conditions_per_k * es + 4 * (SCORING_COPIES + REFERENCE_COPIES))
         room = (budget - fixed) if budget is not None else 0
@@ -325,19 +395,30 @@ def estimate_run_memory(
         readout_rows = max(1, readout_rows)
     plan = ReadoutPlan.of(max(1, readout_rows), batch_size, seq_len)
     chunk_rows = plan.examples * seq_len  # one condition's rows in a chunk
-    # A k's readouts of a chunk are held together (a jackknife call holds no more), and one of
-    # them is being scored.
-    held_rows = conditions_per_k * chunk_rows
+    terms["base_rate_reads"] = (
+        chunk_rows * vocab * (es + 4)
+        + chunk_rows * (3 * shape.d_mlp + 8 * d) * es
+        + seq_len * vocab * 12
+        + 2 * terms["base_rate_sums"]
+    )
+    # A k's readouts of a chunk are held together; the jackknife's calls fill the plan's rows
+    # (every left-out group's conditions of the chunk's chosen examples at once). One readout
+    # is being scored.
+    held_rows = max(conditions_per_k * chunk_rows, plan.rows if groups else 0)
     terms["readouts"] = vocab * (held_rows * es + SCORING_COPIES * chunk_rows * 4)
-    terms["reference"] = REFERENCE_COPIES * plan.examples * seq_len * vocab * 4
+    # A readout call's own work: its inputs (each condition's mapped state, then joined) and
+    # the coda's activations over the call's rows.
+    call_rows = min(held_rows, plan.rows)
+    per_row = 2 * d + 3 * shape.d_mlp + 8 * d
+    terms["readout_work"] = call_rows * per_row * es
+    terms["reference"] = REFERENCE_COPIES * chunk_rows * vocab * 4
+    # The jackknife's chosen examples of a chunk: their logits and full depth's side again.
+    terms["jackknife_chunk"] = chunk_rows * vocab * (es + 4 * REFERENCE_COPIES) if groups else 0
+    # Confidence matching keeps every matched cell's logits over its positions.
+    terms["confidence_kept"] = matched_per_k * n_k * matched_positions * vocab * 4
+    terms["confidence_reads"] = matched_per_k * matched_positions * vocab * (es + 4)
     # On the CPU, glibc keeps up to this much freed heap between batches (it is reused, but it
     # is resident); an accelerator's caching allocator reuses within the budget.
-    # Confidence matching keeps every matched cell's logits over its positions (a few hundred,
-    # fewer for wide vocabularies: `dcp_lens.protocol.confidence.ConfidenceMatching.budget`).
-    matched_positions = max(64, min(256, (1 << 18) // max(1, vocab)))
-    n_k = (n_streams - 1) // 2 + 1
-    terms["confidence_kept"] = matched_per_k * n_k * matched_positions * vocab * 4
-    terms["confidence_reads"] = conditions_per_k * matched_positions * vocab * (es + 4)
     kept = 0 if fixed_threshold() else release_keep()  # a fixed threshold maps every tensor
     terms["allocator_kept"] = kept if device_type == "cpu" else 0
     # The probe's reference (full depth's states, with their keys) is kept from the calibration
@@ -351,32 +432,55 @@ def estimate_run_memory(
     terms["probe_samples"] = (
         n_subsamples * probe_points * row + 2 * probe_points * d * es if probe else 0
     )
-    terms["probe_fit"] = 4 * probe_points * d * 8 + 3 * d * d * 8 if probe else 0
+    # The probe's fit: the reference's covariance, its shrinkage's temporaries, the
+    # eigendecomposition and whitening power (d x d, float64), the whitened samples.
+    terms["probe_fit"] = 4 * probe_points * d * 8 + 8 * d * d * 8 if probe else 0
+    kept_by_the_pass = ("translator_states", "confidence_stash", "probe_reference")
     stages = {
         "calibration": (
             "weights",
             "batch_states",
             "forward_activations",
             "moments",
+            "moment_buffers",
+            "moment_update",
+            "null_halves",
             "base_rate_sums",
-            "readouts",
-            "probe_reference",
+            "base_rate_reads",
+            *kept_by_the_pass,
             "allocator_kept",
+        ),
+        # The translators are fitted first, on every moment of the pass (the whole split's
+        # merged beside the groups') and their leading positions joined.
+        "translator fits": (
+            "weights",
+            "moments",
+            "moment_totals",
+            "null_halves",
+            "base_rate_sums",
+            *kept_by_the_pass,
+            "translator_states",
+            "translator_fit",
         ),
         "jackknife fits": (
             "weights",
             "jackknife_fits_held",
             "jackknife_refits",
+            "null_halves",
+            "base_rate_sums",
             "maps",
-            "probe_reference",
+            *kept_by_the_pass,
         ),
         "confidence matching": (
             "weights",
             "batch_states",
             "forward_activations",
+            "confidence_stash",
             "confidence_reads",
             "confidence_kept",
             "maps",
+            "jackknife_maps",
+            "jackknife_translators",
             "probe_reference",
             "allocator_kept",
         ),
@@ -386,9 +490,12 @@ def estimate_run_memory(
             "forward_activations",
             "full_logits",
             "readouts",
+            "readout_work",
             "reference",
+            "jackknife_chunk",
             "maps",
             "jackknife_maps",
+            "jackknife_translators",
             "probe_reference",
             "probe_samples",
             "allocator_kept",
@@ -399,6 +506,7 @@ def estimate_run_memory(
             "weights",
             "maps",
             "jackknife_maps",
+            "jackknife_translators",
             "probe_reference",
             "probe_samples",
             "probe_fit",
@@ -421,6 +529,32 @@ def estimate_run_memory(
     return estimate
 
 
+def translator_fit_bytes(
+    width: int,
+    d_vocab: int,
+    element_bytes: int,
+    positions: int,
+    groups: int,
+    n_translators: int,
+) -> int:
+    """The translators' fit at its peak (`dcp_lens.protocol.fit.fit_translators`): the larger
+    of the gate's readout geometry (a block of unit directions read out twice, a central
+    difference, in float64: `dcp_lens.protocol.gate.ReadoutGeometry`), its ridge path (float64
+    copies of the ``positions`` states, their rotation and the d x d eigendecomposition) and the
+    per-group normal equations of the jackknife's refits; beside it, the translators fitted so
+    far with their refits (float32, the refits as float16 differences)."""
+    block = min(width, max(1, READOUT_ELEMENTS // max(1, d_vocab)))
+    # Two readouts of the block, in float64, and their difference.
+    geometry = block * d_vocab * (2 * element_bytes + 24) + 2 * width * min(width, d_vocab) * 8
+    read = min(width, d_vocab)
+    path = 8 * (3 * positions * width + 2 * positions * read + 3 * width * width)
+    side = width + 1
+    solves = 8 * ((2 * groups + 4) * side * side + 2 * positions * side)
+    held = n_translators * width * width * (8 + 2 * groups)
+    # The geometry is formed once, before any translator is fitted.
+    return max(geometry, max(path, solves) + held)
+
+
 def calibration_snapshot_bytes(
     n_streams: int,
     calibration_groups: int,
@@ -440,12 +574,7 @@ def calibration_snapshot_bytes(
     stored = 4 if groups >= 2 else 8
     moments = n_streams * groups * stored * (square + 3 * width)
     halves = 2 * 8 * (square + 3 * width)
-    buckets = (
-        seq_len
-        if seq_len <= EXACT_POSITIONS
-        else (EXACT_POSITIONS + 4 * math.ceil(math.log2(seq_len / EXACT_POSITIONS)) + 1)
-    )
-    return moments + halves + 16 * buckets * d_vocab + probe_reference
+    return moments + halves + base_rate_bytes(seq_len, d_vocab) + probe_reference
 
 
 def estimate_with(

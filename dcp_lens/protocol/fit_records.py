@@ -17,6 +17,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from dcp_lens.protocol.budget import (
+    TRANSLATOR_POINTS,
     ReadoutPlan,
     group_buffer_rows,
     moment_bytes,
@@ -41,7 +42,6 @@ from dcp_lens.utils.snapshots import SnapshotFieldError, snapshot_field, snapsho
 
 # The paired translators of the S bracket's upper end are fitted on at most this many
 # calibration positions (the leading sequences of the calibration split, `translator_rows`).
-TRANSLATOR_POINTS = 2048
 
 _Item = TypeVar("_Item")
 
@@ -100,10 +100,11 @@ class GroupMoments:
     def add(
         self, state: Float[Tensor, "n d"], present: list[tuple[int, Bool[Tensor, " n"]]], rows: int
     ) -> bool:
-        """Buffer ``state``'s rows of each group present, folding a group's buffer into its
-        moments once it holds ``rows``; returns whether ``state`` was finite (else drops).
-        With a host, the group with most of the rows becomes the resident one first, and the
-        other groups' rows are parked on the host."""
+        """Buffer ``state``'s rows of each group present, folding every resident group's buffer
+        into its moments once they hold ``rows`` per resident group between them (so the rows
+        waiting are bounded by that, whatever the groups' shares of the batches); returns whether
+        ``state`` was finite (else drops). With a host, the group with most of the rows becomes
+        the resident one first, and the other groups' rows are parked on the host."""
         if self.groups is None:
             return False
         if not all_finite(state):
@@ -119,9 +120,10 @@ class GroupMoments:
                 self.parked[g].append(copy_without_wait(state[rows_of_group], self.host))
                 continue
             self.pending[g].append(state[rows_of_group])
-            if sum(len(x) for x in self.pending[g]) >= rows:
-                self.groups[g].update(torch.cat(self.pending[g]))
-                self.pending[g] = []
+        resident = 1 if self.host is not None else len(self.pending)
+        if sum(len(x) for waiting in self.pending for x in waiting) >= rows * resident:
+            for g in range(len(self.pending)):
+                self._fold_pending(g)
         return True
 
     def _make_resident(self, group: int) -> None:
@@ -386,6 +388,7 @@ class CalibrationAccumulator:
                 context.budget(),
                 context.device(),
                 full,
+                states.element_size(),
             )
         keep = context.pooled_positions(calibration, rows)
         pooled = states[:, keep]  # [r + 1, n_tokens, d]
@@ -615,16 +618,19 @@ def check_moment_memory(
     budget: int | None,
     device: torch.device,
     full: bool = True,
+    element_bytes: int = 4,
 ) -> None:
     """Refuse, before the calibration pass, a fit whose moments
     (`dcp_lens.protocol.budget.moment_bytes`: ``resident`` of ``n_groups`` groups on
-    ``device``, batches of ``batch_positions`` positions) would alone take more than the run's
+    ``device``, their waiting rows at ``element_bytes``) would alone take more than the run's
     ``budget`` (bytes, `RunContext.budget`: read once when the run starts; None where the
     device does not say), with what to change. The whole estimate is checked against the
     same budget before any batch (`DepthControlProtocol`); this names the moments' share."""
-    needed = moment_bytes(n_streams, n_groups, width, resident, batch_positions, full)
+    needed = moment_bytes(
+        n_streams, n_groups, width, resident, batch_positions, full, element_bytes
+    )
     if budget and needed > budget:
-        single = moment_bytes(n_streams, 1, width, 1, batch_positions, full)
+        single = moment_bytes(n_streams, 1, width, 1, batch_positions, full, element_bytes)
         raise ResourceLimitError(
             f"the calibration fit would hold {needed / 2**30:.1f} GiB of moments ({n_streams} "
             f"conditions x {resident} of {n_groups} calibration groups on the device, "

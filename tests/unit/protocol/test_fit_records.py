@@ -73,6 +73,33 @@ def test_parked_groups_hold_the_moments_of_groups_filled_together() -> None:
     assert torch.allclose(whole.covariance, reference.covariance, atol=1e-10)
 
 
+def test_the_rows_waiting_stay_within_a_buffer_per_group_whatever_the_groups_shares() -> None:
+    """The waiting rows are folded in once they hold a buffer per group between them: with one
+    group getting most of each batch and the others a few rows, they never exceed that and a
+    batch, so the memory estimate's bound holds; the moments are those of every row at once."""
+    generator = torch.Generator().manual_seed(3)
+    n_groups, buffer, batch, d = 4, 16, 24, 3
+    moments = GroupMoments(n_groups, torch.float64)
+    seen = []
+    for _ in range(30):
+        rows = torch.randn(batch, d, generator=generator, dtype=torch.float64)
+        # Group 0 takes 21 of every 24 rows, the others one each.
+        group = torch.tensor([0] * 21 + [1, 2, 3])
+        present = [(g, group == g) for g in range(n_groups)]
+        assert moments.add(rows, present, rows=buffer)
+        waiting = sum(len(x) for pending in moments.pending for x in pending)
+        assert waiting < n_groups * buffer + batch
+        seen.append(rows)
+        if len(seen) == 4:
+            # Folded per stream: the groups with a few rows went in with the others, rather
+            # than waiting for a buffer of their own (16 batches here).
+            assert all(m.count > 0 for m in moments.groups or [])
+    moments.flush()
+    whole, reference = moments.total(), StreamingMoments.from_samples(torch.cat(seen))
+    assert whole is not None and whole.count == reference.count == 30 * batch
+    assert torch.allclose(whole.covariance, reference.covariance, atol=1e-10)
+
+
 def test_group_major_keeps_the_leading_batches_and_orders_the_rest_by_group() -> None:
     from dcp_lens.protocol.evaluation_set import EvaluationSet
     from dcp_lens.protocol.fit_records import group_major

@@ -221,11 +221,13 @@ def test_a_fit_whose_moments_would_not_fit_is_refused_before_it_starts() -> None
 
 
 def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> None:
-    """One memory model: the estimate's moments term is what the check before the pass sizes,
-    each group's scatter at the float32 it is stored in, beside the float64 whole."""
+    """One memory model: what the check before the pass sizes (each group's scatter at the
+    float32 it is stored in, its waiting rows, the float64 whole) is the estimate's moments,
+    their buffers less the batch being folded, and the whole split's moments."""
     from dcp_lens.protocol.budget import ModelShape, estimate_run_memory, moment_bytes
 
     shape = ModelShape(5280, 65536, 17920, 32, 3_564_976_800, 2, 55)
+    positions = 4 * 1024
     for groups, device_type, resident in ((10, "cuda", 1), (10, "cpu", 10), (0, "cuda", 1)):
         estimate = estimate_run_memory(
             shape,
@@ -236,12 +238,16 @@ def test_the_check_before_the_pass_and_the_estimate_size_the_moments_alike() -> 
             readout_rows=4096,
             device_type=device_type,
         )
-        assert estimate.terms["moments"] == moment_bytes(17, groups, 5280, resident, 4096)
+        terms = estimate.terms
+        held = terms["moments"] + terms["moment_buffers"] + terms["moment_totals"]
+        batch = positions * 5280 * 2
+        assert held - batch == moment_bytes(17, groups, 5280, resident, positions, True, 2)
     scatter = 4 * 5280**2
     whole = 8 * (5280**2 + 3 * 5280)
     assert moment_bytes(1, 10, 5280, 1, 4096) == scatter + 4 * 3 * 5280 + 4 * 64 * 5280 + whole
-    # Narrow states wait in a longer buffer, but never more than a batch's positions.
-    assert moment_bytes(1, 10, 256, 1, 128) - moment_bytes(1, 10, 256, 1, 1) == 4 * 127 * 256
+    # Narrow states wait in a longer buffer, whatever the batch's positions.
+    assert moment_bytes(1, 10, 256, 1, 128) == moment_bytes(1, 10, 256, 1, 1)
+    assert moment_bytes(1, 10, 256, 1, 1, totals=False) - 4 * (256**2 + 3 * 256) == 4 * 1024 * 256
 
 
 def test_a_left_out_refit_held_as_a_float16_difference_applies_as_the_refit() -> None:
