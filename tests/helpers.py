@@ -409,3 +409,17 @@ def measure_load(spec: str, module: str, forward: int = 0, timeout: int = 1800) 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def out_of_memory_from(call: Callable[..., Any], nth: int) -> Callable[..., Any]:
+    """``call``, raising `torch.OutOfMemoryError` from its ``nth`` call on (a device that
+    runs out part way through a stage)."""
+    calls: list[int] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) >= nth:
+            raise torch.OutOfMemoryError("simulated: out of memory")
+        return call(*args, **kwargs)
+
+    return failing

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import lm_sets, make_model, numbers_close, result_numbers
+from helpers import lm_sets, make_model, numbers_close, out_of_memory_from, result_numbers
 
 import dcp_lens.protocol.sweep as sweep_module
 from dcp_lens import DepthControlProtocol
@@ -83,15 +83,7 @@ def test_running_out_of_memory_redoes_the_batch_in_smaller_chunks(setup) -> None
 
 def test_a_batch_that_never_fits_stops_and_resume_finishes_it(setup, tmp_path) -> None:
     model, evaluation, calibration, reference = setup
-    original = sweep_module.capture_all
-    calls: list[int] = []
-
-    def fails_at_the_third_batch(context, tokens):
-        calls.append(1)
-        if len(calls) >= 3:
-            raise torch.OutOfMemoryError("simulated: out of memory")
-        return original(context, tokens)
-
+    fails_at_the_third_batch = out_of_memory_from(sweep_module.capture_all, 3)
     checkpoint = Checkpoint(tmp_path / "snapshots", every=16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_module, "capture_all", fails_at_the_third_batch)

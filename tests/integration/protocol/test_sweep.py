@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import lm_sets, make_model, numbers_close, result_numbers
+from helpers import lm_sets, make_model, numbers_close, out_of_memory_from, result_numbers
 
 import dcp_lens.protocol.sweep as sweep_module
 from dcp_lens.protocol.budget import OutOfMemoryStop
@@ -201,15 +201,7 @@ def test_resume_mid_evaluation_with_the_cap_gives_the_uninterrupted_numbers(
 ) -> None:
     model, evaluation, calibration = capped
     reference = result_numbers(DepthControlProtocol(model, **CAPPED).run(evaluation, calibration))
-    original = sweep_module.capture_all
-    calls: list[int] = []
-
-    def fails_at_the_third_batch(context, tokens):
-        calls.append(1)
-        if len(calls) >= 3:
-            raise torch.OutOfMemoryError("simulated: out of memory")
-        return original(context, tokens)
-
+    fails_at_the_third_batch = out_of_memory_from(sweep_module.capture_all, 3)
     checkpoint = Checkpoint(tmp_path / "snapshots", every=16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sweep_module, "capture_all", fails_at_the_third_batch)
