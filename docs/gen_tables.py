@@ -392,6 +392,7 @@ def coverage_table(width: int | None = None) -> str:
         )
     table = document["coverage"]
     at_width = "" if width is None else f" --width {width}"
+    first_seed = "" if table["seeds"][0] == 0 else f" --seed {table['seeds'][0]}"
     metrics = list(next(iter(table["models"].values())))
     validated = set(table["validated_metrics"])
     head = ["mixture", "quantity"] + [
@@ -413,7 +414,7 @@ def coverage_table(width: int | None = None) -> str:
     settings = document["settings"]
     note = (
         f"\n*Generated from `docs/data/{stem}.json` (`dcp-lens validate --coverage "
-        f"{table['replicates']} --probe none{at_width}`: "
+        f"{table['replicates']}{first_seed} --probe none{at_width}`: "
         f"seeds {table['seeds'][0]}-{table['seeds'][-1]}, "
         f"{settings['n_eval']} + {settings['n_calibration']} sequences, "
         f"{settings['n_bootstrap']} draws, {settings['config']['calibration_groups']} calibration "
