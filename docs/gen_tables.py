@@ -505,6 +505,37 @@ def work_table() -> str:
     return _table(["stage", "forwards per token", "readouts per token", "target"], rows) + note
 
 
+def floor_table() -> str:
+    """docs/floor_evidence.py's measurements: per seed and width, full depth's nearest tie on
+    the block-count positions, and per eigenvalue floor the map's largest logit leak there and
+    the (position, k) pairs whose top-1 it changed."""
+    document = _read(DATA / "calibration_floor.json")
+    floors = document["floors"]
+    head = ["seed", "width", "nearest tie", "floor as fitted"] + [
+        f"{floor}: leak / top-1 changed" for floor in floors
+    ]
+    rows = []
+    for row in document["rows"]:
+        cells = [
+            f"{row['floors'][floor]['largest_leak']:.4f} / {row['floors'][floor]['top1_changed']}"
+            for floor in floors
+        ]
+        width = f"{row['width']}" + (" (built)" if row["width"] == row["built_width"] else "")
+        rows.append(
+            [str(row["seed"]), width, f"{row['min_margin']:.3f}", f"{row['floor_as_fitted']:.1e}"]
+            + cells
+        )
+    note = (
+        f"\n*Generated from `docs/data/calibration_floor.json` (`python docs/floor_evidence.py`: "
+        f"`{document['model']}`, {document['n_eval']} + {document['n_calibration']} sequences, "
+        "calibrate(replay(k)) fitted on every position for each k < r). Nearest tie: full "
+        "depth's smallest top-two logit margin on the block-count positions. Leak: the largest "
+        "change of a logit there relative to the position's mean change, over k; top-1 "
+        "changed: (position, k) pairs where the map changes full depth's top-1.*\n"
+    )
+    return _table(head, rows) + note
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "memory-huginn": memory_table,
     "memory-proxy": memory_proxy_table,
@@ -516,6 +547,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "accuracy-default": lambda: _accuracy_table("default"),
     "bench": bench_table,
     "coverage": coverage_table,
+    "calibration-floor": floor_table,
 }
 
 

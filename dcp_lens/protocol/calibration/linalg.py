@@ -78,19 +78,27 @@ FLOAT32_CONDITION = 1e-3
 
 def rounding_floor(matrix: Float[Tensor, "d d"]) -> float:
     """What rounding cannot tell from zero in the eigenvalues of a symmetric ``[d, d]`` matrix
-    of summed moments: ``eps * sqrt(d) * |matrix|_F``, ``eps`` the larger of float32's (the
-    jackknife's calibration groups sum their scatter in float32) and ``2 sqrt(d)`` times
-    float64's (at least twice what `symmetric_eigh` refuses as singular).
+    of summed moments: ``eps * |matrix|_F``, ``eps`` the larger of float32's (the jackknife's
+    calibration groups sum their scatter in float32; rounding each entry moves every eigenvalue
+    by at most about this, Weyl's bound) and ``2 d`` times float64's (at least twice what
+    `symmetric_eigh` refuses as singular).
 
     A covariance of states that span fewer directions than the stream has (a planted mechanism
     embedded in a wider stream, a real stream's unused directions) has eigenvalues at zero that
     come out as rounding, below zero included, and the Ledoit-Wolf shrinkage of many samples is
     too small to lift them. The whole split's maps and every jackknife refit must lift them to
     one floor: a refit whose unused eigenvalues differ from the whole's changes its map there by
-    their ratio, which the jackknife would read as calibration variance."""
+    their ratio, which the jackknife would read as calibration variance.
+
+    The floor must stay below the small real eigenvalues of the directions the states do vary
+    in, which the readout may read strongly: it clamps them too, and the map, fitted between two
+    streams whose small eigenvalues differ, then moves what it should leave. So it carries no
+    factor of the width: with one of ``sqrt(d)``, a planted near tie embedded at width 1024
+    changed its top-1 under a map that should leave it (docs/validation.md, coverage at width
+    2048)."""
     width = matrix.shape[0]
-    eps = max(torch.finfo(torch.float32).eps, 2 * width**0.5 * torch.finfo(torch.float64).eps)
-    return eps * width**0.5 * float(torch.linalg.matrix_norm(matrix))
+    eps = max(torch.finfo(torch.float32).eps, 2 * width * torch.finfo(torch.float64).eps)
+    return eps * float(torch.linalg.matrix_norm(matrix))
 
 
 def storage_rounding(matrix: Float[Tensor, "d d"], storage: torch.dtype) -> float:
