@@ -4,13 +4,13 @@ On `mixture_shift_blocks` (planted S + B), replay reproduces full depth on the b
 positions, so calibrate(replay(k)) should read out there as full depth does: whatever it
 changes is the map's, and a change of full depth's top-1 books a gap to D that the truth gives
 to no factor. The map is fitted on every position of the calibration split (the shifted ones
-included), as the protocol fits it, for each k of the grid, with three eigenvalue floors
-(`dcp_lens.protocol.calibration.linalg`):
+included), as the protocol fits it, for each k of the grid, with three eigenvalue floors (the
+protocol lifts the shrunk covariance C's eigenvalues to `rounding_floor`):
 
-- ``as fitted``: `AffineCalibration.fit` as the protocol calls it, floor `rounding_floor`
-  (float32's eps times sqrt(d) times the covariance's Frobenius norm);
-- ``storage``: the floor without the sqrt(d) factor (`storage_rounding` in float32);
-- ``float64``: float64's eps in place of float32's (still above what `symmetric_eigh` refuses).
+- ``sqrt(d) eps32``: float32's eps times sqrt(d) times |C|_F, the floor before it lost its
+  factor of the width;
+- ``eps32``: float32's eps times |C|_F, `rounding_floor` now;
+- ``float64``: 2 d times float64's eps times |C|_F (still above what `symmetric_eigh` refuses).
 
 Per seed and width (each model embedded with `embed` at that width and seed), over the k below
 r: the largest change of a logit relative to the position's mean change (logit units; full
@@ -19,7 +19,7 @@ pairs change full depth's top-1. The seeds are the ones whose block-count positi
 nearest ties at full depth, and one without.
 
 Run: ``OMP_NUM_THREADS=1 python docs/floor_evidence.py [--out docs/data/calibration_floor.json]``
-(about five minutes on one thread).
+(about ten minutes on one thread).
 """
 
 from __future__ import annotations
@@ -32,13 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dcp_lens.protocol.calibration.affine import AffineCalibration
-from dcp_lens.protocol.calibration.linalg import (
-    ledoit_wolf_shrinkage,
-    power_of,
-    rounding_floor,
-    symmetric_eigh,
-)
+from dcp_lens.protocol.calibration.linalg import ledoit_wolf_shrinkage, power_of, symmetric_eigh
 from dcp_lens.protocol.calibration.moments import StreamingMoments
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.zoo import planted
@@ -47,22 +41,20 @@ from dcp_lens.zoo.planted.embedding import embed
 MODEL = "mixture_shift_blocks"
 SEEDS = (3, 23, 9, 1)
 WIDTHS = (None, 256, 1024, 2048)
-FLOORS = ("as fitted", "storage", "float64")
+FLOORS = ("sqrt(d) eps32", "eps32", "float64")
 
 
 def _floor(covariance: torch.Tensor, kind: str) -> float:
-    width = covariance.shape[0]
-    if kind == "storage":
-        return rounding_floor(covariance) / math.sqrt(width)
-    norm = float(torch.linalg.matrix_norm(covariance))
-    return 2.0 * width * torch.finfo(torch.float64).eps * norm
+    width, norm = covariance.shape[0], float(torch.linalg.matrix_norm(covariance))
+    if kind == "float64":
+        return 2.0 * width * torch.finfo(torch.float64).eps * norm
+    eps = torch.finfo(torch.float32).eps
+    return eps * norm * (math.sqrt(width) if kind == "sqrt(d) eps32" else 1.0)
 
 
 def _map(source: StreamingMoments, reference: StreamingMoments, kind: str) -> tuple:
-    """(linear [d, d], source mean, reference mean) of the full-mode map with floor ``kind``."""
-    if kind == "as fitted":
-        fitted = AffineCalibration.fit(source, reference, "full")
-        return fitted.linear, fitted.source_mean, fitted.reference_mean
+    """(linear [d, d], source mean, reference mean) of the full-mode map with floor ``kind``:
+    `AffineCalibration.fit`'s C_ref^(1/2) C_src^(-1/2) with that floor in place of its own."""
     powers = []
     for moments, exponent in ((reference, 0.5), (source, -0.5)):
         shrunk = ledoit_wolf_shrinkage(moments).covariance
@@ -98,7 +90,7 @@ def measure(seed: int, width: int | None, n: int = 512) -> dict:
             "built_width": built_width,
             "block_positions": int(block.sum()),
             "min_margin": float((margins[..., 0] - margins[..., 1])[block].min()),
-            "floor_as_fitted": reference.eigenvalue_floor(),
+            "floor_now": reference.eigenvalue_floor(),
             "floors": {},
         }
         for kind in FLOORS:

@@ -511,8 +511,8 @@ def floor_table() -> str:
     the (position, k) pairs whose top-1 it changed."""
     document = _read(DATA / "calibration_floor.json")
     floors = document["floors"]
-    head = ["seed", "width", "nearest tie", "floor as fitted"] + [
-        f"{floor}: leak / top-1 changed" for floor in floors
+    head = ["seed", "width", "nearest tie", "floor now"] + [
+        f"floor {floor}: leak / top-1 changed" for floor in floors
     ]
     rows = []
     for row in document["rows"]:
@@ -522,14 +522,14 @@ def floor_table() -> str:
         ]
         width = f"{row['width']}" + (" (built)" if row["width"] == row["built_width"] else "")
         rows.append(
-            [str(row["seed"]), width, f"{row['min_margin']:.3f}", f"{row['floor_as_fitted']:.1e}"]
-            + cells
+            [str(row["seed"]), width, f"{row['min_margin']:.3f}", f"{row['floor_now']:.1e}"] + cells
         )
     note = (
         f"\n*Generated from `docs/data/calibration_floor.json` (`python docs/floor_evidence.py`: "
         f"`{document['model']}`, {document['n_eval']} + {document['n_calibration']} sequences, "
         "calibrate(replay(k)) fitted on every position for each k < r). Nearest tie: full "
-        "depth's smallest top-two logit margin on the block-count positions. Leak: the largest "
+        "depth's smallest top-two logit margin on the block-count positions. Floor now: "
+        "`rounding_floor` of full depth's shrunk covariance. Leak: the largest "
         "change of a logit there relative to the position's mean change, over k; top-1 "
         "changed: (position, k) pairs where the map changes full depth's top-1.*\n"
     )
