@@ -34,6 +34,7 @@ import torch
 
 from dcp_lens.protocol.calibration.linalg import ledoit_wolf_shrinkage, power_of, symmetric_eigh
 from dcp_lens.protocol.calibration.moments import StreamingMoments
+from dcp_lens.protocol.conditions import Replay
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.zoo import planted
 from dcp_lens.zoo.planted.embedding import embed
@@ -61,10 +62,6 @@ def _map(source: StreamingMoments, reference: StreamingMoments, kind: str) -> tu
         eigen = symmetric_eigh(shrunk, "covariance", torch.float64, _floor(shrunk, kind))
         powers.append(power_of((*eigen, None), exponent))
     return powers[0] @ powers[1], source.mean, reference.mean
-
-
-def _replay(states: torch.Tensor, k: int, r: int) -> torch.Tensor:
-    return states[k] + (r - k) * (states[k] - states[k - 1])
 
 
 def measure(seed: int, width: int | None, n: int = 512) -> dict:
@@ -96,10 +93,12 @@ def measure(seed: int, width: int | None, n: int = 512) -> dict:
         for kind in FLOORS:
             leak, changed = 0.0, 0
             for k in range(1, r):
-                source_states = _replay(cal_states, k, r).reshape(-1, d).double()
+                replay = Replay(k)
+                source_states = replay.readout_input(cal_states).reshape(-1, d).double()
                 source = StreamingMoments.from_samples(source_states)
                 linear, source_mean, reference_mean = _map(source, reference, kind)
-                mapped = reference_mean + (_replay(states, k, r).double() - source_mean) @ linear.T
+                shifted = replay.readout_input(states).double() - source_mean
+                mapped = reference_mean + shifted @ linear.T
                 logits = model.readout(mapped.to(states.dtype))
                 change = (logits - full)[block]
                 change = change - change.mean(-1, keepdim=True)

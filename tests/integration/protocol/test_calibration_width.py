@@ -15,15 +15,12 @@ import torch
 
 from dcp_lens.protocol.calibration.affine import AffineCalibration
 from dcp_lens.protocol.calibration.moments import StreamingMoments
+from dcp_lens.protocol.conditions import Replay
 from dcp_lens.protocol.states import capture_states
 from dcp_lens.zoo import planted
 from dcp_lens.zoo.planted.embedding import embed
 
 SEED, K, N = 3, 4, 512
-
-
-def _replay(states: torch.Tensor, k: int, r: int) -> torch.Tensor:
-    return states[k] + (r - k) * (states[k] - states[k - 1])
 
 
 @pytest.mark.parametrize("width", [None, 1024, 2048])
@@ -38,12 +35,13 @@ def test_calibrated_replay_keeps_full_depths_top1_where_replay_is_full_depth(wid
         cal_states, _ = capture_states(model, calibration.tokens)
         states, full = capture_states(model, evaluation.tokens)
         d = states.shape[-1]
+        source = Replay(K).readout_input(cal_states).reshape(-1, d).double()
         mapping = AffineCalibration.fit(
-            StreamingMoments.from_samples(_replay(cal_states, K, r).reshape(-1, d).double()),
+            StreamingMoments.from_samples(source),
             StreamingMoments.from_samples(cal_states[r].reshape(-1, d).double()),
             "full",
         )
-        replayed = _replay(states, K, r)
+        replayed = Replay(K).readout_input(states)
         calibrated = model.readout(mapping(replayed.double()).to(states.dtype))
     block = task.factor_masks(evaluation.tokens)["B"]
     top1 = full.argmax(-1)
