@@ -13,6 +13,7 @@ from dcp_lens.cli.arguments import check_local_paths, check_values, ints, names
 from dcp_lens.cli.options import PATH_KINDS, TASK_FILES, protocol_config
 from dcp_lens.studies.run import DEFAULT_DENSE, DEFAULT_MODEL
 from dcp_lens.utils import bounds
+from dcp_lens.utils.errors import ConfigError
 from dcp_lens.utils.files import check_output_folder
 
 
@@ -145,6 +146,17 @@ def _experiment(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace) -> int:
     from dcp_lens.studies.validate import run_validation
 
+    if args.merge is not None:
+        from dcp_lens.studies.validation_merge import run_merge
+
+        given = [f"--{name}" for name in ("models", "coverage", "width") if getattr(args, name)]
+        if args.out is None or given:
+            raise ConfigError(
+                "--merge writes the merged record to --out and runs nothing"
+                + (f", so {', '.join(given)} does not apply" if given else "")
+                + "; pass --merge A,B --out DIR only."
+            )
+        return 0 if run_merge(names(args.merge, "--merge") or (), args.out) else 1
     passed = run_validation(
         names(args.models, "--models"),
         config=protocol_config(args, "validate"),

@@ -19,6 +19,10 @@ HELP = {
         "instead of the suite: replicate every mixture (and each model of --models) N times "
         "with seeds seed, seed+1, ... and report how often each 95%% interval covers the truth"
     ),
+    "merge": (
+        "instead of running: merge the comma-separated folders (or validation.json files) "
+        "that validate wrote, one part of the suite or of --coverage each, into --out"
+    ),
     "bench_preset": (
         "model shape: small (1 + 2 x 16 + 1, d_model 256, vocabulary 512, batch 16 x 128) "
         "or huginn (Huginn-0125: 2 + 4 x 32 + 2, d_model 5280, vocabulary 65536, batch 4 x 1024; "

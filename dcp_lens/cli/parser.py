@@ -224,6 +224,7 @@ def _add_validate(commands: Commands[Parser]) -> None:
         metavar="N",
         help="embed every planted model in a stream of N coordinates (docs/validation.md)",
     )
+    validate.add_argument("--merge", metavar="DIRS", help=HELP["merge"])
 
 
 def _add_bench(commands: Commands[Parser]) -> None:

@@ -160,9 +160,26 @@ def coverage(
                         **{f"truth_{f}": expected[metric][f] for f in FACTORS},
                     }
                 )
+    return coverage_table(found, validated, seeds)
+
+
+def coverage_table(
+    draws: Mapping[str, Mapping[str, Sequence[Mapping[str, float]]]],
+    validated: Mapping[str, bool],
+    seeds: Sequence[int],
+) -> dict[str, Any]:
+    """`coverage`'s record from its draws: ``draws[model][metric]`` the replicates in seed order
+    (each `shares_of` and `bracket_of` merged, with the truths), ``validated[metric]`` whether
+    the metric is validated, ``seeds`` the replicates' seeds (``replicates``: the fewest
+    replicates of any model)."""
+    counts = [len(per) for per_metric in draws.values() for per in per_metric.values()]
+    if not counts or min(counts) < 2:
+        raise ConfigError(
+            f"coverage needs at least 2 replicates of every model, got {min(counts or [0])}."
+        )
     table = {
-        name: {metric: coverage_of(draws) for metric, draws in per_metric.items()}
-        for name, per_metric in found.items()
+        name: {metric: coverage_of(replicates) for metric, replicates in per_metric.items()}
+        for name, per_metric in draws.items()
     }
     passed = all(
         entry["covers_truth"] >= COVERAGE_TARGET
@@ -173,13 +190,13 @@ def coverage(
         if quantity in coverage_counted(name)
     )
     return {
-        "replicates": replicates,
-        "seeds": seeds,
+        "replicates": min(counts),
+        "seeds": list(seeds),
         "target": COVERAGE_TARGET,
         "validated_metrics": [m for m, ok in validated.items() if ok],
         "models": table,
         "passed": passed,
-        "draws": found,
+        "draws": {name: {m: list(r) for m, r in per.items()} for name, per in draws.items()},
     }
 
 
@@ -230,8 +247,8 @@ def rows_from_json(document: Mapping[str, Any]) -> list[ValidationRow]:
     """The rows of a ``validation.json`` document (what `save` wrote) as `ValidationRow`."""
     rows = []
     for entry in document["rows"]:
-        fields = {**entry, "judgement": Judgement(**entry["judgement"])}
-        rows.append(ValidationRow(**decode_json(fields) | {"judgement": fields["judgement"]}))
+        fields = decode_json({key: value for key, value in entry.items() if key != "judgement"})
+        rows.append(ValidationRow(**fields, judgement=Judgement(**entry["judgement"])))
     return rows
 
 
